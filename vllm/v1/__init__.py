@@ -1,0 +1,1 @@
+"""vLLM v1 engine components used by the KV-cache offload subsystem."""

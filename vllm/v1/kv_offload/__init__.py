@@ -1,0 +1,1 @@
+"""KV-cache offloading: keys, specs, managers and the tiers behind them."""
