@@ -1,0 +1,1 @@
+"""Cache policies of the CPU primary tier (which blocks to evict)."""

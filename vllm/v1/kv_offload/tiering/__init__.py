@@ -1,0 +1,1 @@
+"""Multi-tier offloading: a CPU primary tier fronting write-through secondary tiers."""
