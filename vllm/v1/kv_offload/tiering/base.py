@@ -55,7 +55,8 @@ class JobMetadata:
 
     def __post_init__(self) -> None:
         assert self.block_ids.ndim == 1 and len(self.block_ids) == len(self.keys), (
-            f"job {self.job_id}: {len(self.keys)} keys but block_ids of shape {self.block_ids.shape}"
+            f"job {self.job_id}: {len(self.keys)} keys but block_ids of shape "
+            f"{self.block_ids.shape}"
         )
 
 
