@@ -1,0 +1,254 @@
+"""Tests of ``AsyncLookupManager``: batching per step, generations, cleanup, failures."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+
+import pytest
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+
+WAIT_S = 10.0
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(f"block-{i}".encode(), 0)
+
+
+class SetLookup(AsyncLookupManager):
+    """Answers from a set; records every call; can be held at a gate or made to fail."""
+
+    def __init__(self, present: Iterable[OffloadKey] = ()) -> None:
+        self.present = set(present)
+        self.calls: list[tuple[list[OffloadKey], str, str]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.fail = False
+        self.wrong_length = False
+        super().__init__("test")
+
+    @override
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        self.calls.append((list(keys), req_context.req_id, threading.current_thread().name))
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT_S), "test gate never opened"
+        if self.fail:
+            raise OSError("injected probe failure")
+        if self.wrong_length:
+            return [True]
+        return [k in self.present for k in keys]
+
+
+@pytest.fixture
+def mgr() -> Iterator[SetLookup]:
+    manager = SetLookup(present=[key(1), key(2)])
+    yield manager
+    if manager.gate is not None:
+        manager.gate.set()
+    manager.shutdown()
+
+
+def resolve(mgr: AsyncLookupManager) -> None:
+    """End the step and wait until the worker has answered its batch."""
+    mgr.flush()
+    assert mgr.wait_idle(WAIT_S)
+
+
+CTX_A = ReqContext(req_id="a")
+CTX_B = ReqContext(req_id="b")
+
+
+def test_new_key_returns_none(mgr: SetLookup) -> None:
+    assert mgr.lookup(key(1), CTX_A) is None
+    assert mgr.lookup(key(1), CTX_A) is None  # still unresolved: nothing flushed
+    assert mgr.calls == []
+
+
+def test_found_key_returns_true(mgr: SetLookup) -> None:
+    assert mgr.lookup(key(1), CTX_A) is None
+    resolve(mgr)
+    assert mgr.lookup(key(1), CTX_A) is True
+
+
+def test_not_found_key_returns_false(mgr: SetLookup) -> None:
+    assert mgr.lookup(key(9), CTX_A) is None
+    resolve(mgr)
+    assert mgr.lookup(key(9), CTX_A) is False
+
+
+def test_multiple_keys_single_step(mgr: SetLookup) -> None:
+    for i in (1, 2, 3):
+        assert mgr.lookup(key(i), CTX_A) is None
+    assert mgr.lookup(key(4), CTX_B) is None
+    assert mgr.lookup(key(1), CTX_B) is None  # shared with a: probed once
+    resolve(mgr)
+    # One batch for the step, one batch_lookup per request, on the lookup thread.
+    assert sorted((keys, req) for keys, req, _ in mgr.calls) == [
+        ([key(1), key(2), key(3)], "a"),
+        ([key(4)], "b"),
+    ]
+    assert {name for _, _, name in mgr.calls} == {"vllm_offloading_lookup_test"}
+    assert [mgr.lookup(key(i), CTX_A) for i in (1, 2, 3)] == [True, True, False]
+    assert mgr.lookup(key(4), CTX_B) is False
+    assert mgr.lookup(key(1), CTX_B) is True
+
+
+def test_resolved_key_is_not_probed_again(mgr: SetLookup) -> None:
+    mgr.lookup(key(1), CTX_A)
+    resolve(mgr)
+    assert mgr.lookup(key(1), CTX_B) is True  # another request reuses the answer
+    resolve(mgr)
+    assert len(mgr.calls) == 1
+
+
+def test_flush_posts_one_item_per_step(mgr: SetLookup) -> None:
+    mgr.flush()  # nothing queued: nothing posted
+    assert mgr.wait_idle(WAIT_S)
+    assert mgr.calls == []
+    mgr.lookup(key(1), CTX_A)
+    mgr.flush()
+    mgr.flush()  # the key is in flight: not posted again
+    mgr.lookup(key(2), CTX_A)
+    mgr.flush()
+    assert mgr.wait_idle(WAIT_S)
+    assert [keys for keys, _, _ in mgr.calls] == [[key(1)], [key(2)]]
+
+
+def test_cleanup_removes_entries(mgr: SetLookup) -> None:
+    mgr.lookup(key(1), CTX_A)
+    mgr.lookup(key(2), CTX_A)
+    mgr.lookup(key(2), CTX_B)
+    resolve(mgr)
+    assert mgr.lookup(key(1), CTX_A) is True
+    assert mgr.num_tracked_keys == 2 and mgr.num_tracked_requests == 2
+    mgr.cleanup("a")
+    assert mgr.num_tracked_keys == 1  # key 2 is still wanted by b
+    assert mgr.num_tracked_requests == 1
+    mgr.cleanup("b")
+    assert mgr.num_tracked_keys == 0 and mgr.num_tracked_requests == 0
+    mgr.cleanup("never-seen")  # harmless
+    # A dropped key is probed afresh.
+    mgr.present.discard(key(1))
+    assert mgr.lookup(key(1), CTX_A) is None
+    resolve(mgr)
+    assert mgr.lookup(key(1), CTX_A) is False
+
+
+def test_cleanup_before_flush_cancels_the_probe(mgr: SetLookup) -> None:
+    mgr.lookup(key(1), CTX_A)
+    mgr.cleanup("a")
+    resolve(mgr)
+    assert mgr.calls == []
+    assert mgr.num_tracked_keys == 0
+
+
+def test_in_flight_probe_survives_cleanup(mgr: SetLookup) -> None:
+    mgr.gate = threading.Event()
+    mgr.lookup(key(1), CTX_A)
+    mgr.flush()
+    assert mgr.entered.wait(WAIT_S)
+    mgr.cleanup("a")
+    assert mgr.num_tracked_keys == 1, "in-flight probe dropped"
+    # A later request shares the in-flight probe instead of starting another.
+    assert mgr.lookup(key(1), CTX_B) is None
+    mgr.gate.set()
+    assert mgr.wait_idle(WAIT_S)
+    assert mgr.lookup(key(1), CTX_B) is True
+    mgr.flush()
+    assert mgr.wait_idle(WAIT_S)
+    assert len(mgr.calls) == 1
+
+
+def test_orphaned_in_flight_result_is_dropped(mgr: SetLookup) -> None:
+    mgr.gate = threading.Event()
+    mgr.lookup(key(1), CTX_A)
+    mgr.flush()
+    assert mgr.entered.wait(WAIT_S)
+    mgr.cleanup("a")
+    mgr.gate.set()
+    assert mgr.wait_idle(WAIT_S)
+    mgr.flush()  # applies the result: nobody wants it any more
+    assert mgr.num_tracked_keys == 0
+
+
+def test_stale_result_is_discarded_after_mark_miss(mgr: SetLookup) -> None:
+    mgr.gate = threading.Event()
+    mgr.lookup(key(1), CTX_A)  # present: the probe would answer True
+    mgr.flush()
+    assert mgr.entered.wait(WAIT_S)
+    mgr.mark_miss([key(1)])
+    assert mgr.lookup(key(1), CTX_A) is False
+    mgr.gate.set()
+    assert mgr.wait_idle(WAIT_S)
+    assert mgr.lookup(key(1), CTX_A) is False, "a superseded probe overwrote mark_miss"
+
+
+def test_mark_miss_and_present(mgr: SetLookup) -> None:
+    mgr.lookup(key(1), CTX_A)
+    mgr.lookup(key(9), CTX_A)
+    resolve(mgr)
+    assert mgr.lookup(key(1), CTX_A) is True
+    mgr.mark_miss([key(1)])
+    assert mgr.lookup(key(1), CTX_A) is False
+    mgr.mark_present([key(9), key(42)])  # key 42 has no state: ignored
+    assert mgr.lookup(key(9), CTX_A) is True
+    assert mgr.num_tracked_keys == 2
+    # A pending (unflushed) key forced present is answered at once and never probed.
+    assert mgr.lookup(key(5), CTX_A) is None
+    mgr.mark_present([key(5)])
+    assert mgr.lookup(key(5), CTX_A) is True
+    resolve(mgr)
+    assert [keys for keys, _, _ in mgr.calls] == [[key(1), key(9)]]
+
+
+def test_batch_lookup_exception_is_a_miss(mgr: SetLookup, caplog: pytest.LogCaptureFixture) -> None:
+    mgr.fail = True
+    with caplog.at_level(logging.ERROR):
+        mgr.lookup(key(1), CTX_A)
+        resolve(mgr)
+        assert mgr.lookup(key(1), CTX_A) is False
+    assert "injected probe failure" in caplog.text
+    # The thread survived: later batches are still answered.
+    mgr.fail = False
+    mgr.lookup(key(2), CTX_B)
+    resolve(mgr)
+    assert mgr.lookup(key(2), CTX_B) is True
+
+
+def test_wrong_result_length_is_a_miss(mgr: SetLookup, caplog: pytest.LogCaptureFixture) -> None:
+    mgr.wrong_length = True
+    mgr.lookup(key(1), CTX_A)
+    mgr.lookup(key(2), CTX_A)
+    resolve(mgr)
+    assert [mgr.lookup(key(1), CTX_A), mgr.lookup(key(2), CTX_A)] == [False, False]
+    assert "returned 1 result(s) for 2 key(s)" in caplog.text
+
+
+def test_wait_idle_times_out_while_busy(mgr: SetLookup) -> None:
+    mgr.gate = threading.Event()
+    mgr.lookup(key(1), CTX_A)
+    mgr.flush()
+    assert mgr.entered.wait(WAIT_S)
+    assert mgr.wait_idle(0.01) is False
+    mgr.gate.set()
+    assert mgr.wait_idle(WAIT_S) is True
+
+
+def test_shutdown_stops_the_thread() -> None:
+    mgr = SetLookup()
+    assert mgr._thread.is_alive()
+    assert mgr._thread.daemon
+    mgr.lookup(key(1), CTX_A)
+    mgr.flush()
+    mgr.shutdown()
+    assert not mgr._thread.is_alive()
+    assert len(mgr.calls) == 1  # batches posted before shutdown are still processed
+    mgr.shutdown()  # idempotent
+    mgr.lookup(key(2), CTX_A)
+    mgr.flush()  # after shutdown: nothing is posted
+    assert len(mgr.calls) == 1

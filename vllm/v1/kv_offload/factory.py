@@ -1,0 +1,97 @@
+"""``OffloadingSpecFactory``: pick the ``OffloadingSpec`` class named by ``spec_name``.
+
+Built-in specs are registered by name and imported lazily; any other name is imported from
+``spec_module_path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from typing import ClassVar
+
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _load_spec_class(module_path: str, class_name: str) -> type[OffloadingSpec]:
+    module = importlib.import_module(module_path)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"module {module_path!r} has no offloading spec {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, OffloadingSpec)):
+        raise ValueError(f"{module_path}.{class_name} is not a subclass of OffloadingSpec")
+    return cls
+
+
+class OffloadingSpecFactory:
+    """Registry of ``OffloadingSpec`` classes by name, imported on first use."""
+
+    _registry: ClassVar[dict[str, Callable[[], type[OffloadingSpec]]]] = {}
+
+    @classmethod
+    def register_spec(cls, name: str, module_path: str, class_name: str) -> None:
+        """Register ``module_path.class_name`` under ``name``.
+
+        Raises:
+            ValueError: ``name`` is already registered.
+        """
+        if name in cls._registry:
+            raise ValueError(f"offloading spec {name!r} is already registered")
+
+        def loader() -> type[OffloadingSpec]:
+            return _load_spec_class(module_path, class_name)
+
+        cls._registry[name] = loader
+
+    @classmethod
+    def get_spec_class(cls, config: OffloadingConfig) -> type[OffloadingSpec]:
+        """The class selected by ``config.spec_name`` (registered, or in ``spec_module_path``).
+
+        Raises:
+            ValueError: the name is neither registered nor importable from ``spec_module_path``.
+        """
+        loader = cls._registry.get(config.spec_name)
+        if loader is not None:
+            return loader()
+        if config.spec_module_path is None:
+            raise ValueError(
+                f"unknown offloading spec {config.spec_name!r}; registered specs: "
+                f"{sorted(cls._registry)} (set 'spec_module_path' for an out-of-tree spec)"
+            )
+        return _load_spec_class(config.spec_module_path, config.spec_name)
+
+    @classmethod
+    def create_spec(
+        cls, config: OffloadingConfig, run: KVCacheRunInfo, *, enable_events: bool = False
+    ) -> OffloadingSpec:
+        """Instantiate the selected spec as ``spec_cls(config, run[, enable_events=...])``.
+
+        ``enable_events`` is passed only to specs whose constructor accepts it; a spec that does
+        not accept it while events are requested gets a warning.
+        """
+        spec_cls = cls.get_spec_class(config)
+        params = inspect.signature(spec_cls).parameters
+        accepts_events = "enable_events" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+        )
+        if accepts_events:
+            return spec_cls(config, run, enable_events=enable_events)  # type: ignore[call-arg]
+        if enable_events:
+            logger.warning(
+                "offloading spec %s does not take enable_events; KV events are disabled",
+                spec_cls.__qualname__,
+            )
+        return spec_cls(config, run)
+
+
+OffloadingSpecFactory.register_spec(
+    "CPUOffloadingSpec", "vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec"
+)
+OffloadingSpecFactory.register_spec(
+    "TieringOffloadingSpec", "vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec"
+)

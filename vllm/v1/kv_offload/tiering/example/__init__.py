@@ -1,0 +1,5 @@
+"""In-memory reference secondary tier (type ``"example"``): a worked example and a test double."""
+
+from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+
+__all__ = ["ExampleSecondaryTierManager"]

@@ -1,0 +1,245 @@
+"""``ExampleSecondaryTierManager``: an in-memory secondary tier (type ``"example"``).
+
+The reference implementation of ``SecondaryTierManager`` and the test double of the tiering
+tests. It keeps whole primary rows as ``bytes`` in a dict with LRU order, really copies them
+between the primary view and its storage, and completes every job synchronously: the copy happens
+inside ``submit_*`` and the result is reported by the next ``get_finished_jobs()``.
+
+A production tier must not copy on the scheduler thread (see ``docs/writing_a_tier.md``); here
+the copy of a few rows is a ``memcpy`` and synchronous completion keeps tests deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.spec import OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_MEDIUM = "EXAMPLE"
+"""Medium name of the example tier in ``OffloadingEvent.medium``."""
+
+
+class ExampleSecondaryTierManager(SecondaryTierManager):
+    """In-memory secondary tier with optional LRU capacity; completes jobs synchronously.
+
+    Storage: ``key -> bytes`` of one whole primary row (``row_bytes`` bytes: every worker's slice
+    of the block plus padding), in LRU order (least recently used first).
+
+    Protection: a store job's own keys are never evicted to make room for that job. Loads only
+    read the tier's storage and write the job's primary rows.
+
+    Tier kwargs (from ``secondary_tiers`` entries in the config):
+        capacity_blocks: most blocks kept; None (default) means unbounded. When a store needs
+            room, least recently used blocks are evicted; a job with more distinct keys than the
+            capacity fails as a whole and stores nothing.
+        enable_events: record ``OffloadingEvent``s (medium ``"EXAMPLE"``) for stored and evicted
+            blocks, drained by ``take_events()``.
+        request_level: answer ``on_new_request`` with ``REQUEST_LEVEL`` (every block of the
+            request, prefix hits included, is cascaded here); default ``BLOCK_LEVEL``.
+    """
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        capacity_blocks: int | None = None,
+        enable_events: bool = False,
+        request_level: bool = False,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        if capacity_blocks is not None and (
+            isinstance(capacity_blocks, bool)
+            or not isinstance(capacity_blocks, int)
+            or capacity_blocks <= 0
+        ):
+            raise ValueError(
+                f"secondary tier {tier_type!r}: capacity_blocks must be None or an integer > 0, "
+                f"got {capacity_blocks!r}"
+            )
+        # Zero-copy uint8 array over the primary rows: shape (num_primary_blocks, row_bytes).
+        self._rows: npt.NDArray[np.uint8] | None = np.asarray(primary_kv_view)
+        if self._rows.ndim != 2:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: primary_kv_view must be 2-D "
+                f"(num_blocks, row_bytes), got shape {self._rows.shape}"
+            )
+        self._capacity = capacity_blocks
+        self._request_level = bool(request_level)
+        self._blocks: OrderedDict[OffloadKey, bytes] = OrderedDict()
+        self._finished: list[JobResult] = []
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        logger.info(
+            "example tier %r: capacity_blocks=%s, row_bytes=%d",
+            tier_type,
+            capacity_blocks,
+            self._rows.shape[1],
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Required primitives
+    # -----------------------------------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        return key in self._blocks
+
+    @override
+    def submit_store(self, job: JobMetadata) -> None:
+        """Copy the job's primary rows into the tier (new keys only), evicting LRU blocks.
+
+        Layout: for each ``i``, ``bytes(rows[job.block_ids[i], :])`` (``row_bytes`` bytes) is
+        stored under ``job.keys[i]``.
+        """
+        assert not job.is_promotion, f"example tier: job {job.job_id} is a promotion"
+        rows = self._require_rows()
+        keys = list(job.keys)
+        job_keys = set(keys)
+        if self._capacity is not None and len(job_keys) > self._capacity:
+            logger.warning(
+                "example tier %r: store job %d has %d blocks, more than the capacity %d",
+                self.tier_type,
+                job.job_id,
+                len(job_keys),
+                self._capacity,
+            )
+            self._finished.append(JobResult(job.job_id, success=False))
+            return
+        # Distinct new keys, first occurrence wins (a key may repeat within one job).
+        new: dict[OffloadKey, int] = {}
+        for key, block_id in zip(keys, job.block_ids, strict=True):
+            if key not in self._blocks and key not in new:
+                new[key] = int(block_id)
+        evicted = self._evict(len(new), protected=job_keys)
+        for key, block_id in new.items():
+            self._blocks[key] = rows[block_id].tobytes()
+        stored = list(new)
+        if self._events is not None:
+            if evicted:
+                self._events.append(OffloadingEvent(evicted, EXAMPLE_MEDIUM, removed=True))
+            if stored:
+                self._events.append(OffloadingEvent(stored, EXAMPLE_MEDIUM, removed=False))
+        self._finished.append(JobResult(job.job_id, success=True))
+
+    @override
+    def submit_load(self, job: JobMetadata) -> None:
+        """Copy ``job.keys`` into the primary rows ``job.block_ids``; fail if any is missing.
+
+        Layout: ``rows[job.block_ids[i], :] = stored bytes of job.keys[i]`` (``row_bytes`` each).
+        Nothing is written when the job fails.
+        """
+        assert job.is_promotion, f"example tier: job {job.job_id} is not a promotion"
+        rows = self._require_rows()
+        keys = list(job.keys)
+        if any(key not in self._blocks for key in keys):
+            self._finished.append(JobResult(job.job_id, success=False))
+            return
+        for key, block_id in zip(keys, job.block_ids, strict=True):
+            rows[int(block_id)] = np.frombuffer(self._blocks[key], dtype=np.uint8)
+            self._blocks.move_to_end(key)
+        self._finished.append(JobResult(job.job_id, success=True))
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    @override
+    def drain_jobs(self) -> None:
+        """Nothing to wait for: every job finished inside its ``submit_*`` call."""
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self._request_level:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    # -----------------------------------------------------------------------------------------
+    # Optional hooks
+    # -----------------------------------------------------------------------------------------
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        # Reverse order so that the first key ends up the most recently used.
+        for key in reversed(list(keys)):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    @override
+    def shutdown(self) -> None:
+        # Drop the array over the primary view so the primary tier can release its mapping.
+        self._rows = None
+        self._blocks.clear()
+        self._finished.clear()
+
+    # -----------------------------------------------------------------------------------------
+    # Inspection (tests, examples)
+    # -----------------------------------------------------------------------------------------
+
+    def get_num_blocks(self) -> int:
+        """Number of blocks stored."""
+        return len(self._blocks)
+
+    def get_block_bytes(self, key: OffloadKey) -> bytes | None:
+        """The stored row of ``key`` (``row_bytes`` bytes), or None if absent."""
+        return self._blocks.get(key)
+
+    def keys_lru_order(self) -> list[OffloadKey]:
+        """Stored keys, least recently used first. O(blocks stored): for tests only."""
+        return list(self._blocks)
+
+    # -----------------------------------------------------------------------------------------
+    # Internals
+    # -----------------------------------------------------------------------------------------
+
+    def _require_rows(self) -> npt.NDArray[np.uint8]:
+        if self._rows is None:
+            raise RuntimeError(f"example tier {self.tier_type!r} is shut down")
+        return self._rows
+
+    def _evict(self, num_new: int, protected: set[OffloadKey]) -> list[OffloadKey]:
+        """Evict least recently used unprotected blocks so that ``num_new`` more fit."""
+        if self._capacity is None:
+            return []
+        excess = len(self._blocks) + num_new - self._capacity
+        if excess <= 0:
+            return []
+        victims: list[OffloadKey] = []
+        for key in self._blocks:
+            if key not in protected:
+                victims.append(key)
+                if len(victims) == excess:
+                    break
+        # The caller checked that the job's distinct keys fit in the capacity.
+        assert len(victims) == excess, (
+            f"example tier {self.tier_type!r}: could evict {len(victims)} of {excess} blocks"
+        )
+        for key in victims:
+            del self._blocks[key]
+        return victims

@@ -1,0 +1,602 @@
+"""Multi-tier offloading: a CPU primary tier fronting write-through secondary tiers.
+
+Principles:
+
+1. **Write-through to every tier.** Every block stored in the primary tier is cascaded to ALL
+   secondary tiers, once its GPU -> CPU copy has completed (``complete_store``).
+2. **The primary tier is the only gateway to the GPU.** Secondary tiers read and write primary
+   rows; workers move data between GPU and primary rows.
+3. **Staged promotion.** A block found only in a secondary tier is copied secondary -> primary
+   first ("promotion"); ``lookup`` answers None ("ask again") until it is readable in primary.
+4. **ref_cnt is the protection.** A cascade pins the block's primary row once per tier
+   (``prepare_read``) until that tier reports the job; a promotion reserves a row that stays
+   unreadable (ref_cnt -1) until its job is reported.
+5. **One per-step pump.** All per-step work (polling tier completions, submitting the step's
+   promotions, tier hooks) happens in ``on_schedule_end()``; ``take_events()`` only drains.
+
+Threading: every method runs on the scheduler thread. Tiers do their I/O on their own threads
+and report through ``get_finished_jobs()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Primary tier
+# ---------------------------------------------------------------------------------------------
+
+
+class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+    """The CPU tier over the shared host region, as the primary tier of a tiering manager.
+
+    Adds read/write aliases so that secondary-tier code paths read right: "load/store" is the
+    GPU <-> CPU direction, "read/write" a secondary tier accessing primary rows.
+
+    Ownership: the manager owns ``mmap_region`` from construction on and cleans it up in
+    ``shutdown()``. The memoryview returned by ``get_kv_memoryview()`` is lent to secondary tiers,
+    which must stop using it (and drop arrays made from it) in their own ``shutdown()``, which the
+    tiering manager calls first.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        mmap_region: SharedOffloadRegion,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        """Create the primary tier.
+
+        Args:
+            num_blocks: rows of the region (must equal ``mmap_region.num_blocks``).
+            mmap_region: the scheduler-side shared region (required: tiers copy through it).
+            cache_policy: eviction policy name.
+            enable_events: record ``OffloadingEvent`` s (medium ``"CPU"``).
+
+        Raises:
+            ValueError: ``num_blocks`` disagrees with the region.
+        """
+        if num_blocks != mmap_region.num_blocks:
+            raise ValueError(
+                f"num_blocks={num_blocks} but the shared region has {mmap_region.num_blocks} rows"
+            )
+        super().__init__(num_blocks, cache_policy=cache_policy, enable_events=enable_events)
+        self._mmap_region = mmap_region
+        # Shape (num_blocks, row_bytes), format "B": row b holds every worker's slice of block b.
+        self._kv_memoryview: memoryview | None = mmap_region.create_kv_memoryview()
+
+    def get_kv_memoryview(self) -> memoryview:
+        """The primary rows: format ``"B"``, shape ``(num_blocks, row_bytes)``, C-contiguous.
+
+        Valid until ``shutdown()``.
+        """
+        if self._kv_memoryview is None:
+            raise RuntimeError("the primary tier is shut down")
+        return self._kv_memoryview
+
+    def prepare_read(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> CPULoadStoreSpec:
+        """Pin ready blocks ``keys`` (ref_cnt += 1 each) so a tier can read their rows.
+
+        Same as ``prepare_load``; release with ``complete_read``.
+        """
+        return self.prepare_load(keys, req_context)
+
+    def complete_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Unpin blocks pinned by ``prepare_read``. Same as ``complete_load``."""
+        self.complete_load(keys, req_context)
+
+    def prepare_write(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve rows (ref_cnt -1, unreadable) for blocks a tier will write (a promotion).
+
+        Same as ``prepare_store``; finish with ``complete_write``.
+        """
+        return self.prepare_store(keys, req_context)
+
+    def complete_write(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Make promoted rows readable (``success``) or free them. Same as ``complete_store``."""
+        self.complete_store(keys, req_context, success)
+
+    @override
+    def shutdown(self) -> None:
+        """Release the memoryview and clean up the shared region (idempotent)."""
+        super().shutdown()
+        self._kv_memoryview = None
+        self._mmap_region.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiering manager
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _PendingPromotion:
+    """Promotions one request queued for one tier during the current step."""
+
+    req_context: ReqContext
+    keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Per-request bookkeeping that delays secondary tiers' ``on_request_finished``.
+
+    Attributes:
+        pending_primary_stores: ``prepare_store`` calls that allocated blocks and whose
+            ``complete_store`` (which submits the cascades) has not come yet.
+        queued_promotions: (tier, request) promotion batches queued but not submitted yet.
+        finished_req_context: set once the request finished; tiers are told when both counters
+            are zero.
+    """
+
+    pending_primary_stores: int = 0
+    queued_promotions: int = 0
+    finished_req_context: ReqContext | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class _InFlightJob:
+    tier_idx: int
+    job: JobMetadata
+
+
+class TieringOffloadingManager(OffloadingManager):
+    """A CPU primary tier with write-through secondary tiers and staged promotion.
+
+    Step lifecycle (driven by the connector's ``build_connector_meta()``, once per step):
+    ``on_schedule_end()`` polls tier completions (unless already polled since the last reset),
+    resets the polling gate, submits the step's promotions (one ``submit_load`` per
+    (tier, request)) and then calls every tier's ``on_schedule_end()``. ``take_events()`` only
+    drains events.
+
+    Protection:
+        * Cascade: ``complete_store(success=True)`` pins the stored blocks once per tier; each pin
+          is released when that tier reports the job, success or failure.
+        * Promotion: ``lookup`` reserves the block's primary row at once (ref_cnt -1), so every
+          later lookup of it answers None and no second promotion is queued; the row becomes
+          readable (or is freed) when the tier reports the load.
+        * A tier that raises inside ``submit_*`` is treated as having failed the job at once:
+          pins are released / reserved rows freed, and no job is left behind.
+
+    Args:
+        primary_tier: the CPU primary tier (owned from now on; shut down last).
+        secondary_tiers: the tiers, in lookup order (owned; shut down first).
+    """
+
+    def __init__(
+        self,
+        primary_tier: CPUPrimaryTierOffloadingManager,
+        secondary_tiers: Sequence[SecondaryTierManager] | None = None,
+    ) -> None:
+        self._primary = primary_tier
+        self._tiers: tuple[SecondaryTierManager, ...] = tuple(secondary_tiers or ())
+        self._next_job_id: JobId = 0
+        # Every submitted, unreported primary <-> secondary job.
+        self._jobs: dict[JobId, _InFlightJob] = {}
+        # Per tier (by index): req_id -> promotions queued this step, submitted at step end.
+        self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self._tiers]
+        self._num_queued_promotion_batches = 0
+        self._processed_jobs_this_step = False
+        # req_id -> indices of the tiers that asked for REQUEST_LEVEL offloading.
+        self._request_level_tiers: dict[str, tuple[int, ...]] = {}
+        self._req_state: dict[str, _RequestState] = {}
+        self._shut_down = False
+        # Counters for get_stats().
+        self._cascades_submitted = 0
+        self._promotions_submitted = 0
+        self._jobs_failed = 0
+
+    # -----------------------------------------------------------------------------------------
+    # Introspection
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def primary_tier(self) -> CPUPrimaryTierOffloadingManager:
+        """The CPU primary tier."""
+        return self._primary
+
+    @property
+    def secondary_tiers(self) -> tuple[SecondaryTierManager, ...]:
+        """The secondary tiers, in lookup order."""
+        return self._tiers
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        """Jobs submitted to tiers and not reported yet."""
+        return len(self._jobs)
+
+    # -----------------------------------------------------------------------------------------
+    # Job plumbing
+    # -----------------------------------------------------------------------------------------
+
+    def _new_job_id(self) -> JobId:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        return job_id
+
+    def _maybe_process_finished_jobs(self) -> None:
+        """Poll every tier's finished jobs, at most once between two resets of the gate.
+
+        The gate ``_processed_jobs_this_step`` is set here and reset in ``on_schedule_end()``
+        (and in ``reset_cache()``), so tiers are polled at most once per step however many
+        ``lookup``/``prepare_load``/``prepare_store`` calls the step makes.
+        """
+        if self._processed_jobs_this_step:
+            return
+        self._processed_jobs_this_step = True
+        self._process_finished_jobs()
+
+    def _process_finished_jobs(self) -> None:
+        """Apply every result the tiers report now (unconditionally; O(results))."""
+        for tier_idx, tier in enumerate(self._tiers):
+            for result in tier.get_finished_jobs():
+                entry = self._jobs.pop(result.job_id, None)
+                assert entry is not None, (
+                    f"secondary tier #{tier_idx} ({tier.tier_type}) reported unknown job "
+                    f"{result.job_id} (never submitted, already reported, or its submit raised)"
+                )
+                assert entry.tier_idx == tier_idx, (
+                    f"secondary tier #{tier_idx} ({tier.tier_type}) reported job {result.job_id} "
+                    f"submitted to tier #{entry.tier_idx}"
+                )
+                self._finish_job(entry.job, result.success)
+
+    def _finish_job(self, job: JobMetadata, success: bool) -> None:
+        if not success:
+            self._jobs_failed += 1
+        if job.is_promotion:
+            # Success makes the rows readable; failure frees them (never serve a partial row).
+            self._primary.complete_write(job.keys, job.req_context, success)
+        else:
+            # A failed cascade is dropped: the block is just absent from that tier.
+            self._primary.complete_read(job.keys, job.req_context)
+
+    def _submit(self, tier_idx: int, job: JobMetadata) -> None:
+        """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
+        tier = self._tiers[tier_idx]
+        self._jobs[job.job_id] = _InFlightJob(tier_idx, job)
+        try:
+            if job.is_promotion:
+                tier.submit_load(job)
+            else:
+                tier.submit_store(job)
+        except Exception:
+            logger.exception(
+                "secondary tier #%d (%s) raised in submit_%s of job %d (%d blocks); "
+                "treating the job as failed",
+                tier_idx,
+                tier.tier_type,
+                "load" if job.is_promotion else "store",
+                job.job_id,
+                len(job.keys),
+            )
+            del self._jobs[job.job_id]
+            self._finish_job(job, success=False)
+
+    def _cascade(
+        self, keys: tuple[OffloadKey, ...], req_context: ReqContext, tier_indices: Iterable[int]
+    ) -> None:
+        """Write ready primary blocks ``keys`` through to the given tiers, one pin per tier."""
+        for tier_idx in tier_indices:
+            spec = self._primary.prepare_read(keys, req_context)
+            assert isinstance(spec, CPULoadStoreSpec), f"primary returned {type(spec).__name__}"
+            job = JobMetadata(
+                job_id=self._new_job_id(),
+                keys=keys,
+                block_ids=spec.block_ids,
+                is_promotion=False,
+                req_context=req_context,
+            )
+            self._cascades_submitted += 1
+            self._submit(tier_idx, job)
+
+    def _initiate_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Reserve ``key``'s primary row now and queue its load for the end of the step.
+
+        Returns:
+            False if the primary tier cannot make room (the caller reports a miss).
+        """
+        output = self._primary.prepare_write((key,), req_context)
+        if output is None:
+            return False
+        assert output.keys_to_store == [key], (
+            f"promotion of key {key.hex()}: primary allocated {output.keys_to_store}"
+        )
+        assert isinstance(output.store_spec, CPULoadStoreSpec)
+        req_id = req_context.req_id
+        pending = self._pending_promotions[tier_idx]
+        entry = pending.get(req_id)
+        if entry is None:
+            entry = pending[req_id] = _PendingPromotion(req_context)
+            self._num_queued_promotion_batches += 1
+            self._get_req_state(req_id).queued_promotions += 1
+        entry.keys.append(key)
+        entry.block_ids.append(int(output.store_spec.block_ids[0]))
+        return True
+
+    def _flush_pending_promotions(self) -> None:
+        """Submit the step's promotions: one ``submit_load`` per (tier, request)."""
+        if not self._num_queued_promotion_batches:
+            return
+        for tier_idx, pending in enumerate(self._pending_promotions):
+            if not pending:
+                continue
+            self._pending_promotions[tier_idx] = {}
+            for req_id, entry in pending.items():
+                self._num_queued_promotion_batches -= 1
+                job = JobMetadata(
+                    job_id=self._new_job_id(),
+                    keys=tuple(entry.keys),
+                    block_ids=np.array(entry.block_ids, dtype=np.int64),
+                    is_promotion=True,
+                    req_context=entry.req_context,
+                )
+                self._promotions_submitted += 1
+                self._submit(tier_idx, job)
+                state = self._req_state.get(req_id)
+                assert state is not None and state.queued_promotions > 0, (
+                    f"request {req_id}: promotion batch submitted without queued-batch count"
+                )
+                state.queued_promotions -= 1
+                self._maybe_finish_secondary_tiers(req_id)
+        assert self._num_queued_promotion_batches == 0, self._num_queued_promotion_batches
+
+    # -----------------------------------------------------------------------------------------
+    # Request state
+    # -----------------------------------------------------------------------------------------
+
+    def _get_req_state(self, req_id: str) -> _RequestState:
+        state = self._req_state.get(req_id)
+        if state is None:
+            state = self._req_state[req_id] = _RequestState()
+        return state
+
+    def _maybe_finish_secondary_tiers(self, req_id: str) -> None:
+        """Tell the tiers a request finished once no cascade or promotion of it is pending."""
+        state = self._req_state.get(req_id)
+        if state is None or state.pending_primary_stores or state.queued_promotions:
+            return
+        del self._req_state[req_id]
+        req_context = state.finished_req_context
+        if req_context is None:
+            return  # still running: nothing pending any more, nothing to tell yet
+        self._request_level_tiers.pop(req_id, None)
+        for tier in self._tiers:
+            tier.on_request_finished(req_context)
+
+    # -----------------------------------------------------------------------------------------
+    # OffloadingManager
+    # -----------------------------------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if readable in primary; None if in flight or being promoted; False otherwise.
+
+        On a primary miss the tiers are asked in order; the first that holds the key gets a
+        promotion queued (its primary row reserved now, the load submitted at step end) and the
+        answer is None. If the primary cannot make room the answer is False (recompute rather
+        than retry forever). A tier answering None makes the overall answer None unless a later
+        tier starts a promotion.
+        """
+        self._maybe_process_finished_jobs()
+        primary_result = self._primary.lookup(key, req_context)
+        if primary_result is not False:
+            return primary_result
+        any_pending = False
+        for tier_idx, tier in enumerate(self._tiers):
+            tier_result = tier.lookup(key, req_context)
+            if tier_result is True:
+                return None if self._initiate_promotion(tier_idx, key, req_context) else False
+            if tier_result is None:
+                any_pending = True
+        return None if any_pending else False
+
+    @override
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> CPULoadStoreSpec:
+        self._maybe_process_finished_jobs()
+        return self._primary.prepare_load(keys, req_context)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._primary.touch(keys, req_context)
+        for tier in self._tiers:
+            tier.touch(keys, req_context)
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._primary.complete_load(keys, req_context)
+
+    @override
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Allocate primary rows for the new keys (finished cascades are released first).
+
+        For tiers that asked for REQUEST_LEVEL offloading, the keys already ready in primary are
+        cascaded to those tiers now (new keys are cascaded by ``complete_store``).
+        """
+        # Release finished cascades' pins before the primary picks eviction victims.
+        self._maybe_process_finished_jobs()
+        output = self._primary.prepare_store(keys, req_context)
+        if output is None:
+            return None
+        req_id = req_context.req_id
+        if output.keys_to_store:
+            self._get_req_state(req_id).pending_primary_stores += 1
+        request_level_tiers = self._request_level_tiers.get(req_id)
+        if request_level_tiers:
+            new_keys = set(output.keys_to_store)
+            get = self._primary.policy.get
+            existing: list[OffloadKey] = []
+            for key in dict.fromkeys(keys):
+                if key in new_keys:
+                    continue
+                block = get(key)
+                if block is not None and block.is_ready:
+                    existing.append(key)
+            if existing:
+                self._cascade(tuple(existing), req_context, request_level_tiers)
+        return output
+
+    @override
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Finish a primary store; on success cascade ``keys`` to every tier (one pin each)."""
+        self._primary.complete_store(keys, req_context, success)
+        if success and self._tiers and keys:
+            self._cascade(tuple(keys), req_context, range(len(self._tiers)))
+        req_id = req_context.req_id
+        state = self._req_state.get(req_id)
+        assert state is not None and state.pending_primary_stores > 0, (
+            f"complete_store for request {req_id} without a pending prepare_store"
+        )
+        state.pending_primary_stores -= 1
+        self._maybe_finish_secondary_tiers(req_id)
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """REQUEST_LEVEL if any tier asks for it (those tiers get every block), else BLOCK_LEVEL."""
+        primary_policy = self._primary.on_new_request(req_context).policy
+        request_level = tuple(
+            tier_idx
+            for tier_idx, tier in enumerate(self._tiers)
+            if tier.on_new_request(req_context).policy is OffloadPolicy.REQUEST_LEVEL
+        )
+        if request_level:
+            self._request_level_tiers[req_context.req_id] = request_level
+        if request_level or primary_policy is OffloadPolicy.REQUEST_LEVEL:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Tell the primary now and the tiers once the request's cascades were all submitted."""
+        self._primary.on_request_finished(req_context)
+        state = self._get_req_state(req_context.req_id)
+        state.finished_req_context = req_context
+        self._maybe_finish_secondary_tiers(req_context.req_id)
+
+    @override
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        """Yield the primary's events, then each tier's in order. Nothing else."""
+        yield from self._primary.take_events()
+        for tier in self._tiers:
+            yield from tier.take_events()
+
+    @override
+    def on_schedule_end(self) -> None:
+        """End of a scheduler step: poll -> reset gate -> flush promotions -> tier hooks."""
+        self._maybe_process_finished_jobs()
+        self._processed_jobs_this_step = False
+        self._flush_pending_promotions()
+        for tier in self._tiers:
+            tier.on_schedule_end()
+
+    @override
+    def has_pending_work(self) -> bool:
+        """True while a tier job is in flight or queued, or the primary or a tier says so."""
+        return (
+            bool(self._jobs)
+            or self._num_queued_promotion_batches > 0
+            or self._primary.has_pending_work()
+            or any(tier.has_pending_work() for tier in self._tiers)
+        )
+
+    @override
+    def reset_cache(self) -> None:
+        """Drain every tier, drop unsubmitted promotions and reset the primary.
+
+        Blocks until every tier job has finished (``drain_jobs``). Secondary tiers keep their
+        data. Requests that already finished get their delayed ``on_request_finished``.
+        """
+        for tier in self._tiers:
+            tier.drain_jobs()
+        self._process_finished_jobs()
+        assert not self._jobs, (
+            "reset_cache: tiers did not report jobs after drain_jobs(): "
+            + ", ".join(
+                f"job {job_id} on tier #{entry.tier_idx} ({self._tiers[entry.tier_idx].tier_type})"
+                for job_id, entry in self._jobs.items()
+            )
+        )
+        # Never submitted: no I/O touches their reserved rows, which the primary reset frees.
+        for tier_idx in range(len(self._tiers)):
+            self._pending_promotions[tier_idx] = {}
+        self._num_queued_promotion_batches = 0
+        req_states, self._req_state = self._req_state, {}
+        for req_id, state in req_states.items():
+            if state.finished_req_context is not None:
+                self._request_level_tiers.pop(req_id, None)
+                for tier in self._tiers:
+                    tier.on_request_finished(state.finished_req_context)
+        self._primary.reset_cache()
+        self._request_level_tiers.clear()
+        self._processed_jobs_this_step = False
+
+    @override
+    def get_stats(self) -> dict[str, int | float]:
+        """The primary's counters plus the tiering job counters (``tiering_*``)."""
+        stats: dict[str, int | float] = dict(self._primary.get_stats())
+        stats["tiering_jobs_in_flight"] = len(self._jobs)
+        stats["tiering_cascades_submitted"] = self._cascades_submitted
+        stats["tiering_promotions_submitted"] = self._promotions_submitted
+        stats["tiering_jobs_failed"] = self._jobs_failed
+        return stats
+
+    @override
+    def shutdown(self) -> None:
+        """Shut every tier down (in order), then the primary; idempotent.
+
+        Every component is shut down even if an earlier one raises; the first error is re-raised
+        afterwards.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        first_error: BaseException | None = None
+        for tier_idx, tier in enumerate(self._tiers):
+            try:
+                tier.shutdown()
+            except Exception as e:
+                logger.exception("secondary tier #%d (%s) failed to shut down", tier_idx, tier)
+                first_error = first_error or e
+        try:
+            self._primary.shutdown()
+        except Exception as e:
+            logger.exception("primary tier failed to shut down")
+            first_error = first_error or e
+        if first_error is not None:
+            raise first_error

@@ -1,0 +1,93 @@
+"""``TieringOffloadingSpec``: a CPU primary tier over a shared host region, plus secondary tiers.
+
+Selected with ``spec_name: "TieringOffloadingSpec"``; the tiers come from ``secondary_tiers``, in
+lookup order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TieringOffloadingSpec(OffloadingSpec):
+    """Builds a ``TieringOffloadingManager``: CPU primary tier + configured secondary tiers.
+
+    The scheduler side creates the shared region (``rank=None``) in ``config.shared_region_dir``,
+    named after ``run.instance_id``; workers join the same file with their rank.
+
+    Args:
+        config: the parsed ``kv_connector_extra_config``.
+        run: the run's block-defining facts.
+        enable_events: whether the primary tier records ``OffloadingEvent`` s (tiers have their
+            own ``enable_events`` kwarg, if any).
+    """
+
+    BLOCK_SIZE_ALIGNMENT = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+
+    def __init__(
+        self, config: OffloadingConfig, run: KVCacheRunInfo, *, enable_events: bool = False
+    ) -> None:
+        super().__init__(config, run)
+        self.enable_events = enable_events
+        self._manager: TieringOffloadingManager | None = None
+
+    @override
+    def get_manager(self) -> TieringOffloadingManager:
+        if self._manager is None:
+            self._manager = self._build_manager()
+        return self._manager
+
+    def _build_manager(self) -> TieringOffloadingManager:
+        """Create region, primary and tiers in order; on failure undo in reverse order."""
+        region = SharedOffloadRegion(
+            instance_id=self.run.instance_id,
+            num_blocks=self.num_primary_blocks,
+            worker_page_bytes=self.worker_page_bytes,
+            num_workers=self.run.world_size,
+            rank=None,
+            directory=self.config.shared_region_dir,
+            join_timeout_s=self.config.shared_region_join_timeout_s,
+        )
+        try:
+            assert region.row_bytes == self.row_bytes, (
+                f"shared region rows of {region.row_bytes} bytes, spec expects {self.row_bytes}"
+            )
+            primary = CPUPrimaryTierOffloadingManager(
+                self.num_primary_blocks,
+                region,
+                cache_policy=self.config.eviction_policy,
+                enable_events=self.enable_events,
+            )
+        except BaseException:
+            region.cleanup()
+            raise
+        tiers: list[SecondaryTierManager] = []
+        try:
+            view = primary.get_kv_memoryview()
+            for tier_idx, tier_config in enumerate(self.config.secondary_tiers):
+                tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
+                tiers.append(tier)
+                logger.info("Created secondary tier #%d (%s)", tier_idx, tier_config.type)
+            return TieringOffloadingManager(primary, tiers)
+        except BaseException:
+            for tier in reversed(tiers):
+                try:
+                    tier.shutdown()
+                except Exception:
+                    logger.exception("shutting down secondary tier %s failed", tier.tier_type)
+            primary.shutdown()
+            raise
