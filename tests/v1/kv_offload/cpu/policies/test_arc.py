@@ -1,0 +1,321 @@
+"""Tests of ARCCachePolicy: T1/T2 lists, ghost lists, adaptive target and atomic eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def ids(keys: object) -> list[int]:
+    return [int.from_bytes(key[:8], "big") for key in keys]  # type: ignore[attr-defined]
+
+
+def insert_ready(policy: ARCCachePolicy, i: int) -> BlockStatus:
+    """Insert block i as the manager would (ref -1), then complete its store (ref 0)."""
+    block = BlockStatus(block_id=i)
+    policy.insert(k(i), block)
+    block.ref_cnt = 0
+    policy.mark_evictable(k(i))
+    return block
+
+
+def pin(policy: ARCCachePolicy, i: int) -> None:
+    block = policy.get(k(i))
+    assert block is not None
+    if block.ref_cnt == 0:
+        policy.mark_non_evictable(k(i))
+    block.ref_cnt += 1
+
+
+def unpin(policy: ARCCachePolicy, i: int) -> None:
+    block = policy.get(k(i))
+    assert block is not None
+    block.ref_cnt -= 1
+    if block.ref_cnt == 0:
+        policy.mark_evictable(k(i))
+
+
+def evicted_ids(victims: list[tuple[OffloadKey, BlockStatus]] | None) -> list[int]:
+    assert victims is not None
+    return [block.block_id for _, block in victims]
+
+
+class CountingSet(set[OffloadKey]):
+    """A set that counts membership tests, to bound how many entries an eviction visits."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.lookups = 0
+
+    def __contains__(self, key: object) -> bool:
+        self.lookups += 1
+        return super().__contains__(key)
+
+
+def make_t2(policy: ARCCachePolicy, *indices: int) -> None:
+    """Insert ready blocks and touch them once, which promotes them to T2."""
+    for i in indices:
+        insert_ready(policy, i)
+    policy.touch([k(i) for i in indices])
+
+
+def test_basic() -> None:
+    policy = ARCCachePolicy(8)
+    block = BlockStatus(0)
+    policy.insert(k(0), block)
+    assert policy.get(k(0)) is block
+    assert policy.get(k(1)) is None
+    assert sorted(ids(policy.t1_keys)) == [0]
+    assert sorted(ids(policy.t2_keys)) == []
+    assert len(policy) == 1
+    assert policy.target_t1_size == 0.0
+    with pytest.raises(AssertionError, match=k(0).hex()):
+        policy.insert(k(0), BlockStatus(1))
+
+
+def test_t1_to_t2_promotion() -> None:
+    policy = ARCCachePolicy(8)
+    policy.insert(k(0), BlockStatus(0))  # being written
+    policy.touch([k(0)])
+    assert sorted(ids(policy.t1_keys)) == [0], "a block being written stays in T1 when touched"
+    block = policy.get(k(0))
+    assert block is not None
+    block.ref_cnt = 0
+    policy.mark_evictable(k(0))
+    policy.touch([k(0)])
+    assert sorted(ids(policy.t1_keys)) == [] and sorted(ids(policy.t2_keys)) == [0]
+    assert evicted_ids(policy.evict(1, ())) == [0]
+    assert ids(policy.b2_keys) == [0], "a victim from T2 goes to B2"
+
+
+def test_pinned_block_is_promoted_and_released_into_t2() -> None:
+    policy = ARCCachePolicy(8)
+    insert_ready(policy, 0)
+    insert_ready(policy, 1)
+    pin(policy, 0)
+    policy.touch([k(0)])
+    assert sorted(ids(policy.t2_keys)) == [0]
+    assert policy.num_evictable == 1
+    unpin(policy, 0)
+    assert policy.num_evictable == 2
+    # target 0: T1 (block 1) goes first, then T2 (block 0).
+    victims = policy.evict(2, ())
+    assert evicted_ids(victims) == [1, 0]
+    assert ids(policy.b1_keys) == [1] and ids(policy.b2_keys) == [0]
+
+
+def test_touch_ordering() -> None:
+    policy = ARCCachePolicy(8)
+    make_t2(policy, 0, 1, 2, 3)
+    # The first key of a touch ends most recently used.
+    policy.touch([k(2), k(0)])
+    assert evicted_ids(policy.evict(4, ())) == [3, 1, 0, 2]
+    assert ids(policy.b2_keys) == [3, 1, 0, 2]
+
+
+def test_touch_promotion_order_first_key_most_recent() -> None:
+    policy = ARCCachePolicy(8)
+    make_t2(policy, 0, 1, 2)
+    assert evicted_ids(policy.evict(3, ())) == [2, 1, 0]
+
+
+def test_t1_preferred_while_at_or_above_target() -> None:
+    policy = ARCCachePolicy(8)
+    make_t2(policy, 0, 1)  # older, but frequent
+    insert_ready(policy, 2)
+    insert_ready(policy, 3)
+    assert policy.target_t1_size == 0.0
+    assert evicted_ids(policy.evict(2, ())) == [2, 3]
+    assert ids(policy.b1_keys) == [2, 3]
+
+
+def test_t1_t2_eviction_policy_uses_virtual_t1_size() -> None:
+    policy = ARCCachePolicy(8)
+    make_t2(policy, 0, 1, 2)
+    insert_ready(policy, 3)
+    insert_ready(policy, 4)
+    policy.target_t1_size = 2.7  # int() -> 2
+    # T2 order (LRU first) is 2, 1, 0: make_t2's touch left its first key most recent.
+    # |T1| = 2 >= 2: first victim from T1; then the virtual |T1| is 1 < 2: from T2.
+    assert evicted_ids(policy.evict(3, ())) == [3, 2, 1]
+    assert ids(policy.b1_keys) == [3] and ids(policy.b2_keys) == [2, 1]
+
+
+def test_t2_preferred_below_target_with_fallback_to_t1() -> None:
+    policy = ARCCachePolicy(8)
+    make_t2(policy, 0)
+    insert_ready(policy, 1)
+    insert_ready(policy, 2)
+    policy.target_t1_size = 5.0
+    # |T1| = 2 < 5: T2 first; once T2 has no candidate left, fall back to T1.
+    assert evicted_ids(policy.evict(3, ())) == [0, 1, 2]
+
+
+def test_adaptive_target() -> None:
+    policy = ARCCachePolicy(10)
+    make_t2(policy, 1, 2, 3)
+    insert_ready(policy, 0)
+    assert evicted_ids(policy.evict(1, ())) == [0]  # T1 first
+    assert evicted_ids(policy.evict(3, ())) == [3, 2, 1]  # then T2
+    assert ids(policy.b1_keys) == [0] and ids(policy.b2_keys) == [3, 2, 1]
+
+    policy.touch([k(0)])  # B1 hit: + max(1, |B2| / |B1|) = + 3
+    assert policy.target_t1_size == pytest.approx(3.0)
+    policy.touch([k(3)])  # B2 hit: - max(1, |B1| / |B2|) = - 1
+    assert policy.target_t1_size == pytest.approx(2.0)
+    assert ids(policy.b2_keys) == [2, 1, 3], "a ghost hit moves the ghost to its MRU end"
+
+    for _ in range(5):
+        policy.touch([k(0)])
+    assert policy.target_t1_size == 10.0, "capped at the capacity"
+    for _ in range(20):
+        policy.touch([k(1)])
+    assert policy.target_t1_size == 0.0, "floored at 0"
+
+
+def test_fractional_adaptation() -> None:
+    policy = ARCCachePolicy(10)
+    make_t2(policy, 0)
+    insert_ready(policy, 1)
+    insert_ready(policy, 2)
+    insert_ready(policy, 3)
+    assert evicted_ids(policy.evict(3, ())) == [1, 2, 3]
+    assert evicted_ids(policy.evict(1, ())) == [0]
+    # |B1| = 3, |B2| = 1: a B1 hit adds max(1, 1/3) = 1, a B2 hit removes max(1, 3/1) = 3.
+    policy.touch([k(1)])
+    policy.touch([k(1)])
+    assert policy.target_t1_size == pytest.approx(2.0)
+    policy.touch([k(0)])
+    assert policy.target_t1_size == 0.0
+
+
+def test_insert_removes_ghost() -> None:
+    policy = ARCCachePolicy(8)
+    insert_ready(policy, 0)
+    make_t2(policy, 1)
+    policy.evict(2, ())
+    assert ids(policy.b1_keys) == [0] and ids(policy.b2_keys) == [1]
+    policy.insert(k(0), BlockStatus(0))
+    policy.insert(k(1), BlockStatus(1))
+    assert ids(policy.b1_keys) == [] and ids(policy.b2_keys) == []
+    assert sorted(ids(policy.t1_keys)) == [0, 1], "a re-inserted ghost starts again in T1"
+
+
+def test_ghost_list_bounds() -> None:
+    capacity = 3
+    policy = ARCCachePolicy(capacity)
+    for i in range(10):
+        insert_ready(policy, i)
+        if len(policy) > capacity:
+            assert policy.evict(1, ()) is not None
+        assert len(policy.b1_keys) <= capacity
+    # Blocks 0..6 were evicted in that order; only the 3 newest ghosts remain.
+    assert ids(policy.b1_keys) == [4, 5, 6], "the oldest ghosts are dropped first"
+    for i in range(100, 110):
+        make_t2(policy, i)
+        assert policy.evict(1, ()) is not None
+        assert len(policy.b2_keys) <= capacity
+    assert len(policy.b1_keys) <= capacity and len(policy.b2_keys) == capacity
+
+
+def test_evict_skips_pinned_in_flight_and_protected() -> None:
+    policy = ARCCachePolicy(16)
+    insert_ready(policy, 0)
+    pin(policy, 0)  # T1, pinned
+    policy.insert(k(1), BlockStatus(1))  # T1, being written
+    insert_ready(policy, 2)  # T1, protected
+    make_t2(policy, 3, 4)
+    pin(policy, 3)  # T2, pinned
+    insert_ready(policy, 5)  # T1
+    victims = policy.evict(2, {k(2)})
+    assert evicted_ids(victims) == [5, 4]
+    assert sorted(ids(key for key, _ in policy.items())) == [0, 1, 2, 3]
+
+
+def test_failed_eviction_changes_nothing() -> None:
+    policy = ARCCachePolicy(16)
+    insert_ready(policy, 0)
+    pin(policy, 0)
+    policy.insert(k(1), BlockStatus(1))
+    make_t2(policy, 2, 3)
+    insert_ready(policy, 4)
+    policy.target_t1_size = 1.5
+
+    def snapshot() -> object:
+        return (
+            sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items()),
+            sorted(policy.t1_keys),
+            sorted(policy.t2_keys),
+            list(policy.b1_keys),
+            list(policy.b2_keys),
+            policy.target_t1_size,
+            policy.num_evictable,
+        )
+
+    before = snapshot()
+    assert policy.evict(3, {k(2)}) is None  # candidates: 3 and 4 only
+    assert policy.evict(6, ()) is None
+    assert snapshot() == before
+    # |T1| = 3 >= 1: T1 first (4); virtual |T1| = 2 >= 1 but T1 has no candidate left: T2.
+    assert evicted_ids(policy.evict(3, ())) == [4, 3, 2]
+
+
+def test_evict_visits_only_evictable_entries() -> None:
+    policy = ARCCachePolicy(10_000)
+    for i in range(1000):
+        insert_ready(policy, i)
+        pin(policy, i)
+    policy.touch([k(i) for i in range(500)])  # pinned T2 blocks
+    for i in range(1000, 3000):
+        policy.insert(k(i), BlockStatus(i))  # being written, T1
+    for i in range(3000, 3004):
+        insert_ready(policy, i)
+    make_t2(policy, 4000, 4001)
+    protected = CountingSet({k(3000), k(4000), k(7)})
+    policy.target_t1_size = 3000.0  # |T1| = 2504 < 3000: T2 first
+    assert evicted_ids(policy.evict(3, protected)) == [4001, 3001, 3002]
+    # T2: 4000 skipped, 4001 taken, T2 exhausted; T1: 3000 skipped, 3001, 3002 taken.
+    assert protected.lookups == 5
+
+
+def test_remove_leaves_no_ghost() -> None:
+    policy = ARCCachePolicy(8)
+    policy.insert(k(0), BlockStatus(0))
+    make_t2(policy, 1)
+    policy.remove(k(0))
+    policy.remove(k(1))
+    assert len(policy) == 0
+    assert list(policy.b1_keys) == [] and list(policy.b2_keys) == []
+    assert policy.num_evictable == 0
+    with pytest.raises(AssertionError, match=k(1).hex()):
+        policy.remove(k(1))
+
+
+def test_clear_resets_everything() -> None:
+    policy = ARCCachePolicy(8)
+    insert_ready(policy, 0)
+    make_t2(policy, 1)
+    policy.evict(2, ())
+    policy.touch([k(0)])
+    insert_ready(policy, 2)
+    pin(policy, 2)
+    assert policy.target_t1_size > 0
+    policy.clear()
+    assert len(policy) == 0
+    assert policy.target_t1_size == 0.0
+    assert list(policy.b1_keys) == [] and list(policy.b2_keys) == []
+    assert policy.evict(1, ()) is None
+
+
+def test_mark_non_evictable_misuse_names_the_key() -> None:
+    policy = ARCCachePolicy(8)
+    policy.insert(k(9), BlockStatus(9))
+    with pytest.raises(AssertionError, match=k(9).hex()):
+        policy.mark_non_evictable(k(9))

@@ -1,0 +1,227 @@
+"""Tests of LRUCachePolicy: ordering, touch, evictability hooks and atomic eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def insert_ready(policy: LRUCachePolicy, i: int) -> BlockStatus:
+    """Insert block i as the manager would (ref -1), then complete its store (ref 0)."""
+    block = BlockStatus(block_id=i)
+    policy.insert(k(i), block)
+    block.ref_cnt = 0
+    policy.mark_evictable(k(i))
+    return block
+
+
+def pin(policy: LRUCachePolicy, i: int) -> None:
+    block = policy.get(k(i))
+    assert block is not None
+    if block.ref_cnt == 0:
+        policy.mark_non_evictable(k(i))
+    block.ref_cnt += 1
+
+
+def unpin(policy: LRUCachePolicy, i: int) -> None:
+    block = policy.get(k(i))
+    assert block is not None
+    block.ref_cnt -= 1
+    if block.ref_cnt == 0:
+        policy.mark_evictable(k(i))
+
+
+def evicted_ids(victims: list[tuple[OffloadKey, BlockStatus]] | None) -> list[int]:
+    assert victims is not None
+    return [block.block_id for _, block in victims]
+
+
+class CountingSet(set[OffloadKey]):
+    """A set that counts membership tests, to bound how many entries an eviction visits."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.lookups = 0
+
+    def __contains__(self, key: object) -> bool:
+        self.lookups += 1
+        return super().__contains__(key)
+
+
+def test_block_status_defaults() -> None:
+    block = BlockStatus(7)
+    assert block.block_id == 7
+    assert block.ref_cnt == -1
+    assert not block.is_ready
+    block.ref_cnt = 0
+    assert block.is_ready
+    with pytest.raises(AttributeError):
+        block.other = 1  # type: ignore[attr-defined]
+
+
+def test_insert_get_len() -> None:
+    policy = LRUCachePolicy(8)
+    block = BlockStatus(3)
+    policy.insert(k(3), block)
+    assert policy.get(k(3)) is block
+    assert policy.get(k(4)) is None
+    assert len(policy) == 1
+    assert policy.num_evictable == 0  # being written
+    with pytest.raises(AssertionError, match=k(3).hex()):
+        policy.insert(k(3), BlockStatus(4))
+
+
+def test_insert_ready_block_is_evictable_at_once() -> None:
+    policy = LRUCachePolicy(8)
+    block = BlockStatus(1)
+    block.ref_cnt = 0
+    policy.insert(k(1), block)
+    assert evicted_ids(policy.evict(1, ())) == [1]
+
+
+def test_eviction_order_is_least_recently_ready_first() -> None:
+    policy = LRUCachePolicy(8)
+    for i in range(5):
+        insert_ready(policy, i)
+    assert evicted_ids(policy.evict(2, ())) == [0, 1]
+    assert len(policy) == 3
+    assert policy.get(k(0)) is None and policy.get(k(1)) is None
+    assert evicted_ids(policy.evict(3, ())) == [2, 3, 4]
+    assert len(policy) == 0
+
+
+def test_touch_first_key_ends_most_recent() -> None:
+    policy = LRUCachePolicy(8)
+    for i in range(5):
+        insert_ready(policy, i)
+    policy.touch([k(3), k(1)])
+    assert evicted_ids(policy.evict(5, ())) == [0, 2, 4, 1, 3]
+
+
+def test_touch_accepts_any_collection_and_ignores_absent_keys() -> None:
+    policy = LRUCachePolicy(8)
+    for i in range(3):
+        insert_ready(policy, i)
+    policy.touch({k(0): None, k(99): None})  # neither a list nor a tuple
+    policy.touch({k(1)})
+    assert evicted_ids(policy.evict(3, ())) == [2, 0, 1]
+
+
+def test_touch_of_pinned_or_in_flight_block_is_harmless() -> None:
+    policy = LRUCachePolicy(8)
+    insert_ready(policy, 0)
+    insert_ready(policy, 1)
+    pin(policy, 0)
+    policy.insert(k(2), BlockStatus(2))  # being written
+    policy.touch([k(0), k(2)])
+    assert policy.num_evictable == 1
+    assert evicted_ids(policy.evict(1, ())) == [1]
+
+
+def test_released_block_becomes_most_recent() -> None:
+    policy = LRUCachePolicy(8)
+    for i in range(3):
+        insert_ready(policy, i)
+    pin(policy, 0)
+    pin(policy, 0)
+    unpin(policy, 0)
+    assert policy.num_evictable == 2  # still pinned once
+    unpin(policy, 0)
+    assert evicted_ids(policy.evict(3, ())) == [1, 2, 0]
+
+
+def test_evict_skips_pinned_in_flight_and_protected() -> None:
+    policy = LRUCachePolicy(8)
+    insert_ready(policy, 0)
+    pin(policy, 0)  # pinned by a reader
+    policy.insert(k(1), BlockStatus(1))  # being written
+    insert_ready(policy, 2)  # protected below
+    insert_ready(policy, 3)
+    insert_ready(policy, 4)
+    victims = policy.evict(2, {k(2)})
+    assert evicted_ids(victims) == [3, 4]
+    assert [block.ref_cnt for _, block in victims or []] == [0, 0]
+    assert {key for key, _ in policy.items()} == {k(0), k(1), k(2)}
+
+
+def test_failed_eviction_changes_nothing() -> None:
+    policy = LRUCachePolicy(8)
+    insert_ready(policy, 0)
+    pin(policy, 0)
+    policy.insert(k(1), BlockStatus(1))
+    insert_ready(policy, 2)
+    insert_ready(policy, 3)
+    before = sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items())
+    assert policy.evict(2, {k(3)}) is None  # only block 2 is a candidate
+    assert policy.evict(5, ()) is None  # more than the whole cache
+    after = sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items())
+    assert after == before
+    assert policy.num_evictable == 2
+    # Order is unchanged too.
+    assert evicted_ids(policy.evict(2, ())) == [2, 3]
+
+
+def test_evict_zero_returns_empty_list() -> None:
+    policy = LRUCachePolicy(2)
+    assert policy.evict(0, ()) == []
+
+
+def test_evict_visits_only_evictable_entries() -> None:
+    policy = LRUCachePolicy(5000)
+    for i in range(2000):
+        insert_ready(policy, i)
+        pin(policy, i)
+    for i in range(2000, 4000):
+        policy.insert(k(i), BlockStatus(i))  # being written
+    for i in range(4000, 4010):
+        insert_ready(policy, i)
+    protected = CountingSet({k(4000), k(4001), k(123)})
+    assert evicted_ids(policy.evict(3, protected)) == [4002, 4003, 4004]
+    # Two protected evictable entries skipped, then three victims: nothing else looked at.
+    assert protected.lookups == 5
+
+
+def test_remove_drops_block_in_any_state() -> None:
+    policy = LRUCachePolicy(8)
+    policy.insert(k(0), BlockStatus(0))
+    insert_ready(policy, 1)
+    policy.remove(k(0))
+    policy.remove(k(1))
+    assert len(policy) == 0
+    assert policy.num_evictable == 0
+    assert policy.evict(1, ()) is None
+    with pytest.raises(AssertionError, match=k(1).hex()):
+        policy.remove(k(1))
+
+
+def test_clear() -> None:
+    policy = LRUCachePolicy(8)
+    insert_ready(policy, 0)
+    pin(policy, 0)
+    insert_ready(policy, 1)
+    policy.insert(k(2), BlockStatus(2))
+    policy.clear()
+    assert len(policy) == 0
+    assert list(policy.items()) == []
+    assert policy.evict(1, ()) is None
+
+
+def test_hook_misuse_is_reported_with_the_key() -> None:
+    policy = LRUCachePolicy(8)
+    policy.insert(k(5), BlockStatus(5))
+    with pytest.raises(AssertionError, match=k(5).hex()):
+        policy.mark_non_evictable(k(5))  # being written: was never evictable
+    with pytest.raises(AssertionError, match=k(5).hex()):
+        policy.mark_evictable(k(5))  # ref_cnt is still -1
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="cache_capacity"):
+        LRUCachePolicy(0)

@@ -1,0 +1,307 @@
+"""``CPUOffloadingManager``: the scheduler-side bookkeeping of the CPU primary tier."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
+from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
+
+_BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Tracks which blocks live in the CPU region and in which row (slot).
+
+    Slots: the region has ``num_blocks`` rows. Fresh rows are handed out by a bump pointer
+    (``_num_allocated``), recycled rows through ``_free_list``; at all times
+    ``free + resident == num_blocks`` where ``free = len(_free_list) + num_blocks -
+    _num_allocated`` and ``resident = len(policy)``.
+
+    Block states (``BlockStatus.ref_cnt``): ``-1`` being written (allocated by ``prepare_store``,
+    neither readable nor evictable), ``0`` ready (readable, evictable), ``n > 0`` ready and pinned
+    by ``n`` readers (``prepare_load`` without ``complete_load`` yet). Only ``ref_cnt == 0``
+    blocks are ever evicted. The manager owns ``ref_cnt`` and reports every change of
+    evictability to the cache policy (``mark_evictable`` / ``mark_non_evictable``).
+
+    Every call costs O(keys given) amortised (``prepare_store``: plus the eviction's
+    O(victims + keys)); nothing scans the cache except ``reset_cache``.
+
+    Events (``enable_events=True``): one ``OffloadingEvent(removed=False)`` per
+    ``complete_store`` with the keys it made ready, one ``OffloadingEvent(removed=True)`` per
+    evicting ``prepare_store`` with its victims, and one on ``reset_cache`` with the ready keys it
+    dropped. Keys never made ready produce no event, so the stored keys minus the removed keys
+    are exactly the ready blocks.
+
+    Statistics (``get_stats``), cumulative since construction or the last ``reset_cache``:
+    ``hits`` / ``misses`` (lookups answering True / False; an in-flight block's None counts as
+    neither), ``stores`` (blocks made ready), ``failed_stores`` (blocks dropped by a failed
+    store), ``evictions``, and the gauges ``num_blocks``, ``used_blocks``, ``usage``.
+
+    After an ``AssertionError`` (a violated precondition, i.e. a caller bug) the state is
+    unspecified.
+    """
+
+    medium = CPU_MEDIUM
+
+    def __init__(
+        self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False
+    ) -> None:
+        """Create an empty CPU tier.
+
+        Args:
+            num_blocks: number of rows of the CPU region, ``>= 1``.
+            cache_policy: the eviction policy, resolved by
+                ``vllm.v1.kv_offload.cpu.policies.factory.create_cache_policy`` (``"lru"``,
+                ``"arc"``, a registered name, or ``"package.module:ClassName"``).
+            enable_events: whether to record ``OffloadingEvent`` s for ``take_events``.
+
+        Raises:
+            ValueError: if ``num_blocks < 1`` or the policy name does not resolve.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._num_blocks: int = num_blocks
+        self._policy: CachePolicy = create_cache_policy(cache_policy, num_blocks)
+        self._num_allocated: int = 0
+        self._free_list: list[int] = []
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._hits = 0
+        self._misses = 0
+        self._stores = 0
+        self._failed_stores = 0
+        self._evictions = 0
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of rows (slots) of the CPU region."""
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Number of slots held by no block (not counting evictable ones)."""
+        return len(self._free_list) + self._num_blocks - self._num_allocated
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The cache policy (owned by the manager; do not mutate it directly)."""
+        return self._policy
+
+    # -- OffloadingManager --------------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        block = self._policy.get(key)
+        if block is None:
+            self._misses += 1
+            return False
+        if block.ref_cnt < 0:
+            return None
+        self._hits += 1
+        return True
+
+    @override
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> CPULoadStoreSpec:
+        policy = self._policy
+        get = policy.get
+        block_ids: list[int] = []
+        for key in keys:
+            block = get(key)
+            assert block is not None, f"prepare_load: key {key.hex()} is not offloaded"
+            ref_cnt = block.ref_cnt
+            assert ref_cnt >= 0, f"prepare_load: key {key.hex()} is being written, not readable"
+            if ref_cnt == 0:
+                policy.mark_non_evictable(key)
+            block.ref_cnt = ref_cnt + 1
+            block_ids.append(block.block_id)
+        return CPULoadStoreSpec(block_ids)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._policy.touch(keys)
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        policy = self._policy
+        get = policy.get
+        for key in keys:
+            block = get(key)
+            assert block is not None, f"complete_load: key {key.hex()} is not offloaded"
+            ref_cnt = block.ref_cnt
+            assert ref_cnt > 0, (
+                f"complete_load: key {key.hex()} is not pinned for reading (ref_cnt={ref_cnt})"
+            )
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                policy.mark_evictable(key)
+
+    @override
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        policy = self._policy
+        get = policy.get
+        # Order-preserving de-duplication; the dict doubles as the O(1) protected set, which
+        # covers every key passed in, already stored ones included.
+        requested = dict.fromkeys(keys)
+        keys_to_store = [key for key in requested if get(key) is None]
+        num_new = len(keys_to_store)
+        if num_new == 0:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]))
+
+        free_list = self._free_list
+        num_allocated = self._num_allocated
+        num_fresh = self._num_blocks - num_allocated
+        need = num_new - len(free_list) - num_fresh
+        if need <= 0:
+            # Fresh rows first, then recycled ones.
+            num_from_fresh = min(num_fresh, num_new)
+            new_blocks = [
+                BlockStatus(s) for s in range(num_allocated, num_allocated + num_from_fresh)
+            ]
+            self._num_allocated = num_allocated + num_from_fresh
+            num_from_free = num_new - num_from_fresh
+            if num_from_free:
+                new_blocks += [BlockStatus(s) for s in free_list[-num_from_free:]]
+                del free_list[-num_from_free:]
+            evicted_keys: list[OffloadKey] = []
+        else:
+            if num_new > self._num_blocks:
+                return None
+            victims = policy.evict(need, requested)
+            if victims is None:
+                return None
+            assert len(victims) == need, (
+                f"prepare_store: policy evicted {len(victims)} blocks, {need} requested"
+            )
+            evicted_keys = [key for key, _ in victims]
+            self._evictions += need
+            if self._events is not None:
+                self._events.append(
+                    OffloadingEvent(keys=list(evicted_keys), medium=CPU_MEDIUM, removed=True)
+                )
+            # Every free row is taken, then the victims' rows. The victims' BlockStatus objects
+            # are reused as they are (same row, reset to "being written"): no allocation, and in
+            # a full cache no new long-lived object for the garbage collector to traverse.
+            new_blocks = [BlockStatus(s) for s in range(num_allocated, self._num_blocks)]
+            self._num_allocated = self._num_blocks
+            if free_list:
+                new_blocks += [BlockStatus(s) for s in free_list]
+                free_list.clear()
+            for _, block in victims:
+                block.ref_cnt = -1
+                new_blocks.append(block)
+
+        insert = policy.insert
+        for key, block in zip(keys_to_store, new_blocks, strict=True):
+            insert(key, block)
+
+        assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,
+            store_spec=CPULoadStoreSpec([block.block_id for block in new_blocks]),
+            evicted_keys=evicted_keys,
+        )
+
+    @override
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        policy = self._policy
+        get = policy.get
+        if success:
+            mark_evictable = policy.mark_evictable
+            stored: list[OffloadKey] = []
+            for key in keys:
+                block = get(key)
+                # Ready blocks (and keys evicted or never stored) are left as they are.
+                if block is not None and block.ref_cnt < 0:
+                    block.ref_cnt = 0
+                    mark_evictable(key)
+                    stored.append(key)
+            if stored:
+                self._stores += len(stored)
+                if self._events is not None:
+                    self._events.append(
+                        OffloadingEvent(keys=stored, medium=CPU_MEDIUM, removed=False)
+                    )
+            return
+
+        free_list = self._free_list
+        remove = policy.remove
+        for key in keys:
+            block = get(key)
+            if block is not None and block.ref_cnt < 0:
+                remove(key)
+                free_list.append(block.block_id)
+                self._failed_stores += 1
+        assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return _BLOCK_LEVEL_CONTEXT
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self._events
+        if not events:
+            return ()
+        self._events = []
+        return events
+
+    @override
+    def reset_cache(self) -> None:
+        """Drop every block, whatever its state, and zero the counters.
+
+        Blocks being written or pinned are dropped too: the caller guarantees that no
+        ``complete_*`` call for a pre-reset job follows. O(cache size).
+        """
+        if self._events is not None:
+            ready = [key for key, block in self._policy.items() if block.ref_cnt >= 0]
+            if ready:
+                self._events.append(OffloadingEvent(keys=ready, medium=CPU_MEDIUM, removed=True))
+        self._policy.clear()
+        self._free_list.clear()
+        self._num_allocated = 0
+        self._hits = 0
+        self._misses = 0
+        self._stores = 0
+        self._failed_stores = 0
+        self._evictions = 0
+        assert len(self._policy) == 0, self._pool_error()
+
+    @override
+    def get_stats(self) -> dict[str, int | float]:
+        used = self._num_allocated - len(self._free_list)
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "stores": self._stores,
+            "failed_stores": self._failed_stores,
+            "evictions": self._evictions,
+            "num_blocks": self._num_blocks,
+            "used_blocks": used,
+            "usage": used / self._num_blocks,
+        }
+
+    def _pool_error(self) -> str:
+        return (
+            f"slot accounting broken: {self._num_allocated} allocated - "
+            f"{len(self._free_list)} free-listed != {len(self._policy)} resident "
+            f"(num_blocks={self._num_blocks})"
+        )

@@ -1,0 +1,155 @@
+"""Block status and the cache-policy ABC of the CPU primary tier.
+
+A ``CachePolicy`` owns the ``key -> BlockStatus`` map of the CPU tier and decides which blocks to
+evict. The manager (``CPUOffloadingManager``) owns the slots and the ``ref_cnt`` state machine and
+tells the policy about every ``ref_cnt`` transition that changes evictability.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterator
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import OffloadKey
+
+
+def reversed_keys(keys: Collection[OffloadKey]) -> Iterator[OffloadKey]:
+    """Iterate over ``keys`` last to first (lists and tuples without a copy)."""
+    if isinstance(keys, (list, tuple)):
+        return reversed(keys)
+    return reversed(list(keys))
+
+
+class BlockStatus:
+    """State of one block resident in the CPU tier.
+
+    A plain ``__slots__`` class rather than a ``ctypes.Structure``: attribute access on it is on
+    the manager's hot path, and slot access on a Python object is several times cheaper than a
+    ctypes field descriptor.
+
+    Attributes:
+        ref_cnt: ``-1`` while the block is being written (allocated by ``prepare_store``; neither
+            readable nor evictable); ``0`` once ready (readable and evictable); ``n > 0`` while
+            ``n`` readers have it pinned (readable, not evictable).
+        block_id: the CPU slot of the block, i.e. its row index in the CPU region.
+    """
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.ref_cnt: int = -1
+        self.block_id: int = block_id
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the block's store completed, i.e. it is readable (``ref_cnt >= 0``)."""
+        return self.ref_cnt >= 0
+
+    @override
+    def __repr__(self) -> str:
+        return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class CachePolicy(ABC):
+    """Organises the resident blocks of the CPU tier and chooses eviction victims.
+
+    Ownership: the policy owns the ``key -> BlockStatus`` map; the ``BlockStatus`` objects are
+    shared with the manager, which alone changes ``ref_cnt``. The manager reports every change of
+    evictability through ``mark_evictable`` (``ref_cnt`` became 0: ``-1 -> 0`` when a store
+    completes, ``1 -> 0`` when the last reader unpins) and ``mark_non_evictable`` (``0 -> 1``
+    when a reader pins a ready block). A block is evictable exactly when ``ref_cnt == 0``.
+
+    Complexity contract: every method except ``clear`` and ``items`` is O(1) amortised per key
+    it is given (``evict``: O(n + |protected|)); none may scan the whole cache.
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        """Create an empty policy.
+
+        Args:
+            cache_capacity: number of blocks the CPU tier holds (bounds e.g. ARC's ghost lists).
+
+        Raises:
+            ValueError: if ``cache_capacity < 1``.
+        """
+        if cache_capacity < 1:
+            raise ValueError(f"cache_capacity must be >= 1, got {cache_capacity}")
+        self.cache_capacity: int = cache_capacity
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        """Return the status of resident block ``key``, or None if it is not resident.
+
+        Pure lookup: does not change recency.
+        """
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        """Add block ``key`` (not resident yet) at the most recently used position.
+
+        The block is evictable at once if ``block.ref_cnt == 0``; the manager inserts blocks
+        with ``ref_cnt == -1`` (being written) and calls ``mark_evictable`` when the store
+        completes.
+        """
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Drop resident block ``key`` whatever its ``ref_cnt`` (used after a failed store).
+
+        Unlike an eviction, a removal leaves no history behind (e.g. no ARC ghost entry).
+        """
+
+    @abstractmethod
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        """Mark ``keys`` as recently used; keys that are not resident are ignored.
+
+        Keys are applied in reverse order so that the first key ends up the most recently used.
+        """
+
+    @abstractmethod
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """Evict exactly ``n`` blocks with ``ref_cnt == 0`` whose keys are not in ``protected``.
+
+        Atomic: either exactly ``n`` victims are removed from the policy and returned, or None
+        is returned and nothing changed. Ownership of the victims' ``BlockStatus`` objects (and
+        of their slots) passes to the caller, which may reuse them for new blocks: the policy
+        must keep no reference to them.
+
+        Args:
+            n: number of victims wanted, ``n >= 0`` (``0`` returns ``[]``).
+            protected: keys that must not be evicted; membership tests on it must be O(1)
+                (pass a set, frozenset or dict).
+
+        Returns:
+            The ``(key, block)`` pairs evicted, least valuable first, or None if fewer than ``n``
+            evictable, unprotected blocks exist.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every block whatever its ``ref_cnt`` and reset all history and adaptive state."""
+
+    @abstractmethod
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        """Iterate over every resident ``(key, block)`` pair, in no particular order.
+
+        O(cache size): for ``reset_cache``, tests and debugging only, never on a hot path.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident blocks, whatever their ``ref_cnt``."""
+
+    def mark_evictable(self, key: OffloadKey) -> None:  # noqa: B027
+        """Hook: resident block ``key`` just reached ``ref_cnt == 0``. Default: no-op.
+
+        Policies that keep a separate index of evictable blocks update it here; a policy that
+        ignores the hooks must filter on ``ref_cnt`` in ``evict`` itself.
+        """
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:  # noqa: B027
+        """Hook: resident block ``key`` just left ``ref_cnt == 0`` (``0 -> 1``). Default: no-op."""

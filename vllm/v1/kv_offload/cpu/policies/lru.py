@@ -1,0 +1,131 @@
+"""Least-recently-used cache policy of the CPU primary tier."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
+
+
+class LRUCachePolicy(CachePolicy):
+    """Evicts the least recently used evictable block first.
+
+    Layout: every resident block is in exactly one of two maps. ``_evictable`` holds the blocks
+    with ``ref_cnt == 0``, least recently used first; ``_non_evictable`` holds the blocks being
+    written or pinned (``ref_cnt != 0``), in no order. Eviction walks ``_evictable`` alone, so
+    it costs O(n + |protected|) however many blocks are pinned or being written.
+
+    Why no third map of all resident blocks: with a million blocks every map is far larger than
+    the CPU caches, and each extra map costs cache misses on every insert and eviction (and
+    memory per block). ``_non_evictable`` only holds in-flight blocks, so it stays small and
+    cached; a ``get`` that misses ``_evictable`` probes it as well. Measured with
+    ``benchmarks/kv_offload/bench_manager.py``: ~9% faster per step at 1e6 blocks than an
+    all-blocks map plus an evictable index, ~10% slower at 1e3 blocks.
+
+    Recency of a block that becomes evictable (``mark_evictable``): it enters at the most
+    recently used end, because it was just used: either just written (store completed) or just
+    read (its last reader unpinned it). Touching a pinned or in-flight block therefore needs no
+    bookkeeping: it will be most recently used when it is released anyway.
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        # OrderedDict rather than dict: popping from the LRU end of a plain dict leaves dead
+        # slots that every later scan from the front must skip until the next resize.
+        self._evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._non_evictable: dict[OffloadKey, BlockStatus] = {}
+
+    @property
+    def num_evictable(self) -> int:
+        """Number of blocks with ``ref_cnt == 0`` (O(1))."""
+        return len(self._evictable)
+
+    @override
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        block = self._evictable.get(key)
+        if block is None:
+            block = self._non_evictable.get(key)
+        return block
+
+    @override
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        assert key not in self._non_evictable and key not in self._evictable, (
+            f"insert: key {key.hex()} is already resident"
+        )
+        if block.ref_cnt == 0:
+            self._evictable[key] = block
+        else:
+            self._non_evictable[key] = block
+
+    @override
+    def remove(self, key: OffloadKey) -> None:
+        if self._non_evictable.pop(key, None) is None and self._evictable.pop(key, None) is None:
+            raise AssertionError(f"remove: key {key.hex()} is not resident")
+
+    @override
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        evictable = self._evictable
+        move_to_end = evictable.move_to_end
+        for key in reversed_keys(keys):
+            if key in evictable:
+                move_to_end(key)
+
+    @override
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        assert n >= 0, f"evict: n={n} must be non-negative"
+        evictable = self._evictable
+        if n > len(evictable):
+            return None
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        if n == 0:
+            return victims
+        # Collect first, mutate only once n victims are known: a failure changes nothing.
+        for item in evictable.items():
+            if item[0] not in protected:
+                victims.append(item)
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        for key, block in victims:
+            assert block.ref_cnt == 0, (
+                f"evict: key {key.hex()} is in the evictable index with ref_cnt={block.ref_cnt}"
+            )
+            del evictable[key]
+        return victims
+
+    @override
+    def clear(self) -> None:
+        self._evictable.clear()
+        self._non_evictable.clear()
+
+    @override
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        return iter([*self._non_evictable.items(), *self._evictable.items()])
+
+    @override
+    def __len__(self) -> int:
+        return len(self._evictable) + len(self._non_evictable)
+
+    @override
+    def mark_evictable(self, key: OffloadKey) -> None:
+        block = self._non_evictable.pop(key, None)
+        if block is None:
+            raise AssertionError(f"mark_evictable: key {key.hex()} is not a non-evictable block")
+        assert block.ref_cnt == 0, (
+            f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
+        )
+        self._evictable[key] = block
+
+    @override
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        block = self._evictable.pop(key, None)
+        if block is None:
+            raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
+        self._non_evictable[key] = block
