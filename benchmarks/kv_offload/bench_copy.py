@@ -1,0 +1,285 @@
+"""Throughput of batched KV-block copies: a job of N scattered blocks vs one contiguous copy.
+
+For every copy path this machine can run (``torch`` always; ``cuda-dma``, ``cuda-dma-loop`` and
+``cuda-kernel`` when the CUDA library is built and a GPU is visible), every block size and both
+directions (store = GPU -> CPU, load = CPU -> GPU), it times one ``copy_blocks`` job that moves N
+blocks between random, distinct block ids of a GPU-side pool and a CPU-side pool (each pool holds
+2N blocks), and, in the same run, one contiguous copy of the same total bytes (the baseline):
+
+* torch path: the "GPU" pool is host memory; baseline ``torch.Tensor.copy_`` (multi-threaded).
+* CUDA paths: device memory vs pinned, mapped host memory; baseline one ``cudaMemcpyAsync`` of
+  the total bytes, timed with events on the same stream.
+
+Job and contiguous copies are timed in alternating rounds of 5 repetitions (about ``--reps`` of
+each in all, after two warm-ups); GB/s and the ratio (job GB/s / contiguous GB/s) come from the
+median times.
+
+Example::
+
+    python benchmarks/kv_offload/bench_copy.py --job-mib 128 --reps 7 --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from vllm import _custom_ops as ops
+
+DEFAULT_BLOCK_KIB = (16, 64, 256, 1024, 2048)
+
+
+@dataclass
+class Row:
+    path: str
+    direction: str
+    block_kib: int
+    num_blocks: int
+    job_gbps: float
+    contiguous_gbps: float
+    ratio: float
+
+
+def _paired(
+    job: Callable[[], float], contiguous: Callable[[], float], reps: int
+) -> tuple[float, float, float]:
+    """Median job time, median contiguous time, and their ratio (contiguous / job time).
+
+    Both are timed in the same run, in alternating rounds of a few consecutive repetitions each
+    (after two warm-ups), so that both see the same machine load. Not strictly alternating: after
+    torch's multi-threaded ``copy_`` its OpenMP worker keeps spinning on a core for a while, which
+    slowed the next (threaded) job by ~20% on a 2-core machine; within a round only its first
+    repetition pays that, and the median drops it.
+    """
+    for _ in range(2):
+        job()
+        contiguous()
+    per_round = 5
+    job_times: list[float] = []
+    base_times: list[float] = []
+    for _ in range(max(1, -(-reps // per_round))):
+        job_times += [job() for _ in range(per_round)]
+        base_times += [contiguous() for _ in range(per_round)]
+    t_job = statistics.median(job_times)
+    t_base = statistics.median(base_times)
+    return t_job, t_base, t_base / t_job
+
+
+def _job(
+    gpu_base: int, cpu_base: int, block: int, n: int, store: bool, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    gpu_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    cpu_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    gpu = ops.BlockSide(gpu_base, block, 2 * n)
+    cpu = ops.BlockSide(cpu_base, block, 2 * n)
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    regions = ops.make_regions([ops.CopyRegion(src, dst, block, 0, n)])
+    return (regions, gpu_ids, cpu_ids) if store else (regions, cpu_ids, gpu_ids)
+
+
+def _host_job(regions: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    ops.copy_blocks(regions, src_ids, dst_ids, backend="torch")
+    return time.perf_counter() - t0
+
+
+def _host_contiguous(dst: torch.Tensor, src: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def bench_torch(block: int, n: int, reps: int) -> list[Row]:
+    total = block * n
+    gpu = torch.randint(-128, 128, (2 * total,), dtype=torch.int8)
+    cpu = torch.zeros(2 * total, dtype=torch.int8)
+    cpu.fill_(1)  # fault the pages in before timing
+    rows = []
+    for store in (True, False):
+        regions, src_ids, dst_ids = _job(gpu.data_ptr(), cpu.data_ptr(), block, n, store, seed=1)
+        src_flat, dst_flat = (gpu, cpu) if store else (cpu, gpu)
+        t_job, t_base, ratio = _paired(
+            functools.partial(_host_job, regions, src_ids, dst_ids),
+            functools.partial(_host_contiguous, dst_flat[total:], src_flat[:total]),
+            reps,
+        )
+        rows.append(
+            Row(
+                "torch",
+                "store" if store else "load",
+                block >> 10,
+                n,
+                total / t_job / 1e9,
+                total / t_base / 1e9,
+                ratio,
+            )
+        )
+    return rows
+
+
+@dataclass
+class _CudaTimer:
+    lib: ops.CudaCopyLibrary
+    stream: ops.CudaStream
+    start: ops.CudaEvent
+    end: ops.CudaEvent
+
+    def copy(
+        self,
+        regions: np.ndarray,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        method: ops.CopyMethod,
+        max_ctas: int,
+    ) -> float:
+        self.start.record(self.stream.handle)
+        self.lib.copy_blocks(regions, src_ids, dst_ids, method, max_ctas, self.stream.handle)
+        self.end.record(self.stream.handle)
+        self.end.synchronize()
+        return self.start.elapsed_ms(self.end) / 1000.0
+
+
+def bench_cuda(
+    block: int, n: int, reps: int, methods: list[ops.CopyMethod], max_ctas: int
+) -> list[Row]:
+    lib = ops.cuda_library()
+    assert lib is not None
+    total = block * n
+    # A private mapping: page-aligned and shared with no other allocation, so pinning it cannot
+    # collide with another registration.
+    host = torch.frombuffer(mmap.mmap(-1, 2 * total), dtype=torch.int8)
+    host.fill_(1)
+    flags = ops.HOST_REGISTER_PORTABLE | ops.HOST_REGISTER_MAPPED
+    owned = lib.host_register(host.data_ptr(), host.numel(), flags)
+    dev = ops.DeviceBuffer(lib, 2 * total)
+    lib.memset_sync(dev.ptr, 3, 2 * total)
+    timer = _CudaTimer(lib, ops.CudaStream(lib), ops.CudaEvent(lib), ops.CudaEvent(lib))
+    rows = []
+    try:
+        for store in (True, False):
+            regions, src_ids, dst_ids = _job(dev.ptr, host.data_ptr(), block, n, store, seed=1)
+            gpu_side = ops.BlockSide(dev.ptr, total, 2)
+            cpu_side = ops.BlockSide(host.data_ptr(), total, 2)
+            base_src, base_dst = (gpu_side, cpu_side) if store else (cpu_side, gpu_side)
+            base = ops.make_regions([ops.CopyRegion(base_src, base_dst, total, 0, 1)])
+            # One cudaMemcpyAsync of `total` bytes: block 0 of one side to block 1 of the other.
+            contiguous = functools.partial(
+                timer.copy,
+                base,
+                np.zeros(1, np.int64),
+                np.ones(1, np.int64),
+                ops.CopyMethod.DMA_LOOP,
+                0,
+            )
+            for method in methods:
+                t_job, t_base, ratio = _paired(
+                    functools.partial(timer.copy, regions, src_ids, dst_ids, method, max_ctas),
+                    contiguous,
+                    reps,
+                )
+                rows.append(
+                    Row(
+                        "cuda-" + method.name.lower().replace("_", "-"),
+                        "store" if store else "load",
+                        block >> 10,
+                        n,
+                        total / t_job / 1e9,
+                        total / t_base / 1e9,
+                        ratio,
+                    )
+                )
+    finally:
+        for r in (timer.start, timer.end, timer.stream, dev):
+            r.close()
+        if owned:
+            lib.host_unregister(host.data_ptr())
+    return rows
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({threads} threads)"
+
+
+def to_markdown(rows: list[Row]) -> str:
+    out = [
+        "| path | direction | block | blocks | job GB/s | contiguous GB/s | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        size = f"{r.block_kib} KiB" if r.block_kib < 1024 else f"{r.block_kib >> 10} MiB"
+        out.append(
+            f"| {r.path} | {r.direction} | {size} | {r.num_blocks} | {r.job_gbps:.2f} | "
+            f"{r.contiguous_gbps:.2f} | {r.ratio:.2f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--block-kib", type=int, nargs="+", default=list(DEFAULT_BLOCK_KIB))
+    p.add_argument("--job-mib", type=int, default=128, help="bytes moved per job (N = job / block)")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--paths", nargs="+", default=["torch", "cuda"], choices=["torch", "cuda"])
+    p.add_argument("--max-ctas", type=int, default=0, help="kernel path thread blocks (0: default)")
+    p.add_argument("--markdown", help="also write the table (with command and machine) here")
+    p.add_argument("--json", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    lib = ops.cuda_library()
+    has_gpu = lib is not None and lib.device_count() > 0
+    rows: list[Row] = []
+    for kib in args.block_kib:
+        block = kib << 10
+        n = max(4, (args.job_mib << 20) // block)
+        if "torch" in args.paths:
+            rows += bench_torch(block, n, args.reps)
+        if "cuda" in args.paths and has_gpu:
+            methods = list(ops.CopyMethod)
+            rows += bench_cuda(block, n, args.reps, methods, args.max_ctas)
+    if "cuda" in args.paths and not has_gpu:
+        print("CUDA paths skipped: no GPU visible to the copy library", file=sys.stderr)
+    table = to_markdown(rows)
+    cmd = "python " + " ".join(
+        [os.path.relpath(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])]
+    )
+    header = f"Command: `{cmd}`\n\nMachine: {machine()}"
+    if has_gpu and lib is not None:
+        header += f"; CUDA library {os.path.basename(lib.path)}, cuMemcpyBatchAsync "
+        header += "available" if lib.dma_batch_available() else "unavailable"
+    print(header + "\n\n" + table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(header + "\n\n" + table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,565 @@
+"""Tests of vllm._custom_ops: block copies (torch backend always, CUDA when a GPU is present),
+argument checks of the C library (run on CPU against the built .so) and its build."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from vllm import _custom_ops as ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LIB = ops.cuda_library()
+NUM_GPUS = LIB.device_count() if LIB is not None else 0
+needs_lib = pytest.mark.skipif(
+    LIB is None, reason="the CUDA copy library is not built (pip install -e . with nvcc present)"
+)
+needs_gpu = pytest.mark.skipif(
+    NUM_GPUS == 0, reason="needs a CUDA GPU and the built CUDA copy library"
+)
+
+
+def _buffer(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=g)
+
+
+def _pinnable(nbytes: int, seed: int) -> torch.Tensor:
+    """Random bytes in a private anonymous mapping: page-aligned, sharing no page with any other
+    allocation, so registering it with CUDA cannot collide with another registration."""
+    t = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.int8)
+    t.copy_(_buffer(nbytes, seed))
+    return t
+
+
+def _reference_copy(
+    regions: np.ndarray,
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    src_buf: np.ndarray,
+    src_base: int,
+    dst_buf: np.ndarray,
+    dst_base: int,
+) -> None:
+    """The semantics of a job, one pair at a time, on byte arrays standing for the memory."""
+    for r in regions:
+        for p in range(int(r["pair_begin"]), int(r["pair_begin"]) + int(r["pair_count"])):
+            offs = []
+            for side, ids, base in (("src", src_ids, src_base), ("dst", dst_ids, dst_base)):
+                s = r[side]
+                i = int(ids[p])
+                k = int(s["sub_blocks"])
+                addr = (
+                    int(s["base"])
+                    + (i // k) * int(s["block_stride"])
+                    + (i % k) * int(s["sub_stride"])
+                )
+                offs.append(addr - base)
+            n = int(r["bytes"])
+            dst_buf[offs[1] : offs[1] + n] = src_buf[offs[0] : offs[0] + n]
+
+
+def _job(
+    src: torch.Tensor, dst: torch.Tensor, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A job with two groups: a per-layer-like region set with sub-blocks, and a plain one."""
+    rng = np.random.default_rng(seed)
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    # group 0: src blocks of 96 bytes (stride 128); dst rows of 3 sub-blocks of 100 (stride 320).
+    # group 1: 64-byte pages both sides, contiguous blocks (adjacent copies get merged).
+    n0, n1 = 5, 6
+    src_ids = np.concatenate([rng.choice(16, n0, replace=False), np.arange(3, 3 + n1)]).astype(
+        np.int64
+    )
+    dst_ids = np.concatenate([rng.choice(8 * 3, n0, replace=False), np.arange(10, 10 + n1)]).astype(
+        np.int64
+    )
+    regions = ops.make_regions(
+        [
+            ops.CopyRegion(
+                ops.BlockSide(s0, 128, 16), ops.BlockSide(d0, 320, 8, 3, 100), 96, 0, n0
+            ),
+            ops.CopyRegion(
+                ops.BlockSide(s0 + 2048, 128, 16),
+                ops.BlockSide(d0 + 2560, 320, 8, 3, 100),
+                100,
+                0,
+                n0,
+            ),
+            ops.CopyRegion(
+                ops.BlockSide(s0 + 4096, 64, 16), ops.BlockSide(d0 + 5120, 64, 32), 64, n0, n1
+            ),
+        ]
+    )
+    return regions, src_ids, dst_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch backend
+# ---------------------------------------------------------------------------------------------
+
+
+def test_region_dtype_matches_c_layout() -> None:
+    assert ops.REGION_DTYPE.itemsize == 104
+    assert ops.BLOCK_SIDE_DTYPE.itemsize == 40
+    if LIB is not None:
+        assert LIB.raw.kvo_copy_region_size() == ops.REGION_DTYPE.itemsize
+        assert LIB.raw.kvo_abi_version() == ops.ABI_VERSION
+
+
+def test_torch_copy_blocks_matches_reference_and_leaves_other_bytes() -> None:
+    src, dst = _buffer(8192, 1), _buffer(8192, 2)
+    regions, src_ids, dst_ids = _job(src, dst, seed=3)
+    expected = dst.numpy().copy()
+    _reference_copy(
+        regions, src_ids, dst_ids, src.numpy(), src.data_ptr(), expected, dst.data_ptr()
+    )
+    before_src = src.clone()
+    ops.copy_blocks(regions, src_ids, dst_ids, backend="torch")
+    assert np.array_equal(dst.numpy(), expected)
+    assert torch.equal(src, before_src)
+    assert not np.array_equal(expected, _buffer(8192, 2).numpy()), "the job must move something"
+
+
+def test_expand_copies_merges_adjacent_copies() -> None:
+    src, dst = _buffer(4096, 1), _buffer(4096, 2)
+    regions = ops.make_regions(
+        [
+            ops.CopyRegion(
+                ops.BlockSide(src.data_ptr(), 64, 32),
+                ops.BlockSide(dst.data_ptr(), 64, 32),
+                64,
+                0,
+                6,
+            )
+        ]
+    )
+    ids_src = np.array([0, 1, 2, 7, 8, 20], dtype=np.int64)
+    ids_dst = np.array([4, 5, 6, 9, 10, 0], dtype=np.int64)
+    d, s, n = ops.expand_copies(regions, ids_src, ids_dst)
+    assert n.tolist() == [192, 128, 64]
+    assert (d - dst.data_ptr()).tolist() == [256, 576, 0]
+    assert (s - src.data_ptr()).tolist() == [0, 448, 1280]
+    ops.copy_blocks(regions, ids_src, ids_dst, backend="torch")
+    for a, b in zip(ids_src, ids_dst, strict=True):
+        assert torch.equal(dst[b * 64 : b * 64 + 64], src[a * 64 : a * 64 + 64])
+
+
+def test_host_memmove_parallel_split_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.HOST_COPY_THREADS_ENV, "3")
+    rows, row = 96, 64 << 10  # 6 MiB: above the threshold for splitting across threads
+    src, dst = _buffer(rows * row, 5), torch.zeros(rows * row + row, dtype=torch.int8)
+    perm = np.random.default_rng(0).permutation(rows).astype(np.int64)
+    regions = ops.make_regions(
+        [
+            ops.CopyRegion(
+                ops.BlockSide(src.data_ptr(), row, rows),
+                ops.BlockSide(dst.data_ptr() + row, row, rows),
+                row,
+                0,
+                rows,
+            )
+        ]
+    )
+    ops.copy_blocks(regions, np.arange(rows), perm, backend="torch")
+    out = dst[row:].view(rows, row)
+    assert torch.equal(out[torch.from_numpy(perm)], src.view(rows, row))
+    assert not dst[:row].any()
+    # Copies larger than a chunk (one of 5 MiB + 3 bytes, odd offsets) are cut into pieces.
+    big = (5 << 20) + 3
+    dst.zero_()
+    ops.swap_blocks_batch(
+        [src.data_ptr() + 1, src.data_ptr() + big + 7],
+        [dst.data_ptr() + 5, dst.data_ptr() + big + 9],
+        [big, 1000],
+        backend="torch",
+    )
+    assert torch.equal(dst[5 : 5 + big], src[1 : 1 + big])
+    assert torch.equal(dst[big + 9 : big + 1009], src[big + 7 : big + 1007])
+    assert not dst[:5].any() and not dst[5 + big : big + 9].any() and not dst[big + 1009 :].any()
+
+
+def test_swap_blocks_batch_torch() -> None:
+    src, dst = _buffer(1024, 7), torch.zeros(1024, dtype=torch.int8)
+    s, d = src.data_ptr(), dst.data_ptr()
+    ops.swap_blocks_batch([s, s + 512], [d + 512, d], [100, 200], backend="torch")
+    assert torch.equal(dst[512:612], src[:100]) and torch.equal(dst[:200], src[512:712])
+    assert not dst[200:512].any() and not dst[612:].any()
+    with pytest.raises(ops.CopyArgumentError, match="overlap"):
+        ops.swap_blocks_batch([s], [s + 10], [20], backend="torch")
+    with pytest.raises(ops.CopyArgumentError, match="sizes"):
+        ops.swap_blocks_batch([s], [d], [0], backend="torch")
+
+
+def test_copy_backend_is_logged_and_overridable(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv(ops.BACKEND_ENV, "torch")
+        ops._reset_backend_for_tests()
+        assert ops.copy_backend() == "torch"
+        monkeypatch.setenv(ops.BACKEND_ENV, "auto")
+        ops._reset_backend_for_tests()
+        assert ops.copy_backend() == ("cuda" if NUM_GPUS else "torch")
+        if NUM_GPUS == 0:
+            monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
+            ops._reset_backend_for_tests()
+            with pytest.raises(RuntimeError, match="unusable"):
+                ops.copy_backend()
+    finally:
+        ops._reset_backend_for_tests()
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: Python twin and C library agree
+# ---------------------------------------------------------------------------------------------
+
+
+def _valid_job() -> tuple[list[ops.CopyRegion], list[int], list[int]]:
+    src = ops.BlockSide(base=0x10000, block_stride=256, num_blocks=8)
+    dst = ops.BlockSide(
+        base=0x100000, block_stride=1024, num_blocks=4, sub_blocks=4, sub_stride=256
+    )
+    return [ops.CopyRegion(src, dst, 200, 0, 3)], [0, 5, 7], [0, 9, 15]
+
+
+def _bad_jobs() -> dict[str, tuple[list[ops.CopyRegion], list[int], list[int]]]:
+    (r,), s, d = _valid_job()
+    src, dst = r.src, r.dst
+
+    def with_(**kw: Any) -> ops.CopyRegion:
+        return dataclasses.replace(r, **kw)
+
+    def side(orig: ops.BlockSide, **kw: int) -> ops.BlockSide:
+        return dataclasses.replace(orig, **kw)
+
+    return {
+        "zero bytes": ([with_(bytes=0)], s, d),
+        "null src base": ([with_(src=side(src, base=0))], s, d),
+        "no blocks": ([with_(dst=side(dst, num_blocks=0))], s, d),
+        "zero sub_blocks": ([with_(dst=side(dst, sub_blocks=0))], s, d),
+        "bytes > sub_stride": ([with_(bytes=257)], s, d),
+        "blocks overlap": ([with_(dst=side(dst, block_stride=700))], s, d),
+        "src page > stride": ([with_(bytes=250, src=side(src, block_stride=200))], s, d),
+        "wraps": ([with_(src=side(src, base=(1 << 64) - 1000))], s, d),
+        "pairs past end": ([with_(pair_begin=1)], s, d),
+        "negative count": ([with_(pair_count=-1)], s, d),
+        "src id too big": ([with_()], [0, 8, 7], d),
+        "dst id too big": ([with_()], s, [0, 9, 16]),
+        "negative id": ([with_()], [0, -1, 7], d),
+        "duplicate dst": ([with_()], s, [9, 0, 9]),
+        "src/dst overlap": ([with_(dst=side(dst, base=0x10100))], s, d),
+        "length mismatch": ([with_()], s, [0, 9]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_jobs()))
+def test_bad_arguments_rejected_by_python_and_library(case: str) -> None:
+    regions, s, d = _bad_jobs()[case]
+    arr = ops.make_regions(regions)
+    with pytest.raises(ops.CopyArgumentError):
+        ops.check_copy_blocks(arr, s, d)
+    with pytest.raises(ops.CopyArgumentError):
+        ops.copy_blocks(arr, s, d, backend="torch")  # refused before any byte is touched
+    if LIB is not None:
+        with pytest.raises(ops.CopyArgumentError):
+            LIB.check_copy_blocks(arr, np.asarray(s, np.int64), np.asarray(d, np.int64))
+
+
+def test_valid_arguments_accepted_by_python_and_library() -> None:
+    regions, s, d = _valid_job()
+    arr = ops.make_regions(regions)
+    ops.check_copy_blocks(arr, s, d)
+    if LIB is not None:
+        LIB.check_copy_blocks(arr, np.asarray(s, np.int64), np.asarray(d, np.int64))
+
+
+_U64 = st.sampled_from([0, 1, 64, 100, 256, 4096, 1 << 40, (1 << 64) - 4096, (1 << 64) - 1])
+
+
+@st.composite
+def _side(draw: st.DrawFn) -> ops.BlockSide:
+    return ops.BlockSide(
+        base=draw(_U64),
+        block_stride=draw(st.sampled_from([0, 64, 100, 256, 1024, 1 << 62])),
+        num_blocks=draw(st.integers(-1, 6)),
+        sub_blocks=draw(st.integers(-1, 4)),
+        sub_stride=draw(st.sampled_from([0, 50, 64, 100, 256])),
+    )
+
+
+@needs_lib
+@settings(max_examples=300, deadline=None)
+@given(
+    regions=st.lists(
+        st.builds(
+            ops.CopyRegion,
+            src=_side(),
+            dst=_side(),
+            bytes=st.sampled_from([0, 1, 50, 64, 100]),
+            pair_begin=st.integers(-1, 5),
+            pair_count=st.integers(-1, 5),
+        ),
+        max_size=3,
+    ),
+    ids=st.lists(st.tuples(st.integers(-1, 25), st.integers(-1, 25)), max_size=5),
+)
+def test_python_and_library_checks_agree(
+    regions: list[ops.CopyRegion], ids: list[tuple[int, int]]
+) -> None:
+    assert LIB is not None
+    arr = ops.make_regions(regions)
+    s = np.array([a for a, _ in ids], dtype=np.int64)
+    d = np.array([b for _, b in ids], dtype=np.int64)
+    outcomes = []
+    for check in (ops.check_copy_blocks, LIB.check_copy_blocks):
+        try:
+            check(arr, s, d)
+            outcomes.append(True)
+        except ops.CopyArgumentError:
+            outcomes.append(False)
+    assert outcomes[0] == outcomes[1], f"python accepts={outcomes[0]}, C accepts={outcomes[1]}"
+    event("accepted" if outcomes[0] else "rejected")
+
+
+@needs_lib
+def test_library_entry_points_reject_null_and_bad_handles() -> None:
+    assert LIB is not None
+    raw = LIB.raw
+    bad = ops.KVO_ERR_INVALID_ARGUMENT
+    regions, s, d = _valid_job()
+    arr = ops.make_regions(regions)
+    si, di = np.asarray(s, np.int64), np.asarray(d, np.int64)
+    assert raw.kvo_check_copy_blocks(None, 1, si.ctypes.data, di.ctypes.data, 3) == bad
+    assert "regions is NULL" in LIB.last_error()
+    assert raw.kvo_check_copy_blocks(arr.ctypes.data, 1, None, di.ctypes.data, 3) == bad
+    assert raw.kvo_check_copy_blocks(arr.ctypes.data, -1, None, None, 0) == bad
+    assert raw.kvo_check_copy_blocks(arr.ctypes.data, 1, si.ctypes.data, di.ctypes.data, -2) == bad
+    assert raw.kvo_check_copy_blocks(None, 0, None, None, 0) == ops.KVO_OK
+    assert LIB.last_error() == ""
+    args = (arr.ctypes.data, 1, si.ctypes.data, di.ctypes.data, 3)
+    assert raw.kvo_copy_blocks(*args, 7, 0, None) == bad  # unknown method
+    assert "method" in LIB.last_error()
+    assert raw.kvo_copy_blocks(*args, 2, -1, None) == bad
+    assert raw.kvo_copy_blocks(*args, 2, 70000, None) == bad
+    assert raw.kvo_copy_blocks(None, 1, si.ctypes.data, di.ctypes.data, 3, 0, 0, None) == bad
+    assert raw.kvo_memcpy_batch(None, None, None, -1, None) == bad
+    assert raw.kvo_memcpy_batch(None, None, None, 2, None) == bad
+    assert raw.kvo_memcpy_batch(None, None, None, 0, None) == ops.KVO_OK
+    assert raw.kvo_device_count(None) == bad
+    assert raw.kvo_get_device(None) == bad
+    assert raw.kvo_set_device(-1) == bad
+    assert raw.kvo_dma_batch_available(None) == bad
+    assert raw.kvo_stream_create(None, 0) == bad
+    assert raw.kvo_stream_destroy(None) == bad
+    assert raw.kvo_stream_wait_event(None, None) == bad
+    assert raw.kvo_event_create(None, 1) == bad
+    assert raw.kvo_event_destroy(None) == bad
+    assert raw.kvo_event_record(None, None) == bad
+    assert raw.kvo_event_query(None, None) == bad
+    assert raw.kvo_event_synchronize(None) == bad
+    assert raw.kvo_event_elapsed_ms(None, None, None) == bad
+    buf = ctypes.create_string_buffer(64)
+    assert raw.kvo_host_register(None, 64, 0, None) == bad
+    assert raw.kvo_host_register(ctypes.addressof(buf), 0, 0, None) == bad
+    assert raw.kvo_host_register(ctypes.addressof(buf), 64, 0x80, None) == bad
+    assert "flags" in LIB.last_error()
+    assert raw.kvo_host_unregister(None) == bad
+    assert raw.kvo_host_get_device_pointer(0, None) == bad
+    assert raw.kvo_device_malloc(0, None) == bad
+    assert raw.kvo_device_free(0) == bad
+    assert raw.kvo_memcpy_sync(0, 1, 1) == bad
+    assert raw.kvo_memset_sync(0, 0, 1) == bad
+
+
+@needs_lib
+@pytest.mark.skipif(NUM_GPUS > 0, reason="checks the no-GPU behaviour of the library")
+def test_library_without_gpu_reports_cuda_errors() -> None:
+    assert LIB is not None
+    assert LIB.device_count() == 0
+    assert LIB.dma_batch_available() is False
+    src, dst = _buffer(8192, 1), _buffer(8192, 2)
+    regions, s, d = _job(src, dst, seed=0)
+    before = dst.clone()
+    for method in ops.CopyMethod:
+        with pytest.raises(ops.CudaCopyError):
+            LIB.copy_blocks(regions, s, d, method, 0, 0)
+    assert torch.equal(dst, before)
+    with pytest.raises(ops.CudaCopyError):
+        LIB.stream_create()
+    with pytest.raises(ops.CudaCopyError):
+        LIB.event_create()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA backend
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("method", list(ops.CopyMethod))
+def test_cuda_copy_blocks_round_trip(method: ops.CopyMethod) -> None:
+    """Host -> device -> host with the job of the torch test: same bytes as the reference."""
+    assert LIB is not None
+    host = _pinnable(2 * 8192, 11)
+    host_src, host_out = host[:8192], host[8192:]
+    flags = ops.HOST_REGISTER_PORTABLE | ops.HOST_REGISTER_MAPPED
+    assert LIB.host_register(host.data_ptr(), host.numel(), flags)
+    stream = ops.CudaStream(LIB)
+    try:
+        with ops.DeviceBuffer(LIB, 8192) as dev:
+            dev.copy_from_host(_buffer(8192, 13).numpy())
+            # host_src -> dev
+            fake = torch.empty(8192, dtype=torch.int8)  # same geometry, to build the job
+            regions, s, d = _job(host_src, fake, seed=4)
+            shift = dev.ptr - fake.data_ptr()
+            regions["dst"]["base"] += np.uint64(shift % (1 << 64))
+            expected_dev = _buffer(8192, 13).numpy().copy()
+            _reference_copy(
+                regions, s, d, host_src.numpy(), host_src.data_ptr(), expected_dev, dev.ptr
+            )
+            ops.copy_blocks(regions, s, d, backend="cuda", method=method, stream=stream.handle)
+            # dev -> host_out, the same pairs reversed
+            back = regions.copy()
+            back["src"], back["dst"] = regions["dst"], regions["src"]
+            back["dst"]["base"] += np.uint64(
+                (host_out.data_ptr() - host_src.data_ptr()) % (1 << 64)
+            )
+            expected_out = host_out.numpy().copy()
+            _reference_copy(back, d, s, expected_dev, dev.ptr, expected_out, host_out.data_ptr())
+            ops.copy_blocks(back, d, s, backend="cuda", method=method, stream=stream.handle)
+            stream.synchronize()
+            got_dev = np.empty(8192, dtype=np.int8)
+            dev.copy_to_host(got_dev)
+            assert np.array_equal(got_dev, expected_dev)
+            assert np.array_equal(host_out.numpy(), expected_out)
+    finally:
+        stream.close()
+        LIB.host_unregister(host.data_ptr())
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_kernel_path_rejects_unregistered_host_memory() -> None:
+    assert LIB is not None
+    host = _buffer(8192, 1)
+    with ops.DeviceBuffer(LIB, 8192) as dev:
+        regions = ops.make_regions(
+            [
+                ops.CopyRegion(
+                    ops.BlockSide(host.data_ptr(), 64, 8), ops.BlockSide(dev.ptr, 64, 8), 64, 0, 1
+                )
+            ]
+        )
+        with pytest.raises(ops.CopyArgumentError, match="registered"):
+            LIB.copy_blocks(regions, np.array([0]), np.array([1]), ops.CopyMethod.KERNEL, 0, 0)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_kernel_unaligned_and_odd_sizes() -> None:
+    """Scalar head/tail and every vector width: odd offsets and sizes, checked byte for byte."""
+    assert LIB is not None
+    host = _pinnable(1 << 16, 21)
+    flags = ops.HOST_REGISTER_PORTABLE | ops.HOST_REGISTER_MAPPED
+    assert LIB.host_register(host.data_ptr(), host.numel(), flags)
+    try:
+        with ops.DeviceBuffer(LIB, 1 << 16) as dev:
+            init = _buffer(1 << 16, 22).numpy()
+            dev.copy_from_host(init)
+            expected = init.copy()
+            regions = []
+            for i, (src_off, dst_off, n) in enumerate(
+                [(0, 0, 4096), (1, 3, 1001), (2, 18, 777), (4, 40, 999), (8, 24, 1500), (16, 0, 17)]
+            ):
+                base = 8192 * i
+                regions.append(
+                    ops.CopyRegion(
+                        ops.BlockSide(host.data_ptr() + base + src_off, 4096 + 32, 1),
+                        ops.BlockSide(dev.ptr + base + dst_off, 4096 + 32, 1),
+                        n,
+                        0,
+                        1,
+                    )
+                )
+                expected[base + dst_off : base + dst_off + n] = host.numpy()[
+                    base + src_off : base + src_off + n
+                ]
+            arr = ops.make_regions(regions)
+            LIB.copy_blocks(arr, np.array([0]), np.array([0]), ops.CopyMethod.KERNEL, 3, 0)
+            LIB.stream_synchronize(0)
+            got = np.empty(1 << 16, dtype=np.int8)
+            dev.copy_to_host(got)
+            assert np.array_equal(got, expected)
+    finally:
+        LIB.host_unregister(host.data_ptr())
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_events_and_streams() -> None:
+    assert LIB is not None
+    stream = ops.CudaStream(LIB)
+    start, end = ops.CudaEvent(LIB), ops.CudaEvent(LIB)
+    try:
+        start.record(stream.handle)
+        end.record(stream.handle)
+        end.synchronize()
+        assert end.query()
+        assert start.elapsed_ms(end) >= 0.0
+        assert LIB.dma_batch_available() in (True, False)
+    finally:
+        for r in (start, end, stream):
+            r.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("cmake") is None
+    or not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")),
+    reason="needs cmake and nvcc to build csrc/",
+)
+def test_library_builds_with_cmake_and_nvcc(tmp_path: Path) -> None:
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    cmake = shutil.which("cmake")
+    assert cmake is not None
+    build = tmp_path / "build"
+    subprocess.run(
+        [
+            cmake,
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DCMAKE_CUDA_COMPILER={nvcc}",
+            "-DCMAKE_CUDA_ARCHITECTURES=80;90",
+            f"-DKVO_OUTPUT_DIR={tmp_path}",
+            "-DKVO_OUTPUT_NAME=libkvo_test.so",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [cmake, "--build", str(build), "--parallel", "2"], check=True, capture_output=True
+    )
+    lib = ops.CudaCopyLibrary(tmp_path / "libkvo_test.so")
+    assert lib.raw.kvo_abi_version() == ops.ABI_VERSION
+    lib.check_copy_blocks(ops.make_regions([]), np.zeros(0, np.int64), np.zeros(0, np.int64))

@@ -1,0 +1,624 @@
+"""Tests of the GPU <-> CPU handlers: bit-exact round trips for every layout, block-size factor
+and group combination (whole GPU and CPU memory compared against an independent per-block
+reference, so bytes outside a job are checked untouched), ordering, wait, FIFO and failures.
+
+The torch path (KV cache in host memory) always runs; the CUDA paths (DMA and kernel, KV cache in
+device memory allocated through the copy library) run when a GPU is present."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, _CrossDirectionOrder
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.worker.canonical import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    KVCacheLayout,
+    build_canonical_kv_caches,
+)
+from vllm.v1.kv_offload.worker.worker import OffloadingWorker, TransferResult, TransferSpec
+
+LIB = ops.cuda_library()
+HAS_GPU = LIB is not None and LIB.device_count() > 0
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built copy library")
+
+PATHS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("dma", id="cuda-dma", marks=[pytest.mark.cuda, needs_gpu]),
+    pytest.param("kernel", id="cuda-kernel", marks=[pytest.mark.cuda, needs_gpu]),
+]
+LAYOUTS = list(KVCacheLayout)
+NUM_LAYERS, NUM_GPU_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 40, 4, 2, 8
+LAYER_GAP = 256  # bytes between layer tensors, checked untouched like everything else
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: a "GPU" KV cache (host or device memory) and CPU memory, both fully snapshot-able
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    """One group combination: per-group factors, layer sets and unpadded page sizes."""
+
+    name: str
+    factors: tuple[int, ...]
+    layer_groups: list[list[int]] | None
+    unpadded: tuple[int | None, ...] | None  # bytes less than the full page, per group
+
+
+CONFIGS = [
+    Config("1group-k1", (1,), None, None),
+    Config("1group-k4", (4,), None, None),
+    Config("2groups-disjoint-k1k2", (1, 2), [[0, 1], [2]], None),
+    Config("2groups-shared-k2k4-unpadded", (2, 4), [[0, 1, 2], [0, 1, 2]], (None, 40)),
+]
+
+
+def _layer_shape(layout: KVCacheLayout) -> tuple[int, ...]:
+    if layout is KVCacheLayout.KV_FIRST:
+        return (2, NUM_GPU_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    if layout is KVCacheLayout.BLOCKS_FIRST:
+        return (NUM_GPU_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
+    return (NUM_GPU_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
+
+
+class Setup:
+    """KV caches + CPU memory + handlers registered in a worker, for one test."""
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        config: Config,
+        path: str,
+        num_cpu_blocks: int = 16,
+        region: SharedOffloadRegion | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.layout, self.config, self.path = layout, config, path
+        gen = torch.Generator().manual_seed(seed)
+        shape = _layer_shape(layout)
+        nbytes = math.prod(shape) * 2  # float16
+        count = 1 if layout is KVCacheLayout.CROSS_LAYER else NUM_LAYERS
+        total = count * (nbytes + LAYER_GAP) + LAYER_GAP
+        self.gpu_host = torch.randint(-128, 128, (total,), dtype=torch.int8, generator=gen)
+        layers = []
+        for i in range(count):
+            off = LAYER_GAP + i * (nbytes + LAYER_GAP)
+            layers.append(self.gpu_host[off : off + nbytes].view(torch.float16).view(shape))
+        layer_groups = config.layer_groups
+        if layout is KVCacheLayout.CROSS_LAYER and layer_groups is not None:
+            layer_groups = [[0] for _ in layer_groups]
+        page_bytes = None
+        if config.unpadded is not None:
+            full = build_canonical_kv_caches(layers, layout).tensors[0].page_size_bytes
+            page_bytes = [None if u is None else full - u for u in config.unpadded]
+        host_kv = build_canonical_kv_caches(layers, layout, layer_groups, page_bytes)
+        self.dev: ops.DeviceBuffer | None = None
+        if path == "torch":
+            self.kv = host_kv
+            self.gpu_base = self.gpu_host.data_ptr()
+        else:
+            assert LIB is not None
+            self.dev = ops.DeviceBuffer(LIB, total)
+            self.dev.copy_from_host(self.gpu_host.numpy())
+            self.gpu_base = self.dev.ptr
+            self.kv = CanonicalKVCaches(
+                tuple(
+                    dataclasses.replace(
+                        t,
+                        ptr=self.dev.ptr + (t.ptr - self.gpu_host.data_ptr()),
+                        on_device=True,
+                        tensor=None,
+                        owner=self.dev,
+                    )
+                    for t in host_kv.tensors
+                ),
+                host_kv.group_data_refs,
+            )
+        kmax = max(config.factors)
+        self.region = region
+        if region is None:
+            pages = sum(t.page_size_bytes for t in self.kv.tensors) * kmax
+            self.row_bytes = pages + 48  # padding after the worker's slot, checked untouched
+            # A private mapping: page-aligned, so the handlers can pin it on the CUDA paths.
+            self.cpu_mem = torch.frombuffer(
+                mmap.mmap(-1, num_cpu_blocks * self.row_bytes), dtype=torch.int8
+            )
+            self.cpu_mem.copy_(
+                torch.randint(-128, 128, self.cpu_mem.shape, dtype=torch.int8, generator=gen)
+            )
+            views, off = [], 0
+            for t in self.kv.tensors:
+                page = t.page_size_bytes * kmax
+                views.append(
+                    torch.as_strided(self.cpu_mem, (num_cpu_blocks, page), (self.row_bytes, 1), off)
+                )
+                off += page
+            self.handlers = CpuGpuOffloadingHandlers(
+                self.kv,
+                config.factors,
+                cpu_views=views,
+                copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
+            )
+        else:
+            self.row_bytes = region.row_bytes
+            self.cpu_mem = torch.frombuffer(region.create_kv_memoryview(), dtype=torch.int8)
+            self.cpu_mem.copy_(
+                torch.randint(-128, 128, self.cpu_mem.shape, dtype=torch.int8, generator=gen)
+            )
+            self.handlers = CpuGpuOffloadingHandlers(
+                self.kv,
+                config.factors,
+                region=region,
+                copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
+            )
+        self.cpu_base = self.cpu_mem.data_ptr()
+        self.worker = OffloadingWorker()
+        self.handlers.register(self.worker)
+        self.job_id = 0
+
+    # -- memory snapshots ------------------------------------------------------------------------
+
+    def gpu_bytes(self) -> np.ndarray:
+        if self.dev is None:
+            return self.gpu_host.numpy().copy()
+        out = np.empty(self.dev.nbytes, dtype=np.int8)
+        self.dev.copy_to_host(out)
+        return out
+
+    def cpu_bytes(self) -> np.ndarray:
+        return self.cpu_mem.numpy().copy()
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    def submit(self, spec: TransferSpec) -> int:
+        self.job_id += 1
+        assert self.worker.transfer_async(self.job_id, spec)
+        return self.job_id
+
+    def finish(self, job_ids: Sequence[int]) -> list[TransferResult]:
+        self.worker.wait(set(job_ids))
+        results = self.worker.get_finished()
+        assert [r.job_id for r in results] == list(job_ids)
+        return results
+
+    def reference(
+        self,
+        gpu_spec: GPULoadStoreSpec,
+        cpu_spec: CPULoadStoreSpec,
+        store: bool,
+        gpu: np.ndarray,
+        cpu: np.ndarray,
+    ) -> None:
+        """Apply a job to snapshots, one block and one tensor at a time (the documented rule)."""
+        gpu_ids, cpu_ids = gpu_spec.block_ids.tolist(), cpu_spec.block_ids.tolist()
+        views = self.handlers.cpu_views
+        gi = ci = 0
+        for g, n in enumerate(gpu_spec.group_sizes):
+            k = self.config.factors[g]
+            skip = gpu_spec.block_indices[g] % k
+            for m in range(n):
+                row, sub = cpu_ids[ci + (skip + m) // k], (skip + m) % k
+                for ref in self.kv.group_data_refs[g]:
+                    t = self.kv.tensors[ref.tensor_idx]
+                    goff = t.ptr - self.gpu_base + gpu_ids[gi + m] * t.row_stride_bytes
+                    view_off = views[ref.tensor_idx].data_ptr() - self.cpu_base
+                    coff = view_off + row * self.row_bytes + sub * t.page_size_bytes
+                    nb = ref.page_size_bytes
+                    if store:
+                        cpu[coff : coff + nb] = gpu[goff : goff + nb]
+                    else:
+                        gpu[goff : goff + nb] = cpu[coff : coff + nb]
+            gi += n
+            ci += -(-(skip + n) // k) if n else 0
+
+    def close(self) -> None:
+        self.handlers.shutdown()
+        if self.dev is not None:
+            self.dev.close()
+
+
+def _specs(
+    gpu_pool: list[int],
+    cpu_rows: list[list[int]],
+    block_indices: Sequence[int],
+    counts: Sequence[int],
+) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    """GPU blocks drawn from ``gpu_pool`` (consumed), CPU rows given per group."""
+    gpu_ids = [gpu_pool.pop() for _ in range(sum(counts))]
+    return (
+        GPULoadStoreSpec(gpu_ids, counts, block_indices),
+        CPULoadStoreSpec([r for rows in cpu_rows for r in rows]),
+    )
+
+
+@pytest.fixture
+def setups() -> Iterator[list[Setup]]:
+    made: list[Setup] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
+def test_round_trip_is_bit_exact(
+    layout: KVCacheLayout, config: Config, path: str, setups: list[Setup]
+) -> None:
+    s = Setup(layout, config, path)
+    setups.append(s)
+    rng = np.random.default_rng(7)
+    groups = len(config.factors)
+    gpu_pool = [int(x) for x in rng.permutation(NUM_GPU_BLOCKS)]
+    cpu_free = [int(x) for x in rng.permutation(16)]
+    # Store: per group 2 full offloaded blocks (aligned, block_indices a multiple of k).
+    store_rows = [[cpu_free.pop(), cpu_free.pop()] for _ in range(groups)]
+    counts = [2 * k for k in config.factors]
+    gpu_spec, cpu_spec = _specs(gpu_pool, store_rows, [k * 3 for k in config.factors], counts)
+    g0, c0 = s.gpu_bytes(), s.cpu_bytes()
+    expected_cpu = c0.copy()
+    s.reference(gpu_spec, cpu_spec, True, g0.copy(), expected_cpu)
+    assert not np.array_equal(expected_cpu, c0)
+    [res] = s.finish([s.submit(TransferSpec(gpu_spec, cpu_spec))])
+    assert res.success and res.transfer_type == ("GPU", "CPU")
+    assert res.transfer_size == sum(
+        n * sum(r.page_size_bytes for r in refs)
+        for n, refs in zip(counts, s.kv.group_data_refs, strict=True)
+    )
+    assert np.array_equal(s.cpu_bytes(), expected_cpu)
+    assert np.array_equal(s.gpu_bytes(), g0)
+
+    # Load the same rows into fresh GPU blocks: the first offloaded block only partly used when
+    # k > 1 (block_indices % k == k - 1: one sub-block of it).
+    skips = [k - 1 for k in config.factors]
+    load_counts = [2 * k - skip for k, skip in zip(config.factors, skips, strict=True)]
+    load_gpu, load_cpu = _specs(
+        gpu_pool,
+        store_rows,
+        [5 * k + sk for k, sk in zip(config.factors, skips, strict=True)],
+        load_counts,
+    )
+    expected_gpu = g0.copy()
+    s.reference(load_gpu, load_cpu, False, expected_gpu, expected_cpu.copy())
+    [res] = s.finish([s.submit(TransferSpec(load_cpu, load_gpu))])
+    assert res.success and res.transfer_type == ("CPU", "GPU")
+    assert np.array_equal(s.gpu_bytes(), expected_gpu)
+    assert np.array_equal(s.cpu_bytes(), expected_cpu)
+
+    # Direct round-trip check: each loaded GPU block equals the stored GPU block it came from.
+    got = s.gpu_bytes()
+    gi = 0
+    store_ids = gpu_spec.block_ids.tolist()
+    for g in range(len(config.factors)):
+        for m in range(load_counts[g]):
+            src_block = store_ids[sum(counts[:g]) + skips[g] + m]
+            dst_block = load_gpu.block_ids[gi + m]
+            for ref in s.kv.group_data_refs[g]:
+                t = s.kv.tensors[ref.tensor_idx]
+                a = t.ptr - s.gpu_base + src_block * t.row_stride_bytes
+                b = t.ptr - s.gpu_base + int(dst_block) * t.row_stride_bytes
+                n = ref.page_size_bytes
+                assert np.array_equal(got[b : b + n], g0[a : a + n]), (g, m, ref)
+        gi += load_counts[g]
+
+
+def _store_into_region(path: str, region: SharedOffloadRegion) -> tuple[np.ndarray, np.ndarray]:
+    """Store two offloaded blocks through a region; return (CPU bytes before, expected after)."""
+    s = Setup(KVCacheLayout.KV_FIRST, Config("1group-k2", (2,), None, None), path, region=region)
+    try:
+        assert s.row_bytes == region.row_bytes >= 2 * region.worker_page_bytes
+        gpu_spec = GPULoadStoreSpec([3, 4, 9, 10], [4], [0])
+        cpu_spec = CPULoadStoreSpec([11, 0])
+        before = s.cpu_bytes()
+        expected = before.copy()
+        s.reference(gpu_spec, cpu_spec, True, s.gpu_bytes(), expected)
+        [res] = s.finish([s.submit(TransferSpec(gpu_spec, cpu_spec))])
+        assert res.success
+        assert np.array_equal(s.cpu_bytes(), expected)
+        return before, expected
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_shared_region_rows_keep_other_workers_bytes(path: str, tmp_path: Path) -> None:
+    # Worker 1 of 2: its slot follows worker 0's in every row; it moves 3 layers x K/V planes of
+    # (block_size * heads * head_dim * 2) bytes, k = 2 GPU blocks per offloaded block.
+    worker_page = NUM_LAYERS * 2 * (BLOCK_SIZE * HEADS * HEAD_DIM * 2) * 2
+    region = SharedOffloadRegion(
+        "kvo-test-gpu-worker", 12, worker_page, num_workers=2, rank=1, directory=tmp_path
+    )
+    try:
+        before, expected = _store_into_region(path, region)
+    finally:
+        region.cleanup()
+    rows_before = before.reshape(12, -1)
+    rows_after = expected.reshape(12, -1)
+    assert np.array_equal(rows_after[:, :worker_page], rows_before[:, :worker_page])
+    assert np.array_equal(rows_after[:, 2 * worker_page :], rows_before[:, 2 * worker_page :])
+    assert not np.array_equal(rows_after[11], rows_before[11])
+    assert np.array_equal(rows_after[1:11], rows_before[1:11])
+
+
+# ---------------------------------------------------------------------------------------------
+# Ordering, FIFO, wait
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_load_after_store_of_same_rows_reads_stored_bytes(path: str, setups: list[Setup]) -> None:
+    s = Setup(KVCacheLayout.CROSS_LAYER, CONFIGS[1], path)  # k = 4
+    setups.append(s)
+    g0 = s.gpu_bytes()
+    ids = []
+    # Three stores overwrite rows 2 and 5 in turn; a load issued right after them (no wait in
+    # between) must see the last store's bytes.
+    for first in (0, 8, 16):
+        ids.append(
+            s.submit(
+                TransferSpec(
+                    GPULoadStoreSpec(list(range(first, first + 8)), [8], [0]),
+                    CPULoadStoreSpec([2, 5]),
+                )
+            )
+        )
+    load = GPULoadStoreSpec(list(range(30, 38)), [8], [0])
+    ids.append(s.submit(TransferSpec(CPULoadStoreSpec([2, 5]), load)))
+    results = s.finish(ids)
+    assert all(r.success for r in results)
+    got = s.gpu_bytes()
+    t = s.kv.tensors[0]
+    for m in range(8):
+        a = t.ptr - s.gpu_base + (16 + m) * t.row_stride_bytes
+        b = t.ptr - s.gpu_base + (30 + m) * t.row_stride_bytes
+        assert np.array_equal(got[b : b + t.page_size_bytes], g0[a : a + t.page_size_bytes])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_store_after_load_of_same_rows_does_not_clobber_the_load(
+    path: str, setups: list[Setup]
+) -> None:
+    s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[0], path)  # k = 1
+    setups.append(s)
+    first = s.submit(
+        TransferSpec(GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), CPULoadStoreSpec([2, 5, 7, 9]))
+    )
+    s.finish([first])
+    g0 = s.gpu_bytes()
+    # The load reads rows 2, 5, 7, 9; the stores submitted right after it overwrite those rows
+    # (and one reads a GPU block the load writes): the load must still get the first contents.
+    load = s.submit(
+        TransferSpec(CPULoadStoreSpec([2, 5, 7, 9]), GPULoadStoreSpec([20, 21, 22, 23], [4], [0]))
+    )
+    stores = [
+        s.submit(
+            TransferSpec(
+                GPULoadStoreSpec([10, 11, 12, 13], [4], [0]), CPULoadStoreSpec([2, 5, 7, 9])
+            )
+        ),
+        s.submit(TransferSpec(GPULoadStoreSpec([23], [1], [0]), CPULoadStoreSpec([3]))),
+    ]
+    s.worker.wait({load, *stores})
+    assert all(r.success for r in s.worker.get_finished())
+    got = s.gpu_bytes()
+    t = s.kv.tensors[0]
+    page = t.page_size_bytes
+    for src, dst in zip([0, 1, 2, 3], [20, 21, 22, 23], strict=True):
+        a = t.ptr - s.gpu_base + src * t.row_stride_bytes
+        b = t.ptr - s.gpu_base + dst * t.row_stride_bytes
+        assert np.array_equal(got[b : b + page], g0[a : a + page]), (src, dst)
+    # Row 3 got GPU block 23 as the load left it (block 3's bytes).
+    row3 = s.handlers.cpu_views[0][3, :page].numpy()
+    a = t.ptr - s.gpu_base + 3 * t.row_stride_bytes
+    assert np.array_equal(row3, g0[a : a + page])
+
+
+class _FakeEvent:
+    """Stands for a CUDA event: the ordering table only uses event identity."""
+
+
+def test_cross_direction_order_tracks_only_hazards() -> None:
+    order = _CrossDirectionOrder()
+    e1, e2, e3 = _FakeEvent(), _FakeEvent(), _FakeEvent()
+    order.add(True, [1, 2], [10, 11], e1)  # store: GPU 10, 11 -> rows 1, 2
+    order.add(True, [3], [12], e2)
+    assert order.hazards(True, [1, 2, 3], [10]) == []  # same direction: serialised elsewhere
+    assert order.hazards(False, [2], [99]) == [e1]  # load reading row 2 (RAW)
+    assert order.hazards(False, [50], [12]) == [e2]  # load overwriting GPU block 12 (WAR)
+    assert set(map(id, order.hazards(False, [1, 3], [11]))) == {id(e1), id(e2)}
+    order.add(True, [2], [13], e3)  # a later store takes row 2 over
+    order.remove(True, [1, 2], [10, 11], e1)
+    assert order.hazards(False, [1, 2], [10, 11]) == [e3]
+    order.add(False, [7], [30], e1)  # load: row 7 -> GPU 30
+    assert order.hazards(True, [7], []) == [e1] and order.hazards(True, [], [30]) == [e1]
+    order.remove(False, [7], [30], e1)
+    assert order.hazards(True, [7], [30]) == []
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_completions_are_fifo_and_wait_blocks_for_listed_jobs(
+    path: str, setups: list[Setup]
+) -> None:
+    s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[0], path)
+    setups.append(s)
+    ids = [
+        s.submit(TransferSpec(GPULoadStoreSpec([b], [1], [0]), CPULoadStoreSpec([b])))
+        for b in range(6)
+    ]
+    load_id = s.submit(TransferSpec(CPULoadStoreSpec([0]), GPULoadStoreSpec([20], [1], [0])))
+    s.worker.wait({ids[2]})
+    h = s.handlers.gpu_to_cpu_handler
+    done = s.worker.get_finished()
+    done_ids = [r.job_id for r in done]
+    # Stores come out in submission order and include at least every job up to the waited one.
+    store_done = [j for j in done_ids if j in ids]
+    assert store_done == ids[: len(store_done)] and len(store_done) >= 3
+    s.worker.wait(set(ids) | {load_id, 999})
+    rest = [r.job_id for r in s.worker.get_finished()]
+    assert sorted(done_ids + rest) == sorted([*ids, load_id])
+    assert [j for j in rest if j in ids] == ids[len(store_done) :]
+    assert s.worker.get_finished() == []
+    assert repr(h).startswith("SingleDirectionOffloadingHandler(GPU->CPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_jobs_are_reported_failed_and_touch_nothing(path: str, setups: list[Setup]) -> None:
+    s = Setup(KVCacheLayout.KV_FIRST, CONFIGS[2], path)  # groups k = (1, 2)
+    setups.append(s)
+    g0, c0 = s.gpu_bytes(), s.cpu_bytes()
+    bad: list[TransferSpec] = [
+        # CPU row out of range
+        TransferSpec(GPULoadStoreSpec([1, 2, 3], [1, 2], [0, 0]), CPULoadStoreSpec([0, 16])),
+        # GPU block out of range (load)
+        TransferSpec(CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([1, 2, 40], [1, 2], [0, 0])),
+        # too few CPU blocks for the GPU blocks of group 1
+        TransferSpec(GPULoadStoreSpec([1, 2, 3, 4], [1, 3], [0, 0]), CPULoadStoreSpec([0, 1])),
+        # too many CPU blocks
+        TransferSpec(GPULoadStoreSpec([1, 2], [1, 1], [0, 0]), CPULoadStoreSpec([0, 1, 2])),
+        # wrong number of groups
+        TransferSpec(GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0])),
+        # one GPU block loaded twice
+        TransferSpec(CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([5, 6, 6], [1, 2], [0, 0])),
+        # one CPU row stored twice
+        TransferSpec(
+            GPULoadStoreSpec([1, 2, 3, 4, 5], [1, 4], [0, 0]), CPULoadStoreSpec([0, 4, 4])
+        ),
+        # GPU spec on both sides
+        TransferSpec(GPULoadStoreSpec([1], [1, 0], [0, 0]), GPULoadStoreSpec([2], [1], [0])),
+    ]
+    ids = []
+    for spec in bad:
+        s.job_id += 1
+        ids.append(s.job_id)
+        assert s.worker.transfer_async(s.job_id, spec) is False
+    good = s.submit(
+        TransferSpec(GPULoadStoreSpec([1, 2, 3], [1, 2], [0, 0]), CPULoadStoreSpec([0, 1]))
+    )
+    s.worker.wait({good})
+    results = {r.job_id: r for r in s.worker.get_finished()}
+    assert set(results) == {*ids, good}
+    assert not any(results[j].success for j in ids)
+    assert results[good].success
+    assert np.array_equal(s.gpu_bytes(), g0)
+    expected = c0.copy()
+    s.reference(
+        GPULoadStoreSpec([1, 2, 3], [1, 2], [0, 0]), CPULoadStoreSpec([0, 1]), True, g0, expected
+    )
+    assert np.array_equal(s.cpu_bytes(), expected)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_copy_failure_is_reported_in_order(setups: list[Setup]) -> None:
+    """A job whose copy call fails (kernel path over memory unpinned behind its back) is reported
+    failed, in FIFO order, and the jobs around it still complete."""
+    assert LIB is not None
+    s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[0], "kernel")
+    setups.append(s)
+    [ptr] = s.handlers._registered
+    first = s.submit(TransferSpec(GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([1])))
+    s.worker.wait({first})
+    LIB.host_unregister(ptr)
+    try:
+        failing = s.submit(TransferSpec(GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([2])))
+    finally:
+        assert LIB.host_register(ptr, s.cpu_mem.untyped_storage().nbytes(), 3)
+    last = s.submit(TransferSpec(GPULoadStoreSpec([3], [1], [0]), CPULoadStoreSpec([3])))
+    s.worker.wait({last})
+    results = s.worker.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [
+        (first, True),
+        (failing, False),
+        (last, True),
+    ]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")
+def test_device_kv_cache_without_gpu_is_refused() -> None:
+    fake = CanonicalKVCacheTensor(
+        ptr=1 << 40, num_blocks=4, page_size_bytes=64, row_stride_bytes=64, on_device=True
+    )
+    kv = CanonicalKVCaches((fake,), ((CanonicalKVCacheRef(0, 64),),))
+    with pytest.raises(RuntimeError, match="CUDA copy backend is unavailable"):
+        CpuGpuOffloadingHandlers(kv, 1, 4)
+
+
+def test_cpu_views_are_validated() -> None:
+    kv = build_canonical_kv_caches(
+        [torch.zeros(_layer_shape(KVCacheLayout.BLOCKS_FIRST), dtype=torch.float16)],
+        KVCacheLayout.BLOCKS_FIRST,
+    )
+    page = kv.tensors[0].page_size_bytes
+    with pytest.raises(ValueError, match="cannot hold"):
+        CpuGpuOffloadingHandlers(kv, 2, cpu_views=[torch.zeros(4, page, dtype=torch.int8)])
+    with pytest.raises(ValueError, match="int8"):
+        CpuGpuOffloadingHandlers(kv, 1, cpu_views=[torch.zeros(4, page, dtype=torch.float32)])
+    two = build_canonical_kv_caches(
+        [
+            torch.zeros(_layer_shape(KVCacheLayout.BLOCKS_FIRST), dtype=torch.float16)
+            for _ in range(2)
+        ],
+        KVCacheLayout.BLOCKS_FIRST,
+    )
+    mem = torch.zeros(4 * 2 * page, dtype=torch.int8)
+    overlapping = [
+        torch.as_strided(mem, (4, page), (2 * page, 1), 0),
+        torch.as_strided(mem, (4, page), (2 * page, 1), page // 2),
+    ]
+    with pytest.raises(ValueError, match="overlap"):
+        CpuGpuOffloadingHandlers(two, 1, cpu_views=overlapping)
+    interleaved = [
+        torch.as_strided(mem, (4, page), (2 * page, 1), 0),
+        torch.as_strided(mem, (4, page), (2 * page, 1), page),
+    ]
+    h = CpuGpuOffloadingHandlers(two, 1, cpu_views=interleaved)
+    assert h.num_cpu_blocks == 4
+    h.shutdown()
+    with pytest.raises(ValueError, match="factor"):
+        CpuGpuOffloadingHandlers(two, [1, 2], 4)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        CpuGpuOffloadingHandlers(two, 1)
+
+
+def test_groups_sharing_tensors_cannot_write_one_block_twice(setups: list[Setup]) -> None:
+    s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[3], "torch")  # both groups on every tensor
+    setups.append(s)
+    c0 = s.cpu_bytes()
+    # Group 0 (k=2) and group 1 (k=4) would both write sub-blocks 0-1 of CPU row 3.
+    store = TransferSpec(
+        GPULoadStoreSpec([1, 2, 3, 4, 5, 6], [2, 4], [0, 0]), CPULoadStoreSpec([3, 3])
+    )
+    load = TransferSpec(
+        CPULoadStoreSpec([3, 4]), GPULoadStoreSpec([7, 8, 9, 7, 10, 11], [2, 4], [0, 0])
+    )
+    s.job_id += 2
+    assert s.worker.transfer_async(s.job_id - 1, store) is False
+    assert s.worker.transfer_async(s.job_id, load) is False
+    assert [r.success for r in s.worker.get_finished()] == [False, False]
+    assert np.array_equal(s.cpu_bytes(), c0)
