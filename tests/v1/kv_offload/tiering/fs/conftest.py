@@ -1,0 +1,189 @@
+"""Fixtures of the filesystem-tier tests: a real spec, a page-aligned primary region, tiers.
+
+Every tier is built over a real temporary directory and a real anonymous ``mmap`` primary region
+(page-aligned, like the shared host region), with MB-sized rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import mmap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.spec import KVCacheRunInfo
+from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
+
+ROW_BYTES = 1 << 20
+"""1 MiB rows: MB-sized blocks that keep the suite fast on 2 cores."""
+NUM_ROWS = 16
+
+
+def make_spec(
+    row_bytes: int = ROW_BYTES, num_rows: int = NUM_ROWS, **run_overrides: Any
+) -> CPUOffloadingSpec:
+    """A real ``CPUOffloadingSpec`` whose rows are ``row_bytes`` (one worker, one group)."""
+    fields: dict[str, Any] = dict(
+        model_name="org/test-model",
+        dtype="float16",
+        kv_layout="cross_layer",
+        num_layers=2,
+        num_kv_heads=4,
+        head_size=64,
+        gpu_block_sizes=(16,),
+        gpu_kv_bytes_per_block=row_bytes,
+    )
+    fields.update(run_overrides)
+    run = KVCacheRunInfo(**fields)
+    return CPUOffloadingSpec(OffloadingConfig(cpu_bytes_to_use=num_rows * row_bytes), run)
+
+
+class Primary:
+    """A page-aligned primary region: ``view`` (format "B", shape (rows, row_bytes)) and a numpy
+    array over the same bytes."""
+
+    def __init__(self, num_rows: int = NUM_ROWS, row_bytes: int = ROW_BYTES) -> None:
+        self.num_rows = num_rows
+        self.row_bytes = row_bytes
+        self.mm = mmap.mmap(-1, num_rows * row_bytes)
+        self.view = memoryview(self.mm).cast("B", (num_rows, row_bytes))
+        self.rows: npt.NDArray[np.uint8] = np.frombuffer(self.mm, dtype=np.uint8).reshape(
+            num_rows, row_bytes
+        )
+
+    def fill(self, row: int, key: OffloadKey) -> None:
+        self.rows[row] = pattern(key, self.row_bytes)
+
+    def holds(self, row: int, key: OffloadKey) -> bool:
+        return bool(np.array_equal(self.rows[row], pattern(key, self.row_bytes)))
+
+    def close(self) -> None:
+        del self.rows
+        self.view.release()
+        self.mm.close()
+
+
+_pattern_cache: dict[tuple[bytes, int], npt.NDArray[np.uint8]] = {}
+
+
+def pattern(key: bytes, nbytes: int) -> npt.NDArray[np.uint8]:
+    """Deterministic pseudo-random bytes of ``key`` (what a test stores as its row)."""
+    cached = _pattern_cache.get((key, nbytes))
+    if cached is None:
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        cached = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        if len(_pattern_cache) > 256:
+            _pattern_cache.clear()
+        _pattern_cache[(key, nbytes)] = cached
+    return cached
+
+
+def key_of(i: int, group: int = 0) -> OffloadKey:
+    """A 32-byte-hash key, like a real block hash."""
+    return make_offload_key(hashlib.sha256(i.to_bytes(8, "little")).digest(), group)
+
+
+_job_ids = itertools.count(1000)
+
+
+def job(
+    keys: list[OffloadKey], rows: list[int], *, load: bool, req: ReqContext | None = None
+) -> JobMetadata:
+    return JobMetadata(
+        job_id=next(_job_ids),
+        keys=tuple(keys),
+        block_ids=np.array(rows, dtype=np.int64),
+        is_promotion=load,
+        req_context=req or ReqContext("req"),
+    )
+
+
+def run_jobs(tier: FileSystemSecondaryTier, *jobs: JobMetadata) -> dict[int, bool]:
+    """Submit ``jobs``, drain the tier and return every reported ``job_id -> success``."""
+    for j in jobs:
+        (tier.submit_load if j.is_promotion else tier.submit_store)(j)
+    tier.drain_jobs()
+    results = {r.job_id: r.success for r in tier.get_finished_jobs()}
+    assert sorted(results) == sorted(j.job_id for j in jobs), results
+    return results
+
+
+def store(
+    tier: FileSystemSecondaryTier, primary: Primary, keys: list[OffloadKey], rows: list[int]
+) -> bool:
+    """Fill ``rows`` with the keys' patterns and store them as one job."""
+    for key, row in zip(keys, rows, strict=True):
+        primary.fill(row, key)
+    j = job(keys, rows, load=False)
+    return run_jobs(tier, j)[j.job_id]
+
+
+def load(
+    tier: FileSystemSecondaryTier, primary: Primary, keys: list[OffloadKey], rows: list[int]
+) -> bool:
+    """Zero ``rows`` and load the keys into them as one job."""
+    for row in rows:
+        primary.rows[row] = 0
+    j = job(keys, rows, load=True)
+    return run_jobs(tier, j)[j.job_id]
+
+
+def resolve_lookups(
+    tier: FileSystemSecondaryTier, keys: list[OffloadKey], req: ReqContext | None = None
+) -> list[bool | None]:
+    """First lookups (all None), one step end, wait for the probe thread, then the answers."""
+    req = req or ReqContext("lookup-req")
+    first = [tier.lookup(key, req) for key in keys]
+    assert first == [None] * len(keys), first
+    tier.on_schedule_end()
+    assert tier.wait_lookups_idle(10)
+    answers = [tier.lookup(key, req) for key in keys]
+    tier.on_request_finished(req)
+    return answers
+
+
+TierFactory = Callable[..., FileSystemSecondaryTier]
+
+
+@pytest.fixture
+def primary() -> Iterator[Primary]:
+    p = Primary()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "kv_root"
+
+
+@pytest.fixture
+def make_tier(root: Path, primary: Primary) -> Iterator[TierFactory]:
+    """Build tiers over ``root`` and ``primary`` (overridable); all are shut down at teardown."""
+    tiers: list[FileSystemSecondaryTier] = []
+
+    def factory(**kwargs: Any) -> FileSystemSecondaryTier:
+        spec = kwargs.pop("spec", None) or make_spec(primary.row_bytes, primary.num_rows)
+        view = kwargs.pop("view", primary.view)
+        kwargs.setdefault("root_dir", str(root))
+        kwargs.setdefault("n_read_threads", 2)
+        kwargs.setdefault("n_write_threads", 2)
+        kwargs.setdefault("min_free_bytes", 0)
+        tier = FileSystemSecondaryTier(spec, view, "fs", **kwargs)
+        tiers.append(tier)
+        assert tier.wait_for_scan(10) is not None
+        return tier
+
+    yield factory
+    for tier in tiers:
+        tier.shutdown()

@@ -1,0 +1,84 @@
+"""Tests of the start-up scan over a real rank directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
+from vllm.v1.kv_offload.tiering.fs.scan import ScanStats, scan_rank_dir
+
+from .conftest import ROW_BYTES, Primary, TierFactory, key_of, store
+
+FILE_SIZE = HEADER_SIZE + ROW_BYTES
+
+
+def _scan(rank_dir: str, digest: bytes, stop: threading.Event | None = None) -> tuple[
+    CapacityIndex, ScanStats
+]:  # fmt: skip
+    index = CapacityIndex(max_bytes=None)
+    fd = os.open(rank_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        stats = scan_rank_dir(
+            fd,
+            index,
+            run_digest=digest,
+            payload_len=ROW_BYTES,
+            stale_tmp_age_s=600,
+            stop=stop or threading.Event(),
+        )
+    finally:
+        os.close(fd)
+    index.check_invariants()
+    return index, stats
+
+
+def test_scan_indexes_block_files_and_ignores_foreign_ones(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    tier = make_tier()
+    digested = make_offload_key(b"\x07", 2)  # key recovered from the header
+    keys = [key_of(1), key_of(2, group=5), digested]
+    assert store(tier, primary, keys, [0, 1, 2])
+    rank = Path(tier.rank_dir)
+    # Foreign entries: not counted, not deleted.
+    (rank / "README").write_text("hello")
+    (rank / "abc").mkdir(exist_ok=True)
+    (rank / "abc" / "notes_g1").mkdir()
+    (rank / "abc" / "notes_g1" / "x.bin").write_bytes(b"x")
+    misplaced = rank / "fff" / "ff_g0"
+    misplaced.mkdir(parents=True)
+    source = Path(tier.block_file_path(keys[0]))
+    shutil.copyfile(source, misplaced / source.name)  # valid bytes, wrong directory
+    # A well-named symlink is not a block file.
+    leaf = Path(tier.block_file_path(keys[1])).parent
+    (leaf / f"{leaf.parent.name}{leaf.name[:2]}00000000.bin").symlink_to(source)
+    index, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
+    assert stats.completed and stats.blocks == 3 and stats.bytes == 3 * FILE_SIZE
+    assert sorted(index.keys_lru_order()) == sorted(keys)
+    assert (rank / "README").exists() and (misplaced).exists()
+
+
+def test_scan_deletes_unreadable_digested_files(make_tier: TierFactory, primary: Primary) -> None:
+    tier = make_tier()
+    digested = make_offload_key(b"\x07", 0)
+    assert store(tier, primary, [digested], [0])
+    path = Path(tier.block_file_path(digested))
+    with open(path, "r+b") as f:
+        f.write(b"garbage!")
+    index, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
+    assert stats.invalid_removed == 1 and stats.blocks == 0 and len(index) == 0
+    assert not path.exists()
+
+
+def test_scan_stops_when_asked(make_tier: TierFactory, primary: Primary) -> None:
+    tier = make_tier()
+    assert store(tier, primary, [key_of(i) for i in range(3)], [0, 1, 2])
+    stop = threading.Event()
+    stop.set()
+    index, stats = _scan(tier.rank_dir, tier._mapper.run_digest, stop)
+    assert not stats.completed and len(index) == 0

@@ -1,0 +1,201 @@
+"""The whole tiering stack with a filesystem tier, built from config like an engine does.
+
+``TieringOffloadingSpec`` builds the real shared host region, the CPU primary tier and the fs tier
+(through the tier factory). Blocks are stored into the CPU tier, cascaded to disk, evicted from
+the CPU tier, and promoted back bit-exactly; then a second engine over the same root (a restart)
+promotes them again from disk.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.spec import KVCacheRunInfo
+from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from .conftest import key_of, pattern
+
+ROW_BYTES = 1 << 20
+NUM_CPU_BLOCKS = 4
+_instances = itertools.count()
+
+
+class Engine:
+    """A tiering manager built from config, plus helpers that play the scheduler and worker."""
+
+    def __init__(self, tmp_path: Path, root: Path) -> None:
+        config = OffloadingConfig(
+            cpu_bytes_to_use=NUM_CPU_BLOCKS * ROW_BYTES,
+            spec_name="TieringOffloadingSpec",
+            shared_region_dir=str(tmp_path),
+            secondary_tiers=[
+                {
+                    "type": "fs",
+                    "root_dir": str(root),
+                    "n_read_threads": 2,
+                    "n_write_threads": 2,
+                    "min_free_bytes": 0,
+                    "enable_events": True,
+                }
+            ],
+        )
+        run = KVCacheRunInfo(
+            model_name="org/test-model",
+            dtype="float16",
+            kv_layout="cross_layer",
+            num_layers=2,
+            num_kv_heads=4,
+            head_size=64,
+            gpu_block_sizes=(16,),
+            gpu_kv_bytes_per_block=ROW_BYTES,
+            instance_id=f"fs-integration-{next(_instances)}",
+        )
+        self.manager: TieringOffloadingManager = TieringOffloadingSpec(config, run).get_manager()
+        tier = self.manager.secondary_tiers[0]
+        assert isinstance(tier, FileSystemSecondaryTier)
+        self.tier = tier
+        view = self.manager.primary_tier.get_kv_memoryview()
+        self.rows: npt.NDArray[np.uint8] | None = np.asarray(view)
+
+    def step(self) -> None:
+        """One scheduler step end."""
+        self.manager.on_schedule_end()
+
+    def store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """GPU -> CPU store of ``keys`` (the worker's copy is a row fill), then the cascade."""
+        assert self.rows is not None
+        output = self.manager.prepare_store(keys, ctx)
+        assert output is not None and output.keys_to_store == list(keys)
+        assert isinstance(output.store_spec, CPULoadStoreSpec)
+        for key, row in zip(keys, output.store_spec.block_ids.tolist(), strict=True):
+            self.rows[row] = pattern(key, ROW_BYTES)
+        self.manager.complete_store(keys, ctx)
+        self.step()  # nothing finished yet
+        self.tier.drain_jobs()
+        self.step()  # cascade completions release the pins
+
+    def lookups(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool | None]:
+        return [self.manager.lookup(key, ctx) for key in keys]
+
+    def promote(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Drive lookups until every key is readable in the CPU tier again."""
+        assert self.lookups(keys, ctx) == [None] * len(keys)  # fs lookups are asynchronous
+        self.step()  # flushes the fs lookups
+        assert self.tier.wait_lookups_idle(10)
+        assert self.lookups(keys, ctx) == [None] * len(keys)  # found on disk: promotions queued
+        self.step()  # submits the promotion
+        self.tier.drain_jobs()
+        self.step()  # its completion makes the rows readable
+        assert self.lookups(keys, ctx) == [True] * len(keys)
+
+    def assert_cpu_holds(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        assert self.rows is not None
+        spec = self.manager.prepare_load(keys, ctx)
+        assert isinstance(spec, CPULoadStoreSpec)
+        for key, row in zip(keys, spec.block_ids.tolist(), strict=True):
+            assert np.array_equal(self.rows[row], pattern(key, ROW_BYTES)), key.hex()
+        self.manager.complete_load(keys, ctx)
+
+    def shutdown(self) -> None:
+        self.rows = None
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[list[Engine]]:
+    created: list[Engine] = []
+    yield created
+    for engine in created:
+        engine.shutdown()
+
+
+def test_store_evict_from_cpu_promote_back_bit_exact(tmp_path: Path, engines: list[Engine]) -> None:
+    root = tmp_path / "kv"
+    engine = Engine(tmp_path, root)
+    engines.append(engine)
+    first = [key_of(i) for i in range(NUM_CPU_BLOCKS)]
+    second = [key_of(100 + i) for i in range(NUM_CPU_BLOCKS)]
+    writer = ReqContext("writer")
+    engine.manager.on_new_request(writer)
+    engine.store(first, writer)
+    assert all(Path(engine.tier.block_file_path(key)).is_file() for key in first)
+    engine.store(second, writer)  # the CPU tier is full: the first blocks are evicted from it
+    assert engine.manager.primary_tier.lookup(first[0], writer) is False
+    engine.manager.on_request_finished(writer)
+    stored_on_disk = {
+        key
+        for event in engine.manager.take_events()
+        if event.medium == STORAGE_MEDIUM and not event.removed
+        for key in event.keys
+    }
+    assert stored_on_disk == set(first + second)
+
+    reader = ReqContext("reader")
+    engine.manager.on_new_request(reader)
+    engine.promote(first, reader)
+    engine.assert_cpu_holds(first, reader)
+    engine.manager.on_request_finished(reader)
+    assert engine.manager.get_stats()["tiering_jobs_failed"] == 0
+
+    # A restart: a new engine over the same root serves the blocks from disk.
+    engine.shutdown()
+    engines.remove(engine)
+    restarted = Engine(tmp_path, root)
+    engines.append(restarted)
+    ctx = ReqContext("after-restart")
+    restarted.manager.on_new_request(ctx)
+    restarted.promote(second, ctx)
+    restarted.assert_cpu_holds(second, ctx)
+
+
+def test_a_corrupt_block_is_never_served_through_the_stack(
+    tmp_path: Path, engines: list[Engine]
+) -> None:
+    root = tmp_path / "kv"
+    engine = Engine(tmp_path, root)
+    engines.append(engine)
+    keys = [key_of(i) for i in range(NUM_CPU_BLOCKS)]
+    writer = ReqContext("writer")
+    engine.manager.on_new_request(writer)
+    engine.store(keys, writer)
+    engine.manager.on_request_finished(writer)
+    engine.shutdown()
+    engines.remove(engine)
+    # Flip one payload bit of the second block on disk (same size: only the checksum sees it).
+    path = Path(engine.tier.block_file_path(keys[1]))
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size - 1)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 0x80]))
+
+    restarted = Engine(tmp_path, root)
+    engines.append(restarted)
+    ctx = ReqContext("reader")
+    restarted.manager.on_new_request(ctx)
+    assert restarted.lookups(keys, ctx) == [None] * len(keys)
+    restarted.step()
+    assert restarted.tier.wait_lookups_idle(10)
+    assert restarted.lookups(keys, ctx) == [None] * len(keys)  # all four look fine on disk
+    restarted.step()  # submits the promotion of the four blocks as one job
+    restarted.tier.drain_jobs()
+    restarted.step()  # the job failed: every reserved row is freed, none becomes readable
+    primary = restarted.manager.primary_tier
+    assert [primary.lookup(key, ctx) for key in keys] == [False] * len(keys)
+    assert primary.num_free_blocks == NUM_CPU_BLOCKS
+    assert restarted.manager.get_stats()["tiering_jobs_failed"] == 1
+    assert not path.exists()  # the corrupt file was deleted...
+    # ...and the broken block now misses, so the request stops at it instead of retrying.
+    assert restarted.manager.lookup(keys[1], ctx) is False
+    assert restarted.manager.lookup(keys[0], ctx) is None  # the good ones promote again

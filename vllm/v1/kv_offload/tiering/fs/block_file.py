@@ -1,0 +1,148 @@
+"""On-disk format of one block file: a fixed 4 KiB header followed by the payload.
+
+File layout (``HEADER_SIZE + payload_len`` bytes)::
+
+    offset 0     header, HEADER_SIZE (4096) bytes, little-endian:
+                   0  magic            8s   b"VLLMKVB\\0"
+                   8  format_version   u16  FORMAT_VERSION
+                  10  flags            u16  0 (reserved)
+                  12  header_size      u32  HEADER_SIZE
+                  16  payload_len      u64  bytes of the payload (one primary row)
+                  24  checksum_kind    u32  1 = CRC-32 (zlib) of the payload
+                  28  checksum         u32
+                  32  run_digest       32s  SHA-256 of the run's config.json text
+                  64  key_len          u32
+                  68  key              key_len bytes (the full OffloadKey)
+          68+key_len  header_crc       u32  CRC-32 of bytes [0, 68 + key_len)
+                      zero padding up to HEADER_SIZE
+    offset 4096  payload, payload_len bytes: the primary row, verbatim
+
+The header is a whole page so that the payload starts page-aligned in the file: with O_DIRECT the
+payload is read straight into (and written straight from) the page-aligned primary row.
+
+Validation on load (``decode_header`` + ``payload_checksum``) rejects, as ``BlockFileCorrupt``:
+a wrong magic, version or header size, a header CRC mismatch (bit flip in the header), a payload
+length, run digest or key other than expected (a foreign file), and a payload CRC mismatch (bit
+flip in the payload). A file of the wrong size (truncated or padded) is rejected before reading.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+MAGIC = b"VLLMKVB\x00"
+CHECKSUM_CRC32 = 1
+
+_FIXED = struct.Struct("<8sHHIQII32sI")
+_CRC = struct.Struct("<I")
+MAX_KEY_BYTES = HEADER_SIZE - _FIXED.size - _CRC.size
+"""Longest key a header can hold."""
+
+
+class BlockFileCorrupt(Exception):
+    """The file is not a valid block file for the expected key: it must be deleted.
+
+    Attributes:
+        reason: what was wrong, for the log.
+        file_id: ``(st_dev, st_ino)`` of the file that was examined, when known, so that only
+            that file is deleted (not a fresh one renamed over it meanwhile).
+    """
+
+    def __init__(self, reason: str, file_id: tuple[int, int] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.file_id = file_id
+
+
+def file_size(payload_len: int) -> int:
+    """Total bytes of a block file with a ``payload_len``-byte payload."""
+    return HEADER_SIZE + payload_len
+
+
+def payload_checksum(payload: memoryview) -> int:
+    """CRC-32 of ``payload`` (zlib; releases the GIL for large buffers, ~4 GB/s per core)."""
+    return zlib.crc32(payload)
+
+
+def encode_header(
+    buf: memoryview, *, key: bytes, run_digest: bytes, payload_len: int, checksum: int
+) -> None:
+    """Write the header of a block file into ``buf`` (``HEADER_SIZE`` bytes, writable).
+
+    Raises:
+        ValueError: ``key`` is longer than ``MAX_KEY_BYTES`` or ``run_digest`` is not 32 bytes.
+    """
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(key)} bytes exceeds the header limit of {MAX_KEY_BYTES}")
+    if len(run_digest) != 32:
+        raise ValueError(f"run digest must be 32 bytes, got {len(run_digest)}")
+    assert len(buf) == HEADER_SIZE, f"header buffer of {len(buf)} bytes"
+    _FIXED.pack_into(
+        buf,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        HEADER_SIZE,
+        payload_len,
+        CHECKSUM_CRC32,
+        checksum,
+        run_digest,
+        len(key),
+    )
+    end = _FIXED.size + len(key)
+    buf[_FIXED.size : end] = key
+    _CRC.pack_into(buf, end, zlib.crc32(buf[:end]))
+    buf[end + _CRC.size :] = bytes(HEADER_SIZE - end - _CRC.size)
+
+
+def decode_header(
+    buf: memoryview, *, key: bytes | None, run_digest: bytes, payload_len: int
+) -> tuple[bytes, int]:
+    """Validate the header in ``buf`` and return ``(key, payload checksum)``.
+
+    Args:
+        buf: the first ``HEADER_SIZE`` bytes of the file.
+        key: the expected key, or None to accept any (the start-up scan reads keys this way).
+        run_digest: the expected run digest.
+        payload_len: the expected payload length.
+
+    Raises:
+        BlockFileCorrupt: on any mismatch (see the module docstring).
+    """
+    if len(buf) != HEADER_SIZE:
+        raise BlockFileCorrupt(f"header of {len(buf)} bytes, expected {HEADER_SIZE}")
+    (
+        magic,
+        version,
+        _flags,
+        header_size,
+        file_payload_len,
+        checksum_kind,
+        checksum,
+        file_digest,
+        key_len,
+    ) = _FIXED.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise BlockFileCorrupt(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise BlockFileCorrupt(f"format version {version}, expected {FORMAT_VERSION}")
+    if header_size != HEADER_SIZE or key_len > MAX_KEY_BYTES:
+        raise BlockFileCorrupt(f"header size {header_size} / key length {key_len} out of range")
+    end = _FIXED.size + key_len
+    (header_crc,) = _CRC.unpack_from(buf, end)
+    if zlib.crc32(buf[:end]) != header_crc:
+        raise BlockFileCorrupt("header checksum mismatch")
+    if checksum_kind != CHECKSUM_CRC32:
+        raise BlockFileCorrupt(f"unknown checksum kind {checksum_kind}")
+    if file_payload_len != payload_len:
+        raise BlockFileCorrupt(f"payload length {file_payload_len}, expected {payload_len}")
+    if file_digest != run_digest:
+        raise BlockFileCorrupt("file belongs to another run (run digest mismatch)")
+    file_key = bytes(buf[_FIXED.size : end])
+    if key is not None and file_key != key:
+        raise BlockFileCorrupt(f"file holds key {file_key.hex()}, expected {key.hex()}")
+    return file_key, checksum

@@ -1,0 +1,442 @@
+"""System-call level I/O of block files: safe directory walks, atomic writes, verified reads.
+
+Symlinks: every directory below the rank directory is opened with ``O_NOFOLLOW | O_DIRECTORY``
+relative to its parent's descriptor, and every block file with ``O_NOFOLLOW``, so a symlink
+planted anywhere below the rank directory fails the operation (``ELOOP``/``ENOTDIR``) instead of
+redirecting it outside the root.
+
+Atomicity: a block is written to a temporary file in its final directory (``O_EXCL``), fsynced,
+renamed over the final name (``os.replace``, atomic on POSIX filesystems), and the directory is
+fsynced. A reader therefore sees either no file or a complete one; a crash leaves at most a
+temporary file, whose name never matches a block file name.
+
+Temporary file names: ``.<stem>.<host>.<pid>.<writer>.<random>.tmp`` where ``<host>`` is 8 hex
+digits of the host name's BLAKE2b digest, ``<pid>`` the writing process and ``<writer>`` a random
+id of the writing tier instance. The start-up scan uses them to tell a dead writer's leftovers
+(delete now) from a live writer's file in progress (leave alone, unless older than a limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import mmap
+import os
+import re
+import secrets
+import socket
+import stat
+import threading
+from typing import TYPE_CHECKING
+
+from vllm.v1.kv_offload.tiering.fs.block_file import (
+    HEADER_SIZE,
+    BlockFileCorrupt,
+    decode_header,
+    encode_header,
+    file_size,
+    payload_checksum,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath
+
+logger = logging.getLogger(__name__)
+
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+"""``os.O_DIRECT`` where the platform has it (Linux), else 0."""
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+"""This host's tag in temporary file names."""
+
+TMP_SUFFIX = ".tmp"
+_TMP_RE = re.compile(
+    r"^\.(?P<stem>[0-9a-z]{1,130})\.(?P<host>[0-9a-f]{8})\.(?P<pid>[1-9][0-9]{0,9})"
+    r"\.(?P<writer>[0-9a-f]{8})\.[0-9a-f]{8}\.tmp$"
+)
+
+# Writer ids of the tier instances alive in this process: their temporary files are in progress.
+_live_writers: set[str] = set()
+_live_writers_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# Temporary files
+# ---------------------------------------------------------------------------------------------
+
+
+def register_writer() -> str:
+    """Create the writer id of a new tier instance (until ``unregister_writer``)."""
+    writer = secrets.token_hex(4)
+    with _live_writers_lock:
+        _live_writers.add(writer)
+    return writer
+
+
+def unregister_writer(writer: str) -> None:
+    """Forget ``writer``: its leftovers become deletable by scans in this process."""
+    with _live_writers_lock:
+        _live_writers.discard(writer)
+
+
+def tmp_name(stem: str, writer: str) -> str:
+    """A fresh temporary file name for ``stem`` written by ``writer`` in this process."""
+    return f".{stem}.{HOST_TAG}.{os.getpid()}.{writer}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_stale_tmp(name: str, age_s: float, max_age_s: float) -> bool:
+    """Whether the temporary file ``name`` (``age_s`` old) is a leftover that may be deleted.
+
+    A file written on this host by a process that no longer exists, or by this process through a
+    tier instance that no longer exists, is stale at once. Any other file of ours (another host,
+    or a live process) is stale once older than ``max_age_s``. Names we did not produce are never
+    stale.
+    """
+    match = _TMP_RE.match(name)
+    if match is None:
+        return False
+    if match.group("host") == HOST_TAG:
+        pid = int(match.group("pid"))
+        if pid == os.getpid():
+            with _live_writers_lock:
+                if match.group("writer") not in _live_writers:
+                    return True
+        elif not _pid_alive(pid):
+            return True
+    return age_s >= max_age_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Directories
+# ---------------------------------------------------------------------------------------------
+
+
+def open_dir(name: str, dir_fd: int, *, create: bool) -> int:
+    """Open directory ``name`` under ``dir_fd`` without following a symlink; maybe create it.
+
+    A newly created directory's entry is made durable (the parent is fsynced).
+
+    Raises:
+        OSError: ``FileNotFoundError`` if absent and not ``create``; ``ELOOP``/``ENOTDIR`` if
+            ``name`` is a symlink or not a directory; any other error of the system calls.
+    """
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False  # a concurrent writer made it
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    if created:
+        try:
+            os.fsync(dir_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def open_block_dir(rank_fd: int, path: BlockPath, *, create: bool) -> int:
+    """Open (or create) ``<hhh>/<hh>_g<group>`` under the rank directory; returns its fd."""
+    fd1 = open_dir(path.dir1, rank_fd, create=create)
+    try:
+        return open_dir(path.dir2, fd1, create=create)
+    finally:
+        os.close(fd1)
+
+
+def regular_file_size(dir_fd: int, name: str) -> int | None:
+    """Size of regular file ``name`` under ``dir_fd`` (no symlink followed); None if absent or
+    not a regular file.
+
+    Raises:
+        OSError: any error other than the file (or a directory above it) being absent.
+    """
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers
+# ---------------------------------------------------------------------------------------------
+
+
+class HeaderBuffers(threading.local):
+    """One page-aligned ``HEADER_SIZE`` buffer per thread (O_DIRECT needs aligned buffers).
+
+    Attributes:
+        header: writable memoryview of ``HEADER_SIZE`` bytes, page-aligned.
+    """
+
+    def __init__(self) -> None:
+        self._mm = mmap.mmap(-1, HEADER_SIZE)
+        self.header = memoryview(self._mm)
+
+
+def buffer_address(buf: memoryview) -> int:
+    """Address of the first byte of a C-contiguous buffer."""
+    import numpy as np  # local: only needed once, at tier start
+
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    try:
+        return int(arr.ctypes.data)
+    finally:
+        del arr
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-buffer I/O
+# ---------------------------------------------------------------------------------------------
+
+
+def _advance(bufs: list[memoryview], n: int) -> None:
+    while n and bufs:
+        first = len(bufs[0])
+        if n >= first:
+            n -= first
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][n:]
+            n = 0
+
+
+def _write_all(fd: int, bufs: list[memoryview]) -> None:
+    while bufs:
+        written = os.writev(fd, bufs)
+        if written <= 0:
+            raise OSError(errno.EIO, "writev wrote no byte")
+        _advance(bufs, written)
+
+
+def _read_all(fd: int, bufs: list[memoryview]) -> int:
+    """Fill ``bufs`` from ``fd``; returns the bytes read (fewer only at end of file)."""
+    total = 0
+    while bufs:
+        got = os.readv(fd, bufs)
+        if got == 0:
+            break
+        total += got
+        _advance(bufs, got)
+    return total
+
+
+def write_block_file(
+    leaf_fd: int,
+    path: BlockPath,
+    tmp: str,
+    header_buf: memoryview,
+    payload: memoryview,
+    *,
+    key: bytes,
+    run_digest: bytes,
+    o_direct: bool,
+) -> None:
+    """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically and durably.
+
+    Steps: checksum the payload, write header + payload to ``tmp`` (``O_EXCL``; ``O_DIRECT`` if
+    asked, which needs ``payload`` page-aligned and a multiple of the page size), fsync, close,
+    rename onto the final name, fsync the directory. On any failure before the rename the
+    temporary file is removed and the error re-raised; the final name is then untouched.
+
+    Args:
+        leaf_fd: the ``<hh>_g<group>`` directory.
+        path: the block's path (only ``name`` is used).
+        tmp: the temporary file name (from ``tmp_name``).
+        header_buf: ``HEADER_SIZE``-byte scratch buffer (page-aligned for O_DIRECT).
+        payload: the primary row to store, read-only use.
+        key: the block's key (stamped into the header).
+        run_digest: the run digest (stamped into the header).
+        o_direct: use O_DIRECT.
+
+    Raises:
+        OSError: from any system call before the rename (ENOSPC, EDQUOT, EIO, ...).
+    """
+    encode_header(
+        header_buf,
+        key=key,
+        run_digest=run_digest,
+        payload_len=len(payload),
+        checksum=payload_checksum(payload),
+    )
+    fd = os.open(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), 0o644, dir_fd=leaf_fd)
+    published = False
+    try:
+        try:
+            _write_all(fd, [header_buf, payload])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path.name, src_dir_fd=leaf_fd, dst_dir_fd=leaf_fd)
+        published = True
+    finally:
+        if not published:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=leaf_fd)
+    try:
+        os.fsync(leaf_fd)
+    except OSError as e:
+        # The file is complete and in place; only the durability of its name is in doubt.
+        logger.warning("fs tier: fsync of the directory of %s failed: %s", path.rel, e)
+
+
+def read_block_file(
+    leaf_fd: int,
+    name: str,
+    header_buf: memoryview,
+    payload: memoryview,
+    *,
+    key: bytes,
+    run_digest: bytes,
+    o_direct: bool,
+) -> None:
+    """Read and verify block file ``name`` into ``payload`` (a primary row).
+
+    ``payload`` may be partly written when this raises; the caller must not mark it valid.
+
+    Raises:
+        BlockFileCorrupt: wrong size, short read, bad header or checksum; ``file_id`` names the
+            inode that was read, so only that file is deleted.
+        OSError: a system-call error (``FileNotFoundError`` when the file vanished), or
+            ``EINVAL`` when ``name`` is not a regular file.
+    """
+    fd = os.open(name, _READ_FLAGS | (O_DIRECT if o_direct else 0), dir_fd=leaf_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        file_id = (st.st_dev, st.st_ino)
+        expected = file_size(len(payload))
+        if st.st_size != expected:
+            raise BlockFileCorrupt(f"file size {st.st_size}, expected {expected}", file_id)
+        got = _read_all(fd, [header_buf, payload])
+        if got != expected:
+            raise BlockFileCorrupt(f"read {got} of {expected} bytes (truncated)", file_id)
+        try:
+            _, checksum = decode_header(
+                header_buf, key=key, run_digest=run_digest, payload_len=len(payload)
+            )
+        except BlockFileCorrupt as e:
+            raise BlockFileCorrupt(e.reason, file_id) from None
+        if payload_checksum(payload) != checksum:
+            raise BlockFileCorrupt("payload checksum mismatch", file_id)
+    finally:
+        os.close(fd)
+
+
+def read_header_key(dir_fd: int, name: str, *, run_digest: bytes, payload_len: int) -> bytes:
+    """Return the key stamped in block file ``name`` (header validated, payload not read).
+
+    Raises:
+        BlockFileCorrupt: bad header or size.
+        OSError: system-call errors.
+    """
+    fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        file_id = (st.st_dev, st.st_ino)
+        if st.st_size != file_size(payload_len):
+            raise BlockFileCorrupt(f"file size {st.st_size}", file_id)
+        header = os.pread(fd, HEADER_SIZE, 0)
+        try:
+            key, _ = decode_header(
+                memoryview(header), key=None, run_digest=run_digest, payload_len=payload_len
+            )
+        except BlockFileCorrupt as e:
+            raise BlockFileCorrupt(e.reason, file_id) from None
+        return key
+    finally:
+        os.close(fd)
+
+
+def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> bool:
+    """Unlink ``name`` if it is still the inode ``file_id`` (any regular file if None).
+
+    Guards against deleting a fresh file that another writer renamed into place after the
+    caller found the old one corrupt.
+
+    Returns:
+        True if unlinked; False if the name is absent or now refers to another file.
+
+    Raises:
+        OSError: errors other than absence.
+    """
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if file_id is not None and (st.st_dev, st.st_ino) != file_id:
+        return False
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability probe
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_o_direct(dir_fd: int, writer: str) -> bool:
+    """Whether O_DIRECT works in directory ``dir_fd``: write, fsync and read back one page.
+
+    False on platforms without O_DIRECT and on filesystems that reject it (tmpfs, overlayfs,
+    some NFS mounts).
+    """
+    if not O_DIRECT:
+        return False
+    page = mmap.PAGESIZE
+    name = tmp_name("probe", writer)
+    src_mm = mmap.mmap(-1, page)
+    dst_mm = mmap.mmap(-1, page)
+    src, dst = memoryview(src_mm), memoryview(dst_mm)
+    try:
+        src[:] = secrets.token_bytes(page)
+        fd = os.open(name, _WRITE_FLAGS | O_DIRECT, 0o644, dir_fd=dir_fd)
+        try:
+            _write_all(fd, [src])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fd = os.open(name, _READ_FLAGS | O_DIRECT, dir_fd=dir_fd)
+        try:
+            got = _read_all(fd, [dst])
+        finally:
+            os.close(fd)
+        return got == page and src == dst
+    except OSError as e:
+        logger.info("fs tier: O_DIRECT is not usable here (%s); using buffered I/O", e)
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        src.release()
+        dst.release()
+        src_mm.close()
+        dst_mm.close()

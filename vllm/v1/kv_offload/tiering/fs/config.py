@@ -1,0 +1,164 @@
+"""Validation of the filesystem tier's config keys (the ``secondary_tiers`` entry of type "fs").
+
+Every key is checked here, before the tier touches the filesystem, and every error names the key,
+the value and what is allowed. Sizes accept an integer number of bytes, an integral float
+(``4e9``) or a string with a binary or decimal unit (``"64GiB"``, ``"500MB"``, ``"1T"``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+ODirectMode = Literal["auto", True, False]
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_DOC = (
+    "a byte count > 0: an integer, an integral float, or a string such as '64GiB' or '500MB'"
+)
+
+
+def _bad(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"fs tier: config key {key!r}={value!r} is invalid: expected {allowed}")
+
+
+def parse_size(key: str, value: Any, *, allow_zero: bool = False) -> int:
+    """Parse a byte count (see the module docstring for the accepted forms).
+
+    Raises:
+        ValueError: naming ``key``, for anything else (bools, negatives, unknown units).
+    """
+    allowed = _SIZE_DOC.replace("> 0", ">= 0") if allow_zero else _SIZE_DOC
+    if isinstance(value, bool):
+        raise _bad(key, value, allowed)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise _bad(key, value, allowed)
+        scaled = float(match.group(1)) * _SIZE_UNITS[unit]
+        if not scaled.is_integer():
+            raise _bad(key, value, allowed)
+        size = int(scaled)
+    else:
+        raise _bad(key, value, allowed)
+    if size < 0 or (size == 0 and not allow_zero):
+        raise _bad(key, value, allowed)
+    return size
+
+
+def _parse_threads(key: str, value: Any) -> int:
+    allowed = "an integer in [1, 256]"
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
+        raise _bad(key, value, allowed)
+    return value
+
+
+@dataclass(frozen=True)
+class FsTierConfig:
+    """The filesystem tier's validated settings.
+
+    Attributes:
+        root_dir: absolute, symlink-resolved root directory shared by every run.
+        n_read_threads: I/O threads that prefer loads (they take stores when no load is queued).
+        n_write_threads: I/O threads that prefer stores (they take loads when no store is queued).
+        max_bytes: bound on the bytes of block files of this run directory (LRU eviction above
+            it); None means bounded only by ``min_free_bytes``.
+        min_free_bytes: free bytes the tier leaves on the filesystem; a store that would go below
+            it is skipped (failed) instead of being attempted. None means
+            ``min(1 GiB, 5 % of the filesystem)``, resolved by the tier.
+        o_direct: ``"auto"`` probes O_DIRECT at start and falls back to buffered I/O; True
+            requires it (construction fails if unsupported); False never uses it.
+        enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``) for blocks written or
+            removed by this tier.
+        stale_tmp_age_s: a temporary file of a writer that may still be alive (another host or
+            a live process) is deleted by the start-up scan only once it is this old.
+    """
+
+    root_dir: str
+    n_read_threads: int = 8
+    n_write_threads: int = 8
+    max_bytes: int | None = None
+    min_free_bytes: int | None = None
+    o_direct: ODirectMode = "auto"
+    enable_events: bool = False
+    stale_tmp_age_s: float = 600.0
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        *,
+        root_dir: Any,
+        n_read_threads: Any = 8,
+        n_write_threads: Any = 8,
+        max_bytes: Any = None,
+        min_free_bytes: Any = None,
+        o_direct: Any = "auto",
+        enable_events: Any = False,
+        stale_tmp_age_s: Any = 600.0,
+    ) -> FsTierConfig:
+        """Validate raw config values (e.g. decoded JSON) and normalise them.
+
+        ``root_dir`` is made absolute and its symlinks resolved, once, here: the tier never
+        follows a symlink below it.
+
+        Raises:
+            ValueError: a missing ``root_dir`` or any invalid value, naming the key.
+        """
+        if root_dir is None:
+            raise ValueError(
+                "fs tier: config key 'root_dir' is required (the directory that holds the "
+                "block files)"
+            )
+        if isinstance(root_dir, os.PathLike):
+            root_dir = os.fspath(root_dir)
+        if not isinstance(root_dir, str) or not root_dir or "\0" in root_dir:
+            raise _bad("root_dir", root_dir, "a non-empty directory path (str or os.PathLike)")
+        if not isinstance(enable_events, bool):
+            raise _bad("enable_events", enable_events, "a bool")
+        if not (isinstance(o_direct, bool) or (isinstance(o_direct, str) and o_direct == "auto")):
+            raise _bad("o_direct", o_direct, "'auto', true or false")
+        if (
+            isinstance(stale_tmp_age_s, bool)
+            or not isinstance(stale_tmp_age_s, (int, float))
+            or not math.isfinite(stale_tmp_age_s)
+            or stale_tmp_age_s < 0
+        ):
+            raise _bad("stale_tmp_age_s", stale_tmp_age_s, "a finite number of seconds >= 0")
+        return cls(
+            root_dir=os.path.realpath(os.path.abspath(os.path.expanduser(root_dir))),
+            n_read_threads=_parse_threads("n_read_threads", n_read_threads),
+            n_write_threads=_parse_threads("n_write_threads", n_write_threads),
+            max_bytes=None if max_bytes is None else parse_size("max_bytes", max_bytes),
+            min_free_bytes=(
+                None
+                if min_free_bytes is None
+                else parse_size("min_free_bytes", min_free_bytes, allow_zero=True)
+            ),
+            o_direct=cast(ODirectMode, o_direct),
+            enable_events=enable_events,
+            stale_tmp_age_s=float(stale_tmp_age_s),
+        )

@@ -1,0 +1,474 @@
+"""``FileSystemSecondaryTier``: a crash-safe, capacity-bounded secondary tier on a filesystem.
+
+Registered as tier type ``"fs"``. Blocks are whole primary rows (every worker's slice), one file
+per block, under a directory derived from the run's identity (see ``file_mapper``), so the cache
+survives restarts and is shared by every instance that mounts the same root with the same run
+fields.
+
+Threads:
+    * the scheduler thread calls the ``SecondaryTierManager`` methods; they only queue work and
+      do O(keys) bookkeeping (no system call);
+    * ``n_read_threads`` + ``n_write_threads`` I/O threads (``DualQueueThreadPool``) copy between
+      primary rows and files;
+    * the async-lookup thread ``stat`` s files for ``lookup``;
+    * the start-up scan thread rebuilds the capacity index and removes crash leftovers.
+
+Guarantees:
+    * A block file is published atomically (tmp file, fsync, rename, directory fsync); a reader
+      never sees a partial file, and a crash leaves only temporary files, which are never served
+      and are removed by the next start-up scan.
+    * Every load is verified (header, key, run digest, size, CRC-32 of the payload). A corrupt,
+      truncated or foreign file fails the job and is deleted; a transient error (any ``OSError``:
+      EACCES, EIO, ELOOP, EMFILE, ...) fails the job and keeps the file. A failed load job may
+      have written part of its rows; the tiering manager frees them, so they are never served.
+    * ``max_bytes`` is enforced by LRU eviction that never removes a block being loaded; the
+      accounting stays exact under concurrency and when files vanish (a vanished file is a miss).
+    * Events (medium ``"STORAGE"``) are recorded only for files this tier really wrote or
+      removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.fs.block_file import file_size
+from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
+from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
+from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper, run_fields_from_spec
+from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, IndexSnapshot
+from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool, IoTask
+from vllm.v1.kv_offload.tiering.fs.lookup import FsLookupManager
+from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
+from vllm.v1.kv_offload.tiering.fs.scan import ScanStats, scan_rank_dir
+from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.spec import OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+STORAGE_MEDIUM = "STORAGE"
+"""Medium name of the filesystem tier in ``OffloadingEvent.medium``."""
+
+
+@dataclass(slots=True)
+class _JobRecord:
+    """A submitted job until reported; ``failed_keys`` is appended to by I/O threads."""
+
+    is_promotion: bool
+    failed_keys: list[OffloadKey] = field(default_factory=list)
+
+
+class _BlockTask(IoTask):
+    """Moves one block between primary row ``block_id`` and ``key``'s file."""
+
+    __slots__ = ("_block_id", "_key", "_record", "_tier")
+
+    def __init__(
+        self, tier: FileSystemSecondaryTier, record: _JobRecord, key: OffloadKey, block_id: int
+    ) -> None:
+        self._tier = tier
+        self._record = record
+        self._key = key
+        self._block_id = block_id
+
+    @override
+    def run(self) -> bool:
+        ok = False
+        try:
+            ok = self._tier._run_block(self._key, self._block_id, self._record.is_promotion)
+        finally:
+            if self._record.is_promotion:
+                self._tier._index.unpin((self._key,))
+            if not ok:
+                self._record.failed_keys.append(self._key)
+        return ok
+
+    @override
+    def cancel(self) -> None:
+        if self._record.is_promotion:
+            self._tier._index.unpin((self._key,))
+        self._record.failed_keys.append(self._key)
+
+
+class FileSystemSecondaryTier(SecondaryTierManager):
+    """A secondary tier that keeps each block in a file under ``root_dir``.
+
+    Ownership: the tier borrows the primary view until ``shutdown()``; it reads a row only while
+    a store job naming it is in flight (the manager pins the row) and writes a row only while a
+    load job naming it is in flight (the manager keeps the row unreadable). Files of the run's
+    rank directory are shared with every instance of the same run; this tier deletes only files
+    it evicts or finds corrupt, and its own temporary files (and dead writers' leftovers).
+
+    Protection: keys of a submitted load are pinned in the capacity index until their task ends,
+    so eviction never removes a block being read.
+
+    Tier kwargs (the ``secondary_tiers`` entry of type ``"fs"``; see ``FsTierConfig``):
+        root_dir: required; created if missing. Unusable -> ``OSError`` naming it.
+        n_read_threads, n_write_threads: I/O threads (default 8 each).
+        max_bytes: LRU bound on this run's block files (bytes or e.g. ``"64GiB"``); default none.
+        min_free_bytes: free space to leave on the filesystem (default min(1 GiB, 5 %)).
+        o_direct: ``"auto"`` (default), true or false.
+        enable_events: record ``OffloadingEvent`` s, medium ``"STORAGE"`` (default false).
+        stale_tmp_age_s: age after which a possibly live writer's temporary file is removed by
+            the start-up scan (default 600).
+
+    Raises (construction):
+        ValueError: an unknown or invalid config key, a primary view of the wrong shape,
+            ``max_bytes`` below one block file, or a ``config.json`` of another run in the run's
+            directory.
+        OSError: ``root_dir`` (named in the message) cannot be created, opened or written, or
+            ``o_direct=True`` and O_DIRECT does not work there.
+    """
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str | os.PathLike[str] | None = None,
+        n_read_threads: int = 8,
+        n_write_threads: int = 8,
+        max_bytes: int | str | None = None,
+        min_free_bytes: int | str | None = None,
+        o_direct: bool | str = "auto",
+        enable_events: bool = False,
+        stale_tmp_age_s: float = 600.0,
+        **tier_kwargs: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
+        self._config = config = FsTierConfig.from_kwargs(
+            root_dir=root_dir,
+            n_read_threads=n_read_threads,
+            n_write_threads=n_write_threads,
+            max_bytes=max_bytes,
+            min_free_bytes=min_free_bytes,
+            o_direct=o_direct,
+            enable_events=enable_events,
+            stale_tmp_age_s=stale_tmp_age_s,
+        )
+        view = primary_kv_view
+        shape = view.shape or ()
+        if view.format != "B" or len(shape) != 2 or not view.c_contiguous or shape[1] <= 0:
+            raise ValueError(
+                "fs tier: the primary view must be a C-contiguous memoryview of format 'B' and "
+                f"shape (num_blocks, row_bytes), got format {view.format!r}, shape {shape}"
+            )
+        self._num_rows, self._row_bytes = shape
+        if config.max_bytes is not None and config.max_bytes < file_size(self._row_bytes):
+            raise ValueError(
+                f"fs tier: max_bytes={config.max_bytes} is smaller than one block file "
+                f"({file_size(self._row_bytes)} bytes)"
+            )
+        self._mapper = FileMapper(
+            config.root_dir, run_fields_from_spec(offloading_spec, self._row_bytes)
+        )
+        self._writer = register_writer()
+        try:
+            self._run_dir = RunDirectory.open(config.root_dir, self._mapper, self._writer)
+            try:
+                o_direct_on = self._run_dir.decide_o_direct(
+                    config.o_direct, view, self._row_bytes, self._writer
+                )
+                min_free = self._run_dir.resolve_min_free_bytes(config.min_free_bytes)
+            except BaseException:
+                self._run_dir.close()
+                raise
+        except BaseException:
+            unregister_writer(self._writer)
+            raise
+        self._o_direct = o_direct_on
+        # Flat byte view of the primary rows; row b is [b * row_bytes, (b + 1) * row_bytes).
+        self._flat: memoryview = view.cast("B")
+        self._events: deque[tuple[OffloadKey, bool]] = deque()
+        self._index = CapacityIndex(
+            config.max_bytes, on_change=self._record_event if config.enable_events else None
+        )
+        self._store = BlockStore(
+            self._run_dir.rank_fd,
+            self._mapper,
+            self._index,
+            row_bytes=self._row_bytes,
+            o_direct=o_direct_on,
+            min_free_bytes=min_free,
+            writer=self._writer,
+            root_dir=config.root_dir,
+            max_bytes=config.max_bytes,
+        )
+        # Scheduler thread only.
+        self._jobs: dict[int, _JobRecord] = {}
+        self._closed = False
+        self._pool = DualQueueThreadPool(
+            config.n_read_threads, config.n_write_threads, f"vllm_fs_tier_{tier_type}"
+        )
+        self._lookups = FsLookupManager(tier_type, self._store.probe)
+        self._scan_stats: ScanStats | None = None
+        self._scan_stop = threading.Event()
+        self._scan_done = threading.Event()
+        self._scan_thread = threading.Thread(
+            target=self._run_scan, name=f"vllm_fs_tier_{tier_type}_scan", daemon=True
+        )
+        self._scan_thread.start()
+        logger.info(
+            "fs tier: %s (O_DIRECT %s, max_bytes=%s, min_free_bytes=%d, %d+%d I/O threads)",
+            self._run_dir.rank_dir,
+            "on" if o_direct_on else "off",
+            config.max_bytes,
+            min_free,
+            config.n_read_threads,
+            config.n_write_threads,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Introspection (tests, benchmarks, operators)
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> FsTierConfig:
+        """The validated configuration."""
+        return self._config
+
+    @property
+    def rank_dir(self) -> str:
+        """Absolute path of this run's block directory."""
+        return self._run_dir.rank_dir
+
+    @property
+    def config_path(self) -> str:
+        """Absolute path of this run's ``config.json``."""
+        return self._run_dir.config_path
+
+    @property
+    def uses_o_direct(self) -> bool:
+        """Whether block I/O uses O_DIRECT (probed at start)."""
+        return self._o_direct
+
+    @property
+    def block_file_size(self) -> int:
+        """Bytes of one block file (header + one primary row)."""
+        return self._store.file_size
+
+    @property
+    def index(self) -> CapacityIndex:
+        """The capacity index (read-only use)."""
+        return self._index
+
+    def block_file_path(self, key: OffloadKey) -> str:
+        """Absolute path of ``key``'s block file (whether or not it exists)."""
+        return os.path.join(self._run_dir.rank_dir, self._mapper.block_path(key).rel)
+
+    def usage(self) -> IndexSnapshot:
+        """Bytes and blocks accounted by the capacity index."""
+        return self._index.snapshot()
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative per-block counters (see ``BlockStore.counters``)."""
+        return self._store.counters()
+
+    def wait_for_scan(self, timeout: float | None = None) -> ScanStats | None:
+        """Block until the start-up scan ended (tests); None if ``timeout`` expired."""
+        if not self._scan_done.wait(timeout):
+            return None
+        return self._scan_stats
+
+    def wait_lookups_idle(self, timeout: float | None = None) -> bool:
+        """Block until the lookup thread processed every flushed batch (tests)."""
+        return self._lookups.wait_idle(timeout)
+
+    @override
+    def __repr__(self) -> str:
+        return f"FileSystemSecondaryTier({self._run_dir.rank_dir!r}, o_direct={self._o_direct})"
+
+    # -----------------------------------------------------------------------------------------
+    # SecondaryTierManager (scheduler thread)
+    # -----------------------------------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """None until a background ``stat`` answered (a later step), then True/False."""
+        return self._lookups.lookup(key, req_context)
+
+    @override
+    def submit_store(self, job: JobMetadata) -> None:
+        """Queue one write task per block; blocks already on disk are skipped by their task."""
+        record = self._new_record(job)
+        self._submit(job, record, is_load=False)
+
+    @override
+    def submit_load(self, job: JobMetadata) -> None:
+        """Pin the keys against eviction and queue one verified-read task per block."""
+        record = self._new_record(job)
+        keys = list(job.keys)
+        self._index.pin(keys)
+        try:
+            self._submit(job, record, is_load=True)
+        except BaseException:
+            self._index.unpin(keys)
+            raise
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Every job finished since the last call; a failed load's keys become lookup misses."""
+        results: list[JobResult] = []
+        for job_id, success in self._pool.get_finished():
+            record = self._jobs.pop(job_id, None)
+            assert record is not None, f"fs tier: finished job {job_id} was never submitted"
+            assert success == (not record.failed_keys), (
+                f"fs tier: job {job_id} success={success} but failed keys "
+                f"{[key.hex() for key in record.failed_keys]}"
+            )
+            if record.is_promotion and record.failed_keys:
+                # Stop requests from retrying blocks this tier could not deliver.
+                self._lookups.mark_miss(record.failed_keys)
+            results.append(JobResult(job_id, success))
+        return results
+
+    @override
+    def drain_jobs(self) -> None:
+        """Block until every submitted job finished (results stay in ``get_finished_jobs``)."""
+        self._pool.wait_idle()
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._index.touch(keys)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    @override
+    def on_schedule_end(self) -> None:
+        """Post this step's lookups to the lookup thread as one batch."""
+        self._lookups.flush()
+
+    @override
+    def has_pending_work(self) -> bool:
+        return self._pool.num_jobs_in_flight > 0
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events since the last call, in order, consecutive same-kind changes merged."""
+        pending = self._events
+        events: list[OffloadingEvent] = []
+        keys: list[OffloadKey] = []
+        present = True
+        while pending:
+            key, key_present = pending.popleft()
+            if keys and key_present != present:
+                events.append(OffloadingEvent(keys, STORAGE_MEDIUM, removed=not present))
+                keys = []
+            present = key_present
+            keys.append(key)
+        if keys:
+            events.append(OffloadingEvent(keys, STORAGE_MEDIUM, removed=not present))
+        return events
+
+    @override
+    def shutdown(self) -> None:
+        """Stop lookups and the scan, cancel queued I/O (reported as failed), join the threads,
+        release the primary view and close the directories. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lookups.shutdown()
+        self._scan_stop.set()
+        self._scan_thread.join()
+        self._pool.shutdown()
+        self._flat.release()
+        self._run_dir.close()
+        unregister_writer(self._writer)
+
+    # -----------------------------------------------------------------------------------------
+    # Internals
+    # -----------------------------------------------------------------------------------------
+
+    def _new_record(self, job: JobMetadata) -> _JobRecord:
+        assert job.job_id not in self._jobs, f"fs tier: job {job.job_id} submitted twice"
+        if len(job.block_ids):
+            lo, hi = int(job.block_ids.min()), int(job.block_ids.max())
+            assert lo >= 0 and hi < self._num_rows, (
+                f"fs tier: job {job.job_id} names primary rows [{lo}, {hi}] outside "
+                f"[0, {self._num_rows})"
+            )
+        return _JobRecord(is_promotion=job.is_promotion)
+
+    def _submit(self, job: JobMetadata, record: _JobRecord, *, is_load: bool) -> None:
+        tasks: Sequence[IoTask] = [
+            _BlockTask(self, record, key, block_id)
+            for key, block_id in zip(job.keys, job.block_ids.tolist(), strict=True)
+        ]
+        self._jobs[job.job_id] = record
+        try:
+            self._pool.submit(job.job_id, tasks, is_load=is_load)
+        except BaseException:
+            del self._jobs[job.job_id]
+            raise
+
+    def _run_block(self, key: OffloadKey, block_id: int, is_load: bool) -> bool:
+        """I/O thread: move one block between primary row ``block_id`` and ``key``'s file.
+
+        The row is bytes ``[block_id * row_bytes, (block_id + 1) * row_bytes)`` of the flat
+        primary view (every worker's slice of the block, then padding). The slice is released
+        before returning so that ``shutdown()`` can release the view.
+        """
+        start = block_id * self._row_bytes
+        with self._flat[start : start + self._row_bytes] as row:
+            return self._store.load(key, row) if is_load else self._store.store(key, row)
+
+    def _record_event(self, key: OffloadKey, present: bool) -> None:
+        # Called under the index lock: events are in the order of the changes.
+        self._events.append((key, present))
+
+    def _run_scan(self) -> None:
+        """Scan thread: rebuild the index, clean leftovers, then evict down to max_bytes."""
+        try:
+            start = time.monotonic()
+            stats = scan_rank_dir(
+                self._run_dir.rank_fd,
+                self._index,
+                run_digest=self._mapper.run_digest,
+                payload_len=self._row_bytes,
+                stale_tmp_age_s=self._config.stale_tmp_age_s,
+                stop=self._scan_stop,
+            )
+            if stats.completed:
+                victims = self._index.evict_to_fit()
+                if victims:
+                    self._store.remove_victims(victims)
+            self._scan_stats = stats
+            logger.info(
+                "fs tier: start-up scan of %s %s in %.2f s: %d blocks (%d bytes), %d leftover "
+                "temporary and %d invalid files removed, %d errors",
+                self._run_dir.rank_dir,
+                "done" if stats.completed else "stopped",
+                time.monotonic() - start,
+                stats.blocks,
+                stats.bytes,
+                stats.tmp_removed,
+                stats.invalid_removed,
+                stats.errors,
+            )
+        except Exception:
+            logger.exception("fs tier: start-up scan of %s failed", self._run_dir.rank_dir)
+        finally:
+            self._scan_done.set()
