@@ -1,0 +1,338 @@
+"""``vllm-kv-offload run`` end to end on tiny workloads, through the real engine and tiers.
+
+Each run serves a seeded workload twice (baseline, then with the CPU and fs tiers) through the
+asyncio front end; the tests cross-check the report's figures against each other, against a
+second (warm) run over the same fs root, and against a block deliberately corrupted on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm.entrypoints.cli.main import build_parser, main
+from vllm.entrypoints.cli.options import build_run_options
+from vllm.entrypoints.cli.workloads import generate_workload
+from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
+
+# One client sends its sessions one after another, so the GPU pool's contents, and thus the
+# baseline's figures, are deterministic. Documents of 12-20 blocks and a 24-block GPU pool: a
+# document asked for again after another one was read is no longer on the GPU; the CPU tier (32
+# rows) holds about two documents, so it serves some of those and the fs tier the others.
+TINY = [
+    "--workload",
+    "documents",
+    "--num-clients",
+    "1",
+    "--num-sessions",
+    "10",
+    "--turns",
+    "2",
+    "--document-tokens",
+    "256",
+    "--num-documents",
+    "4",
+    "--turn-tokens",
+    "16",
+    "--output-tokens",
+    "3",
+    "--think-time",
+    "0.001",
+    "--num-layers",
+    "2",
+    "--head-size",
+    "16",
+    "--block-size",
+    "16",
+    "--gpu-blocks",
+    "24",
+    "--max-num-seqs",
+    "3",
+    "--max-num-batched-tokens",
+    "64",
+    "--cpu-bytes",
+    "128KiB",
+    "--no-progress",
+    "--timeout",
+    "120",
+]
+# Concurrent clients and every session kind (used where only the outcome is checked).
+TINY_MIX = [
+    *TINY,
+    "--workload",
+    "mix",
+    "--num-clients",
+    "3",
+    "--num-sessions",
+    "9",
+    "--document-tokens",
+    "128",
+    "--system-prompt-tokens",
+    "64",
+]
+
+_NUM = (int, float)
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    out = tmp_path / f"{name}.json"
+    code = main([*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out), *extra])
+    return code, json.loads(out.read_text())
+
+
+def _check_dist(d: dict[str, Any]) -> None:
+    assert set(d) == {"count", "median", "p99", "mean", "max"}
+    assert all(isinstance(v, _NUM) for v in d.values())
+    assert d["median"] <= d["p99"] <= d["max"]
+
+
+def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
+    assert set(run) == {
+        "label",
+        "offload",
+        "wall_s",
+        "requests",
+        "prompt_tokens",
+        "hit_rate",
+        "share",
+        "output_tokens",
+        "steps",
+        "preemptions",
+        "overhead_us_per_step",
+        "worker_overhead_us_per_step",
+        "ttft_ms",
+        "latency_ms",
+        "transfers",
+        "verification",
+        "fs_tier",
+        "samples",
+    }
+    assert run["offload"] is offload
+    tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier"}
+    assert set(run["prompt_tokens"]) == {"total", "computed"} | tiers
+    assert set(run["hit_rate"]) == tiers
+    assert set(run["share"]) == {"computed"} | tiers
+    assert all(0.0 <= v <= 1.0 for v in run["hit_rate"].values())
+    for name in ("overhead_us_per_step", "worker_overhead_us_per_step", "ttft_ms", "latency_ms"):
+        _check_dist(run[name])
+    assert set(run["transfers"]) == {"gpu_to_cpu", "cpu_to_gpu", "cpu_to_fs", "fs_to_cpu"}
+    for t in run["transfers"].values():
+        assert set(t) == {
+            "blocks",
+            "bytes",
+            "busy_s",
+            "failed_blocks",
+            "skipped_blocks",
+            "throughput_bytes_per_s",
+            "average_bytes_per_s",
+        }
+    assert set(run["verification"]) == {
+        "blocks_verified",
+        "blocks_mismatched",
+        "corrupt_blocks_detected",
+        "failed_loads",
+    }
+    for s in run["samples"]:
+        assert set(s) == {"t_s", "tokens", "bytes_moved"}
+    times = [s["t_s"] for s in run["samples"]]
+    assert times == sorted(times)
+    # Token accounting: every placed token is computed or served by exactly one tier.
+    p = run["prompt_tokens"]
+    assert p["computed"] + sum(p[t] for t in tiers) == p["total"] > 0
+
+
+def test_run_end_to_end_report_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    plot = tmp_path / "run.png"
+    code, doc = _run(tmp_path, "r1", "--plot", str(plot))
+    text = capsys.readouterr()
+    assert code == 0, text.out + text.err
+    assert "[baseline]" not in text.err and "[offload]" not in text.err  # no bar off a terminal
+    for line in (
+        "baseline (no offload)",
+        "served from CPU tier",
+        "served from fs tier",
+        "prefill tokens saved vs baseline",
+        "fs tier started cold",
+        "served from fs tier",
+        "CPU -> GPU (load)",
+        "verdict: PASS",
+    ):
+        assert line in text.out
+
+    assert doc["schema_version"] == 1
+    assert set(doc) == {"schema_version", "settings", "runs", "comparison", "verdict"}
+    base, off = doc["runs"]["baseline"], doc["runs"]["offload"]
+    _check_run_schema(base, offload=False)
+    _check_run_schema(off, offload=True)
+    assert doc["settings"]["workload"] == "documents" and doc["settings"]["gpu_blocks"] == 24
+
+    # Both runs served the same requests and produced the same outputs.
+    workload = generate_workload(build_run_options(*_parsed(tmp_path)).workload)
+    assert base["requests"]["submitted"] == workload.num_requests == 20
+    assert base["requests"] == off["requests"]
+    assert base["requests"]["finished"] == base["requests"]["submitted"]
+    assert base["output_tokens"] == off["output_tokens"] == 3 * off["requests"]["finished"]
+    assert doc["comparison"]["outputs_identical"] is True
+
+    # The baseline has no offload tiers; the offloaded run used both.
+    assert base["prompt_tokens"]["cpu_tier"] == base["prompt_tokens"]["fs_tier"] == 0
+    assert base["fs_tier"] is None and base["transfers"]["gpu_to_cpu"]["blocks"] == 0
+    assert off["prompt_tokens"]["cpu_tier"] > 0
+    assert off["prompt_tokens"]["fs_tier"] > 0
+    assert off["transfers"]["fs_to_cpu"]["blocks"] > 0
+    assert off["transfers"]["gpu_to_cpu"]["blocks"] > 0
+    assert off["transfers"]["cpu_to_gpu"]["blocks"] > 0
+    # Every block stored in the CPU tier was written through to disk (or was there already, when
+    # it had been evicted from the CPU tier and stored again).
+    fs_store = off["transfers"]["cpu_to_fs"]
+    assert fs_store["blocks"] > 0 and fs_store["failed_blocks"] == 0
+    assert (
+        fs_store["blocks"] + fs_store["skipped_blocks"] == off["transfers"]["gpu_to_cpu"]["blocks"]
+    )
+    assert off["transfers"]["fs_to_cpu"]["busy_s"] is None  # the fs tier does not time its I/O
+    assert off["fs_tier"]["warm_start"] is False
+    assert off["fs_tier"]["files_at_end"] == off["transfers"]["cpu_to_fs"]["blocks"]
+    assert off["transfers"]["cpu_to_fs"]["bytes"] == off["fs_tier"]["bytes_at_end"]
+    # Loaded blocks were all verified bit-exact.
+    v = off["verification"]
+    assert v["blocks_verified"] == off["transfers"]["cpu_to_gpu"]["blocks"] > 0
+    assert v["blocks_mismatched"] == v["corrupt_blocks_detected"] == 0
+    # Tokens served by a tier never exceed what was moved: loads are whole blocks.
+    block = doc["settings"]["block_size"]
+    served = off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"]
+    assert served <= off["transfers"]["cpu_to_gpu"]["blocks"] * block
+    saved = doc["comparison"]["prefill_tokens_saved"]
+    assert saved == base["prompt_tokens"]["computed"] - off["prompt_tokens"]["computed"]
+    assert saved > 0
+    assert off["overhead_us_per_step"]["count"] > 0
+    assert doc["verdict"] == {
+        "status": "PASS",
+        "served_correctly": True,
+        "storage_intact": True,
+        "reasons": [],
+    }
+    # The last sample holds the run's cumulative token figures.
+    last = off["samples"][-1]["tokens"]
+    assert last["computed"] == off["prompt_tokens"]["computed"]
+    assert last["cpu_tier"] == off["prompt_tokens"]["cpu_tier"]
+    data = plot.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def _parsed(tmp_path: Path) -> tuple[Any, Any]:
+    parser = build_parser()
+    args = parser.parse_args(["run", *TINY, "--fs-root", str(tmp_path / "fs")])
+    return args.command_parser, args
+
+
+def test_second_run_over_the_same_fs_root_starts_warm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code1, first = _run(tmp_path, "r1")
+    code2, second = _run(tmp_path, "r2")
+    out = capsys.readouterr().out
+    assert (code1, code2) == (0, 0)
+    f1, f2 = first["runs"]["offload"], second["runs"]["offload"]
+    assert f2["fs_tier"]["warm_start"] is True
+    assert f2["fs_tier"]["files_at_start"] == f1["fs_tier"]["files_at_end"] > 0
+    assert f2["fs_tier"]["bytes_at_start"] == f1["fs_tier"]["bytes_at_end"]
+    assert f"fs tier started WARM: {f1['fs_tier']['files_at_end']:,} blocks" in out
+    # Cold CPU tier, warm disk: the fs tier serves, and less is computed than the first time.
+    assert f2["prompt_tokens"]["fs_tier"] > 0
+    assert f2["transfers"]["fs_to_cpu"]["blocks"] > 0
+    assert f2["prompt_tokens"]["computed"] < f1["prompt_tokens"]["computed"]
+    # Blocks stored to the CPU tier again mostly were on disk already; the few written now (ones
+    # the first run did not get to store) are exactly what the tier holds in addition.
+    s1, s2 = f1["transfers"]["cpu_to_fs"], f2["transfers"]["cpu_to_fs"]
+    assert s2["blocks"] + s2["skipped_blocks"] == f2["transfers"]["gpu_to_cpu"]["blocks"]
+    assert s2["blocks"] < s1["blocks"]
+    assert f2["fs_tier"]["files_at_end"] == f2["fs_tier"]["files_at_start"] + s2["blocks"]
+    # Same seed, same outputs, in both invocations and both runs.
+    assert second["comparison"]["outputs_identical"] is True
+    assert second["verdict"]["status"] == "PASS"
+
+
+def test_a_block_corrupted_on_disk_is_detected_reported_and_recomputed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code1, _ = _run(tmp_path, "r1")
+    assert code1 == 0
+    # The first block of the first session's prompt: every run needs it, and the second run's
+    # cold GPU pool and CPU tier make it ask the fs tier for it.
+    workload = generate_workload(build_run_options(*_parsed(tmp_path)).workload)
+    session = workload.sessions[0]
+    prompt = session.prompt(0, list(session.prefix))
+    block_hash = hash_block_tokens(NONE_HASH, prompt[:16])
+    (path,) = (tmp_path / "fs").rglob(f"{block_hash.hex()}.bin")
+    data = bytearray(path.read_bytes())
+    offset = 4096 + 100  # inside the payload (after the 4 KiB header)
+    original = data[offset]
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    code2, second = _run(tmp_path, "r2")
+    out = capsys.readouterr().out
+    assert code2 == 1  # the verdict fails
+    off = second["runs"]["offload"]
+    assert off["verification"]["corrupt_blocks_detected"] >= 1
+    assert off["transfers"]["fs_to_cpu"]["failed_blocks"] >= 1
+    assert second["verdict"]["status"] == "FAIL"
+    assert second["verdict"]["storage_intact"] is False
+    # Nothing corrupt was served: the block was recomputed, outputs match the baseline and the
+    # first invocation, and every loaded block verified.
+    assert second["verdict"]["served_correctly"] is True
+    assert off["verification"]["blocks_mismatched"] == 0
+    assert second["comparison"]["outputs_identical"] is True
+    assert "corrupt block(s) detected on disk (discarded and recomputed, never served)" in out
+    assert "storage integrity: FAIL" in out
+    assert "verdict: FAIL" in out
+    # The corrupt file was removed; if the block was stored again it is intact now.
+    if path.exists():
+        assert path.read_bytes()[offset] == original
+
+
+def test_run_without_fs_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "nofs.json"
+    assert main([*TINY, "--no-fs", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    off = doc["runs"]["offload"]
+    assert off["fs_tier"] is None
+    assert off["prompt_tokens"]["fs_tier"] == 0
+    assert off["transfers"]["cpu_to_fs"]["blocks"] == 0
+    assert "no fs tier" in capsys.readouterr().out
+
+
+def test_a_run_that_exceeds_its_timeout_fails_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [a if a != "120" else "0.05" for a in TINY]
+    assert main([*argv, "--fs-root", str(tmp_path / "fs")]) == 1
+    err = capsys.readouterr().err
+    assert "vllm-kv-offload: error: baseline run:" in err
+    assert "requests finished within the --timeout of 0.05 s" in err
+
+
+def test_module_runs_as_a_script(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", *TINY_MIX],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict: PASS" in proc.stdout
+    # The default fs root is under the user's cache dir.
+    assert str(tmp_path / "cache" / "vllm-kv-offload") in proc.stdout
+    assert list((tmp_path / "cache" / "vllm-kv-offload").rglob("*.bin"))

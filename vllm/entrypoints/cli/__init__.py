@@ -1,0 +1,1 @@
+"""The ``vllm-kv-offload`` command: ``run`` (the main job) and ``bench``."""

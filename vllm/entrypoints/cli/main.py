@@ -1,0 +1,102 @@
+"""``vllm-kv-offload``: the command-line entry point.
+
+Subcommands: ``run`` (the default: serve a workload with and without offloading and report what
+offloading bought) and ``bench`` (run the benchmarks of ``benchmarks/kv_offload/``). Declared as
+the console script ``vllm-kv-offload = "vllm.entrypoints.cli.main:main"``; also runnable as
+``python -m vllm.entrypoints.cli.main``.
+
+Exit codes: 0 success; 1 the run's verdict failed, a benchmark failed, or the run hit an error;
+2 bad options (argparse's convention); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import vllm
+from vllm.entrypoints.cli.bench import add_bench_arguments, run_bench
+from vllm.entrypoints.cli.options import add_run_arguments, build_run_options
+
+PROG = "vllm-kv-offload"
+SUBCOMMANDS = ("run", "bench")
+_TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the whole command, with one sub-parser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Serve a workload through the engine core, the offloading connector, the CPU tier "
+            "and the fs tier, next to a no-offload baseline, and report what offloading bought. "
+            "'run' is the default subcommand."
+        ),
+        epilog=f"'{PROG} run --help' and '{PROG} bench --help' list each subcommand's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {vllm.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,bench}")
+    run = sub.add_parser(
+        "run",
+        help="serve a workload with and without offloading and print the report (default)",
+        description=(
+            "Serve a seeded workload from concurrent clients through the asyncio front end, "
+            "once without offloading (baseline) and once with the CPU and fs tiers, then print "
+            "the report: where prompt tokens came from, hit rates, bytes moved, overhead, "
+            "prefill tokens saved and a correctness verdict."
+        ),
+    )
+    add_run_arguments(run)
+    run.set_defaults(command_parser=run)
+    run.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmarks of benchmarks/kv_offload/ and print their ratios",
+        description=(
+            "Run the manager, copy and fs benchmarks (each in --quick mode unless --full) and "
+            "print the ratios they report against their baselines."
+        ),
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(command_parser=bench)
+    return parser
+
+
+def _with_default_subcommand(argv: Sequence[str]) -> list[str]:
+    # 'run' is the default: `vllm-kv-offload --workload chat` means `... run --workload chat`.
+    argv = list(argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in _TOP_LEVEL_FLAGS):
+        return ["run", *argv]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command with ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
+
+    Option errors raise ``SystemExit(2)`` from argparse, as do ``--help`` (0) and ``--version``
+    (0); callers that embed the command should catch ``SystemExit``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(_with_default_subcommand(sys.argv[1:] if argv is None else argv))
+    if args.command == "bench":
+        return run_bench(args)
+    options = build_run_options(args.command_parser, args)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from vllm.entrypoints.cli.run import run_command
+
+    try:
+        return run_command(options)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

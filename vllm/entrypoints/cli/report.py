@@ -1,0 +1,573 @@
+"""The report of ``vllm-kv-offload run``: figures of one invocation, as text and as JSON.
+
+One ``RunResult`` holds what one engine run measured (the no-offload baseline or the offloaded
+run); ``Report`` puts both side by side, derives the comparison (prefill tokens saved) and the
+verdict, and renders them. The JSON document (``Report.to_json()``) carries the same figures as
+the text; its layout is documented in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a JSON field is renamed or removed (adding fields keeps the version)."""
+
+
+class Tier(str, enum.Enum):
+    """Where a prompt token came from."""
+
+    GPU = "gpu_prefix_cache"
+    CPU = "cpu_tier"
+    FS = "fs_tier"
+
+
+class Direction(str, enum.Enum):
+    """A direction in which offloaded blocks move."""
+
+    GPU_TO_CPU = "gpu_to_cpu"
+    CPU_TO_GPU = "cpu_to_gpu"
+    CPU_TO_FS = "cpu_to_fs"
+    FS_TO_CPU = "fs_to_cpu"
+
+    @property
+    def label(self) -> str:
+        """Human-readable name of the direction."""
+        return {
+            Direction.GPU_TO_CPU: "GPU -> CPU (store)",
+            Direction.CPU_TO_GPU: "CPU -> GPU (load)",
+            Direction.CPU_TO_FS: "CPU -> fs (store)",
+            Direction.FS_TO_CPU: "fs -> CPU (promote)",
+        }[self]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation; 0.0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class Distribution:
+    """Summary of a sample (e.g. per-step overhead in microseconds)."""
+
+    count: int = 0
+    median: float = 0.0
+    p99: float = 0.0
+    mean: float = 0.0
+    max: float = 0.0
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        """Summarise ``values`` (an empty sample gives zeros)."""
+        if not values:
+            return cls()
+        return cls(
+            count=len(values),
+            median=percentile(values, 50),
+            p99=percentile(values, 99),
+            mean=sum(values) / len(values),
+            max=max(values),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the summary."""
+        return {
+            "count": self.count,
+            "median": self.median,
+            "p99": self.p99,
+            "mean": self.mean,
+            "max": self.max,
+        }
+
+
+@dataclass
+class TransferFigures:
+    """Blocks and bytes moved in one direction during a run.
+
+    Attributes:
+        blocks: blocks moved successfully.
+        bytes: bytes moved successfully (for the fs tier: whole block files, header included).
+        busy_s: summed duration of the transfers; None when the mover does not time them (the
+            fs tier's I/O threads).
+        failed_blocks: blocks whose transfer failed (for loads from disk: corrupt files included).
+        skipped_blocks: blocks not moved because the destination already held them (a store to
+            the fs tier of a block already on disk).
+    """
+
+    blocks: int = 0
+    bytes: int = 0
+    busy_s: float | None = None
+    failed_blocks: int = 0
+    skipped_blocks: int = 0
+
+    def throughput(self) -> float | None:
+        """Bytes per second while transferring, or None when the busy time is unknown."""
+        return self.bytes / self.busy_s if self.busy_s else None
+
+    def to_json(self, wall_s: float) -> dict[str, Any]:
+        """The JSON object; ``average_bytes_per_s`` spreads the bytes over the whole run."""
+        return {
+            "blocks": self.blocks,
+            "bytes": self.bytes,
+            "busy_s": self.busy_s,
+            "failed_blocks": self.failed_blocks,
+            "skipped_blocks": self.skipped_blocks,
+            "throughput_bytes_per_s": self.throughput(),
+            "average_bytes_per_s": self.bytes / wall_s if wall_s > 0 else 0.0,
+        }
+
+
+@dataclass
+class StepSample:
+    """One engine step of a run, for the plot.
+
+    Attributes:
+        t_s: seconds since the run started, at the end of the step.
+        tokens: cumulative prompt tokens per source so far: ``"computed"`` and each ``Tier`` value.
+        bytes_moved: bytes each direction moved during this step (completed transfers).
+    """
+
+    t_s: float
+    tokens: dict[str, int]
+    bytes_moved: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the sample."""
+        return {
+            "t_s": round(self.t_s, 4),
+            "tokens": dict(self.tokens),
+            "bytes_moved": dict(self.bytes_moved),
+        }
+
+
+@dataclass
+class FsTierState:
+    """What the fs tier held before and after a run.
+
+    Attributes:
+        root_dir: the tier's root directory.
+        max_bytes: the tier's capacity bound (None: bounded by the filesystem).
+        files_at_start, bytes_at_start: block files of this run's geometry already on disk when
+            the run started (a warm start when > 0).
+        files_at_end, bytes_at_end: the same after the run.
+    """
+
+    root_dir: str
+    max_bytes: int | None
+    files_at_start: int = 0
+    bytes_at_start: int = 0
+    files_at_end: int = 0
+    bytes_at_end: int = 0
+
+    @property
+    def warm(self) -> bool:
+        """Whether the run started with blocks already on disk."""
+        return self.files_at_start > 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the state."""
+        return {
+            "root_dir": self.root_dir,
+            "max_bytes": self.max_bytes,
+            "warm_start": self.warm,
+            "files_at_start": self.files_at_start,
+            "bytes_at_start": self.bytes_at_start,
+            "files_at_end": self.files_at_end,
+            "bytes_at_end": self.bytes_at_end,
+        }
+
+
+@dataclass
+class RunResult:
+    """Everything one engine run measured.
+
+    Token accounting: every prompt token the scheduler placed (counted again when a preempted
+    request is scheduled anew) is either computed by the model or served from exactly one of the
+    GPU prefix cache, the CPU tier or the fs tier, so
+    ``computed + sum(served.values()) == prompt_tokens``.
+
+    Attributes:
+        label: ``"baseline"`` or ``"offload"``.
+        offload: whether the offloading connector was on.
+        wall_s: seconds from the first request to the last output.
+        num_requests: requests submitted; ``num_finished`` of them finished.
+        prompt_tokens: prompt tokens placed (see above).
+        computed_tokens: prompt tokens the model computed.
+        served: prompt tokens served per tier.
+        lookup_tokens: prompt tokens looked up per tier (those that reached it, i.e. missed every
+            faster tier), the denominators of the hit rates.
+        output_tokens: tokens generated.
+        steps: engine steps run.
+        preemptions: requests preempted for lack of GPU blocks.
+        overhead_us: scheduler-side connector + manager time per busy engine step (one that
+            scheduled tokens), in microseconds (offload only).
+        worker_overhead_us: worker-side connector time per busy step (submitting and polling
+            transfers; with the CPU fallback this includes the copies), in microseconds.
+        ttft_ms: time to first token per request, in milliseconds.
+        latency_ms: end-to-end time per request, in milliseconds.
+        transfers: figures per direction (offload only).
+        blocks_verified: offloaded blocks loaded into the GPU pool and checked bit-exact against
+            what recomputation writes.
+        blocks_mismatched: such blocks whose bytes differed (never served: recomputed).
+        corrupt_blocks_detected: blocks the fs tier found corrupt on disk (discarded, recomputed).
+        failed_loads: blocks of load or promotion jobs that failed for any reason.
+        fs: the fs tier's state (None without an fs tier).
+        outputs: output token ids per request id, to compare runs.
+        samples: one sample per engine step, for the plot.
+    """
+
+    label: str
+    offload: bool
+    wall_s: float = 0.0
+    num_requests: int = 0
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    served: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    lookup_tokens: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    output_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    overhead_us: list[float] = field(default_factory=list)
+    worker_overhead_us: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    transfers: dict[Direction, TransferFigures] = field(
+        default_factory=lambda: {d: TransferFigures() for d in Direction}
+    )
+    blocks_verified: int = 0
+    blocks_mismatched: int = 0
+    corrupt_blocks_detected: int = 0
+    failed_loads: int = 0
+    fs: FsTierState | None = None
+    outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    samples: list[StepSample] = field(default_factory=list)
+
+    def check_accounting(self) -> None:
+        """Assert the token accounting invariant (see the class docstring)."""
+        total = self.computed_tokens + sum(self.served.values())
+        assert total == self.prompt_tokens, (
+            f"{self.label} run: computed {self.computed_tokens} + served "
+            f"{ {t.value: n for t, n in self.served.items()} } = {total} != prompt tokens "
+            f"{self.prompt_tokens}"
+        )
+
+    def hit_rate(self, tier: Tier) -> float:
+        """Fraction of the prompt tokens that reached ``tier`` which it served."""
+        looked_up = self.lookup_tokens[tier]
+        return self.served[tier] / looked_up if looked_up else 0.0
+
+    def share(self, tier: Tier | None) -> float:
+        """Fraction of all prompt tokens served by ``tier`` (None: computed)."""
+        if not self.prompt_tokens:
+            return 0.0
+        n = self.computed_tokens if tier is None else self.served[tier]
+        return n / self.prompt_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the run."""
+        return {
+            "label": self.label,
+            "offload": self.offload,
+            "wall_s": self.wall_s,
+            "requests": {"submitted": self.num_requests, "finished": self.num_finished},
+            "prompt_tokens": {
+                "total": self.prompt_tokens,
+                "computed": self.computed_tokens,
+                **{t.value: self.served[t] for t in Tier},
+            },
+            "hit_rate": {t.value: self.hit_rate(t) for t in Tier},
+            "share": {
+                "computed": self.share(None),
+                **{t.value: self.share(t) for t in Tier},
+            },
+            "output_tokens": self.output_tokens,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "overhead_us_per_step": Distribution.of(self.overhead_us).to_json(),
+            "worker_overhead_us_per_step": Distribution.of(self.worker_overhead_us).to_json(),
+            "ttft_ms": Distribution.of(self.ttft_ms).to_json(),
+            "latency_ms": Distribution.of(self.latency_ms).to_json(),
+            "transfers": {d.value: self.transfers[d].to_json(self.wall_s) for d in Direction},
+            "verification": {
+                "blocks_verified": self.blocks_verified,
+                "blocks_mismatched": self.blocks_mismatched,
+                "corrupt_blocks_detected": self.corrupt_blocks_detected,
+                "failed_loads": self.failed_loads,
+            },
+            "fs_tier": None if self.fs is None else self.fs.to_json(),
+            "samples": [s.to_json() for s in self.samples],
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of the correctness checks of the offloaded run.
+
+    Attributes:
+        passed: True when nothing wrong was served and no stored block was found corrupt.
+        served_correctly: every block loaded from CPU or disk matched recomputation, and every
+            request's output equals the baseline's.
+        storage_intact: no block on disk was found corrupt.
+        reasons: one line per failed check.
+    """
+
+    passed: bool
+    served_correctly: bool
+    storage_intact: bool
+    reasons: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the verdict."""
+        return {
+            "status": "PASS" if self.passed else "FAIL",
+            "served_correctly": self.served_correctly,
+            "storage_intact": self.storage_intact,
+            "reasons": list(self.reasons),
+        }
+
+
+def compare_outputs(
+    baseline: Mapping[str, Sequence[int]], offload: Mapping[str, Sequence[int]]
+) -> list[str]:
+    """Request ids whose outputs differ between the runs (or that only one run finished)."""
+    ids = sorted(set(baseline) | set(offload))
+    return [
+        r
+        for r in ids
+        if r not in baseline or r not in offload or tuple(baseline[r]) != tuple(offload[r])
+    ]
+
+
+def judge(baseline: RunResult, offload: RunResult) -> Verdict:
+    """Derive the verdict of ``offload`` from its own checks and the baseline's outputs."""
+    reasons: list[str] = []
+    if offload.blocks_mismatched:
+        reasons.append(f"{offload.blocks_mismatched} loaded block(s) differed from recomputation")
+    differing = compare_outputs(baseline.outputs, offload.outputs)
+    if differing:
+        shown = ", ".join(differing[:5]) + (" ..." if len(differing) > 5 else "")
+        reasons.append(
+            f"{len(differing)} request(s) produced other outputs than the baseline: {shown}"
+        )
+    served_correctly = not reasons
+    if offload.corrupt_blocks_detected:
+        reasons.append(
+            f"{offload.corrupt_blocks_detected} corrupt block(s) detected on disk "
+            "(discarded and recomputed, never served)"
+        )
+    storage_intact = offload.corrupt_blocks_detected == 0
+    return Verdict(
+        passed=served_correctly and storage_intact,
+        served_correctly=served_correctly,
+        storage_intact=storage_intact,
+        reasons=tuple(reasons),
+    )
+
+
+@dataclass
+class Report:
+    """Both runs of one invocation, with the settings that produced them.
+
+    Attributes:
+        settings: the options of the run (JSON-serialisable values), echoed in the report.
+        baseline: the no-offload run.
+        offload: the offloaded run.
+    """
+
+    settings: dict[str, Any]
+    baseline: RunResult
+    offload: RunResult
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        """Prompt tokens the baseline computed that the offloaded run did not."""
+        return self.baseline.computed_tokens - self.offload.computed_tokens
+
+    @property
+    def verdict(self) -> Verdict:
+        """The verdict of the offloaded run."""
+        return judge(self.baseline, self.offload)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document of the report."""
+        base = self.baseline.computed_tokens
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "settings": self.settings,
+            "runs": {"baseline": self.baseline.to_json(), "offload": self.offload.to_json()},
+            "comparison": {
+                "prefill_tokens_saved": self.prefill_tokens_saved,
+                "prefill_tokens_saved_fraction": self.prefill_tokens_saved / base if base else 0.0,
+                "wall_time_ratio": (
+                    self.offload.wall_s / self.baseline.wall_s if self.baseline.wall_s else None
+                ),
+                "outputs_identical": not compare_outputs(
+                    self.baseline.outputs, self.offload.outputs
+                ),
+            },
+            "verdict": self.verdict.to_json(),
+        }
+
+    def render(self) -> str:
+        """The human-readable report."""
+        return "\n".join(_render(self))
+
+
+# ---------------------------------------------------------------------------------------------
+# Text rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes with a binary unit, e.g. ``"1.5 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _row(label: str, *cells: str) -> str:
+    return f"  {label:<34}" + "".join(f"{c:>22}" for c in cells)
+
+
+def _tokens_cell(run: RunResult, n: int, enabled: bool = True) -> str:
+    if not enabled:
+        return "-"
+    share = n / run.prompt_tokens if run.prompt_tokens else 0.0
+    return f"{n:,} ({_pct(share)})"
+
+
+_TIER_LABELS = {Tier.GPU: "GPU prefix cache", Tier.CPU: "CPU tier", Tier.FS: "fs tier"}
+
+
+def _render(report: Report) -> Iterable[str]:
+    b, o = report.baseline, report.offload
+    s = report.settings
+    yield "vllm-kv-offload run"
+    yield (
+        f"  workload {s.get('workload')} (seed {s.get('seed')}): {b.num_requests} requests "
+        f"from {s.get('num_clients')} concurrent client(s); device {s.get('device')}"
+    )
+    yield (
+        f"  model stand-in: {s.get('num_layers')} layers x {s.get('num_kv_heads')} KV heads x "
+        f"{s.get('head_size')} head size, {s.get('dtype')}"
+    )
+    yield (
+        f"  GPU pool {s.get('gpu_blocks')} blocks of {s.get('block_size')} tokens "
+        f"({format_bytes(s.get('block_bytes', 0))} each); "
+        f"CPU tier {format_bytes(s.get('cpu_bytes', 0))} ({s.get('eviction_policy')})"
+    )
+    if o.fs is None:
+        yield "  no fs tier"
+    else:
+        bound = f" (max {format_bytes(o.fs.max_bytes)})" if o.fs.max_bytes is not None else ""
+        yield f"  fs tier {o.fs.root_dir}{bound}"
+        if o.fs.warm:
+            yield (
+                f"  fs tier started WARM: {o.fs.files_at_start:,} blocks "
+                f"({format_bytes(o.fs.bytes_at_start)}) already on disk from earlier runs"
+            )
+        else:
+            yield "  fs tier started cold (no blocks of this geometry on disk)"
+    yield ""
+    yield _row("", "baseline (no offload)", "offload")
+    yield _row("wall time", f"{b.wall_s:.1f} s", f"{o.wall_s:.1f} s")
+    yield _row(
+        "requests finished",
+        f"{b.num_finished}/{b.num_requests}",
+        f"{o.num_finished}/{o.num_requests}",
+    )
+    yield _row("prompt tokens", f"{b.prompt_tokens:,}", f"{o.prompt_tokens:,}")
+    yield _row("  computed", _tokens_cell(b, b.computed_tokens), _tokens_cell(o, o.computed_tokens))
+    for tier in Tier:
+        yield _row(
+            f"  served from {_TIER_LABELS[tier]}",
+            _tokens_cell(b, b.served[tier], b.offload or tier is Tier.GPU),
+            _tokens_cell(
+                o, o.served[tier], o.offload and (tier is not Tier.FS or o.fs is not None)
+            ),
+        )
+    for tier in Tier:
+        yield _row(
+            f"hit rate, {_TIER_LABELS[tier]}",
+            _pct(b.hit_rate(tier)) if (b.offload or tier is Tier.GPU) else "-",
+            _pct(o.hit_rate(tier)) if (tier is not Tier.FS or o.fs is not None) else "-",
+        )
+    yield "    (hit rate: share of the tokens that reached the tier, i.e. missed faster tiers)"
+    yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
+    yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
+    yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
+    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
+    yield _row(
+        "TTFT median / p99",
+        f"{bt.median:.0f} / {bt.p99:.0f} ms",
+        f"{ot.median:.0f} / {ot.p99:.0f} ms",
+    )
+    ov = Distribution.of(o.overhead_us)
+    wv = Distribution.of(o.worker_overhead_us)
+    yield _row("connector+manager per step", "-", f"{ov.median:.0f} / {ov.p99:.0f} us")
+    yield _row("  worker-side connector per step", "-", f"{wv.median:.0f} / {wv.p99:.0f} us")
+    yield "    (median / p99 over the steps that scheduled tokens)"
+    if s.get("device") == "cpu":
+        yield "    (on CPU the model stand-in computes almost for free: wall time and TTFT mostly"
+        yield "     measure copies and checks; prefill tokens saved is what carries over to a GPU)"
+    saved = report.prefill_tokens_saved
+    frac = saved / b.computed_tokens if b.computed_tokens else 0.0
+    yield ""
+    yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
+    yield ""
+    yield (
+        f"  {'transfers (offload run)':<24}{'blocks':>10}{'bytes':>14}{'busy':>10}"
+        f"{'throughput':>14}{'average':>14}"
+    )
+    for d in Direction:
+        t = o.transfers[d]
+        tp = t.throughput()
+        avg = t.bytes / o.wall_s if o.wall_s > 0 else 0.0
+        notes = [f"{t.failed_blocks:,} failed"] if t.failed_blocks else []
+        if t.skipped_blocks:
+            notes.append(f"{t.skipped_blocks:,} already there")
+        yield (
+            f"  {d.label:<24}{t.blocks:>10,}{format_bytes(t.bytes):>14}"
+            f"{'-' if t.busy_s is None else f'{t.busy_s:.2f} s':>10}"
+            f"{'-' if tp is None else format_bytes(tp) + '/s':>14}"
+            f"{format_bytes(avg) + '/s':>14}" + (f"  ({', '.join(notes)})" if notes else "")
+        )
+    yield "    (throughput: while transferring; average: over the run's wall time)"
+    yield ""
+    verdict = report.verdict
+    differing = compare_outputs(b.outputs, o.outputs)
+    yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
+    yield (
+        f"    {o.blocks_verified:,} blocks loaded from CPU or disk verified bit-exact against "
+        f"recomputation, {o.blocks_mismatched:,} mismatched"
+    )
+    yield (
+        f"    outputs of {len(o.outputs):,} requests identical to the baseline's"
+        if not differing
+        else f"    outputs of {len(differing):,} requests differ from the baseline's"
+    )
+    yield (
+        f"  storage integrity: {'PASS' if verdict.storage_intact else 'FAIL'} - "
+        f"{o.corrupt_blocks_detected:,} corrupt block(s) detected on disk"
+        + (" (discarded and recomputed, never served)" if o.corrupt_blocks_detected else "")
+    )
+    for reason in verdict.reasons:
+        yield f"    - {reason}"
+    yield f"  verdict: {'PASS' if verdict.passed else 'FAIL'}"

@@ -1,0 +1,433 @@
+"""``vllm-kv-offload run``: serve a workload twice (without and with offloading) and report.
+
+Each run builds a fresh ``EngineCore`` (the baseline without a connector; the offloaded run with
+the offloading connector, the CPU tier and, unless ``--no-fs``, the fs tier), wraps it in the
+asyncio front end ``AsyncLLM`` and lets the workload's clients send their sessions' turns
+concurrently, with the workload's think times. A step callback on the engine thread samples the
+engine's counters after every step for the plot. Once the last output arrived, the run waits
+until every transfer (including cascades to the fs tier) finished, so the next invocation over
+the same fs root starts warm with everything this one stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.entrypoints.cli.options import RunOptions
+from vllm.entrypoints.cli.progress import ProgressBar
+from vllm.entrypoints.cli.report import (
+    Direction,
+    FsTierState,
+    Report,
+    RunResult,
+    StepSample,
+    Tier,
+    TransferFigures,
+)
+from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.scheduler import RequestOutput
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+PROG = "vllm-kv-offload"
+IDLE_TIMEOUT_S = 600.0
+"""Longest wait for in-flight transfers after the last output before the run gives up."""
+SCAN_TIMEOUT_S = 120.0
+"""Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
+
+_GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
+
+
+def extra_config(opts: RunOptions) -> dict[str, Any]:
+    """The offloading connector's ``kv_connector_extra_config`` for ``opts``."""
+    cfg: dict[str, Any] = {
+        "cpu_bytes_to_use": opts.cpu_bytes,
+        "eviction_policy": opts.eviction_policy,
+        "block_size": opts.offload_block_size,
+    }
+    if opts.fs_root is None:
+        cfg["spec_name"] = "CPUOffloadingSpec"
+        return cfg
+    cfg["spec_name"] = "TieringOffloadingSpec"
+    tier: dict[str, Any] = {
+        "type": "fs",
+        "root_dir": str(opts.fs_root),
+        "n_read_threads": opts.fs_read_threads,
+        "n_write_threads": opts.fs_write_threads,
+    }
+    if opts.fs_max_bytes is not None:
+        tier["max_bytes"] = opts.fs_max_bytes
+    cfg["secondary_tiers"] = [tier]
+    return cfg
+
+
+def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
+    """The engine settings of one run (identical for both runs but for the connector)."""
+    return EngineConfig(
+        gpu_block_sizes=(opts.block_size,),
+        num_gpu_blocks=opts.gpu_blocks,
+        num_layers=opts.num_layers,
+        num_kv_heads=opts.num_kv_heads,
+        head_size=opts.head_size,
+        dtype=opts.dtype,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        vocab_size=opts.workload.vocab_size,
+        verify_kv=True,
+        kv_connector_extra_config=extra_config(opts) if offload else None,
+        device=opts.device,
+    )
+
+
+def find_fs_tier(engine: EngineCore) -> FileSystemSecondaryTier | None:
+    """The engine's fs tier, if its connector has one."""
+    if engine.connector is None:
+        return None
+    manager = engine.connector.connector_scheduler.manager
+    if not isinstance(manager, TieringOffloadingManager):
+        return None
+    for tier in manager.secondary_tiers:
+        if isinstance(tier, FileSystemSecondaryTier):
+            return tier
+    return None
+
+
+@dataclass
+class StepSampler:
+    """Step callback (engine thread): one ``StepSample`` and overhead figures per busy step.
+
+    Steps that scheduled no token and moved nothing (the front end polling for transfers) are
+    not sampled, so they neither flood the plot nor dilute the per-step overhead.
+
+    Attributes:
+        t0: ``time.monotonic()`` at the start of the run.
+        fs_tier: the run's fs tier (its counters give the CPU <-> fs bytes).
+        samples: the samples so far.
+        overhead_us: scheduler-side connector + manager time per busy step (microseconds).
+        worker_overhead_us: worker-side connector time per busy step (microseconds).
+    """
+
+    t0: float
+    fs_tier: FileSystemSecondaryTier | None = None
+    samples: list[StepSample] = field(default_factory=list)
+    overhead_us: list[float] = field(default_factory=list)
+    worker_overhead_us: list[float] = field(default_factory=list)
+    _fs_written: int = 0
+    _fs_loaded: int = 0
+
+    def __call__(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
+        stats = engine.stats
+        record = stats.step_records[-1] if stats.step_records else None
+        moved = dict.fromkeys((d.value for d in Direction), 0)
+        if record is not None:
+            for name, n in record.bytes_moved.items():
+                direction = _GPU_DIRECTIONS.get(name)
+                if direction is not None:
+                    moved[direction.value] += n
+        if self.fs_tier is not None:
+            counters = self.fs_tier.stats()
+            row_bytes = self.fs_tier.block_file_size
+            written, loaded = counters.get("blocks_written", 0), counters.get("blocks_loaded", 0)
+            moved[Direction.CPU_TO_FS.value] = (written - self._fs_written) * row_bytes
+            moved[Direction.FS_TO_CPU.value] = (loaded - self._fs_loaded) * row_bytes
+            self._fs_written, self._fs_loaded = written, loaded
+        busy = record is not None and record.num_scheduled_tokens > 0
+        if not busy and not any(moved.values()) and not outputs:
+            return
+        if busy and record is not None:
+            self.overhead_us.append(record.connector_seconds * 1e6)
+            self.worker_overhead_us.append(record.worker_connector_seconds * 1e6)
+        self.samples.append(
+            StepSample(
+                t_s=time.monotonic() - self.t0,
+                tokens={
+                    "computed": stats.prompt_tokens_computed,
+                    Tier.GPU.value: stats.tokens_from_gpu_cache,
+                    Tier.CPU.value: stats.tokens_from_cpu,
+                    Tier.FS.value: stats.tokens_from_secondary,
+                },
+                bytes_moved=moved,
+            )
+        )
+
+
+def _progress_extra(sampler: StepSampler) -> str:
+    # The engine thread appends samples; reading the last one from the loop is a snapshot.
+    if not sampler.samples:
+        return ""
+    tokens = sampler.samples[-1].tokens
+    total = sum(tokens.values())
+    if not total:
+        return ""
+    shares = [("computed", tokens.get("computed", 0))] + [
+        (name, tokens.get(t.value, 0))
+        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
+    ]
+    return "  ".join(f"{name} {100 * n / total:.0f}%" for name, n in shares)
+
+
+@dataclass
+class _ClientLog:
+    outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    ttft_ms: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    last_output_time: float = 0.0
+
+
+async def _run_session(
+    llm: AsyncLLM, session: Session, log: _ClientLog, on_done: Callable[[], None]
+) -> None:
+    history: list[int] = list(session.prefix)
+    for t, turn in enumerate(session.turns):
+        if turn.delay_s > 0:
+            await asyncio.sleep(turn.delay_s)
+        prompt = session.prompt(t, history)
+        req_id = session.request_id(t)
+        start = time.monotonic()
+        first: float | None = None
+        output: tuple[int, ...] = ()
+        async for out in llm.generate(req_id, prompt, turn.max_tokens):
+            if first is None and out.new_token_ids:
+                first = time.monotonic()
+            output = out.output_token_ids
+        end = time.monotonic()
+        log.outputs[req_id] = output
+        log.ttft_ms.append(((first or end) - start) * 1e3)
+        log.latency_ms.append((end - start) * 1e3)
+        log.last_output_time = max(log.last_output_time, end)
+        if session.keeps_history:
+            history = [*prompt, *output]
+        on_done()
+
+
+async def _run_client(
+    llm: AsyncLLM, sessions: list[Session], log: _ClientLog, on_done: Callable[[], None]
+) -> None:
+    for session in sessions:
+        await _run_session(llm, session, log, on_done)
+
+
+async def serve(
+    opts: RunOptions, workload: Workload, offload: bool, progress: ProgressBar | None = None
+) -> RunResult:
+    """Serve ``workload`` on a fresh engine and return what the run measured."""
+    label = "offload" if offload else "baseline"
+    engine = EngineCore(engine_config(opts, offload))
+    fs_tier = find_fs_tier(engine) if offload else None
+    result = RunResult(label=label, offload=offload, num_requests=workload.num_requests)
+    if offload and opts.fs_root is not None:
+        result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
+    sampler = StepSampler(t0=time.monotonic(), fs_tier=fs_tier)
+    log = _ClientLog()
+    done = 0
+
+    def on_done() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress.update(done, _progress_extra(sampler))
+
+    # From here on the engine belongs to the front end's thread (and is shut down by it).
+    async with AsyncLLM(engine, step_callback=sampler) as llm:
+        if result.fs is not None:
+            # Only to report what was on disk before the run: the tier serves during its scan.
+            files, size = await llm.call(_fs_usage_after_scan)
+            result.fs.files_at_start, result.fs.bytes_at_start = files, size
+        t0 = sampler.t0 = time.monotonic()
+        clients = asyncio.gather(
+            *(
+                _run_client(llm, workload.sessions_of_client(c), log, on_done)
+                for c in sorted({s.client for s in workload.sessions})
+            )
+        )
+        try:
+            await asyncio.wait_for(clients, opts.timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"{label} run: {done} of {workload.num_requests} requests finished within the "
+                f"--timeout of {opts.timeout_s:g} s"
+            ) from None
+        try:
+            await asyncio.wait_for(llm.wait_until_idle(), IDLE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"{label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the last "
+                "output"
+            ) from None
+        snapshot = await llm.call(_snapshot)
+    result.wall_s = max(log.last_output_time - t0, 0.0)
+    result.outputs = log.outputs
+    result.ttft_ms = log.ttft_ms
+    result.latency_ms = log.latency_ms
+    result.samples = sampler.samples
+    result.overhead_us = sampler.overhead_us
+    result.worker_overhead_us = sampler.worker_overhead_us
+    _fill(result, snapshot, opts)
+    result.check_accounting()
+    return result
+
+
+def _fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
+    # Engine thread, before the first request: (blocks, bytes) the fs tier found on disk.
+    tier = find_fs_tier(engine)
+    if tier is None or tier.wait_for_scan(SCAN_TIMEOUT_S) is None:
+        return 0, 0
+    usage = tier.usage()
+    return usage.num_blocks, usage.used_bytes
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    engine_stats: Any
+    connector: dict[str, int | float]
+    fs_counters: dict[str, int]
+    fs_blocks: int
+    fs_bytes: int
+    fs_file_bytes: int
+
+
+def _snapshot(engine: EngineCore) -> _Snapshot:
+    # Engine thread: copy everything the report needs before the engine shuts down.
+    tier = find_fs_tier(engine)
+    stats = engine.stats
+    usage = tier.usage() if tier is not None else None
+    return _Snapshot(
+        engine_stats=stats,
+        connector=dict(engine.connector_stats()),
+        fs_counters=tier.stats() if tier is not None else {},
+        fs_blocks=usage.num_blocks if usage is not None else 0,
+        fs_bytes=usage.used_bytes if usage is not None else 0,
+        fs_file_bytes=tier.block_file_size if tier is not None else 0,
+    )
+
+
+def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
+    s = snap.engine_stats
+    result.num_finished = s.requests_finished - s.requests_aborted
+    result.prompt_tokens = s.prompt_tokens
+    result.computed_tokens = s.prompt_tokens_computed
+    result.served = {
+        Tier.GPU: s.tokens_from_gpu_cache,
+        Tier.CPU: s.tokens_from_cpu,
+        Tier.FS: s.tokens_from_secondary,
+    }
+    # Tiers are consulted in order: a tier only sees the tokens every faster tier missed.
+    result.lookup_tokens = {
+        Tier.GPU: s.prompt_tokens,
+        Tier.CPU: s.prompt_tokens - s.tokens_from_gpu_cache if result.offload else 0,
+        Tier.FS: (
+            s.prompt_tokens - s.tokens_from_gpu_cache - s.tokens_from_cpu
+            if result.offload and opts.fs_root is not None
+            else 0
+        ),
+    }
+    result.output_tokens = s.output_tokens
+    result.steps = s.steps - s.idle_steps
+    result.preemptions = s.preemptions
+    result.blocks_verified = s.blocks_loaded_verified
+    result.blocks_mismatched = s.verification_failures
+    result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
+    c = snap.connector
+    for name, direction in _GPU_DIRECTIONS.items():
+        blocks_key = "store_blocks" if direction is Direction.GPU_TO_CPU else "load_blocks"
+        failed_key = f"failed_{blocks_key}"
+        result.transfers[direction] = TransferFigures(
+            blocks=int(c.get(blocks_key, 0)) - int(c.get(failed_key, 0)),
+            bytes=int(c.get(f"transfer.{name}.bytes", 0)),
+            busy_s=float(c.get(f"transfer.{name}.seconds", 0.0)),
+            failed_blocks=int(c.get(failed_key, 0)),
+        )
+    fs = snap.fs_counters
+    if result.fs is not None:
+        result.transfers[Direction.CPU_TO_FS] = TransferFigures(
+            blocks=fs.get("blocks_written", 0),
+            bytes=fs.get("blocks_written", 0) * snap.fs_file_bytes,
+            failed_blocks=fs.get("store_failures", 0),
+            skipped_blocks=fs.get("blocks_skipped", 0),
+        )
+        result.transfers[Direction.FS_TO_CPU] = TransferFigures(
+            blocks=fs.get("blocks_loaded", 0),
+            bytes=fs.get("blocks_loaded", 0) * snap.fs_file_bytes,
+            failed_blocks=fs.get("load_failures", 0) + fs.get("corrupt_removed", 0),
+        )
+        result.corrupt_blocks_detected = fs.get("corrupt_removed", 0)
+        result.fs.files_at_end = snap.fs_blocks
+        result.fs.bytes_at_end = snap.fs_bytes
+
+
+def settings_of(opts: RunOptions) -> dict[str, Any]:
+    """The options echoed in the report (JSON-serialisable)."""
+    w = opts.workload
+    return {
+        "workload": w.kind.value,
+        "seed": w.seed,
+        "num_clients": w.num_clients,
+        "num_sessions": w.num_sessions,
+        "turns": w.turns_per_session,
+        "turn_tokens": w.turn_tokens,
+        "output_tokens": w.output_tokens,
+        "system_prompt_tokens": w.system_prompt_tokens,
+        "document_tokens": w.document_tokens,
+        "num_documents": w.num_documents,
+        "think_time_s": w.think_time_s,
+        "num_layers": opts.num_layers,
+        "num_kv_heads": opts.num_kv_heads,
+        "head_size": opts.head_size,
+        "dtype": opts.dtype,
+        "block_size": opts.block_size,
+        "offload_block_size": opts.offload_block_size,
+        "block_bytes": opts.gpu_block_bytes,
+        "gpu_blocks": opts.gpu_blocks,
+        "max_num_seqs": opts.max_num_seqs,
+        "max_num_batched_tokens": opts.max_num_batched_tokens,
+        "cpu_bytes": opts.cpu_bytes,
+        "eviction_policy": opts.eviction_policy,
+        "fs_root": None if opts.fs_root is None else str(opts.fs_root),
+        "fs_max_bytes": opts.fs_max_bytes,
+        "device": opts.device,
+        "timeout_s": opts.timeout_s,
+    }
+
+
+def _run_one(opts: RunOptions, workload: Workload, offload: bool) -> RunResult:
+    label = "offload" if offload else "baseline"
+    with ProgressBar(workload.num_requests, label, enabled=None if opts.progress else False) as bar:
+        return asyncio.run(serve(opts, workload, offload, bar))
+
+
+def run_command(opts: RunOptions) -> int:
+    """Run the baseline and the offloaded run, print the report, write ``--json``/``--plot``.
+
+    Returns:
+        0 when the verdict passed, 1 when it failed or the run hit an error.
+    """
+    workload = generate_workload(opts.workload)
+    try:
+        baseline = _run_one(opts, workload, offload=False)
+        offload = _run_one(opts, workload, offload=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 1
+    report = Report(settings=settings_of(opts), baseline=baseline, offload=offload)
+    sys.stdout.write(report.render() + "\n")
+    sys.stdout.flush()
+    try:
+        if opts.json_path is not None:
+            opts.json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        if opts.plot_path is not None:
+            from vllm.entrypoints.cli.plot import write_plot
+
+            write_plot(opts.plot_path, offload, baseline)
+    except OSError as e:
+        sys.stderr.write(f"{PROG}: error: cannot write the report: {e}\n")
+        return 1
+    return 0 if report.verdict.passed else 1
