@@ -1,0 +1,61 @@
+"""The model stand-in: KV bytes as a deterministic function of the token prefix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.v1.engine.model import (
+    KVLayout,
+    StandInModel,
+    allocate_group_kv_cache,
+    kv_values,
+    prefix_seeds,
+    sample_token,
+)
+
+
+def test_prefix_seeds_follow_the_recurrence_and_continue() -> None:
+    tokens = [5, 0, 31999, 7, 7]
+    state = 0
+    expected = []
+    for t in tokens:
+        state = (state * 0x9E3779B97F4A7C15 + t + 1) % (1 << 64)
+        expected.append(state)
+    seeds = prefix_seeds(tokens)
+    assert [int(s) for s in seeds] == expected
+    assert [int(s) for s in prefix_seeds(tokens, 2)] == expected[2:]
+    assert [int(s) for s in prefix_seeds(tokens[3:], initial=expected[2])] == expected[3:]
+
+
+def test_values_are_deterministic_finite_and_salted() -> None:
+    seeds = prefix_seeds(list(range(10)))
+    a = kv_values(seeds, 1, (2, 2, 2, 8), torch.float16)
+    assert a.dtype == torch.int16 and a.shape == (10, 2, 2, 2, 8)
+    assert torch.equal(a, kv_values(seeds, 1, (2, 2, 2, 8), torch.float16))
+    assert not torch.equal(a, kv_values(seeds, 2, (2, 2, 2, 8), torch.float16))
+    assert torch.isfinite(a.view(torch.float16)).all()
+    b = kv_values(seeds, 1, (3,), torch.float32)
+    assert b.dtype == torch.int32 and torch.isfinite(b.view(torch.float32)).all()
+    assert 0 <= sample_token(int(seeds[-1]), 50) < 50
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_written_blocks_verify_and_a_flipped_byte_is_found(layout: KVLayout) -> None:
+    group = allocate_group_kv_cache(0, 4, 6, 2, 2, 8, torch.bfloat16, layout)
+    model = StandInModel(rank=1, groups=[group], vocab_size=100)
+    tokens = list(range(50, 61))  # 11 tokens: blocks 0, 1 full, block 2 partial
+    table = np.array([4, 0, 2])
+    positions = np.arange(11)
+    model.write(0, prefix_seeds(tokens), table[positions // 4], positions % 4)
+    blocks = [(0, 4), (1, 0), (2, 2)]
+    assert model.verify_blocks(0, tokens, blocks, 11) == []
+    assert model.verify_blocks(0, [*tokens[:5], 0, *tokens[6:]], blocks, 11) == [0, 2]
+    raw = group.tensors[0].view(torch.int8)
+    flat = raw.reshape(-1)
+    index = int(torch.nonzero(flat).flatten()[0])  # a written byte
+    flat[index] ^= 1
+    assert len(model.verify_blocks(0, tokens, blocks, 11)) == 1
+    other_rank = StandInModel(rank=0, groups=[group], vocab_size=100)
+    assert other_rank.verify_blocks(0, tokens, blocks, 11) == [0, 2, 4]

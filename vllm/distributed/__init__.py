@@ -1,0 +1,1 @@
+"""Distributed pieces of the engine: KV events and KV transfer connectors."""

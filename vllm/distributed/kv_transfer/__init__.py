@@ -1,0 +1,1 @@
+"""KV transfer between the engine's GPU KV cache and external stores."""

@@ -1,0 +1,1 @@
+"""KV connectors: the engine's interface to KV transfer backends."""

@@ -1,0 +1,1 @@
+"""Version 1 of the KV connector interface and its implementations."""

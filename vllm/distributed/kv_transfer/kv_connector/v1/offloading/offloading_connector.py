@@ -1,0 +1,223 @@
+"""``OffloadingConnector``: the KV connector v1 facade over the two halves.
+
+One instance per role: the scheduler-side instance owns an ``OffloadingConnectorScheduler``
+(and through it the ``OffloadingManager``), each worker's instance an
+``OffloadingConnectorWorker``. Calling a method of the other role is a programming error and
+raises ``AssertionError``.
+
+Example::
+
+    spec = OffloadingConnector.create_spec({"cpu_bytes_to_use": 1 << 30}, run_info)
+    scheduler_side = OffloadingConnector(spec, KVConnectorRole.SCHEDULER)
+    worker_side = OffloadingConnector(spec, KVConnectorRole.WORKER, rank=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+    ReqId,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    LoadResult,
+    OffloadingConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    HandlerFactory,
+    OffloadingConnectorWorker,
+)
+from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+
+class OffloadingConnector:
+    """Offloads KV blocks to the tiers of an ``OffloadingSpec``'s manager.
+
+    Args:
+        spec: the offloading spec shared by both roles.
+        role: which half this instance is.
+        rank: the worker rank (worker role only).
+        hash_block_size: tokens per hashed block of ``Request.block_hashes`` (scheduler role;
+            default: the gcd of the GPU block sizes).
+        offload_prompt_only: store only prompt blocks (scheduler role).
+        handler_factory: builds a worker's transfer handlers (worker role; see
+            ``OffloadingConnectorWorker``).
+    """
+
+    def __init__(
+        self,
+        spec: OffloadingSpec,
+        role: KVConnectorRole,
+        *,
+        rank: int = 0,
+        hash_block_size: int | None = None,
+        offload_prompt_only: bool = False,
+        handler_factory: HandlerFactory | None = None,
+    ) -> None:
+        self.spec = spec
+        self.role = role
+        self._scheduler: OffloadingConnectorScheduler | None = None
+        self._worker: OffloadingConnectorWorker | None = None
+        self._metadata: OffloadingConnectorMetadata | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = OffloadingConnectorScheduler(
+                spec, hash_block_size=hash_block_size, offload_prompt_only=offload_prompt_only
+            )
+        else:
+            self._worker = OffloadingConnectorWorker(spec, rank, handler_factory)
+
+    @staticmethod
+    def create_spec(
+        extra_config: Mapping[str, Any] | OffloadingConfig,
+        run: KVCacheRunInfo,
+        *,
+        enable_events: bool = False,
+    ) -> OffloadingSpec:
+        """Parse ``kv_connector_extra_config`` and build the spec it selects."""
+        config = (
+            extra_config
+            if isinstance(extra_config, OffloadingConfig)
+            else OffloadingConfig.from_extra_config(extra_config)
+        )
+        return OffloadingSpecFactory.create_spec(config, run, enable_events=enable_events)
+
+    @property
+    def connector_scheduler(self) -> OffloadingConnectorScheduler:
+        """The scheduler-side half (scheduler role only)."""
+        assert self._scheduler is not None, "not the scheduler-side connector"
+        return self._scheduler
+
+    @property
+    def connector_worker(self) -> OffloadingConnectorWorker:
+        """The worker-side half (worker role only)."""
+        assert self._worker is not None, "not a worker-side connector"
+        return self._worker
+
+    # -----------------------------------------------------------------------------------------
+    # Scheduler side
+    # -----------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """See ``OffloadingConnectorScheduler.get_num_new_matched_tokens``."""
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        """See ``OffloadingConnectorScheduler.update_state_after_alloc``."""
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """See ``OffloadingConnectorScheduler.build_connector_meta``."""
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """See ``OffloadingConnectorScheduler.update_connector_output``."""
+        self.connector_scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: GroupBlockIds | None = None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """See ``OffloadingConnectorScheduler.request_finished``; always ``(False, None)``."""
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Drain the manager's events as KV events; no other effect."""
+        return self.connector_scheduler.take_events()
+
+    def take_load_results(self) -> list[LoadResult]:
+        """Loads completed since the last call (for the engine's accounting)."""
+        return self.connector_scheduler.take_load_results()
+
+    def reset_cache(self) -> None:
+        """See ``OffloadingConnectorScheduler.reset_cache``."""
+        self.connector_scheduler.reset_cache()
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for transfers in flight."""
+        return self.connector_scheduler.has_pending_work()
+
+    def get_stats(self) -> dict[str, int | float]:
+        """Connector and manager counters (scheduler role)."""
+        return self.connector_scheduler.get_stats()
+
+    # -----------------------------------------------------------------------------------------
+    # Worker side
+    # -----------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+        """See ``OffloadingConnectorWorker.register_kv_caches``."""
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Attach the step's metadata for the hooks below."""
+        assert isinstance(metadata, OffloadingConnectorMetadata), (
+            f"unexpected metadata {type(metadata).__name__}"
+        )
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Detach the step's metadata."""
+        self._metadata = None
+
+    def _get_metadata(self) -> OffloadingConnectorMetadata:
+        assert self._metadata is not None, "no connector metadata is bound"
+        return self._metadata
+
+    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
+        """See ``OffloadingConnectorWorker.handle_preemptions`` (called before binding)."""
+        assert isinstance(metadata, OffloadingConnectorMetadata)
+        self.connector_worker.handle_preemptions(metadata)
+
+    def start_load_kv(self) -> None:
+        """Submit deferred stores, then this step's loads."""
+        self.connector_worker.start_load_kv(self._get_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """No-op: loads are asynchronous, per request, not per layer."""
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """No-op: stores are whole blocks, issued after the forward pass."""
+
+    def wait_for_save(self) -> None:
+        """Defer this step's stores to the next step."""
+        self.connector_worker.wait_for_save(self._get_metadata())
+
+    def get_finished(self, finished_req_ids: Iterable[ReqId]) -> tuple[set[ReqId], set[ReqId]]:
+        """See ``OffloadingConnectorWorker.get_finished``."""
+        return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> dict[int, set[int]]:
+        """See ``OffloadingConnectorWorker.get_block_ids_with_load_errors``."""
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        """See ``OffloadingConnectorWorker.build_connector_worker_meta``."""
+        return self.connector_worker.build_connector_worker_meta()
+
+    # -----------------------------------------------------------------------------------------
+    # Both
+    # -----------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release the half's resources (manager, or handlers)."""
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

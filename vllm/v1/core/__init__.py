@@ -1,0 +1,1 @@
+"""Engine-facing scheduler types: block hashing and the scheduler's per-step output."""

@@ -1,0 +1,1 @@
+"""The scheduler's per-step output handed to the KV connector and the workers."""

@@ -1,0 +1,5 @@
+"""The engine core: a step loop over a scheduler, a GPU block pool and a model stand-in.
+
+It drives the offloading connector exactly as vLLM's scheduler and workers do, so the whole
+offload stack can be run, tested and measured end to end (see ``core.EngineCore``).
+"""

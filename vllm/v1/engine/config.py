@@ -1,0 +1,131 @@
+"""``EngineConfig``: the engine core's settings (model stand-in geometry, pool, batching)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.v1.engine.model import KVLayout
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+_instance_counter = itertools.count()
+
+
+def default_instance_id() -> str:
+    """A fresh id, unique per process and engine, naming the engine's shared host region."""
+    return f"engine-{os.getpid()}-{next(_instance_counter)}"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one ``EngineCore``.
+
+    Attributes:
+        gpu_block_sizes: tokens per GPU block, one entry per KV-cache group.
+        num_gpu_blocks: GPU blocks per group.
+        num_layers: attention layers per group.
+        num_kv_heads: KV heads on each worker.
+        head_size: elements per head.
+        dtype: KV dtype name (``float16``, ``bfloat16``, ``float32``).
+        kv_layout: layout of the GPU KV tensors.
+        tensor_parallel_size: worker ranks (run in this process, one after another).
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens computed per step; prefills are chunked to fit.
+        max_model_len: longest request (prompt + output) in tokens; a request reaching it
+            finishes length-capped. Default and upper bound: what the GPU KV cache holds.
+        enable_prefix_caching: reuse GPU blocks of identical prefixes.
+        hash_block_size: tokens per hashed block; defaults to the gcd of the GPU block sizes.
+        vocab_size: sampled tokens are below this.
+        verify_kv: check loaded blocks when their load completes, and every block of a request
+            when it finishes, bit-exact against recomputation.
+        kv_connector_extra_config: the offloading connector's ``kv_connector_extra_config``; None
+            runs without offloading.
+        offload_prompt_only: store only blocks made of prompt tokens.
+        enable_kv_events: collect KV events and publish them as encoded ``KVEventBatch`` es.
+        model_name: the model's name (part of an offloaded block's identity on disk).
+        instance_id: names the engine's shared host region; unique per live engine.
+        device: where the "GPU" KV cache lives (``"cpu"`` without a GPU).
+        record_steps: keep one ``StepRecord`` per step in the stats.
+    """
+
+    gpu_block_sizes: tuple[int, ...] = (16,)
+    num_gpu_blocks: int = 256
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_size: int = 16
+    dtype: str = "float16"
+    kv_layout: KVLayout = KVLayout.PER_LAYER
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    hash_block_size: int | None = None
+    vocab_size: int = 32000
+    verify_kv: bool = True
+    kv_connector_extra_config: Mapping[str, Any] | None = None
+    offload_prompt_only: bool = False
+    enable_kv_events: bool = True
+    model_name: str = "kv-offload-stand-in"
+    instance_id: str = field(default_factory=default_instance_id)
+    device: str = "cpu"
+    record_steps: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):
+            raise ValueError(f"gpu_block_sizes must be positive, got {self.gpu_block_sizes}")
+        for name in (
+            "num_gpu_blocks",
+            "num_layers",
+            "num_kv_heads",
+            "head_size",
+            "tensor_parallel_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "vocab_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
+        if self.hash_block_size is not None and any(
+            b % self.hash_block_size for b in self.gpu_block_sizes
+        ):
+            raise ValueError(
+                f"hash_block_size={self.hash_block_size} must divide every GPU block size "
+                f"{list(self.gpu_block_sizes)}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The KV dtype."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def effective_hash_block_size(self) -> int:
+        """``hash_block_size`` or the gcd of the GPU block sizes."""
+        return self.hash_block_size or math.gcd(*self.gpu_block_sizes)
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups."""
+        return len(self.gpu_block_sizes)
+
+    def gpu_page_bytes(self, group_idx: int) -> int:
+        """Bytes one GPU block of one layer (K and V) occupies on one worker."""
+        itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
+        return 2 * self.gpu_block_sizes[group_idx] * self.num_kv_heads * self.head_size * itemsize

@@ -1,0 +1,367 @@
+"""``EngineCore``: the synchronous step loop.
+
+One ``step()``::
+
+    scheduler.schedule()              connector: get_num_new_matched_tokens,
+                                      update_state_after_alloc, build_connector_meta, take_events
+    worker.execute_model(...)         per rank: handle_preemptions, start_load_kv, forward,
+                                      wait_for_save, get_finished, build_connector_worker_meta
+    aggregate the ranks' outputs      a load is finished once every rank reported it; job
+                                      counts are summed
+    scheduler.update_from_output(...) connector: update_connector_output, request_finished,
+                                      take_events
+
+The engine keeps stepping while requests are unfinished or the connector has transfers in flight
+(``has_pending_work``), so cascades to slower tiers complete even after the last request.
+
+The API is synchronous (``add_request`` / ``abort_request`` / ``step``) so that an asyncio front
+end can drive it from one task. KV events are published, one encoded ``KVEventBatch`` per drain,
+to ``event_sink``.
+
+Example::
+
+    with EngineCore(EngineConfig(kv_connector_extra_config={"cpu_bytes_to_use": 1 << 28})) as e:
+        e.add_request("r0", prompt_token_ids=list(range(100)), max_tokens=8)
+        outputs = e.run_until_done()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from typing_extensions import Self
+
+from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch, KVEventEncoder
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import HandlerFactory
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
+from vllm.v1.engine.stats import EngineStats, StepRecord
+from vllm.v1.engine.worker import Worker, WorkerOutput
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+
+class KVOutputAggregator:
+    """Combines the ranks' connector outputs of each step.
+
+    A request's load is finished once every rank reported it (ranks may report in different
+    steps); failed block ids and job counts are combined as they come.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._recv_counts: dict[str, int] = {}
+
+    def aggregate(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput:
+        """Aggregate one step's outputs (one per rank)."""
+        out = KVConnectorOutput()
+        meta: OffloadingWorkerMetadata | None = None
+        for rank_out in outputs:
+            if rank_out is None:
+                continue
+            for req_id in rank_out.finished_recving:
+                count = self._recv_counts.get(req_id, 0) + 1
+                if count == self.world_size:
+                    self._recv_counts.pop(req_id, None)
+                    out.finished_recving.add(req_id)
+                else:
+                    self._recv_counts[req_id] = count
+            for group, ids in rank_out.invalid_block_ids.items():
+                out.invalid_block_ids.setdefault(group, set()).update(ids)
+            rank_meta = rank_out.kv_connector_worker_meta
+            if rank_meta is not None:
+                assert isinstance(rank_meta, OffloadingWorkerMetadata)
+                meta = rank_meta if meta is None else meta.aggregate(rank_meta)
+        out.kv_connector_worker_meta = meta
+        return out
+
+
+class EngineCore:
+    """The engine: scheduler, GPU block pool, worker ranks and the offloading connector.
+
+    Args:
+        config: the engine's settings.
+        handler_factory: builds each rank's transfer handlers (default: the CPU tier's).
+        event_sink: receives each published, msgpack-encoded ``KVEventBatch``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        handler_factory: HandlerFactory | None = None,
+        event_sink: Callable[[bytes], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.stats = EngineStats()
+        self._hash_block_size = config.effective_hash_block_size
+        self._block_hasher = get_request_block_hasher(self._hash_block_size)
+        self._event_sink = event_sink
+        self._encoder = KVEventEncoder()
+        self._step_index = 0
+        self._closed = False
+
+        self.spec: OffloadingSpec | None = None
+        self.connector: OffloadingConnector | None = None
+        self.workers: list[Worker] = []
+        try:
+            if config.kv_connector_extra_config is not None:
+                self.spec = OffloadingConnector.create_spec(
+                    config.kv_connector_extra_config,
+                    self.run_info(),
+                    enable_events=config.enable_kv_events,
+                )
+                # The scheduler side first: a tiering spec creates the shared region here.
+                self.connector = OffloadingConnector(
+                    self.spec,
+                    KVConnectorRole.SCHEDULER,
+                    hash_block_size=self._hash_block_size,
+                    offload_prompt_only=config.offload_prompt_only,
+                )
+            for rank in range(config.tensor_parallel_size):
+                self.workers.append(Worker(config, rank, self.spec, handler_factory))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(
+            config.num_gpu_blocks,
+            config.gpu_block_sizes,
+            self._hash_block_size,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.connector,
+            self.stats,
+            block_verifier=self._verify_blocks if config.verify_kv else None,
+            event_sink=self._publish_events if config.enable_kv_events else None,
+            max_model_len=config.max_model_len,
+        )
+        self._aggregator = KVOutputAggregator(config.tensor_parallel_size)
+
+    def run_info(self) -> KVCacheRunInfo:
+        """The facts of this run that define an offloaded block's bytes."""
+        c = self.config
+        kv_bytes = sum(c.num_layers * c.gpu_page_bytes(g) for g in range(c.num_groups))
+        return KVCacheRunInfo(
+            model_name=c.model_name,
+            dtype=c.dtype,
+            kv_layout=c.kv_layout.value,
+            num_layers=c.num_layers * c.num_groups,
+            num_kv_heads=c.num_kv_heads,
+            head_size=c.head_size,
+            gpu_block_sizes=c.gpu_block_sizes,
+            gpu_kv_bytes_per_block=kv_bytes,
+            tensor_parallel_size=c.tensor_parallel_size,
+            instance_id=c.instance_id,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Requests
+    # -----------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue a request; it is scheduled by the following steps."""
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt_token_ids,
+                max_tokens,
+                block_hasher=self._block_hasher,
+                kv_transfer_params=kv_transfer_params,
+            )
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (its output is reported finished by the next step)."""
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_work(self) -> bool:
+        """Whether ``step()`` has anything to do: requests, or transfers to finish."""
+        return self.scheduler.has_pending_work()
+
+    # -----------------------------------------------------------------------------------------
+    # Stepping
+    # -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns what each request produced in it.
+
+        When there is nothing to do it only drains KV events (idle) and returns ``[]``.
+        """
+        assert not self._closed, "the engine is shut down"
+        scheduler = self.scheduler
+        if not scheduler.has_pending_work():
+            pending = scheduler.take_outputs()
+            if self.connector is not None:
+                scheduler.drain_events()
+            return pending
+        scheduler.step_connector_seconds = 0.0
+        manager_before = self._manager_seconds()
+
+        scheduler_output = scheduler.schedule()
+        outputs: list[WorkerOutput] = [w.execute_model(scheduler_output) for w in self.workers]
+        kv_output = (
+            self._aggregator.aggregate([o.kv_connector_output for o in outputs])
+            if self.connector is not None
+            else None
+        )
+        model_output = ModelRunnerOutput(
+            sampled_token_ids=outputs[0].sampled_token_ids, kv_connector_output=kv_output
+        )
+        results = scheduler.update_from_output(scheduler_output, model_output)
+
+        stats = self.stats
+        stats.steps += 1
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            stats.idle_steps += 1
+        connector_s = scheduler.step_connector_seconds
+        manager_s = self._manager_seconds() - manager_before
+        worker_s = sum(o.connector_seconds for o in outputs)
+        stats.connector_seconds += connector_s
+        stats.manager_seconds += manager_s
+        stats.worker_connector_seconds += worker_s
+        if self.config.record_steps:
+            moved: dict[str, int] = {}
+            meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
+            if isinstance(meta, OffloadingWorkerMetadata):
+                for (src, dst), t in meta.transfer_stats.items():
+                    moved[f"{src}_to_{dst}"] = t.num_bytes
+            stats.step_records.append(
+                StepRecord(
+                    step=self._step_index,
+                    end_time=time.monotonic(),
+                    num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                    num_running=len(scheduler.running),
+                    num_waiting=len(scheduler.waiting),
+                    connector_seconds=connector_s,
+                    manager_seconds=manager_s,
+                    worker_connector_seconds=worker_s,
+                    bytes_moved=moved,
+                )
+            )
+        self._step_index += 1
+        return results
+
+    def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
+        """Step until no request is unfinished and no transfer is in flight.
+
+        Returns:
+            The tokens generated per request during these steps.
+
+        Raises:
+            RuntimeError: still busy after ``max_steps`` steps.
+        """
+        generated: dict[str, list[int]] = {}
+        for _ in range(max_steps):
+            if not self.has_pending_work():
+                for out in self.scheduler.take_outputs():
+                    generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+                return generated
+            for out in self.step():
+                generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+        raise RuntimeError(f"the engine is still busy after {max_steps} steps")
+
+    def generate(
+        self, prompts: Mapping[str, Sequence[int]], max_tokens: int
+    ) -> dict[str, list[int]]:
+        """Add ``prompts`` (by request id) and run until done; returns their outputs."""
+        for req_id, prompt in prompts.items():
+            self.add_request(req_id, prompt, max_tokens)
+        outputs = self.run_until_done()
+        return {req_id: outputs.get(req_id, []) for req_id in prompts}
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the GPU prefix cache and everything offloaded (between steps)."""
+        self.scheduler.reset_prefix_cache()
+
+    # -----------------------------------------------------------------------------------------
+    # Stats, events, verification
+    # -----------------------------------------------------------------------------------------
+
+    def _manager_seconds(self) -> float:
+        if self.connector is None:
+            return 0.0
+        return self.connector.connector_scheduler.manager_seconds
+
+    def connector_stats(self) -> dict[str, int | float]:
+        """The connector's and manager's counters (empty without offloading)."""
+        return self.connector.get_stats() if self.connector is not None else {}
+
+    def _publish_events(self, events: list[KVCacheEvent]) -> None:
+        self.stats.events_published += 1
+        if self._event_sink is not None:
+            batch = KVEventBatch(ts=time.time(), events=list(events))  # type: ignore[arg-type]
+            self._event_sink(self._encoder.encode(batch))
+
+    def _verify_blocks(
+        self, request: Request, blocks: Mapping[int, list[tuple[int, int]]], num_tokens: int
+    ) -> dict[int, set[int]]:
+        bad: dict[int, set[int]] = {}
+        for worker in self.workers:
+            for g, ids in worker.verify_blocks(request.all_token_ids, blocks, num_tokens).items():
+                bad.setdefault(g, set()).update(ids)
+        return bad
+
+    # -----------------------------------------------------------------------------------------
+    # Lifecycle
+    # -----------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shut the workers' connectors down, then the scheduler side (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        for worker in self.workers:
+            try:
+                worker.shutdown()
+            except Exception as e:
+                errors.append(e)
+        if self.connector is not None:
+            try:
+                self.connector.shutdown()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def iter_requests(self) -> Iterable[Request]:
+        """Every unfinished request (read-only use)."""
+        return self.scheduler.iter_requests()

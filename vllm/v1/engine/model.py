@@ -1,0 +1,305 @@
+"""The model stand-in: writes KV bytes that are a deterministic function of the token prefix.
+
+A real model writes, for token position ``t``, K and V vectors that depend on tokens ``0..t``. The
+stand-in does the same with a hash instead of a transformer: the KV of position ``t`` in layer
+``l`` of KV-cache group ``g`` on worker ``rank`` is a pseudo-random function of
+``(prefix_seed(tokens[0..t]), rank, g, l, K|V)``. So:
+
+* two requests with the same prefix write identical bytes into their blocks (prefix caching and
+  offloading are transparent), and
+* any block loaded from the CPU tier or disk can be checked bit-exact against what recomputation
+  writes (``verify_blocks``).
+
+Sampling is deterministic too: the token after position ``t`` is a function of its prefix seed, so
+a run with offloading must produce exactly the outputs of a run without it.
+
+KV layouts (``H`` = KV heads per worker, ``D`` = head size, ``bs`` = the group's block size):
+
+* ``per_layer``: one tensor per layer, ``[2, num_blocks, bs, H, D]`` (K/V planes first).
+* ``per_layer_blocks_first``: one tensor per layer, ``[num_blocks, 2, bs, H, D]``.
+* ``cross_layer``: one tensor per group, ``[num_blocks, num_layers, 2, bs, H, D]``: one block of
+  every layer is contiguous.
+
+Values are written through an integer view of the tensor (same item size), masked so that every
+value is a finite float.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+U64 = npt.NDArray[np.uint64]
+
+_MASK64 = (1 << 64) - 1
+_P = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_Q = pow(_P, -1, 1 << 64)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_SAMPLE_SALT = 0x5A17_0F_5A3B1E
+
+
+class KVLayout(str, enum.Enum):
+    """Memory layout of the stand-in's GPU KV tensors (see the module docstring)."""
+
+    PER_LAYER = "per_layer"
+    PER_LAYER_BLOCKS_FIRST = "per_layer_blocks_first"
+    CROSS_LAYER = "cross_layer"
+
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Masks that keep an IEEE value finite (top exponent bit and sign cleared).
+_FINITE_MASK = {torch.float16: 0x3FFF, torch.bfloat16: 0x3FFF, torch.float32: 0x3FFFFFFF}
+
+
+def splitmix64(x: U64) -> U64:
+    """The splitmix64 finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
+
+
+class _Powers:
+    """Growing tables ``P^(j+1)`` and ``Q^j`` (mod 2**64) shared by every ``prefix_seeds`` call."""
+
+    def __init__(self) -> None:
+        self.p = np.zeros(0, dtype=np.uint64)
+        self.q = np.zeros(0, dtype=np.uint64)
+
+    def get(self, n: int) -> tuple[U64, U64]:
+        if len(self.p) < n:
+            size = max(n, 2 * len(self.p), 1024)
+            with np.errstate(over="ignore"):
+                self.p = np.cumprod(np.full(size, _P, dtype=np.uint64), dtype=np.uint64)
+                q = np.full(size, _Q, dtype=np.uint64)
+                q[0] = 1
+                self.q = np.cumprod(q, dtype=np.uint64)
+        return self.p[:n], self.q[:n]
+
+
+_POWERS = _Powers()
+
+
+def prefix_seeds(
+    token_ids: Sequence[int] | npt.NDArray[np.integer], start: int = 0, initial: int = 0
+) -> U64:
+    """Rolling prefix hash of every position: ``s[t] = s[t-1] * P + token[t] + 1`` (mod 2**64).
+
+    Args:
+        token_ids: tokens ``0 .. n-1``.
+        start: return only positions ``start .. n-1`` (the hash still covers the whole prefix).
+        initial: ``s[-1]``: pass the seed of the position before ``token_ids[0]`` to continue a
+            prefix hashed earlier (0 for a prefix starting at the first token).
+
+    Returns:
+        uint64 array of length ``n - start``. Two positions get the same seed exactly when their
+        token prefixes are equal (up to 64-bit collisions).
+    """
+    x = np.asarray(token_ids, dtype=np.uint64)
+    n = len(x)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    p_pow, q_pow = _POWERS.get(n)
+    with np.errstate(over="ignore"):
+        # s[j] = initial P^(j+1) + sum_{i<=j} x'[i] P^(j-i) = P^(j+1) (initial + Q cumsum(x' Q^i))
+        acc = np.cumsum((x + np.uint64(1)) * q_pow, dtype=np.uint64)
+        seeds = p_pow * (np.uint64(initial & _MASK64) + np.uint64(_Q) * acc)
+    return seeds[start:]
+
+
+def sample_token(seed: int, vocab_size: int) -> int:
+    """The token the stand-in samples after a position whose prefix seed is ``seed``."""
+    mixed = splitmix64(np.array([seed ^ _SAMPLE_SALT], dtype=np.uint64))
+    return int(mixed[0] % np.uint64(vocab_size))
+
+
+def kv_values(seeds: U64, salt: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The stand-in's KV values for positions with prefix seeds ``seeds``.
+
+    Args:
+        seeds: prefix seeds of ``n`` positions.
+        salt: distinguishes worker rank and KV-cache group.
+        shape: per-position shape of the values, e.g. ``(num_layers, 2, H, D)``.
+        dtype: the KV dtype (float16, bfloat16 or float32).
+
+    Returns:
+        Integer tensor (the dtype's same-size integer view) of shape ``(n, *shape)``; its bits,
+        reinterpreted as ``dtype``, are finite floats.
+    """
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    elems = int(np.prod(shape))
+    words = -(-elems * itemsize // 8)
+    base = splitmix64(seeds ^ np.uint64(salt & _MASK64))
+    lanes = np.arange(words, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+    mixed = splitmix64(base[:, None] ^ lanes[None, :])
+    int_dtype = {2: np.int16, 4: np.int32}[itemsize]
+    values = mixed.view(int_dtype)[:, :elems] & int_dtype(_FINITE_MASK[dtype])
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(len(seeds), *shape)
+
+
+@dataclass
+class GroupKVCache:
+    """The GPU KV tensors of one KV-cache group on one worker.
+
+    Attributes:
+        group_idx: the group.
+        block_size: tokens per GPU block.
+        num_blocks: blocks per tensor.
+        layout: the tensors' layout.
+        layer_names: the group's layers, in order.
+        tensors: one tensor per layer (per-layer layouts) or a single tensor (cross-layer).
+    """
+
+    group_idx: int
+    block_size: int
+    num_blocks: int
+    layout: KVLayout
+    layer_names: list[str]
+    tensors: list[torch.Tensor]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the group."""
+        return len(self.layer_names)
+
+
+def allocate_group_kv_cache(
+    group_idx: int,
+    block_size: int,
+    num_blocks: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    layout: KVLayout,
+    device: torch.device | str = "cpu",
+) -> GroupKVCache:
+    """Allocate zeroed KV tensors of one group in ``layout`` (see the module docstring)."""
+    names = [f"model.layers.g{group_idx}.{i}.attn" for i in range(num_layers)]
+    tail = (block_size, num_kv_heads, head_size)
+    if layout is KVLayout.CROSS_LAYER:
+        shape: tuple[int, ...] = (num_blocks, num_layers, 2, *tail)
+        tensors = [torch.zeros(shape, dtype=dtype, device=device)]
+    else:
+        planes_first = layout is KVLayout.PER_LAYER
+        shape = (2, num_blocks, *tail) if planes_first else (num_blocks, 2, *tail)
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in names]
+    return GroupKVCache(group_idx, block_size, num_blocks, layout, names, tensors)
+
+
+class StandInModel:
+    """Writes and checks the KV of one worker rank.
+
+    Args:
+        rank: the worker rank (part of every value, so ranks hold different bytes).
+        groups: the rank's KV tensors, one entry per KV-cache group.
+        vocab_size: sampled tokens are in ``[0, vocab_size)``.
+    """
+
+    def __init__(self, rank: int, groups: Sequence[GroupKVCache], vocab_size: int) -> None:
+        self.rank = rank
+        self.groups = list(groups)
+        self.vocab_size = vocab_size
+        self._views = [[_int_view(t) for t in g.tensors] for g in self.groups]
+
+    def _salt(self, group_idx: int) -> int:
+        return (self.rank + 1) * 0x100000001B3 + (group_idx + 1) * 0xCBF29CE484222325
+
+    def _values(self, group: GroupKVCache, seeds: U64) -> torch.Tensor:
+        t = group.tensors[0]
+        shape = (group.num_layers, 2, t.shape[-2], t.shape[-1])
+        return kv_values(seeds, self._salt(group.group_idx), shape, t.dtype)
+
+    def write(
+        self,
+        group_idx: int,
+        seeds: U64,
+        block_ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+    ) -> None:
+        """Write the KV of positions with prefix seeds ``seeds`` into (block, offset) slots."""
+        if len(seeds) == 0:
+            return
+        group = self.groups[group_idx]
+        values = self._values(group, seeds)  # (n, L, 2, H, D)
+        blk = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+        off = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
+        views = self._views[group_idx]
+        if group.layout is KVLayout.CROSS_LAYER:
+            views[0][blk, :, :, off] = values
+        elif group.layout is KVLayout.PER_LAYER:
+            for layer, view in enumerate(views):
+                view[:, blk, off] = values[:, layer].transpose(0, 1)
+        else:
+            for layer, view in enumerate(views):
+                view[blk, :, off] = values[:, layer]
+
+    def read(
+        self, group_idx: int, block_ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64]
+    ) -> torch.Tensor:
+        """Read back the integer view of (block, offset) slots as ``(n, L, 2, H, D)``."""
+        group = self.groups[group_idx]
+        blk = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+        off = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
+        views = self._views[group_idx]
+        if group.layout is KVLayout.CROSS_LAYER:
+            return views[0][blk, :, :, off].clone()
+        if group.layout is KVLayout.PER_LAYER:
+            return torch.stack([v[:, blk, off].transpose(0, 1) for v in views], dim=1)
+        return torch.stack([v[blk, :, off] for v in views], dim=1)
+
+    def verify_blocks(
+        self,
+        group_idx: int,
+        token_ids: Sequence[int],
+        blocks: Sequence[tuple[int, int]],
+        num_tokens: int,
+    ) -> list[int]:
+        """Check blocks against what recomputation writes.
+
+        Args:
+            group_idx: the group of the blocks.
+            token_ids: the request's tokens (at least ``num_tokens`` of them).
+            blocks: ``(logical_index, gpu_block_id)`` pairs to check.
+            num_tokens: only positions below this are checked (the rest of a partial block is
+                not written yet).
+
+        Returns:
+            The GPU block ids whose bytes differ.
+        """
+        if not blocks:
+            return []
+        bs = self.groups[group_idx].block_size
+        last = max(i for i, _ in blocks)
+        end = min(num_tokens, (last + 1) * bs)
+        seeds = prefix_seeds(token_ids[:end])
+        positions: list[int] = []
+        block_of: list[int] = []
+        for index, block_id in blocks:
+            lo, hi = index * bs, min((index + 1) * bs, end)
+            positions.extend(range(lo, hi))
+            block_of.extend([block_id] * (hi - lo))
+        if not positions:
+            return []
+        pos = np.asarray(positions, dtype=np.int64)
+        blk = np.asarray(block_of, dtype=np.int64)
+        expected = self._values(self.groups[group_idx], seeds[pos])
+        actual = self.read(group_idx, blk, pos % bs)
+        equal = (expected == actual).flatten(1).all(dim=1).numpy()
+        return sorted({int(b) for b, ok in zip(block_of, equal, strict=True) if not ok})
+
+    def sample(self, seed: int) -> int:
+        """The token sampled after a position with prefix seed ``seed``."""
+        return sample_token(seed, self.vocab_size)
+
+
+def _int_view(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(_INT_VIEW[tensor.element_size()])

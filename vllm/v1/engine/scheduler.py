@@ -1,0 +1,555 @@
+"""The engine's scheduler: waiting queue, running batch, chunked prefill, preemption.
+
+It calls the KV connector in vLLM's order::
+
+    schedule():
+        for each running request: allocate its new tokens' blocks (preempting from the tail of
+            the running list when blocks run out)
+        for each waiting request (only if nothing was preempted this step):
+            kv_cache_manager.get_computed_blocks        # GPU prefix cache
+            connector.get_num_new_matched_tokens        # offloaded prefix
+            kv_cache_manager.allocate_slots
+            connector.update_state_after_alloc
+        connector.build_connector_meta(scheduler_output)
+        connector.take_events()
+    update_from_output():
+        connector.update_connector_output(kv_connector_output)
+        finished loads: the request becomes schedulable (failed blocks are recomputed)
+        sampled tokens; finished requests -> connector.request_finished, then blocks freed
+        connector.take_events()
+
+A request whose connector load is in flight is in ``WAITING_FOR_REMOTE_KVS`` and keeps its GPU
+blocks until the workers report the load, even if it is aborted meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from typing_extensions import ParamSpec
+
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.engine.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.stats import EngineStats
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+BlockVerifier = Callable[[Request, Mapping[int, list[tuple[int, int]]], int], dict[int, set[int]]]
+"""``(request, {group: [(logical_idx, gpu_block_id)]}, num_tokens) -> {group: bad block ids}``."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the workers return for one step (aggregated over ranks).
+
+    Attributes:
+        sampled_token_ids: the token sampled for each request that reached its end this step.
+        kv_connector_output: the connectors' report, or None without a connector.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens sampled this step.
+        finished: the request is done.
+        finish_reason: ``"length"`` or ``"abort"`` once finished.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class _PendingLoad:
+    num_local_tokens: int
+    num_external_tokens: int
+
+
+class Scheduler:
+    """Schedules requests over the GPU KV cache and drives the scheduler-side connector.
+
+    Args:
+        kv_cache_manager: the GPU block tables.
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per step.
+        connector: the scheduler-side connector, or None.
+        stats: where to count.
+        block_verifier: checks GPU blocks against recomputation (None: no checks).
+        event_sink: receives the connector's KV events after each drain.
+        max_model_len: a request stops (length-capped) once it holds this many tokens; default
+            and upper bound: the tokens the GPU KV cache holds, so a request alone always fits.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        connector: OffloadingConnector | None,
+        stats: EngineStats,
+        block_verifier: BlockVerifier | None = None,
+        event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        capacity = min(
+            p.num_blocks * bs
+            for p, bs in zip(kv_cache_manager.pools, kv_cache_manager.block_sizes, strict=True)
+        )
+        self.max_model_len = min(max_model_len or capacity, capacity)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.connector = connector
+        self.stats = stats
+        self.block_verifier = block_verifier
+        self.event_sink = event_sink
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        # Aborted while loading: blocks are freed once the load is reported.
+        self._free_after_load: dict[str, Request] = {}
+        self._outputs: dict[str, RequestOutput] = {}
+        # Waiting requests whose load finished: they hold their GPU blocks.
+        self._loaded: set[str] = set()
+        # GPU blocks (per group) whose load failed on some rank, until their request's load is
+        # reported by every rank.
+        self._invalid_blocks: dict[int, set[int]] = {}
+        # Tokens of a finished load that were promoted from a secondary tier, by request.
+        self._promoted_tokens: dict[str, int] = {}
+        # Scheduler-side connector time of the current step.
+        self.step_connector_seconds = 0.0
+
+    # -----------------------------------------------------------------------------------------
+    # Requests
+    # -----------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: the prompt does not leave room for one generated token within
+                ``max_model_len``.
+        """
+        assert request.request_id not in self.requests, f"duplicate request {request.request_id}"
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: a prompt of {request.num_prompt_tokens} tokens "
+                f"leaves no room below max_model_len={self.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.stats.requests_added += 1
+
+    def abort_request(self, req_id: str) -> bool:
+        """Abort a request; returns False if it is unknown or already finished."""
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._loaded.discard(req_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.stats.requests_aborted += 1
+        self._free_request(request, delay_free=loading)
+        self._output(req_id).finished = True
+        self._output(req_id).finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def has_pending_work(self) -> bool:
+        """Requests to serve, or connector transfers to finish."""
+        return (
+            self.has_unfinished_requests()
+            or bool(self._free_after_load)
+            or (self.connector is not None and self._timed(self.connector.has_pending_work))
+        )
+
+    def _output(self, req_id: str) -> RequestOutput:
+        out = self._outputs.get(req_id)
+        if out is None:
+            out = self._outputs[req_id] = RequestOutput(req_id, [])
+        return out
+
+    def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.step_connector_seconds += time.perf_counter() - start
+
+    # -----------------------------------------------------------------------------------------
+    # schedule()
+    # -----------------------------------------------------------------------------------------
+
+    def _holds_blocks(self, request: Request) -> bool:
+        """A waiting request whose connector load finished (it holds its GPU blocks)."""
+        return request.request_id in self._loaded
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the step: which requests compute how many tokens with which blocks."""
+        kv = self.kv_cache_manager
+        connector = self.connector
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        # Running requests first, in order; blocks are taken from the tail when short.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running {request} has nothing to compute"
+            new_blocks = None
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Waiting requests, unless this step had to preempt. Those whose load finished hold
+        # GPU blocks already: they go first, so that they release them.
+        if not preempted:
+            holders = [r for r in self.waiting if self._holds_blocks(r)]
+            if holders:
+                self.waiting = deque(
+                    holders + [r for r in self.waiting if not self._holds_blocks(r)]
+                )
+            skipped: deque[Request] = deque()
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                placed = self._try_place(request, budget)
+                if placed is None:
+                    break
+                if placed == "skip":
+                    skipped.append(self.waiting.popleft())
+                    continue
+                self.waiting.popleft()
+                if placed == "loading":
+                    skipped.append(request)
+                    continue
+                num_new = request.num_tokens - request.num_computed_tokens
+                num_new = min(num_new, budget)
+                new_reqs.append(
+                    NewRequestData.from_request(request, kv.get_block_ids(request.request_id))
+                )
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
+            if not num_scheduled and not self.running:
+                # Nothing runs and nothing fits: waiting requests holding blocks can block each
+                # other (and everyone behind them) forever. Give their blocks back; they restart
+                # from the prefix cache.
+                for request in [r for r in self.waiting if self._holds_blocks(r)]:
+                    self._loaded.discard(request.request_id)
+                    kv.free(request)
+                    request.status = RequestStatus.PREEMPTED
+                    request.num_computed_tokens = 0
+                    request.num_preemptions += 1
+                    self.stats.preemptions += 1
+                    preempted.add(request.request_id)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        if connector is not None:
+            output.kv_connector_metadata = self._timed(connector.build_connector_meta, output)
+            self.drain_events()
+        # The scheduled tokens count as computed from here on (as in vLLM).
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _try_place(self, request: Request, budget: int) -> str | None:
+        """Allocate a waiting request's blocks.
+
+        Returns:
+            ``"run"`` (scheduled this step), ``"loading"`` (a load was started), ``"skip"`` (ask
+            again next step), or None (no room: stop scheduling waiting requests).
+        """
+        kv = self.kv_cache_manager
+        connector = self.connector
+        if request.request_id in self._loaded:
+            # Its connector load finished (possibly in part): it holds its blocks already and
+            # computes the rest, without asking the connector again.
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                return None
+            self._loaded.discard(request.request_id)
+            if connector is not None:
+                self._timed(
+                    connector.update_state_after_alloc,
+                    request,
+                    kv.get_block_ids(request.request_id),
+                    0,
+                )
+            return "run"
+
+        computed_blocks, num_local = kv.get_computed_blocks(request)
+        num_external, load_async = 0, False
+        if connector is not None:
+            ext, load_async = self._timed(connector.get_num_new_matched_tokens, request, num_local)
+            if ext is None:
+                return "skip"
+            num_external = ext
+        num_new = 0 if load_async else min(request.num_tokens - num_local - num_external, budget)
+        new_blocks = kv.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=num_local,
+            new_computed_blocks=computed_blocks,
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=load_async,
+        )
+        if new_blocks is None:
+            return None
+        if connector is not None:
+            self._timed(
+                connector.update_state_after_alloc,
+                request,
+                kv.get_block_ids(request.request_id),
+                num_external,
+            )
+        self.stats.placements += 1
+        self.stats.prompt_tokens += request.num_tokens
+        self.stats.tokens_from_gpu_cache += num_local
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_computed_tokens = num_local
+            self._pending_loads[request.request_id] = _PendingLoad(num_local, num_external)
+            return "loading"
+        assert num_external == 0, "synchronous connector loads are not supported"
+        request.num_computed_tokens = num_local
+        return "run"
+
+    # -----------------------------------------------------------------------------------------
+    # update_from_output()
+    # -----------------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply a step's results; return the per-request outputs of the step."""
+        kv_output = model_output.kv_connector_output
+        connector = self.connector
+        if connector is not None and kv_output is not None:
+            self._timed(connector.update_connector_output, kv_output)
+            self._account_loads()
+        if kv_output is not None:
+            # Ranks may report a load in different steps: keep failed blocks until the load's
+            # request is finished on every rank.
+            for group, ids in kv_output.invalid_block_ids.items():
+                self._invalid_blocks.setdefault(group, set()).update(ids)
+            for req_id in sorted(kv_output.finished_recving):
+                self._finish_load(req_id)
+
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            self.stats.tokens_computed += scheduler_output.num_scheduled_tokens[req_id]
+            token = model_output.sampled_token_ids.get(req_id)
+            if token is None:
+                continue
+            assert request.num_computed_tokens == request.num_tokens, (
+                f"{request} sampled before its last token was computed"
+            )
+            request.append_output_token_ids(token)
+            self.stats.output_tokens += 1
+            out = self._output(req_id)
+            out.new_token_ids.append(token)
+            if (
+                request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                self._free_request(request)
+                out.finished = True
+                out.finish_reason = "length"
+
+        if connector is not None:
+            self.drain_events()
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs produced since the last call (e.g. of requests aborted between steps)."""
+        outputs = list(self._outputs.values())
+        self._outputs = {}
+        return outputs
+
+    def _account_loads(self) -> None:
+        assert self.connector is not None
+        for result in self.connector.take_load_results():
+            self._promoted_tokens[result.req_id] = result.num_promoted_tokens
+            self.stats.load_jobs_finished += 1
+            if not result.success:
+                self.stats.load_jobs_failed += 1
+
+    def _finish_load(self, req_id: str) -> None:
+        """A request's load was reported by every worker: make it schedulable (or free it)."""
+        pending = self._pending_loads.pop(req_id, None)
+        aborted = self._free_after_load.pop(req_id, None)
+        promoted = self._promoted_tokens.pop(req_id, 0)
+        kv = self.kv_cache_manager
+        holder = aborted or self.requests.get(req_id)
+        assert holder is not None and pending is not None, f"unexpected finished load of {req_id}"
+        num_local, num_ext = pending.num_local_tokens, pending.num_external_tokens
+        end = num_local + num_ext
+        blocks = kv.get_block_ids(req_id)
+        loaded: dict[int, list[tuple[int, int]]] = {}
+        valid_tokens = end
+        for g, bs in enumerate(kv.block_sizes):
+            loaded[g] = [(i, blocks[g][i]) for i in range(num_local // bs, end // bs)]
+            bad = self._invalid_blocks.get(g)
+            if bad:
+                for i, block_id in loaded[g]:
+                    if block_id in bad:
+                        valid_tokens = min(valid_tokens, i * bs)
+                        break
+                bad.difference_update(b for _, b in loaded[g])
+        if aborted is not None:
+            kv.free(aborted)
+            return
+        request = holder
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS, (
+            f"{request} finished loading but is not waiting for it"
+        )
+        if self.block_verifier is not None:
+            checkable = {
+                g: [(i, b) for i, b in pairs if i * kv.block_sizes[g] < valid_tokens]
+                for g, pairs in loaded.items()
+            }
+            mismatched = self.block_verifier(request, checkable, valid_tokens)
+            num_checked = sum(len(p) for p in checkable.values())
+            self.stats.blocks_loaded_verified += num_checked
+            self.stats.blocks_verified += num_checked
+            for g, bad_ids in mismatched.items():
+                self.stats.verification_failures += len(bad_ids)
+                for i, block_id in loaded[g]:
+                    if block_id in bad_ids:
+                        valid_tokens = min(valid_tokens, i * kv.block_sizes[g])
+                        break
+        valid_tokens = max(num_local, valid_tokens - valid_tokens % kv.alignment)
+        num_computed = min(valid_tokens, request.num_tokens - 1)
+        kv.cache_blocks(request, num_computed)
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.WAITING
+        self._loaded.add(req_id)
+        self.stats.tokens_load_failed += end - valid_tokens
+        served = max(num_computed - num_local, 0)
+        from_secondary = min(promoted, served)
+        self.stats.tokens_from_secondary += from_secondary
+        self.stats.tokens_from_cpu += served - from_secondary
+
+    def _free_request(self, request: Request, delay_free: bool = False) -> None:
+        """Tell the connector, then free the request's GPU blocks (unless a load writes them)."""
+        req_id = request.request_id
+        if self.block_verifier is not None and not delay_free:
+            self._verify_finished(request)
+        if self.connector is not None:
+            self._timed(self.connector.request_finished, request)
+        if delay_free:
+            self._free_after_load[req_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+        if not delay_free:
+            self._pending_loads.pop(req_id, None)
+        self.finished_req_ids.add(req_id)
+        del self.requests[req_id]
+        self.stats.requests_finished += 1
+
+    def _verify_finished(self, request: Request) -> None:
+        assert self.block_verifier is not None
+        kv = self.kv_cache_manager
+        blocks = kv.get_block_ids(request.request_id)
+        num_tokens = request.num_computed_tokens
+        pairs = {
+            g: [(i, b) for i, b in enumerate(blocks[g]) if i * bs < num_tokens]
+            for g, bs in enumerate(kv.block_sizes)
+        }
+        mismatched = self.block_verifier(request, pairs, num_tokens)
+        self.stats.blocks_verified += sum(len(p) for p in pairs.values())
+        self.stats.verification_failures += sum(len(b) for b in mismatched.values())
+
+    def drain_events(self) -> None:
+        """Drain the connector's KV events into the event sink (no other effect)."""
+        assert self.connector is not None
+        events = list(self._timed(self.connector.take_events))
+        if events and self.event_sink is not None:
+            self.event_sink(events)
+
+    # -----------------------------------------------------------------------------------------
+    # Cache reset
+    # -----------------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the GPU prefix cache and everything offloaded (between steps only)."""
+        self.kv_cache_manager.reset_prefix_cache()
+        if self.connector is not None:
+            self._timed(self.connector.reset_cache)
+
+    def iter_requests(self) -> Iterable[Request]:
+        """Every unfinished request."""
+        return self.requests.values()

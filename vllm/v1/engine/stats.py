@@ -1,0 +1,105 @@
+"""``EngineStats``: what an engine run measured, for tests, benchmarks and the CLI.
+
+Token accounting: each time a request is placed (scheduled fresh, or again after a preemption),
+its ``num_tokens`` known tokens count as placed. Each placed token is either served (from the GPU
+prefix cache, the CPU tier, or a secondary tier through a promotion) or computed by the prefill::
+
+    prompt_tokens == tokens_from_gpu_cache + tokens_from_cpu + tokens_from_secondary
+                     + prompt_tokens_computed
+
+Tokens whose load failed (or did not verify) are recomputed, so they count as computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One engine step.
+
+    Attributes:
+        step: the step's index (from 0).
+        end_time: ``time.monotonic()`` at the end of the step.
+        num_scheduled_tokens: tokens the model computed.
+        num_running: requests running after the step.
+        num_waiting: requests waiting after the step.
+        connector_seconds: scheduler-side connector time (manager calls included).
+        manager_seconds: of which, time spent inside manager calls.
+        worker_connector_seconds: worker-side connector time, summed over ranks.
+        bytes_moved: bytes of the transfers finished this step, per ``"SRC_to_DST"``.
+    """
+
+    step: int
+    end_time: float
+    num_scheduled_tokens: int
+    num_running: int
+    num_waiting: int
+    connector_seconds: float
+    manager_seconds: float
+    worker_connector_seconds: float
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters of an engine (see the module docstring for the token accounting).
+
+    Attributes:
+        steps: steps run; ``idle_steps`` of them computed no token (stepping for transfers).
+        requests_added, requests_finished, requests_aborted: request counts.
+        preemptions: requests preempted for lack of GPU blocks.
+        placements: times a request was placed (fresh or after a preemption).
+        prompt_tokens: tokens placed.
+        tokens_from_gpu_cache: placed tokens served by the GPU prefix cache.
+        tokens_from_cpu: placed tokens loaded from the CPU tier.
+        tokens_from_secondary: placed tokens loaded from the CPU tier after being promoted into it
+            from a secondary tier for this request.
+        tokens_load_failed: tokens whose load failed or did not verify (then recomputed).
+        tokens_computed: tokens the model computed (prefill and decode).
+        output_tokens: tokens sampled.
+        load_jobs_finished, load_jobs_failed: connector loads reported by every worker.
+        blocks_loaded_verified: GPU blocks checked right after a load completed.
+        blocks_verified: GPU blocks checked in total (loads and finished requests).
+        verification_failures: checked blocks whose bytes differed from recomputation.
+        events_published: KV event batches published.
+        connector_seconds, manager_seconds, worker_connector_seconds: totals of the per-step
+            figures of ``StepRecord``.
+        step_records: one record per step (when enabled).
+    """
+
+    steps: int = 0
+    idle_steps: int = 0
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    preemptions: int = 0
+    placements: int = 0
+    prompt_tokens: int = 0
+    tokens_from_gpu_cache: int = 0
+    tokens_from_cpu: int = 0
+    tokens_from_secondary: int = 0
+    tokens_load_failed: int = 0
+    tokens_computed: int = 0
+    output_tokens: int = 0
+    load_jobs_finished: int = 0
+    load_jobs_failed: int = 0
+    blocks_loaded_verified: int = 0
+    blocks_verified: int = 0
+    verification_failures: int = 0
+    events_published: int = 0
+    connector_seconds: float = 0.0
+    manager_seconds: float = 0.0
+    worker_connector_seconds: float = 0.0
+    step_records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def prompt_tokens_computed(self) -> int:
+        """Placed tokens the prefill computed (not served from any cache or tier)."""
+        return (
+            self.prompt_tokens
+            - self.tokens_from_gpu_cache
+            - self.tokens_from_cpu
+            - self.tokens_from_secondary
+        )

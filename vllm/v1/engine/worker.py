@@ -1,0 +1,232 @@
+"""``Worker``: one worker rank: its GPU KV cache, the model stand-in, the connector's worker half.
+
+Per step (``execute_model``) a rank runs the connector's worker hooks around the forward pass in
+vLLM's order::
+
+    connector.handle_preemptions(meta)
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv()
+    <forward: write the KV of every scheduled token; sample where a request reached its end>
+    connector.wait_for_save()
+    connector.get_finished(finished_req_ids); get_block_ids_with_load_errors()
+    connector.build_connector_worker_meta()
+    connector.clear_connector_metadata()
+
+The rank keeps its own view of each running request (tokens, block table), built from the
+scheduler's output as a real worker process would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import HandlerFactory
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.model import (
+    GroupKVCache,
+    KVLayout,
+    StandInModel,
+    allocate_group_kv_cache,
+    prefix_seeds,
+)
+from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.worker.canonical import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    KVCacheLayout,
+    canonicalize_layer,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+_CANONICAL_LAYOUT = {
+    KVLayout.PER_LAYER: KVCacheLayout.KV_FIRST,
+    KVLayout.PER_LAYER_BLOCKS_FIRST: KVCacheLayout.BLOCKS_FIRST,
+    KVLayout.CROSS_LAYER: KVCacheLayout.CROSS_LAYER,
+}
+
+
+def canonical_kv_caches(groups: Sequence[GroupKVCache]) -> CanonicalKVCaches:
+    """Describe a rank's KV tensors (every group, every layer) as canonical tensors."""
+    tensors: list[CanonicalKVCacheTensor] = []
+    refs: list[tuple[CanonicalKVCacheRef, ...]] = []
+    for group in groups:
+        group_refs: list[CanonicalKVCacheRef] = []
+        for t in group.tensors:
+            for view in canonicalize_layer(t, _CANONICAL_LAYOUT[group.layout]):
+                canonical = CanonicalKVCacheTensor.from_tensor(view)
+                group_refs.append(CanonicalKVCacheRef(len(tensors), canonical.page_size_bytes))
+                tensors.append(canonical)
+        refs.append(tuple(group_refs))
+    return CanonicalKVCaches(tuple(tensors), tuple(refs))
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+    # Prefix seed of position ``num_computed_tokens - 1`` (valid when > 0).
+    last_seed: int = 0
+    seeded_upto: int = 0
+
+
+@dataclass
+class WorkerOutput:
+    """One rank's results of a step.
+
+    Attributes:
+        sampled_token_ids: tokens sampled per request (identical on every rank).
+        kv_connector_output: the connector's report, or None without a connector.
+        connector_seconds: time spent in connector hooks on this rank.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+    connector_seconds: float = 0.0
+
+
+class Worker:
+    """One worker rank (see the module docstring).
+
+    Args:
+        config: the engine's settings.
+        rank: this rank.
+        spec: the offloading spec (None: no connector).
+        handler_factory: passed to the connector's worker half.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        spec: OffloadingSpec | None = None,
+        handler_factory: HandlerFactory | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.kv_caches = [
+            allocate_group_kv_cache(
+                g,
+                bs,
+                config.num_gpu_blocks,
+                config.num_layers,
+                config.num_kv_heads,
+                config.head_size,
+                config.torch_dtype,
+                config.kv_layout,
+                config.device,
+            )
+            for g, bs in enumerate(config.gpu_block_sizes)
+        ]
+        self.model = StandInModel(rank, self.kv_caches, config.vocab_size)
+        self._requests: dict[str, _RequestState] = {}
+        self.connector: OffloadingConnector | None = None
+        if spec is not None:
+            self.connector = OffloadingConnector(
+                spec, KVConnectorRole.WORKER, rank=rank, handler_factory=handler_factory
+            )
+            self.connector.register_kv_caches(canonical_kv_caches(self.kv_caches))
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self._requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self._requests[new.req_id] = _RequestState(
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
+                block_ids=[list(ids) for ids in new.block_ids],
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self._requests[req_id]
+            assert state.num_computed_tokens == num_computed, (
+                f"rank {self.rank}: request {req_id} computed {state.num_computed_tokens} tokens, "
+                f"scheduler says {num_computed}"
+            )
+            if new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    state.block_ids[g].extend(ids)
+
+    def _forward(self, so: SchedulerOutput) -> dict[str, int]:
+        sampled: dict[str, int] = {}
+        block_sizes = self.config.gpu_block_sizes
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            state = self._requests[req_id]
+            start = state.num_computed_tokens
+            end = start + num_new
+            assert end <= len(state.token_ids), (
+                f"rank {self.rank}: request {req_id} scheduled past its known tokens"
+            )
+            if state.seeded_upto != start:
+                # (Re)started at a prefix hit or after a load: seed from scratch once.
+                seeds = prefix_seeds(state.token_ids[:end], start)
+            else:
+                seeds = prefix_seeds(state.token_ids[start:end], 0, initial=state.last_seed)
+            positions = np.arange(start, end, dtype=np.int64)
+            for g, bs in enumerate(block_sizes):
+                table = np.asarray(state.block_ids[g], dtype=np.int64)
+                self.model.write(g, seeds, table[positions // bs], positions % bs)
+            state.num_computed_tokens = end
+            state.last_seed = int(seeds[-1])
+            state.seeded_upto = end
+            if end == len(state.token_ids):
+                token = self.model.sample(state.last_seed)
+                state.token_ids.append(token)
+                sampled[req_id] = token
+        return sampled
+
+    def execute_model(self, so: SchedulerOutput) -> WorkerOutput:
+        """Run one step on this rank."""
+        self._update_states(so)
+        connector = self.connector
+        out = WorkerOutput()
+        if connector is not None:
+            meta = so.kv_connector_metadata
+            assert meta is not None, "the scheduler built no connector metadata"
+            t0 = time.perf_counter()
+            connector.handle_preemptions(meta)
+            connector.bind_connector_metadata(meta)
+            connector.start_load_kv()
+            out.connector_seconds += time.perf_counter() - t0
+        out.sampled_token_ids = self._forward(so)
+        if connector is not None:
+            t0 = time.perf_counter()
+            connector.wait_for_save()
+            finished_sending, finished_recving = connector.get_finished(so.finished_req_ids)
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=finished_sending,
+                finished_recving=finished_recving,
+                invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=connector.build_connector_worker_meta(),
+            )
+            connector.clear_connector_metadata()
+            out.connector_seconds += time.perf_counter() - t0
+        return out
+
+    def verify_blocks(
+        self, token_ids: Sequence[int], blocks: Mapping[int, list[tuple[int, int]]], num_tokens: int
+    ) -> dict[int, set[int]]:
+        """Check blocks of a request against recomputation; returns mismatching ids per group."""
+        bad: dict[int, set[int]] = {}
+        for g, pairs in blocks.items():
+            mismatched = self.model.verify_blocks(g, token_ids, pairs, num_tokens)
+            if mismatched:
+                bad[g] = set(mismatched)
+        return bad
+
+    def shutdown(self) -> None:
+        """Shut the connector's worker half down."""
+        if self.connector is not None:
+            self.connector.shutdown()
