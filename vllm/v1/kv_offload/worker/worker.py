@@ -211,8 +211,14 @@ class OffloadingWorker:
             handler.wait(ids)
 
     def shutdown(self) -> None:
-        """Shut every handler down (unreported jobs are dropped)."""
-        for handler in self._handlers.values():
+        """Shut every handler down (unreported jobs are dropped) and release them.
+
+        The handlers are dropped too, so the buffers they view (e.g. a shared host region) can be
+        released by their owner right after this returns.
+        """
+        handlers = {id(h): h for h in self._handlers.values()}
+        self._handlers.clear()
+        for handler in handlers.values():
             handler.shutdown()
         self._in_flight.clear()
         self._failed.clear()

@@ -4,55 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+from tests.v1.kv_offload.cpu.policies.utils import (
+    CountingSet,
+    evicted_ids,
+    insert_ready,
+    k,
+    pin,
+    unpin,
+)
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
-
-
-def k(i: int) -> OffloadKey:
-    return make_offload_key(i.to_bytes(8, "big"), 0)
-
-
-def insert_ready(policy: LRUCachePolicy, i: int) -> BlockStatus:
-    """Insert block i as the manager would (ref -1), then complete its store (ref 0)."""
-    block = BlockStatus(block_id=i)
-    policy.insert(k(i), block)
-    block.ref_cnt = 0
-    policy.mark_evictable(k(i))
-    return block
-
-
-def pin(policy: LRUCachePolicy, i: int) -> None:
-    block = policy.get(k(i))
-    assert block is not None
-    if block.ref_cnt == 0:
-        policy.mark_non_evictable(k(i))
-    block.ref_cnt += 1
-
-
-def unpin(policy: LRUCachePolicy, i: int) -> None:
-    block = policy.get(k(i))
-    assert block is not None
-    block.ref_cnt -= 1
-    if block.ref_cnt == 0:
-        policy.mark_evictable(k(i))
-
-
-def evicted_ids(victims: list[tuple[OffloadKey, BlockStatus]] | None) -> list[int]:
-    assert victims is not None
-    return [block.block_id for _, block in victims]
-
-
-class CountingSet(set[OffloadKey]):
-    """A set that counts membership tests, to bound how many entries an eviction visits."""
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
-        self.lookups = 0
-
-    def __contains__(self, key: object) -> bool:
-        self.lookups += 1
-        return super().__contains__(key)
 
 
 def test_block_status_defaults() -> None:
