@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator
 
 from typing_extensions import override
@@ -28,26 +28,58 @@ class ARCCachePolicy(CachePolicy):
     is at least ``int(target_t1_size)``, else from T2, falling back to the other list when the
     preferred one has no candidate left. Victims move to B1 or B2 by the list they left.
 
-    Layout: ``_blocks`` maps every resident key to its status (one probe per ``get``). Each of
-    T1 and T2 keeps an ordered index of its evictable blocks only (``ref_cnt == 0``, least
-    recently used first), so eviction walks evictable blocks alone and costs O(n + |protected|).
-    A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else in T1.
-    A block that becomes evictable (store completed, last reader gone) enters its list's index
-    at the most recently used end, since it was just written or read. A block being written
-    stays in T1 when touched (it was just prepared for a store, not really used twice); it
-    takes T1's most recently used position when its store completes. A ready block pinned by
-    readers is promoted to T2 when touched, like any ready block.
+    A block that becomes evictable (store completed, last reader gone) enters its list's
+    evictable order at the most recently used end, since it was just written or read. A block
+    being written stays in T1 when touched (it was just prepared for a store, not really used
+    twice); it takes T1's most recently used position when its store completes. A ready block
+    pinned by readers is promoted to T2 when touched, like any ready block.
+
+    Layout, chosen to touch as little cold memory per stored and evicted block as possible (with
+    a million blocks every table is far larger than the CPU caches, and each random probe of
+    one is a cache and TLB miss; see docs/benchmarks.md, "CPU tier bookkeeping"):
+
+    * ``_entries``: one dict for resident blocks *and* ghosts: ``key -> BlockStatus`` if
+      resident, ``key -> int`` if a ghost (a unique sequence number, positive in B1, negative
+      in B2). Evicting a block turns its entry into a ghost in place, and storing a ghost key
+      turns it back, so neither costs a probe of a second table.
+    * T1's evictable blocks (``ref_cnt == 0``) are a FIFO of keys, oldest first: T1 has no
+      move-to-end (a touch promotes to T2), so a block enters at the MRU end and leaves from
+      the LRU end, or from anywhere (promotion, pin, removal, eviction behind a protected key)
+      by lazy deletion. ``_t1_stale`` counts each key's stale FIFO entries; as a key is
+      re-appended only after it left, its stale entries all precede its live one.
+    * T2's evictable blocks: an ``OrderedDict``, least recently used first (touches move them).
+      A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
+    * B1 / B2 order: a FIFO of ``(key, sequence number)`` per list (two parallel deques). An
+      entry is live iff ``_entries[key]`` is that very number; a ghost hit re-appends the key
+      with a new number, and a stored ghost key leaves its entry stale. Trimming pops from the
+      left, skipping stale entries.
+
+    Every FIFO is appended and popped sequentially (cheap, prefetch-friendly memory) and
+    compacted once its stale entries exceed its live ones by ``_COMPACT_SLACK``, so memory is
+    O(capacity) and every operation O(1) amortised (``evict``: O(n + |protected|) amortised).
     """
+
+    _COMPACT_SLACK: int = 64
+    """A FIFO is compacted once its stale entries outnumber its live ones by this much, so memory
+    stays O(live entries) while the O(len) rebuild is amortised over as many cheap appends."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self._entries: dict[OffloadKey, BlockStatus | int] = {}
+        self._num_resident = 0
+        self._t1_fifo: deque[OffloadKey] = deque()
+        self._t1_stale: dict[OffloadKey, int] = {}
+        self._t1_num_stale = 0
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
-        self._t1_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self._t2_pinned: set[OffloadKey] = set()  # T2 blocks with ref_cnt > 0
-        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b1_keys: deque[OffloadKey] = deque()
+        self._b1_seqs: deque[int] = deque()
+        self._b2_keys: deque[OffloadKey] = deque()
+        self._b2_seqs: deque[int] = deque()
+        self._b1_len = 0
+        self._b2_len = 0
+        self._ghost_seq = 0
         self.target_t1_size: float = 0.0
 
     # -- introspection (O(size): tests and debugging only) -----------------------------------
@@ -55,7 +87,8 @@ class ARCCachePolicy(CachePolicy):
     @property
     def t1_keys(self) -> set[OffloadKey]:
         """Keys resident in T1."""
-        return set(self._blocks) - self.t2_keys
+        resident = {key for key, v in self._entries.items() if type(v) is BlockStatus}
+        return resident - self.t2_keys
 
     @property
     def t2_keys(self) -> set[OffloadKey]:
@@ -65,165 +98,244 @@ class ARCCachePolicy(CachePolicy):
     @property
     def b1_keys(self) -> list[OffloadKey]:
         """Ghost keys evicted from T1, oldest first."""
-        return list(self._b1)
+        return self._live_ghosts(self._b1_keys, self._b1_seqs)
 
     @property
     def b2_keys(self) -> list[OffloadKey]:
         """Ghost keys evicted from T2, oldest first."""
-        return list(self._b2)
+        return self._live_ghosts(self._b2_keys, self._b2_seqs)
 
     @property
     def num_evictable(self) -> int:
         """Number of blocks with ``ref_cnt == 0`` (O(1))."""
-        return len(self._t1_evictable) + len(self._t2_evictable)
+        return len(self._t1_fifo) - self._t1_num_stale + len(self._t2_evictable)
 
     # -- CachePolicy ---------------------------------------------------------------------------
 
     @override
     def get(self, key: OffloadKey) -> BlockStatus | None:
-        return self._blocks.get(key)
+        entry = self._entries.get(key)
+        return entry if type(entry) is BlockStatus else None
 
     @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        blocks = self._blocks
-        assert key not in blocks, f"insert: key {key.hex()} is already resident"
-        blocks[key] = block
+        entries = self._entries
+        old = entries.get(key)
+        entries[key] = block
+        self._num_resident += 1
         if block.ref_cnt == 0:
-            self._t1_evictable[key] = block
-        # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
-        if self._b1.pop(key, False) is False:
-            self._b2.pop(key, None)
+            self._t1_fifo.append(key)
+        if old is not None:
+            # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
+            # Its FIFO entry is stale now (the entry no longer holds its sequence number).
+            assert type(old) is int, f"insert: key {key.hex()} is already resident"
+            if old > 0:
+                self._b1_len -= 1
+                self._maybe_compact_ghosts(self._b1_keys, self._b1_seqs, self._b1_len)
+            else:
+                self._b2_len -= 1
+                self._maybe_compact_ghosts(self._b2_keys, self._b2_seqs, self._b2_len)
 
     @override
     def remove(self, key: OffloadKey) -> None:
-        block = self._blocks.pop(key, None)
-        assert block is not None, f"remove: key {key.hex()} is not resident"
+        entries = self._entries
+        block = entries.get(key)
+        assert type(block) is BlockStatus, f"remove: key {key.hex()} is not resident"
+        del entries[key]
+        self._num_resident -= 1
         if block.ref_cnt == 0:
-            if self._t1_evictable.pop(key, None) is None:
-                del self._t2_evictable[key]
+            if self._t2_evictable.pop(key, None) is None:
+                self._t1_leave(key)
         else:
             self._t2_pinned.discard(key)
 
     @override
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        blocks = self._blocks
+        entries = self._entries
         t2_evictable = self._t2_evictable
         move_to_end = t2_evictable.move_to_end
         for key in reversed_keys(keys):
-            block = blocks.get(key)
-            if block is not None:
-                ref_cnt = block.ref_cnt
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            if type(entry) is BlockStatus:
+                ref_cnt = entry.ref_cnt
                 if ref_cnt == 0:
                     if key in t2_evictable:
                         move_to_end(key)
                     else:  # T1 -> T2, at its most recently used end
-                        del self._t1_evictable[key]
-                        t2_evictable[key] = block
+                        self._t1_leave(key)
+                        t2_evictable[key] = entry
                 elif ref_cnt > 0:
                     # Pinned: promoted now, placed when its last reader unpins it.
                     self._t2_pinned.add(key)
                 # ref_cnt < 0: being written, stays in T1.
                 continue
-            b1 = self._b1
-            b2 = self._b2
-            if key in b1:
-                delta = max(1.0, len(b2) / len(b1))
+            assert isinstance(entry, int)
+            self._ghost_seq += 1
+            if entry > 0:  # B1 hit: the ghost moves to B1's most recently used end
+                delta = max(1.0, self._b2_len / self._b1_len)
                 self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
-                b1.move_to_end(key)
-            elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
+                seq = self._ghost_seq
+                entries[key] = seq
+                self._b1_keys.append(key)
+                self._b1_seqs.append(seq)
+                self._maybe_compact_ghosts(self._b1_keys, self._b1_seqs, self._b1_len)
+            else:  # B2 hit
+                delta = max(1.0, self._b1_len / self._b2_len)
                 self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                b2.move_to_end(key)
+                seq = -self._ghost_seq
+                entries[key] = seq
+                self._b2_keys.append(key)
+                self._b2_seqs.append(seq)
+                self._maybe_compact_ghosts(self._b2_keys, self._b2_seqs, self._b2_len)
 
     @override
     def evict(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         assert n >= 0, f"evict: n={n} must be non-negative"
-        t1_evictable = self._t1_evictable
+        t1_fifo = self._t1_fifo
         t2_evictable = self._t2_evictable
-        if n > len(t1_evictable) + len(t2_evictable):
+        if n > len(t1_fifo) - self._t1_num_stale + len(t2_evictable):
             return None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         if n == 0:
             return victims
-        # Each iterator only moves forward, so the whole walk visits at most
-        # n + |protected| entries; nothing is mutated until all n victims are known.
-        t1_victims: list[tuple[OffloadKey, BlockStatus]] = []
-        t2_victims: list[tuple[OffloadKey, BlockStatus]] = []
-        t1_iter = iter(t1_evictable.items())
+        # Each iterator only moves forward, so the whole walk visits at most n + |protected|
+        # live entries (plus stale T1 entries, each paid for by the operation that made it
+        # stale); nothing is mutated until all n victims are known. T1 victims are collected
+        # as keys (their block is fetched with the probe that turns them into ghosts).
+        picked: list[tuple[OffloadKey, BlockStatus | None]] = []
+        t1_stale = self._t1_stale
+        stale_seen: dict[OffloadKey, int] = {}
+        t1_kept: list[OffloadKey] = []  # protected T1 entries walked past, in FIFO order
+        t1_walked = 0
+        t1_iter = iter(t1_fifo)
         t2_iter = iter(t2_evictable.items())
         t1_left = True
         t2_left = True
-        virtual_t1_size = len(self._blocks) - len(t2_evictable) - len(self._t2_pinned)
+        virtual_t1_size = self._num_resident - len(t2_evictable) - len(self._t2_pinned)
         target = int(self.target_t1_size)
-        while len(victims) < n:
+        while len(picked) < n:
             if t1_left and (virtual_t1_size >= target or not t2_left):
-                for item in t1_iter:
-                    if item[0] not in protected:
-                        victims.append(item)
-                        t1_victims.append(item)
-                        virtual_t1_size -= 1
-                        break
+                for key in t1_iter:
+                    t1_walked += 1
+                    if t1_stale:
+                        num_stale = t1_stale.get(key)
+                        if num_stale is not None:
+                            seen = stale_seen.get(key, 0)
+                            if seen < num_stale:  # a stale entry precedes the live one
+                                stale_seen[key] = seen + 1
+                                continue
+                    if key in protected:
+                        t1_kept.append(key)
+                        continue
+                    picked.append((key, None))
+                    virtual_t1_size -= 1
+                    break
                 else:
                     t1_left = False
             elif t2_left:
                 for item in t2_iter:
                     if item[0] not in protected:
-                        victims.append(item)
-                        t2_victims.append(item)
+                        picked.append(item)
                         break
                 else:
                     t2_left = False
             else:
                 return None
 
-        blocks = self._blocks
-        b1 = self._b1
-        b2 = self._b2
-        for key, block in t1_victims:
-            assert block.ref_cnt == 0, (
-                f"evict: key {key.hex()} is in T1's evictable index with ref_cnt={block.ref_cnt}"
-            )
-            del t1_evictable[key]
-            del blocks[key]
-            b1[key] = None
-        for key, block in t2_victims:
-            assert block.ref_cnt == 0, (
-                f"evict: key {key.hex()} is in T2's evictable index with ref_cnt={block.ref_cnt}"
-            )
-            del t2_evictable[key]
-            del blocks[key]
-            b2[key] = None
+        # Commit: drop the walked T1 prefix but its protected entries, consume the stale
+        # entries walked past, then turn each victim's entry into a ghost in place.
+        for _ in range(t1_walked):
+            t1_fifo.popleft()
+        if t1_kept:
+            t1_fifo.extendleft(reversed(t1_kept))
+        for key, seen in stale_seen.items():
+            left = t1_stale[key] - seen
+            if left:
+                t1_stale[key] = left
+            else:
+                del t1_stale[key]
+            self._t1_num_stale -= seen
+
+        entries = self._entries
+        b1_keys = self._b1_keys
+        b1_seqs = self._b1_seqs
+        b2_keys = self._b2_keys
+        b2_seqs = self._b2_seqs
+        seq = self._ghost_seq
+        num_b1 = 0
+        for key, maybe_block in picked:
+            seq += 1
+            if maybe_block is None:
+                block = entries.get(key)
+                assert type(block) is BlockStatus and block.ref_cnt == 0, (
+                    f"evict: key {key.hex()} is in T1's evictable FIFO but is {block!r}"
+                )
+                entries[key] = seq
+                b1_keys.append(key)
+                b1_seqs.append(seq)
+                num_b1 += 1
+            else:
+                block = maybe_block
+                assert block.ref_cnt == 0, (
+                    f"evict: key {key.hex()} is in T2's evictable index with "
+                    f"ref_cnt={block.ref_cnt}"
+                )
+                del t2_evictable[key]
+                ghost = -seq  # one int object, shared by the entry and the FIFO
+                entries[key] = ghost
+                b2_keys.append(key)
+                b2_seqs.append(ghost)
+            victims.append((key, block))
+        self._ghost_seq = seq
+        self._num_resident -= n
+        self._b1_len += num_b1
+        self._b2_len += n - num_b1
         capacity = self.cache_capacity
-        while len(b1) > capacity:
-            b1.popitem(last=False)
-        while len(b2) > capacity:
-            b2.popitem(last=False)
+        if self._b1_len > capacity:
+            self._trim_ghosts(b1_keys, b1_seqs, self._b1_len - capacity)
+            self._b1_len = capacity
+        if self._b2_len > capacity:
+            self._trim_ghosts(b2_keys, b2_seqs, self._b2_len - capacity)
+            self._b2_len = capacity
+        self._maybe_compact_ghosts(b1_keys, b1_seqs, self._b1_len)
+        self._maybe_compact_ghosts(b2_keys, b2_seqs, self._b2_len)
         return victims
 
     @override
     def clear(self) -> None:
-        self._blocks.clear()
-        self._t1_evictable.clear()
+        self._entries.clear()
+        self._num_resident = 0
+        self._t1_fifo.clear()
+        self._t1_stale.clear()
+        self._t1_num_stale = 0
         self._t2_evictable.clear()
         self._t2_pinned.clear()
-        self._b1.clear()
-        self._b2.clear()
+        self._b1_keys.clear()
+        self._b1_seqs.clear()
+        self._b2_keys.clear()
+        self._b2_seqs.clear()
+        self._b1_len = 0
+        self._b2_len = 0
         self.target_t1_size = 0.0
 
     @override
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return iter(list(self._blocks.items()))
+        return iter(
+            [(key, entry) for key, entry in self._entries.items() if type(entry) is BlockStatus]
+        )
 
     @override
     def __len__(self) -> int:
-        return len(self._blocks)
+        return self._num_resident
 
     @override
     def mark_evictable(self, key: OffloadKey) -> None:
-        block = self._blocks.get(key)
-        if block is None:
+        block = self._entries.get(key)
+        if type(block) is not BlockStatus:
             raise AssertionError(f"mark_evictable: key {key.hex()} is not resident")
         assert block.ref_cnt == 0, (
             f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
@@ -233,11 +345,65 @@ class ARCCachePolicy(CachePolicy):
             t2_pinned.remove(key)
             self._t2_evictable[key] = block
         else:
-            self._t1_evictable[key] = block
+            self._t1_fifo.append(key)
 
     @override
     def mark_non_evictable(self, key: OffloadKey) -> None:
         if self._t2_evictable.pop(key, None) is not None:
             self._t2_pinned.add(key)
-        elif self._t1_evictable.pop(key, None) is None:
+            return
+        # Every resident block with ref_cnt == 0 is evictable, so it is in T1's FIFO.
+        block = self._entries.get(key)
+        if type(block) is not BlockStatus or block.ref_cnt != 0:
             raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
+        self._t1_leave(key)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _t1_leave(self, key: OffloadKey) -> None:
+        """Evictable T1 block ``key`` leaves T1's evictable order: its FIFO entry goes stale."""
+        t1_stale = self._t1_stale
+        t1_stale[key] = t1_stale.get(key, 0) + 1
+        self._t1_num_stale += 1
+        t1_fifo = self._t1_fifo
+        if 2 * self._t1_num_stale > len(t1_fifo) + self._COMPACT_SLACK:
+            # Keep each key's live entry, the one after its stale entries.
+            live = []
+            for fifo_key in t1_fifo:
+                num_stale = t1_stale.get(fifo_key)
+                if num_stale is None:
+                    live.append(fifo_key)
+                elif num_stale == 1:
+                    del t1_stale[fifo_key]
+                else:
+                    t1_stale[fifo_key] = num_stale - 1
+            assert not t1_stale, f"T1 FIFO compaction left stale counts for {len(t1_stale)} keys"
+            t1_fifo.clear()
+            t1_fifo.extend(live)
+            self._t1_num_stale = 0
+
+    def _trim_ghosts(self, keys: deque[OffloadKey], seqs: deque[int], excess: int) -> None:
+        """Drop the ``excess`` oldest live ghosts of one list (and stale entries on the way)."""
+        entries = self._entries
+        while excess:
+            key = keys.popleft()
+            # Identity: the entry holds this very int object iff this FIFO entry is live.
+            if entries.get(key) is seqs.popleft():
+                del entries[key]
+                excess -= 1
+
+    def _maybe_compact_ghosts(self, keys: deque[OffloadKey], seqs: deque[int], live: int) -> None:
+        """Rebuild one ghost FIFO once its stale entries exceed its live ones by the slack."""
+        if len(keys) <= 2 * live + self._COMPACT_SLACK:
+            return
+        entries = self._entries
+        pairs = [(key, seq) for key, seq in zip(keys, seqs, strict=True) if entries.get(key) is seq]
+        assert len(pairs) == live, f"ghost FIFO holds {len(pairs)} live entries, expected {live}"
+        keys.clear()
+        seqs.clear()
+        keys.extend(key for key, _ in pairs)
+        seqs.extend(seq for _, seq in pairs)
+
+    def _live_ghosts(self, keys: deque[OffloadKey], seqs: deque[int]) -> list[OffloadKey]:
+        entries = self._entries
+        return [key for key, seq in zip(keys, seqs, strict=True) if entries.get(key) is seq]

@@ -1,0 +1,248 @@
+"""Test oracle: a straightforward ARC over ordered dicts, the semantics ARCCachePolicy must keep.
+
+This was the first implementation of ``ARCCachePolicy``; the production class was since rewritten
+for fewer cache misses per block (one dict for resident blocks and ghosts, FIFOs with lazy
+deletion). ``test_arc_differential.py`` drives both with the same operations and compares them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
+
+
+class ReferenceARCCachePolicy(CachePolicy):
+    """ARC: balances recency (T1) against frequency (T2) with ghost-list feedback.
+
+    Lists:
+        * T1: resident blocks seen once (inserted, not touched since they became ready).
+        * T2: resident blocks touched at least once while ready.
+        * B1 / B2: ghost lists, keys only, of blocks recently evicted from T1 / T2, oldest
+          first, each bounded by ``cache_capacity`` (the oldest ghosts are dropped first). A
+          resident key is never a ghost.
+        * ``target_t1_size``: the adaptive target size of T1, in ``[0, cache_capacity]``,
+          starting at 0. A touch that hits B1 (a block evicted too early from T1) raises it by
+          ``max(1, |B2| / |B1|)``; a touch that hits B2 lowers it by ``max(1, |B1| / |B2|)``.
+
+    Eviction takes from T1 while T1's size (shrinking virtually with every victim taken from it)
+    is at least ``int(target_t1_size)``, else from T2, falling back to the other list when the
+    preferred one has no candidate left. Victims move to B1 or B2 by the list they left.
+
+    Layout: ``_blocks`` maps every resident key to its status (one probe per ``get``). Each of
+    T1 and T2 keeps an ordered index of its evictable blocks only (``ref_cnt == 0``, least
+    recently used first), so eviction walks evictable blocks alone and costs O(n + |protected|).
+    A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else in T1.
+    A block that becomes evictable (store completed, last reader gone) enters its list's index
+    at the most recently used end, since it was just written or read. A block being written
+    stays in T1 when touched (it was just prepared for a store, not really used twice); it
+    takes T1's most recently used position when its store completes. A ready block pinned by
+    readers is promoted to T2 when touched, like any ready block.
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
+        self._t1_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._t2_pinned: set[OffloadKey] = set()  # T2 blocks with ref_cnt > 0
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.target_t1_size: float = 0.0
+
+    # -- introspection (O(size): tests and debugging only) -----------------------------------
+
+    @property
+    def t1_keys(self) -> set[OffloadKey]:
+        """Keys resident in T1."""
+        return set(self._blocks) - self.t2_keys
+
+    @property
+    def t2_keys(self) -> set[OffloadKey]:
+        """Keys resident in T2."""
+        return {*self._t2_evictable, *self._t2_pinned}
+
+    @property
+    def b1_keys(self) -> list[OffloadKey]:
+        """Ghost keys evicted from T1, oldest first."""
+        return list(self._b1)
+
+    @property
+    def b2_keys(self) -> list[OffloadKey]:
+        """Ghost keys evicted from T2, oldest first."""
+        return list(self._b2)
+
+    @property
+    def num_evictable(self) -> int:
+        """Number of blocks with ``ref_cnt == 0`` (O(1))."""
+        return len(self._t1_evictable) + len(self._t2_evictable)
+
+    # -- CachePolicy ---------------------------------------------------------------------------
+
+    @override
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self._blocks.get(key)
+
+    @override
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        blocks = self._blocks
+        assert key not in blocks, f"insert: key {key.hex()} is already resident"
+        blocks[key] = block
+        if block.ref_cnt == 0:
+            self._t1_evictable[key] = block
+        # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
+        if self._b1.pop(key, False) is False:
+            self._b2.pop(key, None)
+
+    @override
+    def remove(self, key: OffloadKey) -> None:
+        block = self._blocks.pop(key, None)
+        assert block is not None, f"remove: key {key.hex()} is not resident"
+        if block.ref_cnt == 0:
+            if self._t1_evictable.pop(key, None) is None:
+                del self._t2_evictable[key]
+        else:
+            self._t2_pinned.discard(key)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        blocks = self._blocks
+        t2_evictable = self._t2_evictable
+        move_to_end = t2_evictable.move_to_end
+        for key in reversed_keys(keys):
+            block = blocks.get(key)
+            if block is not None:
+                ref_cnt = block.ref_cnt
+                if ref_cnt == 0:
+                    if key in t2_evictable:
+                        move_to_end(key)
+                    else:  # T1 -> T2, at its most recently used end
+                        del self._t1_evictable[key]
+                        t2_evictable[key] = block
+                elif ref_cnt > 0:
+                    # Pinned: promoted now, placed when its last reader unpins it.
+                    self._t2_pinned.add(key)
+                # ref_cnt < 0: being written, stays in T1.
+                continue
+            b1 = self._b1
+            b2 = self._b2
+            if key in b1:
+                delta = max(1.0, len(b2) / len(b1))
+                self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
+                b1.move_to_end(key)
+            elif key in b2:
+                delta = max(1.0, len(b1) / len(b2))
+                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+                b2.move_to_end(key)
+
+    @override
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        assert n >= 0, f"evict: n={n} must be non-negative"
+        t1_evictable = self._t1_evictable
+        t2_evictable = self._t2_evictable
+        if n > len(t1_evictable) + len(t2_evictable):
+            return None
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        if n == 0:
+            return victims
+        # Each iterator only moves forward, so the whole walk visits at most
+        # n + |protected| entries; nothing is mutated until all n victims are known.
+        t1_victims: list[tuple[OffloadKey, BlockStatus]] = []
+        t2_victims: list[tuple[OffloadKey, BlockStatus]] = []
+        t1_iter = iter(t1_evictable.items())
+        t2_iter = iter(t2_evictable.items())
+        t1_left = True
+        t2_left = True
+        virtual_t1_size = len(self._blocks) - len(t2_evictable) - len(self._t2_pinned)
+        target = int(self.target_t1_size)
+        while len(victims) < n:
+            if t1_left and (virtual_t1_size >= target or not t2_left):
+                for item in t1_iter:
+                    if item[0] not in protected:
+                        victims.append(item)
+                        t1_victims.append(item)
+                        virtual_t1_size -= 1
+                        break
+                else:
+                    t1_left = False
+            elif t2_left:
+                for item in t2_iter:
+                    if item[0] not in protected:
+                        victims.append(item)
+                        t2_victims.append(item)
+                        break
+                else:
+                    t2_left = False
+            else:
+                return None
+
+        blocks = self._blocks
+        b1 = self._b1
+        b2 = self._b2
+        for key, block in t1_victims:
+            assert block.ref_cnt == 0, (
+                f"evict: key {key.hex()} is in T1's evictable index with ref_cnt={block.ref_cnt}"
+            )
+            del t1_evictable[key]
+            del blocks[key]
+            b1[key] = None
+        for key, block in t2_victims:
+            assert block.ref_cnt == 0, (
+                f"evict: key {key.hex()} is in T2's evictable index with ref_cnt={block.ref_cnt}"
+            )
+            del t2_evictable[key]
+            del blocks[key]
+            b2[key] = None
+        capacity = self.cache_capacity
+        while len(b1) > capacity:
+            b1.popitem(last=False)
+        while len(b2) > capacity:
+            b2.popitem(last=False)
+        return victims
+
+    @override
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._t1_evictable.clear()
+        self._t2_evictable.clear()
+        self._t2_pinned.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self.target_t1_size = 0.0
+
+    @override
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        return iter(list(self._blocks.items()))
+
+    @override
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @override
+    def mark_evictable(self, key: OffloadKey) -> None:
+        block = self._blocks.get(key)
+        if block is None:
+            raise AssertionError(f"mark_evictable: key {key.hex()} is not resident")
+        assert block.ref_cnt == 0, (
+            f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
+        )
+        t2_pinned = self._t2_pinned
+        if t2_pinned and key in t2_pinned:
+            t2_pinned.remove(key)
+            self._t2_evictable[key] = block
+        else:
+            self._t1_evictable[key] = block
+
+    @override
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        if self._t2_evictable.pop(key, None) is not None:
+            self._t2_pinned.add(key)
+        elif self._t1_evictable.pop(key, None) is None:
+            raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
