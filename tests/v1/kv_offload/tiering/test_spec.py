@@ -154,7 +154,8 @@ def test_end_to_end_cascade_and_promotion(tmp_path: Path) -> None:
         rows[output.store_spec.block_ids[0]] = 42
         manager.complete_store([key], CTX)
         events = list(manager.take_events())
-        assert [(e.medium, e.removed) for e in events] == [("CPU", False)]  # events enabled
+        # Events enabled: the primary's, then the tier's (it stores synchronously).
+        assert [(e.medium, e.removed) for e in events] == [("CPU", False), ("EXAMPLE", False)]
         manager.reset_cache()  # the tier keeps the block
         rows[:] = 0
         assert manager.lookup(key, CTX) is None
@@ -178,3 +179,34 @@ def test_is_selected_by_spec_name(tmp_path: Path) -> None:
     assert isinstance(spec, TieringOffloadingSpec)
     assert not isinstance(spec.get_manager(), SecondaryTierManager)
     spec.get_manager().shutdown()
+
+
+class PlainTier(ExampleSecondaryTierManager):
+    """A tier whose constructor has no ``enable_events`` keyword."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+
+def test_enable_events_reaches_tiers_that_take_it(tmp_path: Path) -> None:
+    spec = make_tiering_spec(
+        tmp_path,
+        [
+            {"type": "example"},
+            {"type": "example", "enable_events": False},
+            {"type": f"{__name__}:PlainTier"},
+        ],
+    )
+    manager = spec.get_manager()
+    try:
+        keys = [make_offload_key(b"ev", 0)]
+        assert manager.prepare_store(keys, CTX) is not None
+        manager.complete_store(keys, CTX)
+        manager.on_schedule_end()
+        manager.on_schedule_end()
+        media = [(event.medium, event.removed) for event in manager.take_events()]
+        # The primary and the first tier record; the tier configured off and the tier that
+        # takes no such keyword do not.
+        assert media == [("CPU", False), ("EXAMPLE", False)]
+    finally:
+        manager.shutdown()

@@ -6,11 +6,14 @@ lookup order.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from typing_extensions import override
 
-from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.config import OffloadingConfig, SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
@@ -32,8 +35,9 @@ class TieringOffloadingSpec(OffloadingSpec):
     Args:
         config: the parsed ``kv_connector_extra_config``.
         run: the run's block-defining facts.
-        enable_events: whether the primary tier records ``OffloadingEvent`` s (tiers have their
-            own ``enable_events`` kwarg, if any).
+        enable_events: whether the primary tier records ``OffloadingEvent`` s; also passed as
+            ``enable_events=True`` to every tier whose constructor takes that keyword and whose
+            config entry does not set it.
     """
 
     BLOCK_SIZE_ALIGNMENT = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
@@ -50,6 +54,19 @@ class TieringOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             self._manager = self._build_manager()
         return self._manager
+
+    def _with_events(self, tier_config: SecondaryTierConfig) -> Mapping[str, Any]:
+        """The tier's config entry, with ``enable_events`` filled in from the spec.
+
+        Events are tier-owned: when the run publishes KV events, every tier whose constructor
+        takes ``enable_events`` records its own, unless its config entry says otherwise.
+        """
+        entry: dict[str, Any] = {"type": tier_config.type, **tier_config.kwargs}
+        if self.enable_events and "enable_events" not in entry:
+            tier_cls = SecondaryTierFactory.get_tier_class(tier_config.type)
+            if "enable_events" in inspect.signature(tier_cls).parameters:
+                entry["enable_events"] = True
+        return entry
 
     def _build_manager(self) -> TieringOffloadingManager:
         """Create region, primary and tiers in order; on failure undo in reverse order."""
@@ -79,7 +96,9 @@ class TieringOffloadingSpec(OffloadingSpec):
         try:
             view = primary.get_kv_memoryview()
             for tier_idx, tier_config in enumerate(self.config.secondary_tiers):
-                tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
+                tier = SecondaryTierFactory.create_secondary_tier(
+                    self._with_events(tier_config), view, self
+                )
                 tiers.append(tier)
                 logger.info("Created secondary tier #%d (%s)", tier_idx, tier_config.type)
             return TieringOffloadingManager(primary, tiers)
