@@ -418,6 +418,39 @@ def test_reset_cache_flushes_in_flight_jobs_and_ignores_their_completions(
         assert engine.stats.verification_failures == 0
 
 
+def test_no_lookup_until_every_pre_reset_job_is_reported(tmp_path: Path) -> None:
+    """After a reset, lookups (which can start promotions into freshly freed rows that a
+    pre-reset copy still touches) wait until every worker reported every pre-reset job."""
+    factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
+    with EngineCore(make_config(tmp_path, fs=True), handler_factory=factory) as engine:
+        metas = capture_metadata(engine)
+        rng = random.Random(12)
+        first = random_tokens(rng, 96)
+        engine.generate({"a": first}, max_tokens=1)  # in the CPU tier and written to disk
+        engine.kv_cache_manager.reset_prefix_cache()
+        metas.clear()
+        engine.add_request("b", random_tokens(rng, 96), 12)
+        while not any(m.store_jobs for m in metas):
+            engine.step()
+        engine.step()
+        sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
+        assert sched.has_pending_work()
+        engine.reset_prefix_cache()  # b's stores are still running on the (delayed) workers
+        log = spy_on_manager(engine)
+        engine.add_request("c", [*first, 7], 1)  # its prefix is on disk
+        engine.step()  # the step that flushes b's pre-reset jobs
+        assert "lookup" not in log
+        assert sched.get_stats()["lookups_skipped_after_reset"] >= 1
+        engine.run_until_done()
+        assert not sched._unreported_pre_reset_jobs
+        # Every pre-reset job was reported: lookups (and promotions from disk) are back.
+        engine.kv_cache_manager.reset_prefix_cache()
+        engine.generate({"d": [*first, 9]}, max_tokens=1)
+        assert "lookup" in log
+        assert engine.stats.blocks_loaded_verified > 0
+        assert engine.stats.verification_failures == 0
+
+
 def test_engine_keeps_stepping_until_cascades_finish(tmp_path: Path) -> None:
     config = make_config(tmp_path, cpu_blocks=64, fs=True)
     with EngineCore(config) as engine:

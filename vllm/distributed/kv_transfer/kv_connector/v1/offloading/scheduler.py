@@ -202,6 +202,10 @@ class OffloadingConnectorScheduler:
         self._job_counter: JobId = 0
         # Completions of ids below this were issued before the last reset_cache: ignored.
         self._stale_job_threshold: JobId = 0
+        # Jobs issued before a reset_cache that workers still run: job id -> reports still due.
+        # Until they are all in, their rows may still be read or written by a worker, so no
+        # lookup may start a promotion into a freshly reset primary tier (see reset_cache).
+        self._unreported_pre_reset_jobs: dict[JobId, int] = {}
         # GPU block -> pending store jobs reading it (only blocks of finished requests).
         self._block_id_to_pending_jobs: dict[GPUBlockRef, set[JobId]] = {}
         # Keys some load job is filling right now; a second request hitting them waits.
@@ -236,6 +240,7 @@ class OffloadingConnectorScheduler:
                 "deferred_stores",
                 "stale_completions",
                 "cache_resets",
+                "lookups_skipped_after_reset",
             ),
             0,
         )
@@ -383,6 +388,11 @@ class OffloadingConnectorScheduler:
         block_size = self.offloaded_block_size
         num_blocks = self._update_offload_keys(state)
         if num_blocks * block_size - num_computed_tokens < block_size:
+            return 0, False
+        if self._unreported_pre_reset_jobs:
+            # Workers may still touch rows the reset freed: a lookup could reserve such a row for
+            # a promotion that a secondary tier starts writing at once. Compute instead.
+            self._stats["lookups_skipped_after_reset"] += 1
             return 0, False
 
         # Blocks served from the GPU prefix cache are used too: keep them warm in every tier.
@@ -652,6 +662,13 @@ class OffloadingConnectorScheduler:
         for job_id in sorted(meta.completed_jobs.keys() | meta.failed_jobs.keys()):
             if job_id < self._stale_job_threshold:
                 self._stats["stale_completions"] += 1
+                due = self._unreported_pre_reset_jobs.get(job_id)
+                if due is not None:
+                    due -= meta.completed_jobs.get(job_id, 0) + meta.failed_jobs.get(job_id, 0)
+                    if due > 0:
+                        self._unreported_pre_reset_jobs[job_id] = due
+                    else:
+                        del self._unreported_pre_reset_jobs[job_id]
                 continue
             job = self._jobs.get(job_id)
             assert job is not None, f"workers reported unknown job {job_id}"
@@ -793,11 +810,19 @@ class OffloadingConnectorScheduler:
         Must be called between steps. Every job in flight is flushed at the next step (before
         any new store can reuse the rows it touches), pre-reset job ids are ignored when they
         complete, active requests offer all their blocks again, and the manager is reset.
+
+        Until every worker has reported every pre-reset job, ``get_num_new_matched_tokens``
+        reports no hit without asking the manager: a lookup could start a promotion, and a
+        secondary tier would write the promoted block into a row that a pre-reset GPU <-> CPU
+        copy still reads or writes. Stores need no such gate: workers run a step's stores only
+        after waiting for the flushed jobs.
         """
         assert not self._current_batch_load_jobs and not self._current_batch_allocated_blocks, (
             "reset_cache called in the middle of a step"
         )
         self._pending_jobs_to_flush.update(self._jobs)
+        for job_id, job in self._jobs.items():
+            self._unreported_pre_reset_jobs[job_id] = job.pending_count
         for req_id in [r for r, s in self._req_status.items() if s.finished]:
             del self._req_status[req_id]
         self._timed(self.manager.reset_cache)
@@ -813,8 +838,12 @@ class OffloadingConnectorScheduler:
         self._stats["cache_resets"] += 1
 
     def has_pending_work(self) -> bool:
-        """Whether the engine must keep stepping: jobs in flight here or in the manager."""
-        return bool(self._jobs or self._pending_jobs_to_flush) or self.manager.has_pending_work()
+        """Whether the engine must keep stepping: jobs in flight here (pre-reset ones included,
+        so that their reports arrive) or in the manager."""
+        return (
+            bool(self._jobs or self._pending_jobs_to_flush or self._unreported_pre_reset_jobs)
+            or self.manager.has_pending_work()
+        )
 
     def get_stats(self) -> dict[str, int | float]:
         """Cumulative connector counters, transfer totals and the manager's stats (``manager.*``).
