@@ -149,10 +149,21 @@ class Scheduler:
         """Queue a new request.
 
         Raises:
-            ValueError: the prompt does not leave room for one generated token within
-                ``max_model_len``.
+            ValueError: the id is in use (by a live request, or by a finished one whose
+                offloading transfers are still in flight), or the prompt does not leave room
+                for one generated token within ``max_model_len``.
         """
-        assert request.request_id not in self.requests, f"duplicate request {request.request_id}"
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use by a live request")
+        if (
+            self.connector is not None
+            and self.connector.connector_scheduler.request_state(req_id) is not None
+        ):
+            raise ValueError(
+                f"request id {req_id!r} is still in use: transfers of a finished request with "
+                "that id are in flight; use a unique id"
+            )
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {request.request_id}: a prompt of {request.num_prompt_tokens} tokens "

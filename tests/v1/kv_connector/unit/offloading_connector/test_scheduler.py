@@ -658,3 +658,22 @@ def test_load_job_specs_are_group_major_with_block_indices() -> None:
     assert gpu_spec.block_ids.tolist() == list(range(102, 116)) + list(range(201, 208))
     assert len(cpu_spec.block_ids) == 8  # type: ignore[attr-defined]
     assert not sched._block_id_to_pending_jobs
+
+
+def test_request_id_is_not_reused_while_its_transfers_run(tmp_path: Path) -> None:
+    factory = chaos_factory(min_delay_polls=4, max_delay_polls=4)
+    with EngineCore(make_config(tmp_path), handler_factory=factory) as engine:
+        rng = random.Random(13)
+        engine.add_request("a", random_tokens(rng, 96), 1)
+        while engine.has_unfinished_requests():
+            engine.step()
+        sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
+        assert sched.jobs_of("a"), "a's stores should still be in flight"
+        with pytest.raises(ValueError, match="still in use"):
+            engine.add_request("a", random_tokens(rng, 40), 1)
+        engine.run_until_done()
+        assert not sched.jobs_of("a")
+        engine.generate({"a": random_tokens(rng, 40)}, max_tokens=1)  # the id is free again
+        with pytest.raises(ValueError, match="live request"):
+            engine.add_request("b", random_tokens(rng, 40), 4)
+            engine.add_request("b", random_tokens(rng, 40), 4)
