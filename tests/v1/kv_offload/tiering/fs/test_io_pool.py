@@ -76,6 +76,29 @@ def test_each_job_is_reported_once_with_its_outcome(pools: list[DualQueueThreadP
     assert pool.num_jobs_in_flight == 0
 
 
+class ExitingTask(IoTask):
+    """Raises SystemExit, which ends the worker thread that runs it."""
+
+    @override
+    def run(self) -> bool:
+        raise SystemExit("worker thread exits")
+
+    @override
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_job_is_reported_even_if_a_task_ends_its_thread(
+    pools: list[DualQueueThreadPool],
+) -> None:
+    pool = _pool(pools, 2, 2)
+    pool.submit(7, [ExitingTask()], is_load=True)
+    assert pool.wait_idle(10)
+    assert pool.get_finished() == [(7, False)]
+    assert pool.num_jobs_in_flight == 0
+
+
 @pytest.mark.parametrize("prefer_loads", [True, False])
 def test_neither_queue_starves(pools: list[DualQueueThreadPool], prefer_loads: bool) -> None:
     """Both workers are busy with the other kind and more of it is queued; when the worker that

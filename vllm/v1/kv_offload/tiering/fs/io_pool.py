@@ -159,6 +159,11 @@ class DualQueueThreadPool:
             except Exception:
                 logger.exception("fs tier: a task of job %d raised", job.job_id)
                 ok = False
+            except BaseException:
+                # The thread is going away (SystemExit, ...): still count the task, so that its
+                # job is reported (as failed) exactly once instead of never.
+                self._task_done(job, False)
+                raise
             self._task_done(job, ok)
             del job, task  # drop references (and buffers they hold) before waiting again
 
