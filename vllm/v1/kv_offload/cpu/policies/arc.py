@@ -10,6 +10,88 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
 
+_B1 = 1
+"""``_entries`` value of a ghost in B1 (a small int: shared, never allocated per ghost)."""
+_B2 = -1
+"""``_entries`` value of a ghost in B2."""
+
+
+class _GhostFIFO:
+    """The order of one ghost list (B1 or B2), oldest first, with lazy deletion.
+
+    ``keys`` holds one entry per time a key joined the list. An entry goes stale when its key
+    leaves the list: stored again (no longer a ghost), or hit by a touch (which re-appends it at
+    the most recently used end). ``stale`` counts each key's stale entries; since a key rejoins
+    only after it left, its stale entries all precede its live one.
+    """
+
+    __slots__ = ("keys", "live", "num_stale", "stale")
+
+    def __init__(self) -> None:
+        self.keys: deque[OffloadKey] = deque()
+        self.stale: dict[OffloadKey, int] = {}
+        self.num_stale = 0
+        self.live = 0
+
+    def append(self, key: OffloadKey) -> None:
+        self.keys.append(key)
+        self.live += 1
+
+    def leave(self, key: OffloadKey) -> None:
+        """``key``'s live entry goes stale."""
+        stale = self.stale
+        stale[key] = stale.get(key, 0) + 1
+        self.num_stale += 1
+        self.live -= 1
+
+    def trim(self, excess: int, entries: dict[OffloadKey, BlockStatus | int], marker: int) -> None:
+        """Forget the ``excess`` oldest live ghosts (dropping their ``entries``)."""
+        assert 0 <= excess <= self.live, f"trim {excess} of {self.live} ghosts"
+        self.live -= excess
+        keys = self.keys
+        stale = self.stale
+        while excess:
+            key = keys.popleft()
+            if stale:
+                num_stale = stale.get(key)
+                if num_stale is not None:
+                    if num_stale == 1:
+                        del stale[key]
+                    else:
+                        stale[key] = num_stale - 1
+                    self.num_stale -= 1
+                    continue
+            ghost = entries.pop(key)
+            assert ghost == marker, f"ghost FIFO: key {key.hex()} maps to {ghost!r}"
+            excess -= 1
+
+    def maybe_compact(self, slack: int) -> None:
+        """Rebuild the FIFO once its stale entries exceed its live ones by ``slack``."""
+        if self.num_stale <= self.live + slack:
+            return
+        self.keys = deque(self.live_keys())
+        self.stale.clear()
+        self.num_stale = 0
+
+    def live_keys(self) -> list[OffloadKey]:
+        """The live entries' keys, oldest first (O(len))."""
+        pending = dict(self.stale)
+        live: list[OffloadKey] = []
+        for key in self.keys:
+            num_stale = pending.get(key)
+            if num_stale:
+                pending[key] = num_stale - 1
+            else:
+                live.append(key)
+        assert len(live) == self.live, f"ghost FIFO holds {len(live)} live keys, not {self.live}"
+        return live
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.stale.clear()
+        self.num_stale = 0
+        self.live = 0
+
 
 class ARCCachePolicy(CachePolicy):
     """ARC: balances recency (T1) against frequency (T2) with ghost-list feedback.
@@ -39,9 +121,9 @@ class ARCCachePolicy(CachePolicy):
     one is a cache and TLB miss; see docs/benchmarks.md, "CPU tier bookkeeping"):
 
     * ``_entries``: one dict for resident blocks *and* ghosts: ``key -> BlockStatus`` if
-      resident, ``key -> int`` if a ghost (a unique sequence number, positive in B1, negative
-      in B2). Evicting a block turns its entry into a ghost in place, and storing a ghost key
-      turns it back, so neither costs a probe of a second table.
+      resident, ``key -> _B1`` or ``key -> _B2`` (two shared small ints) if a ghost. Evicting
+      a block turns its entry into a ghost in place, and storing a ghost key turns it back, so
+      neither costs a probe of a second table.
     * T1's evictable blocks (``ref_cnt == 0``) are a FIFO of keys, oldest first: T1 has no
       move-to-end (a touch promotes to T2), so a block enters at the MRU end and leaves from
       the LRU end, or from anywhere (promotion, pin, removal, eviction behind a protected key)
@@ -49,10 +131,9 @@ class ARCCachePolicy(CachePolicy):
       re-appended only after it left, its stale entries all precede its live one.
     * T2's evictable blocks: an ``OrderedDict``, least recently used first (touches move them).
       A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
-    * B1 / B2 order: a FIFO of ``(key, sequence number)`` per list (two parallel deques). An
-      entry is live iff ``_entries[key]`` is that very number; a ghost hit re-appends the key
-      with a new number, and a stored ghost key leaves its entry stale. Trimming pops from the
-      left, skipping stale entries.
+    * B1 / B2 order: a ``_GhostFIFO`` of keys per list, with lazy deletion counted like T1's
+      (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
+      pops from the left, skipping stale entries.
 
     Every FIFO is appended and popped sequentially (cheap, prefetch-friendly memory) and
     compacted once its stale entries exceed its live ones by ``_COMPACT_SLACK``, so memory is
@@ -73,13 +154,8 @@ class ARCCachePolicy(CachePolicy):
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
         self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self._t2_pinned: set[OffloadKey] = set()  # T2 blocks with ref_cnt > 0
-        self._b1_keys: deque[OffloadKey] = deque()
-        self._b1_seqs: deque[int] = deque()
-        self._b2_keys: deque[OffloadKey] = deque()
-        self._b2_seqs: deque[int] = deque()
-        self._b1_len = 0
-        self._b2_len = 0
-        self._ghost_seq = 0
+        self._b1 = _GhostFIFO()
+        self._b2 = _GhostFIFO()
         self.target_t1_size: float = 0.0
 
     # -- introspection (O(size): tests and debugging only) -----------------------------------
@@ -98,12 +174,12 @@ class ARCCachePolicy(CachePolicy):
     @property
     def b1_keys(self) -> list[OffloadKey]:
         """Ghost keys evicted from T1, oldest first."""
-        return self._live_ghosts(self._b1_keys, self._b1_seqs)
+        return self._b1.live_keys()
 
     @property
     def b2_keys(self) -> list[OffloadKey]:
         """Ghost keys evicted from T2, oldest first."""
-        return self._live_ghosts(self._b2_keys, self._b2_seqs)
+        return self._b2.live_keys()
 
     @property
     def num_evictable(self) -> int:
@@ -127,14 +203,10 @@ class ARCCachePolicy(CachePolicy):
             self._t1_fifo.append(key)
         if old is not None:
             # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
-            # Its FIFO entry is stale now (the entry no longer holds its sequence number).
             assert type(old) is int, f"insert: key {key.hex()} is already resident"
-            if old > 0:
-                self._b1_len -= 1
-                self._maybe_compact_ghosts(self._b1_keys, self._b1_seqs, self._b1_len)
-            else:
-                self._b2_len -= 1
-                self._maybe_compact_ghosts(self._b2_keys, self._b2_seqs, self._b2_len)
+            ghosts = self._b1 if old == _B1 else self._b2
+            ghosts.leave(key)
+            ghosts.maybe_compact(self._COMPACT_SLACK)
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -171,24 +243,21 @@ class ARCCachePolicy(CachePolicy):
                     self._t2_pinned.add(key)
                 # ref_cnt < 0: being written, stays in T1.
                 continue
-            assert isinstance(entry, int)
-            self._ghost_seq += 1
-            if entry > 0:  # B1 hit: the ghost moves to B1's most recently used end
-                delta = max(1.0, self._b2_len / self._b1_len)
+            b1 = self._b1
+            b2 = self._b2
+            if entry == _B1:  # B1 hit
+                delta = max(1.0, b2.live / b1.live)
                 self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
-                seq = self._ghost_seq
-                entries[key] = seq
-                self._b1_keys.append(key)
-                self._b1_seqs.append(seq)
-                self._maybe_compact_ghosts(self._b1_keys, self._b1_seqs, self._b1_len)
+                ghosts = b1
             else:  # B2 hit
-                delta = max(1.0, self._b1_len / self._b2_len)
+                assert entry == _B2, f"touch: key {key.hex()} maps to {entry!r}"
+                delta = max(1.0, b1.live / b2.live)
                 self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                seq = -self._ghost_seq
-                entries[key] = seq
-                self._b2_keys.append(key)
-                self._b2_seqs.append(seq)
-                self._maybe_compact_ghosts(self._b2_keys, self._b2_seqs, self._b2_len)
+                ghosts = b2
+            # The ghost moves to its list's most recently used end.
+            ghosts.leave(key)
+            ghosts.append(key)
+            ghosts.maybe_compact(self._COMPACT_SLACK)
 
     @override
     def evict(
@@ -261,23 +330,16 @@ class ARCCachePolicy(CachePolicy):
             self._t1_num_stale -= seen
 
         entries = self._entries
-        b1_keys = self._b1_keys
-        b1_seqs = self._b1_seqs
-        b2_keys = self._b2_keys
-        b2_seqs = self._b2_seqs
-        seq = self._ghost_seq
-        num_b1 = 0
+        b1 = self._b1
+        b2 = self._b2
         for key, maybe_block in picked:
-            seq += 1
             if maybe_block is None:
                 block = entries.get(key)
                 assert type(block) is BlockStatus and block.ref_cnt == 0, (
                     f"evict: key {key.hex()} is in T1's evictable FIFO but is {block!r}"
                 )
-                entries[key] = seq
-                b1_keys.append(key)
-                b1_seqs.append(seq)
-                num_b1 += 1
+                entries[key] = _B1
+                b1.append(key)
             else:
                 block = maybe_block
                 assert block.ref_cnt == 0, (
@@ -285,24 +347,18 @@ class ARCCachePolicy(CachePolicy):
                     f"ref_cnt={block.ref_cnt}"
                 )
                 del t2_evictable[key]
-                ghost = -seq  # one int object, shared by the entry and the FIFO
-                entries[key] = ghost
-                b2_keys.append(key)
-                b2_seqs.append(ghost)
+                entries[key] = _B2
+                b2.append(key)
             victims.append((key, block))
-        self._ghost_seq = seq
         self._num_resident -= n
-        self._b1_len += num_b1
-        self._b2_len += n - num_b1
         capacity = self.cache_capacity
-        if self._b1_len > capacity:
-            self._trim_ghosts(b1_keys, b1_seqs, self._b1_len - capacity)
-            self._b1_len = capacity
-        if self._b2_len > capacity:
-            self._trim_ghosts(b2_keys, b2_seqs, self._b2_len - capacity)
-            self._b2_len = capacity
-        self._maybe_compact_ghosts(b1_keys, b1_seqs, self._b1_len)
-        self._maybe_compact_ghosts(b2_keys, b2_seqs, self._b2_len)
+        if b1.live > capacity:
+            b1.trim(b1.live - capacity, entries, _B1)
+        if b2.live > capacity:
+            b2.trim(b2.live - capacity, entries, _B2)
+        slack = self._COMPACT_SLACK
+        b1.maybe_compact(slack)
+        b2.maybe_compact(slack)
         return victims
 
     @override
@@ -314,12 +370,8 @@ class ARCCachePolicy(CachePolicy):
         self._t1_num_stale = 0
         self._t2_evictable.clear()
         self._t2_pinned.clear()
-        self._b1_keys.clear()
-        self._b1_seqs.clear()
-        self._b2_keys.clear()
-        self._b2_seqs.clear()
-        self._b1_len = 0
-        self._b2_len = 0
+        self._b1.clear()
+        self._b2.clear()
         self.target_t1_size = 0.0
 
     @override
@@ -381,29 +433,3 @@ class ARCCachePolicy(CachePolicy):
             t1_fifo.clear()
             t1_fifo.extend(live)
             self._t1_num_stale = 0
-
-    def _trim_ghosts(self, keys: deque[OffloadKey], seqs: deque[int], excess: int) -> None:
-        """Drop the ``excess`` oldest live ghosts of one list (and stale entries on the way)."""
-        entries = self._entries
-        while excess:
-            key = keys.popleft()
-            # Identity: the entry holds this very int object iff this FIFO entry is live.
-            if entries.get(key) is seqs.popleft():
-                del entries[key]
-                excess -= 1
-
-    def _maybe_compact_ghosts(self, keys: deque[OffloadKey], seqs: deque[int], live: int) -> None:
-        """Rebuild one ghost FIFO once its stale entries exceed its live ones by the slack."""
-        if len(keys) <= 2 * live + self._COMPACT_SLACK:
-            return
-        entries = self._entries
-        pairs = [(key, seq) for key, seq in zip(keys, seqs, strict=True) if entries.get(key) is seq]
-        assert len(pairs) == live, f"ghost FIFO holds {len(pairs)} live entries, expected {live}"
-        keys.clear()
-        seqs.clear()
-        keys.extend(key for key, _ in pairs)
-        seqs.extend(seq for _, seq in pairs)
-
-    def _live_ghosts(self, keys: deque[OffloadKey], seqs: deque[int]) -> list[OffloadKey]:
-        entries = self._entries
-        return [key for key, seq in zip(keys, seqs, strict=True) if entries.get(key) is seq]
