@@ -161,6 +161,26 @@ def _chaos_with_failures(seed: int) -> HandlerFactory:
     return factory
 
 
+def _settle_secondary_tiers_after_every_step(engine: EngineCore) -> None:
+    """Make each step end with the fs tier's lookups resolved and its I/O finished.
+
+    Which step sees a tier's answer would otherwise depend on its threads' timing, and with it
+    the schedule (and whether this workload preempts). The transfers themselves still run on
+    the tier's threads, and GPU <-> CPU copies keep their seeded random delays.
+    """
+    tiers = engine.connector.connector_scheduler.manager.secondary_tiers  # type: ignore[union-attr]
+    step = engine.step
+
+    def settled_step() -> list[Any]:
+        outputs = step()
+        for tier in tiers:
+            assert tier.wait_lookups_idle(30), "fs tier lookups did not finish"
+            tier.drain_jobs()
+        return outputs
+
+    engine.step = settled_step  # type: ignore[method-assign]
+
+
 @pytest.mark.slow
 def test_multi_turn_through_cpu_and_fs_tiers_under_chaos(tmp_path: Path) -> None:
     """Preemption, failed transfers, delays of up to 3 steps, 2 ranks, vanishing block files."""
@@ -180,6 +200,7 @@ def test_multi_turn_through_cpu_and_fs_tiers_under_chaos(tmp_path: Path) -> None
     expected = baseline(tmp_path, workload, **geometry)
     config = make_config(tmp_path, cpu_blocks=20, fs=True, **geometry)
     with EngineCore(config, handler_factory=_chaos_with_failures(14)) as engine:
+        _settle_secondary_tiers_after_every_step(engine)
         assert workload(engine, delete_some_files) == expected
         stats = engine.stats
         connector = engine.connector_stats()
