@@ -16,13 +16,13 @@ _B2 = -1
 """``_entries`` value of a ghost in B2."""
 
 
-class _GhostFIFO:
-    """The order of one ghost list (B1 or B2), oldest first, with lazy deletion.
+class _LazyFIFO:
+    """An order of keys, oldest first, with lazy deletion: T1's evictable blocks, B1, B2.
 
-    ``keys`` holds one entry per time a key joined the list. An entry goes stale when its key
-    leaves the list: stored again (no longer a ghost), or hit by a touch (which re-appends it at
-    the most recently used end). ``stale`` counts each key's stale entries; since a key rejoins
-    only after it left, its stale entries all precede its live one.
+    ``keys`` holds one entry per time a key joined the list. Leaving the list (from anywhere)
+    only marks the key's entry stale: ``stale`` counts each key's stale entries, and since a key
+    rejoins only after it left, its stale entries all precede its live one. ``live`` is the
+    number of live entries.
     """
 
     __slots__ = ("keys", "live", "num_stale", "stale")
@@ -127,11 +127,10 @@ class ARCCachePolicy(CachePolicy):
     * T1's evictable blocks (``ref_cnt == 0``) are a FIFO of keys, oldest first: T1 has no
       move-to-end (a touch promotes to T2), so a block enters at the MRU end and leaves from
       the LRU end, or from anywhere (promotion, pin, removal, eviction behind a protected key)
-      by lazy deletion. ``_t1_stale`` counts each key's stale FIFO entries; as a key is
-      re-appended only after it left, its stale entries all precede its live one.
+      by lazy deletion (``_LazyFIFO``).
     * T2's evictable blocks: an ``OrderedDict``, least recently used first (touches move them).
       A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
-    * B1 / B2 order: a ``_GhostFIFO`` of keys per list, with lazy deletion counted like T1's
+    * B1 / B2 order: a ``_LazyFIFO`` of keys per list, with lazy deletion counted like T1's
       (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
       pops from the left, skipping stale entries.
 
@@ -148,14 +147,12 @@ class ARCCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self._entries: dict[OffloadKey, BlockStatus | int] = {}
         self._num_resident = 0
-        self._t1_fifo: deque[OffloadKey] = deque()
-        self._t1_stale: dict[OffloadKey, int] = {}
-        self._t1_num_stale = 0
+        self._t1 = _LazyFIFO()  # T1's evictable blocks
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
         self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self._t2_pinned: set[OffloadKey] = set()  # T2 blocks with ref_cnt > 0
-        self._b1 = _GhostFIFO()
-        self._b2 = _GhostFIFO()
+        self._b1 = _LazyFIFO()
+        self._b2 = _LazyFIFO()
         self.target_t1_size: float = 0.0
 
     # -- introspection (O(size): tests and debugging only) -----------------------------------
@@ -184,7 +181,7 @@ class ARCCachePolicy(CachePolicy):
     @property
     def num_evictable(self) -> int:
         """Number of blocks with ``ref_cnt == 0`` (O(1))."""
-        return len(self._t1_fifo) - self._t1_num_stale + len(self._t2_evictable)
+        return self._t1.live + len(self._t2_evictable)
 
     # -- CachePolicy ---------------------------------------------------------------------------
 
@@ -200,7 +197,7 @@ class ARCCachePolicy(CachePolicy):
         entries[key] = block
         self._num_resident += 1
         if block.ref_cnt == 0:
-            self._t1_fifo.append(key)
+            self._t1.append(key)
         if old is not None:
             # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
             assert type(old) is int, f"insert: key {key.hex()} is already resident"
@@ -264,9 +261,10 @@ class ARCCachePolicy(CachePolicy):
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         assert n >= 0, f"evict: n={n} must be non-negative"
-        t1_fifo = self._t1_fifo
+        t1 = self._t1
+        t1_fifo = t1.keys
         t2_evictable = self._t2_evictable
-        if n > len(t1_fifo) - self._t1_num_stale + len(t2_evictable):
+        if n > t1.live + len(t2_evictable):
             return None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         if n == 0:
@@ -276,7 +274,7 @@ class ARCCachePolicy(CachePolicy):
         # stale); nothing is mutated until all n victims are known. T1 victims are collected
         # as keys (their block is fetched with the probe that turns them into ghosts).
         picked: list[tuple[OffloadKey, BlockStatus | None]] = []
-        t1_stale = self._t1_stale
+        t1_stale = t1.stale
         stale_seen: dict[OffloadKey, int] = {}
         t1_kept: list[OffloadKey] = []  # protected T1 entries walked past, in FIFO order
         t1_walked = 0
@@ -327,7 +325,7 @@ class ARCCachePolicy(CachePolicy):
                 t1_stale[key] = left
             else:
                 del t1_stale[key]
-            self._t1_num_stale -= seen
+            t1.num_stale -= seen
 
         entries = self._entries
         b1 = self._b1
@@ -339,6 +337,7 @@ class ARCCachePolicy(CachePolicy):
                     f"evict: key {key.hex()} is in T1's evictable FIFO but is {block!r}"
                 )
                 entries[key] = _B1
+                t1.live -= 1
                 b1.append(key)
             else:
                 block = maybe_block
@@ -365,9 +364,7 @@ class ARCCachePolicy(CachePolicy):
     def clear(self) -> None:
         self._entries.clear()
         self._num_resident = 0
-        self._t1_fifo.clear()
-        self._t1_stale.clear()
-        self._t1_num_stale = 0
+        self._t1.clear()
         self._t2_evictable.clear()
         self._t2_pinned.clear()
         self._b1.clear()
@@ -397,7 +394,7 @@ class ARCCachePolicy(CachePolicy):
             t2_pinned.remove(key)
             self._t2_evictable[key] = block
         else:
-            self._t1_fifo.append(key)
+            self._t1.append(key)
 
     @override
     def mark_non_evictable(self, key: OffloadKey) -> None:
@@ -414,22 +411,5 @@ class ARCCachePolicy(CachePolicy):
 
     def _t1_leave(self, key: OffloadKey) -> None:
         """Evictable T1 block ``key`` leaves T1's evictable order: its FIFO entry goes stale."""
-        t1_stale = self._t1_stale
-        t1_stale[key] = t1_stale.get(key, 0) + 1
-        self._t1_num_stale += 1
-        t1_fifo = self._t1_fifo
-        if 2 * self._t1_num_stale > len(t1_fifo) + self._COMPACT_SLACK:
-            # Keep each key's live entry, the one after its stale entries.
-            live = []
-            for fifo_key in t1_fifo:
-                num_stale = t1_stale.get(fifo_key)
-                if num_stale is None:
-                    live.append(fifo_key)
-                elif num_stale == 1:
-                    del t1_stale[fifo_key]
-                else:
-                    t1_stale[fifo_key] = num_stale - 1
-            assert not t1_stale, f"T1 FIFO compaction left stale counts for {len(t1_stale)} keys"
-            t1_fifo.clear()
-            t1_fifo.extend(live)
-            self._t1_num_stale = 0
+        self._t1.leave(key)
+        self._t1.maybe_compact(self._COMPACT_SLACK)
