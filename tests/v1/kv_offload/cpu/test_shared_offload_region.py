@@ -201,12 +201,8 @@ def test_create_and_join_across_processes(tmp_path: Path) -> None:
     assert _files(tmp_path) == []
 
 
-def test_joiner_waits_for_creator_to_size_file(
-    tmp_path: Path, poll_started: threading.Event
-) -> None:
-    path = SharedOffloadRegion.region_path("inst", tmp_path)
-    # A creator that has created the file but not sized it yet.
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+def _join_in_thread(tmp_path: Path) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start joining the region from a thread; ``result`` gets "region" or "error"."""
     result: dict[str, Any] = {}
 
     def join() -> None:
@@ -217,6 +213,16 @@ def test_joiner_waits_for_creator_to_size_file(
 
     thread = threading.Thread(target=join)
     thread.start()
+    return thread, result
+
+
+def test_joiner_waits_for_creator_to_size_file(
+    tmp_path: Path, poll_started: threading.Event
+) -> None:
+    path = SharedOffloadRegion.region_path("inst", tmp_path)
+    # A creator that has created the file but not sized it yet.
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    thread, result = _join_in_thread(tmp_path)
     assert poll_started.wait(timeout=60)
     os.ftruncate(fd, 4 * -(-3000 // PAGE) * PAGE)
     thread.join(timeout=60)
@@ -234,16 +240,7 @@ def test_joiner_recreates_after_creator_gave_up(
 ) -> None:
     path = SharedOffloadRegion.region_path("inst", tmp_path)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    result: dict[str, Any] = {}
-
-    def join() -> None:
-        try:
-            result["region"] = _region(tmp_path, join_timeout_s=60.0)
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=join)
-    thread.start()
+    thread, result = _join_in_thread(tmp_path)
     assert poll_started.wait(timeout=60)
     # The creator failed: it unlinks its stub. The waiting process must not hang on it.
     os.unlink(path)

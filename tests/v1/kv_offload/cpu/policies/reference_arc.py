@@ -17,31 +17,10 @@ from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, rever
 
 
 class ReferenceARCCachePolicy(CachePolicy):
-    """ARC: balances recency (T1) against frequency (T2) with ghost-list feedback.
+    """ARC with the semantics documented on ``ARCCachePolicy``, in the plainest layout.
 
-    Lists:
-        * T1: resident blocks seen once (inserted, not touched since they became ready).
-        * T2: resident blocks touched at least once while ready.
-        * B1 / B2: ghost lists, keys only, of blocks recently evicted from T1 / T2, oldest
-          first, each bounded by ``cache_capacity`` (the oldest ghosts are dropped first). A
-          resident key is never a ghost.
-        * ``target_t1_size``: the adaptive target size of T1, in ``[0, cache_capacity]``,
-          starting at 0. A touch that hits B1 (a block evicted too early from T1) raises it by
-          ``max(1, |B2| / |B1|)``; a touch that hits B2 lowers it by ``max(1, |B1| / |B2|)``.
-
-    Eviction takes from T1 while T1's size (shrinking virtually with every victim taken from it)
-    is at least ``int(target_t1_size)``, else from T2, falling back to the other list when the
-    preferred one has no candidate left. Victims move to B1 or B2 by the list they left.
-
-    Layout: ``_blocks`` maps every resident key to its status (one probe per ``get``). Each of
-    T1 and T2 keeps an ordered index of its evictable blocks only (``ref_cnt == 0``, least
-    recently used first), so eviction walks evictable blocks alone and costs O(n + |protected|).
-    A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else in T1.
-    A block that becomes evictable (store completed, last reader gone) enters its list's index
-    at the most recently used end, since it was just written or read. A block being written
-    stays in T1 when touched (it was just prepared for a store, not really used twice); it
-    takes T1's most recently used position when its store completes. A ready block pinned by
-    readers is promoted to T2 when touched, like any ready block.
+    ``_blocks`` maps every resident key to its status; T1 and T2 each keep an ordered dict of
+    their evictable blocks; B1 and B2 are ordered dicts of ghost keys, oldest first.
     """
 
     def __init__(self, cache_capacity: int) -> None:
