@@ -11,15 +11,23 @@ are new:
 5. ``complete_load`` of the hits and ``complete_store`` of the stored keys.
 
 That is 113 per-key operations and 16 evictions per step. The cache is prefilled with
-``2 * capacity`` distinct blocks (so it is full and, for ARC, the ghost list B1 is full too),
-then warmed up. Capacities are measured interleaved, repetition by repetition, in one process,
-so machine noise hits them alike; the 1e3-block run is the baseline of the ratio. The target is
-``cost(1e6) / cost(1e3) <= 1.3`` for each policy, i.e. per-step cost independent of cache size.
+``2 * capacity`` distinct blocks (so it is full), then warmed up. For ARC this mix settles with
+the prefixes in T2 and everything else in T1, so B1 holds ``c - |T1|`` = 128 ghosts (the
+paper's bound ``|T1| + |B1| <= c``). Capacities are measured interleaved, repetition by
+repetition, in one process, so machine noise hits them alike; the 1e3-block run is the baseline
+of the ratio. The target is ``cost(1e6) / cost(1e3) <= 1.3`` for each policy (``lru``, ``arc``),
+i.e. per-step cost independent of cache size.
+
+A third configuration, ``arc-t2``, runs the same mix on an ARC cache whose blocks were all
+touched once before (see ``ARC_T2``): T2 holds the cache, B1 sits at its bound of about ``c``
+ghosts, and every stored block drops B1's oldest ghost. It is ARC's costliest steady state per
+stored block (three cold probes of a table of ``2c`` keys, against LRU's two of ``c``), reported
+for information; the target is for the standard mix.
 
 Usage::
 
-    python benchmarks/kv_offload/bench_manager.py            # full run (~45 s on 2 cores)
-    python benchmarks/kv_offload/bench_manager.py --quick    # smoke run (~20 s)
+    python benchmarks/kv_offload/bench_manager.py            # full run (~50 s on 2 cores)
+    python benchmarks/kv_offload/bench_manager.py --quick    # smoke run (~25 s)
 
 Figures: "best" is the fastest repetition (least disturbed by other processes), "med" the
 median. A third row set, "floor", times a bare ``OrderedDict`` doing only the hash-table work
@@ -48,6 +56,10 @@ KEY_BYTES = 36  # 32-byte block hash + 4-byte group index, as make_offload_key b
 KEY_OPS_PER_STEP = (PREFIX_BLOCKS + 1) + 2 * PREFIX_BLOCKS + 2 * NEW_BLOCKS
 KEY_OPS_PER_STEP += PREFIX_BLOCKS + NEW_BLOCKS  # touch
 TARGET_RATIO = 1.3
+ARC_T2 = "arc-t2"
+"""ARC after a phase that touched every block: T2 holds the cache and B1 is at its bound, so every
+stored block drops B1's oldest ghost, whose key and dict slot are cold (informational; the
+target is for the standard mix)."""
 PREFILL_CHUNK = 8192
 
 
@@ -68,14 +80,23 @@ class Config:
     samples_us: list[float] = field(default_factory=list)
 
 
-def prefill(manager: CPUOffloadingManager, rng: np.random.Generator, n: int) -> None:
+def prefill(
+    manager: CPUOffloadingManager,
+    rng: np.random.Generator,
+    n: int,
+    chunk_size: int = PREFILL_CHUNK,
+    touch: bool = False,
+) -> None:
+    """Store ``n`` new blocks, ``chunk_size`` per call; ``touch``: touch each chunk once ready."""
     ctx = ReqContext("prefill")
     done = 0
     while done < n:
-        chunk = random_keys(rng, min(PREFILL_CHUNK, manager.num_blocks, n - done))
+        chunk = random_keys(rng, min(chunk_size, manager.num_blocks, n - done))
         out = manager.prepare_store(chunk, ctx)
         assert out is not None, "prefill: prepare_store failed"
         manager.complete_store(out.keys_to_store, ctx)
+        if touch:
+            manager.touch(chunk, ctx)
         done += len(chunk)
 
 
@@ -119,9 +140,26 @@ def run_steps(manager: CPUOffloadingManager, requests: list[list[OffloadKey]]) -
 
 def setup(policy: str, capacity: int, seed: int) -> Config:
     rng = np.random.default_rng(seed)
-    manager = CPUOffloadingManager(capacity, cache_policy=policy)
-    prefill(manager, rng, 2 * capacity)
+    if policy == ARC_T2:
+        # Every block stored once and touched (T2 holds the cache), then as many new blocks
+        # again in small chunks: each chunk evicts the previous one from T1 into B1, which ends
+        # at its bound c - |T1|.
+        manager = CPUOffloadingManager(capacity, cache_policy="arc")
+        prefill(manager, rng, capacity, touch=True)
+        prefill(manager, rng, capacity, chunk_size=max(1, capacity // 64))
+    else:
+        manager = CPUOffloadingManager(capacity, cache_policy=policy)
+        prefill(manager, rng, 2 * capacity)
     prefixes = [random_keys(rng, PREFIX_BLOCKS) for _ in range(NUM_PREFIXES)]
+    if policy == ARC_T2:
+        # Promote the prefixes to T2 now: T1 holds only the newest blocks here, so a prefix
+        # stored into it would be evicted before its next request.
+        ctx = ReqContext("prefix")
+        for prefix in prefixes:
+            out = manager.prepare_store(prefix, ctx)
+            assert out is not None, "setup: prepare_store failed"
+            manager.complete_store(out.keys_to_store, ctx)
+            manager.touch(prefix, ctx)
     return Config(policy, capacity, manager, prefixes, rng)
 
 
@@ -210,7 +248,7 @@ def measure_floor(cfg: FloorConfig, n_steps: int, record: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
-    parser.add_argument("--policies", nargs="+", default=["lru", "arc"])
+    parser.add_argument("--policies", nargs="+", default=["lru", "arc", ARC_T2])
     parser.add_argument(
         "--capacities", nargs="+", type=int, default=[1_000, 10_000, 100_000, 1_000_000]
     )
@@ -254,7 +292,7 @@ def main() -> None:
         f"per-key manager operations + {NEW_BLOCKS} evictions\n"
     )
     header = (
-        f"{'policy':<6} {'capacity':>10} {'us/step best':>13} {'us/step med':>12} "
+        f"{'policy':<7} {'capacity':>10} {'us/step best':>13} {'us/step med':>12} "
         f"{'ns/key-op':>10} {'ratio best':>11} {'ratio med':>10}"
     )
     print(header)
@@ -274,7 +312,7 @@ def main() -> None:
             med = statistics.median(samples)
             per_op = f"{best / KEY_OPS_PER_STEP * 1e3:>10.0f}" if name != "floor" else " " * 10
             print(
-                f"{name:<6} {capacity:>10,} {best:>13.2f} {med:>12.2f} {per_op} "
+                f"{name:<7} {capacity:>10,} {best:>13.2f} {med:>12.2f} {per_op} "
                 f"{best / base_best:>11.3f} {med / base_med:>10.3f}"
             )
         top_best = min(rows[-1][1])
@@ -288,11 +326,14 @@ def main() -> None:
                 f"{rows[-1][0]:.0e} entries: cache/TLB misses, no Python design avoids them"
             )
         else:
-            verdict = "OK" if ratio_best <= TARGET_RATIO else "MISSED"
+            if name == ARC_T2:
+                verdict = "stress case, no target"
+            else:
+                verdict = "OK" if ratio_best <= TARGET_RATIO else "MISSED"
+                verdict += f" (target <= {TARGET_RATIO})"
             verdicts.append(
                 f"{name}: cost ratio {sizes} = {ratio_best:.3f} best, {ratio_med:.3f} median "
-                f"({top_best - base_best:+.1f} us/step best) -> {verdict} "
-                f"(target <= {TARGET_RATIO})"
+                f"({top_best - base_best:+.1f} us/step best) -> {verdict}"
             )
     print()
     print("\n".join(verdicts))

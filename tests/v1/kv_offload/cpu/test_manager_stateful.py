@@ -198,7 +198,10 @@ class CPUManagerMachine(RuleBasedStateMachine):
             assert not t1 & t2
             assert t1 | t2 == set(self.ref)
             assert not (set(policy.b1_keys) | set(policy.b2_keys)) & set(self.ref)
-            assert len(policy.b1_keys) <= self.capacity and len(policy.b2_keys) <= self.capacity
+            # The ARC paper's directory bounds: |T1| + |B1| <= c, all four lists <= 2c.
+            b1, b2 = len(policy.b1_keys), len(policy.b2_keys)
+            assert len(t1) + b1 <= self.capacity
+            assert len(t1) + len(t2) + b1 + b2 <= 2 * self.capacity
             assert 0.0 <= policy.target_t1_size <= self.capacity
 
 

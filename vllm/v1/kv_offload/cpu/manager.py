@@ -207,9 +207,7 @@ class CPUOffloadingManager(OffloadingManager):
                 block.ref_cnt = -1
                 new_blocks.append(block)
 
-        insert = policy.insert
-        for key, block in zip(keys_to_store, new_blocks, strict=True):
-            insert(key, block)
+        policy.insert_many(zip(keys_to_store, new_blocks, strict=True))
 
         assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
         return PrepareStoreOutput(

@@ -20,7 +20,8 @@ class ReferenceARCCachePolicy(CachePolicy):
     """ARC with the semantics documented on ``ARCCachePolicy``, in the plainest layout.
 
     ``_blocks`` maps every resident key to its status; T1 and T2 each keep an ordered dict of
-    their evictable blocks; B1 and B2 are ordered dicts of ghost keys, oldest first.
+    their evictable blocks; B1 and B2 are ordered dicts of ghost keys, oldest first, trimmed
+    after every insert to the ARC paper's directory bounds.
     """
 
     def __init__(self, cache_capacity: int) -> None:
@@ -75,8 +76,18 @@ class ReferenceARCCachePolicy(CachePolicy):
         if block.ref_cnt == 0:
             self._t1_evictable[key] = block
         # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
-        if self._b1.pop(key, False) is False:
-            self._b2.pop(key, None)
+        b1 = self._b1
+        b2 = self._b2
+        if b1.pop(key, False) is False:
+            b2.pop(key, None)
+        # The directory bounds of the ARC paper: |T1| + |B1| <= c, then
+        # |T1| + |T2| + |B1| + |B2| <= 2c, the oldest ghosts dropped first.
+        capacity = self.cache_capacity
+        t1_size = len(self.t1_keys)
+        while b1 and t1_size + len(b1) > capacity:
+            b1.popitem(last=False)
+        while b2 and len(blocks) + len(b1) + len(b2) > 2 * capacity:
+            b2.popitem(last=False)
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -179,11 +190,6 @@ class ReferenceARCCachePolicy(CachePolicy):
             del t2_evictable[key]
             del blocks[key]
             b2[key] = None
-        capacity = self.cache_capacity
-        while len(b1) > capacity:
-            b1.popitem(last=False)
-        while len(b2) > capacity:
-            b2.popitem(last=False)
         return victims
 
     @override

@@ -169,21 +169,65 @@ def test_insert_removes_ghost() -> None:
     assert sorted(ids(policy.t1_keys)) == [0, 1], "a re-inserted ghost starts again in T1"
 
 
-def test_ghost_list_bounds() -> None:
-    capacity = 3
+def assert_directory_bounds(policy: ARCCachePolicy) -> None:
+    """The ARC paper's bounds: L1 = T1 + B1 holds at most c keys, the whole directory 2c."""
+    t1, t2 = len(policy.t1_keys), len(policy.t2_keys)
+    b1, b2 = len(policy.b1_keys), len(policy.b2_keys)
+    capacity = policy.cache_capacity
+    assert t1 + b1 <= capacity, f"|T1| + |B1| = {t1} + {b1} > c = {capacity}"
+    assert t1 + t2 + b1 + b2 <= 2 * capacity, f"directory {t1 + t2 + b1 + b2} > 2c"
+
+
+def test_ghost_lists_follow_the_arc_directory_bounds() -> None:
+    capacity = 4
     policy = ARCCachePolicy(capacity)
-    for i in range(10):
-        insert_ready(policy, i)
-        if len(policy) > capacity:
+
+    def store(i: int) -> None:
+        """What the manager does for a new block: evict if full, insert, complete the store."""
+        if len(policy) == capacity:
             assert policy.evict(1, ()) is not None
-        assert len(policy.b1_keys) <= capacity
-    # Blocks 0..6 were evicted in that order; only the 3 newest ghosts remain.
-    assert ids(policy.b1_keys) == [4, 5, 6], "the oldest ghosts are dropped first"
-    for i in range(100, 110):
-        make_t2(policy, i)
-        assert policy.evict(1, ()) is not None
-        assert len(policy.b2_keys) <= capacity
-    assert len(policy.b1_keys) <= capacity and len(policy.b2_keys) == capacity
+        insert_ready(policy, i)
+        assert_directory_bounds(policy)
+
+    # T1 alone fills the cache: L1 is c already, so a T1 victim leaves no ghost behind.
+    for i in range(6):
+        store(i)
+    assert ids(policy.b1_keys) == []
+    # With two blocks in T2, B1 keeps the c - |T1| newest T1 victims, the oldest dropped first.
+    policy.touch([k(4), k(5)])
+    for i in range(6, 9):
+        store(i)
+    assert sorted(ids(policy.t1_keys)) == [7, 8]
+    assert ids(policy.b1_keys) == [3, 6], "|T1| + |B1| = c: the oldest B1 ghost went first"
+
+    # T2 victims fill B2 until the directory holds 2c keys; then B2's oldest ghosts go.
+    policy.target_t1_size = 4.0  # |T1| < target: evict from T2
+    for i in range(10, 14):
+        store(i)
+        policy.touch([k(i)])
+    assert ids(policy.b1_keys) == [6], "inserting 10 made L1 = c + 1"
+    # T2 victims in order: 5, 4, 10, 11; the directory reached 2c + 1 when 13 came in.
+    assert ids(policy.b2_keys) == [4, 10, 11]
+    assert len(policy) + len(policy.b1_keys) + len(policy.b2_keys) == 2 * capacity
+
+
+def test_insert_many_keeps_the_bounds_of_one_insert_per_block() -> None:
+    one_by_one = ARCCachePolicy(4)
+    batched = ARCCachePolicy(4)
+    for policy in (one_by_one, batched):
+        for i in range(4):
+            insert_ready(policy, i)
+        policy.touch([k(0)])
+        assert evicted_ids(policy.evict(3, ())) == [1, 2, 3]
+        assert ids(policy.b1_keys) == [1, 2, 3]
+    # Storing ghost 2 and two new keys: L1 grows by two, B1 loses ghost 2 and its oldest one.
+    for i in (2, 20, 21):
+        one_by_one.insert(k(i), BlockStatus(i))
+    batched.insert_many([(k(i), BlockStatus(i)) for i in (2, 20, 21)])
+    for policy in (one_by_one, batched):
+        assert ids(policy.b1_keys) == [3]
+        assert sorted(ids(policy.t1_keys)) == [2, 20, 21]
+        assert_directory_bounds(policy)
 
 
 def test_evict_skips_pinned_in_flight_and_protected() -> None:

@@ -4,7 +4,9 @@
 deletion and periodic compaction. Hypothesis drives it and ``ReferenceARCCachePolicy`` (ordered
 dicts, no laziness) through the same calls, the way the CPU manager makes them, and requires
 identical observable state after every step: list membership and order, target size, eviction
-results. The compaction slack is lowered so compaction runs all the time.
+results. Batched inserts (``insert_many``, which trims the ghost lists once per batch) are checked
+against one reference ``insert`` per block. The compaction slack is lowered so compaction runs
+all the time.
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class ARCDifferentialMachine(RuleBasedStateMachine):
         self.next_block_id += 1
         for policy in self._both():
             policy.insert(key, BlockStatus(block_id))
+
+    @rule(keys=key_lists)
+    def insert_batch(self, keys: list[OffloadKey]) -> None:
+        """The manager's path: ``insert_many`` here, one ``insert`` per block in the reference."""
+        new_keys = [key for key in dict.fromkeys(keys) if self.ref.get(key) is None]
+        items = [(key, self.next_block_id + i) for i, key in enumerate(new_keys)]
+        self.next_block_id += len(new_keys)
+        self.fast.insert_many([(key, BlockStatus(block_id)) for key, block_id in items])
+        for key, block_id in items:
+            self.ref.insert(key, BlockStatus(block_id))
 
     @rule(key=st.sampled_from(UNIVERSE))
     def complete_store(self, key: OffloadKey) -> None:

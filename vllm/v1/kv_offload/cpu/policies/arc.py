@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from typing_extensions import override
 
@@ -100,8 +100,15 @@ class ARCCachePolicy(CachePolicy):
         * T1: resident blocks seen once (inserted, not touched since they became ready).
         * T2: resident blocks touched at least once while ready.
         * B1 / B2: ghost lists, keys only, of blocks recently evicted from T1 / T2, oldest
-          first, each bounded by ``cache_capacity`` (the oldest ghosts are dropped first). A
-          resident key is never a ghost.
+          first. A resident key is never a ghost.
+        * Directory bounds, those of the ARC paper (Megiddo and Modha, FAST 2003), with
+          ``c = cache_capacity``: ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c``.
+          Only an insert can break them; it drops the oldest ghosts of B1, then of B2, until
+          both hold again. So a cache that T1 fills keeps no B1 history (a scan leaves no
+          ghosts behind), and the directory never holds more than ``2c`` keys. (Upstream vLLM
+          instead bounds each ghost list by ``c`` on its own, which lets a scan keep ``c``
+          ghosts, up to ``3c`` keys in all, and makes every stored block of a scan drop a cold
+          ghost.)
         * ``target_t1_size``: the adaptive target size of T1, in ``[0, cache_capacity]``,
           starting at 0. A touch that hits B1 (a block evicted too early from T1) raises it by
           ``max(1, |B2| / |B1|)``; a touch that hits B2 lowers it by ``max(1, |B1| / |B2|)``.
@@ -132,7 +139,7 @@ class ARCCachePolicy(CachePolicy):
       A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
     * B1 / B2 order: a ``_LazyFIFO`` of keys per list, with lazy deletion counted like T1's
       (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
-      pops from the left, skipping stale entries.
+      pops from the left, skipping stale entries, once per ``insert_many`` call.
 
     Every FIFO is appended and popped sequentially (cheap, prefetch-friendly memory) and
     compacted once its stale entries exceed its live ones by ``_COMPACT_SLACK``, so memory is
@@ -192,18 +199,39 @@ class ARCCachePolicy(CachePolicy):
 
     @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self.insert_many(((key, block),))
+
+    @override
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
         entries = self._entries
-        old = entries.get(key)
-        entries[key] = block
-        self._num_resident += 1
-        if block.ref_cnt == 0:
-            self._t1.append(key)
-        if old is not None:
-            # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
-            assert type(old) is int, f"insert: key {key.hex()} is already resident"
-            ghosts = self._b1 if old == _B1 else self._b2
-            ghosts.leave(key)
-            ghosts.maybe_compact(self._COMPACT_SLACK)
+        t1 = self._t1
+        t1_append = t1.keys.append
+        b1 = self._b1
+        b2 = self._b2
+        num_inserted = 0
+        num_ready = 0
+        ghosts_left = False
+        for key, block in items:
+            old = entries.get(key)
+            entries[key] = block
+            num_inserted += 1
+            if block.ref_cnt == 0:
+                t1_append(key)
+                num_ready += 1
+            if old is not None:
+                # A resident key has no ghost; the adaptation for a ghost hit happened in
+                # touch().
+                assert type(old) is int, f"insert: key {key.hex()} is already resident"
+                (b1 if old == _B1 else b2).leave(key)
+                ghosts_left = True
+        if not num_inserted:
+            return
+        self._num_resident += num_inserted
+        t1.live += num_ready
+        if ghosts_left:
+            b1.maybe_compact(self._COMPACT_SLACK)
+            b2.maybe_compact(self._COMPACT_SLACK)
+        self._bound_directory()
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -350,14 +378,8 @@ class ARCCachePolicy(CachePolicy):
                 b2.append(key)
             victims.append((key, block))
         self._num_resident -= n
-        capacity = self.cache_capacity
-        if b1.live > capacity:
-            b1.trim(b1.live - capacity, entries, _B1)
-        if b2.live > capacity:
-            b2.trim(b2.live - capacity, entries, _B2)
-        slack = self._COMPACT_SLACK
-        b1.maybe_compact(slack)
-        b2.maybe_compact(slack)
+        # An eviction moves blocks from T1 to B1 and from T2 to B2: L1, L2 and the directory
+        # keep their sizes, so the bounds need no trim here.
         return victims
 
     @override
@@ -408,6 +430,29 @@ class ARCCachePolicy(CachePolicy):
         self._t1_leave(key)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _bound_directory(self) -> None:
+        """Restore ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c`` after inserts.
+
+        Only an insert grows L1 (a new T1 block) or the directory; every other operation moves
+        keys between lists of the same side or drops them. The oldest ghosts of B1 go first;
+        with L1 within ``c`` and at most ``c`` resident blocks, trimming B2 then always suffices
+        for the directory bound (``|T2| <= c``). A caller that inserts more than ``c`` blocks
+        breaks the bounds; the trim then empties the ghost lists, nothing more.
+        """
+        capacity = self.cache_capacity
+        b1 = self._b1
+        b2 = self._b2
+        num_resident = self._num_resident
+        if num_resident + b1.live + b2.live <= capacity:
+            return  # neither bound can be exceeded (the common case while the cache fills)
+        t1_size = num_resident - len(self._t2_evictable) - len(self._t2_pinned)
+        excess = min(t1_size + b1.live - capacity, b1.live)
+        if excess > 0:
+            b1.trim(excess, self._entries, _B1)
+        excess = min(num_resident + b1.live + b2.live - 2 * capacity, b2.live)
+        if excess > 0:
+            b2.trim(excess, self._entries, _B2)
 
     def _t1_leave(self, key: OffloadKey) -> None:
         """Evictable T1 block ``key`` leaves T1's evictable order: its FIFO entry goes stale."""

@@ -8,7 +8,7 @@ tells the policy about every ``ref_cnt`` transition that changes evictability.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from typing_extensions import override
 
@@ -93,6 +93,20 @@ class CachePolicy(ABC):
         with ``ref_cnt == -1`` (being written) and calls ``mark_evictable`` when the store
         completes.
         """
+
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
+        """Insert several blocks, in order, with the effect of one ``insert`` per item.
+
+        The manager stores a request's new blocks through this call. Default: calls ``insert``
+        for each item. Policies override it to save the per-call overhead on the hot path or
+        to do per-call work (e.g. ARC's ghost-list trim) once per batch.
+
+        Args:
+            items: ``(key, block)`` pairs; no key may be resident or repeated.
+        """
+        insert = self.insert
+        for key, block in items:
+            insert(key, block)
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from typing_extensions import override
 
@@ -53,13 +53,20 @@ class LRUCachePolicy(CachePolicy):
 
     @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        assert key not in self._non_evictable and key not in self._evictable, (
-            f"insert: key {key.hex()} is already resident"
-        )
-        if block.ref_cnt == 0:
-            self._evictable[key] = block
-        else:
-            self._non_evictable[key] = block
+        self.insert_many(((key, block),))
+
+    @override
+    def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
+        evictable = self._evictable
+        non_evictable = self._non_evictable
+        for key, block in items:
+            assert key not in non_evictable and key not in evictable, (
+                f"insert: key {key.hex()} is already resident"
+            )
+            if block.ref_cnt == 0:
+                evictable[key] = block
+            else:
+                non_evictable[key] = block
 
     @override
     def remove(self, key: OffloadKey) -> None:
