@@ -19,6 +19,7 @@ import pytest
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs import block_io
+from vllm.v1.kv_offload.tiering.fs import store as store_module
 from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE, MAGIC
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
@@ -489,6 +490,29 @@ def test_stops_storing_when_nearly_full_and_logs_once(
     stopped = [r for r in caplog.records if "stopped storing" in r.getMessage()]
     assert len(stopped) == 1
     assert _block_files(tier) == [] and _tmp_files(tier) == []
+
+
+def test_failed_store_of_a_deleted_file_forgets_it(
+    make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    keys = [key_of(1), key_of(2)]
+    assert store(tier, primary, keys, [0, 1])
+    os.unlink(tier.block_file_path(keys[0]))  # deleted behind the tier's back
+    assert tier.usage().used_bytes == 2 * FILE_SIZE  # the tier cannot know yet
+    real_statvfs = os.statvfs
+
+    def nearly_full(fd: Any) -> Any:
+        st = real_statvfs(fd)
+        return os.statvfs_result((*st[:4], 0, *st[5:]))  # f_bavail = 0
+
+    monkeypatch.setattr(store_module.os, "statvfs", nearly_full)
+    assert not store(tier, primary, [keys[0]], [0])
+    monkeypatch.undo()
+    assert tier.usage().used_bytes == FILE_SIZE, "the vanished file is no longer counted"
+    tier.index.check_invariants()
+    assert store(tier, primary, [keys[0]], [0])
+    assert tier.usage().used_bytes == 2 * FILE_SIZE
 
 
 def test_max_bytes_evicts_least_recently_used(make_tier: TierFactory, primary: Primary) -> None:

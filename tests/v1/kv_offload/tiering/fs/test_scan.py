@@ -6,13 +6,17 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.tiering.fs import scan as scan_module
 from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
 from vllm.v1.kv_offload.tiering.fs.scan import ScanStats, scan_rank_dir
 
-from .conftest import ROW_BYTES, Primary, TierFactory, key_of, store
+from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, store
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 
@@ -73,6 +77,33 @@ def test_scan_deletes_unreadable_digested_files(make_tier: TierFactory, primary:
     index, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
     assert stats.invalid_removed == 1 and stats.blocks == 0 and len(index) == 0
     assert not path.exists()
+
+
+def test_scan_keeps_a_good_file_renamed_over_a_corrupt_one(
+    make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    digested = make_offload_key(b"\x07", 0)
+    assert store(tier, primary, [digested], [0])
+    path = Path(tier.block_file_path(digested))
+    good = path.with_name("good.copy")
+    shutil.copyfile(path, good)
+    with open(path, "r+b") as f:
+        f.write(b"garbage!")
+    real_read_header_key = scan_module.read_header_key
+
+    def read_then_replace(*args: Any, **kwargs: Any) -> bytes:
+        """The header read fails; then a writer renames a good file into place."""
+        try:
+            return real_read_header_key(*args, **kwargs)
+        finally:
+            os.replace(good, path)
+
+    monkeypatch.setattr(scan_module, "read_header_key", read_then_replace)
+    _, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
+    assert stats.invalid_removed == 0
+    assert path.exists(), "the good file renamed over the corrupt one survives"
+    assert load(tier, primary, [digested], [1]) and primary.holds(1, digested)
 
 
 def test_scan_stops_when_asked(make_tier: TierFactory, primary: Primary) -> None:

@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     is_stale_tmp,
     open_dir,
     read_header_key,
+    unlink_if_same,
 )
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
@@ -177,9 +178,20 @@ def _scan_dir1(
                     logger.warning(
                         "fs tier scan: removing unreadable %s/%s/%s: %s", dir1, dir2, name, e
                     )
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=fd2)
-                        stats.invalid_removed += 1
+                    # Only the inode found corrupt: a writer may have renamed a good file
+                    # over it since.
+                    try:
+                        if unlink_if_same(fd2, name, e.file_id):
+                            stats.invalid_removed += 1
+                    except OSError as unlink_error:
+                        logger.warning(
+                            "fs tier scan: cannot remove %s/%s/%s: %s",
+                            dir1,
+                            dir2,
+                            name,
+                            unlink_error,
+                        )
+                        stats.errors += 1
                     continue
                 except OSError as e:
                     logger.warning("fs tier scan: cannot examine %s/%s/%s: %s", dir1, dir2, name, e)
