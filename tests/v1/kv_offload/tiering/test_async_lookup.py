@@ -245,10 +245,10 @@ def test_shutdown_stops_the_thread() -> None:
     assert mgr._thread.daemon
     mgr.lookup(key(1), CTX_A)
     mgr.flush()
-    mgr.shutdown()
+    assert mgr.shutdown() is True
     assert not mgr._thread.is_alive()
     assert len(mgr.calls) == 1  # batches posted before shutdown are still processed
-    mgr.shutdown()  # idempotent
+    assert mgr.shutdown() is True  # idempotent
     mgr.lookup(key(2), CTX_A)
     mgr.flush()  # after shutdown: nothing is posted
     assert len(mgr.calls) == 1

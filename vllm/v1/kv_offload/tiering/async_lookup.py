@@ -190,23 +190,28 @@ class AsyncLookupManager(ABC):
         """Force the answer True for those of ``keys`` that have a state (e.g. after a store)."""
         self._force(keys, True)
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
+    def shutdown(self, timeout: float | None = 10.0) -> bool:
         """Stop the worker thread after it has processed the batches already posted.
 
         Idempotent. Waits at most ``timeout`` seconds (None: forever) for the thread; a thread
         still stuck in ``batch_lookup`` after that is left behind (it is a daemon) and a warning
-        is logged.
+        is logged. The caller must then keep alive whatever ``batch_lookup`` uses (e.g. open
+        directory descriptors, which a later ``open`` could reuse for another file).
+
+        Returns:
+            True if the worker thread has stopped, False if it is still running.
         """
-        if self._closed:
-            return
-        self._closed = True
-        self._lookup_batch.clear()
-        self._lookup_queue.put(None)
+        if not self._closed:
+            self._closed = True
+            self._lookup_batch.clear()
+            self._lookup_queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning(
                 "async lookup thread %s did not stop within %s s", self._thread.name, timeout
             )
+            return False
+        return True
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the worker has processed every batch posted so far (for tests).

@@ -815,6 +815,29 @@ def test_rows_outside_the_primary_view_are_rejected(
     assert not tier.has_pending_work()
 
 
+def test_shutdown_keeps_directories_open_while_a_lookup_is_stuck(
+    make_tier: TierFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    gate: tuple[threading.Event, threading.Event],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started, release = gate
+    tier = make_tier()
+    _gate_method(monkeypatch, tier._lookups, "_probe", started, release)
+    monkeypatch.setattr(tier, "_LOOKUP_STOP_TIMEOUT_S", 0.05)
+    assert tier.lookup(key_of(1), ReqContext("r")) is None
+    tier.on_schedule_end()  # posts the lookup batch to the probe thread
+    assert started.wait(10)
+    with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload.tiering"):
+        tier.shutdown()
+    assert any("descriptors stay open" in r.getMessage() for r in caplog.records)
+    rank_fd = tier._run_dir.rank_fd
+    assert rank_fd >= 0 and os.fstat(rank_fd), "the stuck probe's directory is still open"
+    release.set()
+    assert tier._lookups.shutdown(timeout=10), "the probe finished once released"
+    tier._run_dir.close()
+
+
 def test_primary_rows_are_released_at_shutdown(make_tier: TierFactory) -> None:
     p = Primary(num_rows=2)
     tier = make_tier(view=p.view, spec=make_spec(num_rows=2))

@@ -137,6 +137,10 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             ``o_direct=True`` and O_DIRECT does not work there.
     """
 
+    _LOOKUP_STOP_TIMEOUT_S: float = 10.0
+    """How long ``shutdown()`` waits for a lookup blocked in the filesystem (e.g. a hung NFS
+    mount) before it goes on without it, leaving the directory descriptors open."""
+
     def __init__(
         self,
         offloading_spec: OffloadingSpec,
@@ -386,16 +390,29 @@ class FileSystemSecondaryTier(SecondaryTierManager):
     @override
     def shutdown(self) -> None:
         """Stop lookups and the scan, cancel queued I/O (reported as failed), join the threads,
-        release the primary view and close the directories. Idempotent."""
+        release the primary view and close the directories. Idempotent.
+
+        A lookup blocked in the filesystem for longer than ``_LOOKUP_STOP_TIMEOUT_S`` is left
+        behind on its daemon thread; the directories then stay open (see the warning logged).
+        """
         if self._closed:
             return
         self._closed = True
-        self._lookups.shutdown()
+        lookups_stopped = self._lookups.shutdown(self._LOOKUP_STOP_TIMEOUT_S)
         self._scan_stop.set()
         self._scan_thread.join()
         self._pool.shutdown()
         self._flat.release()
-        self._run_dir.close()
+        if lookups_stopped:
+            self._run_dir.close()
+        else:
+            # A probe stuck in the filesystem still stats paths relative to these descriptors;
+            # closed, their numbers could be reused by any later open() of the process.
+            logger.warning(
+                "fs tier: a lookup is still blocked in the filesystem under %s; its directory "
+                "descriptors stay open",
+                self._config.root_dir,
+            )
         unregister_writer(self._writer)
 
     # -----------------------------------------------------------------------------------------
