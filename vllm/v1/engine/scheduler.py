@@ -270,7 +270,9 @@ class Scheduler:
         # Waiting requests, unless this step had to preempt. Those whose load finished hold
         # GPU blocks already: they go first, so that they release them.
         if not preempted:
-            holders = [r for r in self.waiting if self._holds_blocks(r)]
+            # The reorder walks the whole queue, so only while a finished load holds blocks
+            # (usually one step), not on every step of a long queue.
+            holders = [r for r in self.waiting if self._holds_blocks(r)] if self._loaded else []
             if holders:
                 self.waiting = deque(
                     holders + [r for r in self.waiting if not self._holds_blocks(r)]
