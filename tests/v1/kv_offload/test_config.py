@@ -25,6 +25,7 @@ ALL_KEYS = (
     "secondary_tiers",
     "shared_region_dir",
     "shared_region_join_timeout_s",
+    "offload_prompt_only",
 )
 
 
@@ -53,6 +54,7 @@ def test_defaults() -> None:
         secondary_tiers=(),
         shared_region_dir="/dev/shm",
         shared_region_join_timeout_s=30.0,
+        offload_prompt_only=False,
     )
     assert OffloadingConfig.allowed_keys() == ALL_KEYS
     assert parse_offloading_config({"cpu_bytes_to_use": 4096}) == cfg
@@ -76,6 +78,7 @@ def test_full_valid_config() -> None:
         ],
         "shared_region_dir": "/tmp/regions",
         "shared_region_join_timeout_s": 5,
+        "offload_prompt_only": True,
     }
     cfg = OffloadingConfig.from_extra_config(extra)
     assert cfg.cpu_bytes_to_use == 4_000_000_000
@@ -86,6 +89,7 @@ def test_full_valid_config() -> None:
     assert cfg.shared_region_dir == "/tmp/regions"
     assert cfg.shared_region_join_timeout_s == 5.0
     assert type(cfg.shared_region_join_timeout_s) is float
+    assert cfg.offload_prompt_only is True
     assert cfg.secondary_tiers == (
         SecondaryTierConfig("fs", {"root_dir": "/mnt/kv", "n_read_threads": 4}),
         SecondaryTierConfig("example", {"custom_param": {"nested": [1, 2]}}),
@@ -223,6 +227,11 @@ def test_shared_region_dir_invalid(value: Any) -> None:
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "30"])
 def test_join_timeout_invalid(value: Any) -> None:
     _bad("shared_region_join_timeout_s", value, "a finite number of seconds > 0")
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None])
+def test_offload_prompt_only_invalid(value: Any) -> None:
+    _bad("offload_prompt_only", value, "true or false")
 
 
 def test_unknown_key_with_suggestion() -> None:

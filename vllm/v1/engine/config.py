@@ -51,7 +51,6 @@ class EngineConfig:
             when it finishes, bit-exact against recomputation.
         kv_connector_extra_config: the offloading connector's ``kv_connector_extra_config``; None
             runs without offloading.
-        offload_prompt_only: store only blocks made of prompt tokens.
         enable_kv_events: collect KV events and publish them as encoded ``KVEventBatch`` es.
         model_name: the model's name (part of an offloaded block's identity on disk).
         instance_id: names the engine's shared host region; unique per live engine.
@@ -75,7 +74,6 @@ class EngineConfig:
     vocab_size: int = 32000
     verify_kv: bool = True
     kv_connector_extra_config: Mapping[str, Any] | None = None
-    offload_prompt_only: bool = False
     enable_kv_events: bool = True
     model_name: str = "kv-offload-stand-in"
     instance_id: str = field(default_factory=default_instance_id)

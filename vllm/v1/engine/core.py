@@ -129,7 +129,6 @@ class EngineCore:
                     self.spec,
                     KVConnectorRole.SCHEDULER,
                     hash_block_size=self._hash_block_size,
-                    offload_prompt_only=config.offload_prompt_only,
                 )
             for rank in range(config.tensor_parallel_size):
                 self.workers.append(Worker(config, rank, self.spec, handler_factory))

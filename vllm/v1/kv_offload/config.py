@@ -79,6 +79,15 @@ def _parse_positive_seconds(key: str, value: Any) -> float:
     return as_float
 
 
+_BOOL = "true or false (a JSON boolean)"
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad_value(key, value, _BOOL)
+    return value
+
+
 def _is_dotted_name(value: str) -> bool:
     return bool(value) and all(part.isidentifier() for part in value.split("."))
 
@@ -210,6 +219,8 @@ class OffloadingConfig:
         secondary_tiers: ordered secondary tiers behind the CPU tier.
         shared_region_dir: directory of the shared host region's backing file.
         shared_region_join_timeout_s: how long a process waits for the region's creator.
+        offload_prompt_only: store only blocks made entirely of prompt tokens, not blocks that
+            hold generated tokens (those are rarely shared by another request).
     """
 
     # fmt: off
@@ -221,6 +232,7 @@ class OffloadingConfig:
     secondary_tiers: tuple[SecondaryTierConfig, ...] = field(default=(), metadata=_key(_parse_secondary_tiers, _SECONDARY_TIERS))  # noqa: E501
     shared_region_dir: str = field(default="/dev/shm", metadata=_key(_parse_directory, _DIRECTORY))
     shared_region_join_timeout_s: float = field(default=30.0, metadata=_key(_parse_positive_seconds, _POSITIVE_SECONDS))  # noqa: E501
+    offload_prompt_only: bool = field(default=False, metadata=_key(_parse_bool, _BOOL))
     # fmt: on
 
     def __post_init__(self) -> None:

@@ -23,7 +23,9 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
     chaos_factory,
     cpu_ref_counts,
     iter_events,
+    keys_in_cpu,
     make_config,
+    random_tokens,
     run_multi_turn,
 )
 from vllm.distributed.kv_events import BlockStored
@@ -133,6 +135,22 @@ def test_multi_turn_through_the_cpu_tier_is_bit_exact(
         _assert_clean_end(engine)
         groups = {e.group_idx for e in iter_events(collector) if isinstance(e, BlockStored)}
         assert groups == set(range(len(config.gpu_block_sizes)))
+
+
+@pytest.mark.parametrize("prompt_only", [False, True])
+def test_offload_prompt_only_stores_no_block_of_generated_tokens(
+    tmp_path: Path, prompt_only: bool
+) -> None:
+    # 16-token blocks: a 32-token prompt fills 2 blocks; 40 generated tokens fill 2 more (the
+    # last token of a request is never computed, so 71 of its 72 tokens have KV).
+    extra = {"offload_prompt_only": prompt_only}
+    prompt = random_tokens(random.Random(5), 32)
+    with EngineCore(make_config(tmp_path, cpu_blocks=16, extra=extra)) as engine:
+        engine.generate({"r": prompt}, max_tokens=40)
+        assert engine.connector is not None
+        assert engine.connector.connector_scheduler.offload_prompt_only is prompt_only
+        assert len(keys_in_cpu(engine)) == (2 if prompt_only else 4)
+        _assert_clean_end(engine)
 
 
 def _every(n: int) -> Callable[[int], bool]:

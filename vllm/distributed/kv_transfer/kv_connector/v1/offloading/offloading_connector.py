@@ -53,7 +53,6 @@ class OffloadingConnector:
         rank: the worker rank (worker role only).
         hash_block_size: tokens per hashed block of ``Request.block_hashes`` (scheduler role;
             default: the gcd of the GPU block sizes).
-        offload_prompt_only: store only prompt blocks (scheduler role).
         handler_factory: builds a worker's transfer handlers (worker role; see
             ``OffloadingConnectorWorker``).
     """
@@ -65,7 +64,6 @@ class OffloadingConnector:
         *,
         rank: int = 0,
         hash_block_size: int | None = None,
-        offload_prompt_only: bool = False,
         handler_factory: HandlerFactory | None = None,
     ) -> None:
         self.spec = spec
@@ -74,9 +72,7 @@ class OffloadingConnector:
         self._worker: OffloadingConnectorWorker | None = None
         self._metadata: OffloadingConnectorMetadata | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = OffloadingConnectorScheduler(
-                spec, hash_block_size=hash_block_size, offload_prompt_only=offload_prompt_only
-            )
+            self._scheduler = OffloadingConnectorScheduler(spec, hash_block_size=hash_block_size)
         else:
             self._worker = OffloadingConnectorWorker(spec, rank, handler_factory)
 

@@ -169,7 +169,6 @@ class OffloadingConnectorScheduler:
         spec: the offloading spec; ``spec.get_manager()`` is the manager this half drives.
         hash_block_size: tokens per hashed block of ``Request.block_hashes``; defaults to the gcd
             of the GPU block sizes. Must divide the offloaded block size.
-        offload_prompt_only: store only blocks made of prompt tokens (not decode output).
     """
 
     def __init__(
@@ -177,7 +176,6 @@ class OffloadingConnectorScheduler:
         spec: OffloadingSpec,
         *,
         hash_block_size: int | None = None,
-        offload_prompt_only: bool = False,
     ) -> None:
         self.spec = spec
         self.manager: OffloadingManager = spec.get_manager()
@@ -195,7 +193,8 @@ class OffloadingConnectorScheduler:
             )
         self.hashes_per_block = self.offloaded_block_size // self.hash_block_size
         self.num_workers: int = spec.run.world_size
-        self.offload_prompt_only = offload_prompt_only
+        # Blocks holding generated tokens are stored too unless the config says otherwise.
+        self.offload_prompt_only: bool = spec.config.offload_prompt_only
 
         self._req_status: dict[ReqId, RequestOffloadState] = {}
         self._jobs: dict[JobId, TransferJobStatus] = {}
