@@ -198,7 +198,11 @@ def test_run_end_to_end_report_json_and_plot(
     assert (
         fs_store["blocks"] + fs_store["skipped_blocks"] == off["transfers"]["gpu_to_cpu"]["blocks"]
     )
-    assert off["transfers"]["fs_to_cpu"]["busy_s"] is None  # the fs tier does not time its I/O
+    # The fs tier's busy time: wall time with its I/O threads at work, below the run's.
+    for name in ("cpu_to_fs", "fs_to_cpu"):
+        t = off["transfers"][name]
+        assert 0 < t["busy_s"] < off["wall_s"], (name, t)
+        assert t["throughput_bytes_per_s"] == pytest.approx(t["bytes"] / t["busy_s"])
     assert off["fs_tier"]["warm_start"] is False
     assert off["fs_tier"]["files_at_end"] == off["transfers"]["cpu_to_fs"]["blocks"]
     assert off["transfers"]["cpu_to_fs"]["bytes"] == off["fs_tier"]["bytes_at_end"]

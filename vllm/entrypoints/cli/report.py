@@ -97,8 +97,10 @@ class TransferFigures:
     Attributes:
         blocks: blocks moved successfully.
         bytes: bytes moved successfully (for the fs tier: whole block files, header included).
-        busy_s: summed duration of the transfers; None when the mover does not time them (the
-            fs tier's I/O threads).
+        busy_s: how long transfers were running: GPU <-> CPU, the summed duration of the copy
+            jobs (they run one after another per direction); CPU <-> fs, the wall time during
+            which at least one of the tier's I/O threads worked on that direction (blocks already
+            on disk included). None when not timed.
         failed_blocks: blocks whose transfer failed (for loads from disk: corrupt files included).
         skipped_blocks: blocks not moved because the destination already held them (a store to
             the fs tier of a block already on disk).

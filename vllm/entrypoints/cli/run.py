@@ -351,12 +351,14 @@ def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
         result.transfers[Direction.CPU_TO_FS] = TransferFigures(
             blocks=fs.get("blocks_written", 0),
             bytes=fs.get("blocks_written", 0) * snap.fs_file_bytes,
+            busy_s=fs.get("store_busy_us", 0) / 1e6,
             failed_blocks=fs.get("store_failures", 0),
             skipped_blocks=fs.get("blocks_skipped", 0),
         )
         result.transfers[Direction.FS_TO_CPU] = TransferFigures(
             blocks=fs.get("blocks_loaded", 0),
             bytes=fs.get("blocks_loaded", 0) * snap.fs_file_bytes,
+            busy_s=fs.get("load_busy_us", 0) / 1e6,
             failed_blocks=fs.get("load_failures", 0) + fs.get("corrupt_removed", 0),
         )
         result.corrupt_blocks_detected = fs.get("corrupt_removed", 0)

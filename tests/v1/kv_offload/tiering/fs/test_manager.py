@@ -106,6 +106,7 @@ def test_store_then_load_is_bit_exact(
     assert [p.stat().st_size for p in _block_files(tier)] == [FILE_SIZE] * 4
     assert tier.stats()["blocks_written"] == 4
     assert tier.stats()["blocks_loaded"] == 4
+    assert tier.stats()["store_busy_us"] > 0 and tier.stats()["load_busy_us"] > 0
     assert tier.usage().used_bytes == 4 * FILE_SIZE
     tier.index.check_invariants()
 

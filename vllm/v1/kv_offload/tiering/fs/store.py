@@ -66,6 +66,40 @@ class RateLimitedLog:
         logger.log(level, msg, *args)
 
 
+class BusyClock:
+    """Wall time during which at least one operation was running; overlaps count once.
+
+    The fs tier's I/O threads run several blocks at once, so summing per-block durations would
+    count the same second once per thread. Thread-safe; use as a context manager around each
+    operation.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.monotonic()
+            self._active += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._active -= 1
+            assert self._active >= 0, "BusyClock: more exits than entries"
+            if self._active == 0:
+                self._total += time.monotonic() - self._since
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the running stretch included."""
+        with self._lock:
+            running = time.monotonic() - self._since if self._active else 0.0
+            return self._total + running
+
+
 class BlockStore:
     """Stores, loads, probes and removes block files of one rank directory.
 
@@ -114,13 +148,19 @@ class BlockStore:
         self._log = RateLimitedLog()
         self._fs_low = False
         self._fs_low_lock = threading.Lock()
+        self._store_clock = BusyClock()
+        self._load_clock = BusyClock()
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts: ``blocks_written``, ``blocks_skipped`` (already present),
         ``blocks_loaded``, ``blocks_evicted``, ``corrupt_removed``, ``store_failures``,
-        ``load_failures``."""
+        ``load_failures``; and ``store_busy_us`` / ``load_busy_us``, the wall time (in
+        microseconds) during which at least one store / load was running (see ``BusyClock``)."""
         with self._counters_lock:
-            return dict(self._counters)
+            counters = dict(self._counters)
+        counters["store_busy_us"] = round(self._store_clock.seconds() * 1e6)
+        counters["load_busy_us"] = round(self._load_clock.seconds() * 1e6)
+        return counters
 
     # -----------------------------------------------------------------------------------------
     # Store
@@ -137,6 +177,10 @@ class BlockStore:
             True if the file exists afterwards (written, already present, or being written by
             another thread of this tier); False if the store failed (nothing partial remains).
         """
+        with self._store_clock:
+            return self._store(key, row)
+
+    def _store(self, key: OffloadKey, row: memoryview) -> bool:
         if len(key) > MAX_KEY_BYTES:
             self._log(logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key))
             return self._failed("store_failures")
@@ -247,6 +291,10 @@ class BlockStore:
         On False, ``row`` may hold part of the file; the caller must not mark it valid. A corrupt
         file has been deleted; a vanished one forgotten; on a transient error the file is kept.
         """
+        with self._load_clock:
+            return self._load(key, row)
+
+    def _load(self, key: OffloadKey, row: memoryview) -> bool:
         path = self._mapper.block_path(key)
         ticket = self._index.ticket()
         try:
