@@ -123,15 +123,25 @@ class LoadStoreSpec(ABC):
         """Return the name of the medium this spec addresses (e.g. ``"GPU"``, ``"CPU"``)."""
 
 
+_SHORT_LIST = 64
+"""Up to this many ids, a list's minimum is cheaper in Python than a numpy reduction."""
+
+
 def _as_block_ids(values: Sequence[int] | npt.ArrayLike, what: str) -> BlockIds:
+    # On the scheduler's hot path (two specs per request and step): plain attribute checks
+    # instead of np.issubdtype, and no numpy reduction for the short lists managers pass.
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":
         raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
-    if int(arr.min()) < 0:
+    if type(values) is list and len(values) <= _SHORT_LIST:
+        lowest = min(values)
+    else:
+        lowest = int(arr.min())
+    if lowest < 0:
         raise ValueError(f"{what} must be non-negative, got {arr.tolist()}")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
