@@ -242,6 +242,30 @@ def measure_floor(cfg: FloorConfig, n_steps: int, record: bool) -> None:
         cfg.samples_us.append(elapsed / n_steps * 1e6)
 
 
+# -- tail latency ----------------------------------------------------------------------------
+
+
+def measure_tail(cfg: Config, n_steps: int) -> list[float]:
+    """Time ``n_steps`` consecutive steps one by one; return their durations in µs, sorted.
+
+    The means above hide rare slow steps: CPython resizes a dict in one go (O(entries)) once its
+    entry table is used up by inserts and deletes, which at a million blocks stalls one step.
+    """
+    durations: list[float] = []
+    chunk = 5_000
+    done = 0
+    while done < n_steps:
+        requests = make_requests(cfg, min(chunk, n_steps - done))
+        cfg.step += len(requests)
+        done += len(requests)
+        for request in requests:
+            t0 = time.perf_counter()
+            run_steps(cfg.manager, [request])
+            durations.append((time.perf_counter() - t0) * 1e6)
+    durations.sort()
+    return durations
+
+
 # -- driver ----------------------------------------------------------------------------------
 
 
@@ -256,6 +280,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per repetition")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-floor", action="store_true", help="skip the OrderedDict floor")
+    parser.add_argument(
+        "--tail-steps",
+        type=int,
+        default=0,
+        help="then time this many consecutive steps one by one at the largest capacity, per "
+        "policy, and report their percentiles (default: 0, skipped)",
+    )
     args = parser.parse_args()
     # Many short repetitions: on a shared machine, each gets its own chance at a quiet moment.
     reps = args.reps or (5 if args.quick else 25)
@@ -337,6 +368,20 @@ def main() -> None:
             )
     print()
     print("\n".join(verdicts))
+
+    if args.tail_steps > 0:
+        top = capacities[-1]
+        print(f"\nsingle steps at {top:,} blocks, {args.tail_steps:,} in a row per policy:")
+        for cfg in configs:
+            if cfg.capacity != top:
+                continue
+            d = measure_tail(cfg, args.tail_steps)
+            pick = [d[min(len(d) - 1, int(q * len(d)))] for q in (0.5, 0.99, 0.999)]
+            slow = sum(1 for x in d if x > 10_000)
+            print(
+                f"  {cfg.policy:<7} median {pick[0]:.0f} us, p99 {pick[1]:.0f} us, "
+                f"p99.9 {pick[2]:.0f} us, max {d[-1] / 1e3:.1f} ms ({slow} step(s) over 10 ms)"
+            )
 
 
 if __name__ == "__main__":
