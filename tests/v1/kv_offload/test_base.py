@@ -78,7 +78,16 @@ def test_block_ids_spec_normalises_to_int64() -> None:
 
 @pytest.mark.parametrize(
     ("ids", "match"),
-    [([[1, 2]], "1-D"), ([1.5], "integers"), ([0, -1], "non-negative")],
+    [
+        ([[1, 2]], "1-D"),
+        ([1.5], "integers"),
+        ([True], "integers"),
+        ([0, -1], "non-negative"),
+        ([*range(100), -1], "non-negative"),  # longer than the Python-min fast path
+        ([2**63], "below 2\\*\\*63"),  # a uint64 array: int64 would wrap it negative
+        (np.array([2**64 - 1], dtype=np.uint64), "below 2\\*\\*63"),
+        ([2**64], "integers"),  # beyond uint64: an object array
+    ],
 )
 def test_block_ids_spec_rejects_bad_ids(ids: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -123,6 +123,8 @@ class LoadStoreSpec(ABC):
         """Return the name of the medium this spec addresses (e.g. ``"GPU"``, ``"CPU"``)."""
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 _SHORT_LIST = 64
 """Up to this many ids, a list's minimum is cheaper in Python than a numpy reduction."""
 
@@ -137,12 +139,15 @@ def _as_block_ids(values: Sequence[int] | npt.ArrayLike, what: str) -> BlockIds:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
-    if type(values) is list and len(values) <= _SHORT_LIST:
-        lowest = min(values)
+    if isinstance(values, list) and len(values) <= _SHORT_LIST:
+        lowest = int(min(values))
     else:
         lowest = int(arr.min())
     if lowest < 0:
         raise ValueError(f"{what} must be non-negative, got {arr.tolist()}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+        # np.asarray([2**63]) is uint64; the int64 conversion below would wrap it negative.
+        raise ValueError(f"{what} must be below 2**63, got {arr.tolist()}")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 

@@ -19,10 +19,12 @@ import pytest
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs import block_io
+from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs import store as store_module
 from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE, MAGIC
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
+from vllm.v1.kv_offload.tiering.fs.scan import ScanStats
 
 from .conftest import (
     ROW_BYTES,
@@ -493,13 +495,21 @@ def test_stops_storing_when_nearly_full_and_logs_once(
     assert _block_files(tier) == [] and _tmp_files(tier) == []
 
 
-def test_failed_store_of_a_deleted_file_forgets_it(
-    make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("left_bytes", [None, 100], ids=["deleted", "truncated"])
+def test_failed_store_accounts_a_file_changed_behind_the_tier(
+    make_tier: TierFactory,
+    primary: Primary,
+    monkeypatch: pytest.MonkeyPatch,
+    left_bytes: int | None,
 ) -> None:
     tier = make_tier()
     keys = [key_of(1), key_of(2)]
     assert store(tier, primary, keys, [0, 1])
-    os.unlink(tier.block_file_path(keys[0]))  # deleted behind the tier's back
+    path = tier.block_file_path(keys[0])
+    if left_bytes is None:
+        os.unlink(path)
+    else:
+        os.truncate(path, left_bytes)
     assert tier.usage().used_bytes == 2 * FILE_SIZE  # the tier cannot know yet
     real_statvfs = os.statvfs
 
@@ -510,7 +520,7 @@ def test_failed_store_of_a_deleted_file_forgets_it(
     monkeypatch.setattr(store_module.os, "statvfs", nearly_full)
     assert not store(tier, primary, [keys[0]], [0])
     monkeypatch.undo()
-    assert tier.usage().used_bytes == FILE_SIZE, "the vanished file is no longer counted"
+    assert tier.usage().used_bytes == FILE_SIZE + (left_bytes or 0), "counted as it is on disk"
     tier.index.check_invariants()
     assert store(tier, primary, [keys[0]], [0])
     assert tier.usage().used_bytes == 2 * FILE_SIZE
@@ -825,7 +835,7 @@ def test_shutdown_keeps_directories_open_while_a_lookup_is_stuck(
     started, release = gate
     tier = make_tier()
     _gate_method(monkeypatch, tier._lookups, "_probe", started, release)
-    monkeypatch.setattr(tier, "_LOOKUP_STOP_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(tier, "_THREAD_STOP_TIMEOUT_S", 0.05)
     assert tier.lookup(key_of(1), ReqContext("r")) is None
     tier.on_schedule_end()  # posts the lookup batch to the probe thread
     assert started.wait(10)
@@ -836,6 +846,42 @@ def test_shutdown_keeps_directories_open_while_a_lookup_is_stuck(
     assert rank_fd >= 0 and os.fstat(rank_fd), "the stuck probe's directory is still open"
     release.set()
     assert tier._lookups.shutdown(timeout=10), "the probe finished once released"
+    tier._run_dir.close()
+
+
+def test_shutdown_keeps_directories_open_while_the_scan_is_stuck(
+    root: Path,
+    primary: Primary,
+    monkeypatch: pytest.MonkeyPatch,
+    gate: tuple[threading.Event, threading.Event],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started, release = gate
+
+    def stuck_scan(*args: Any, **kwargs: Any) -> ScanStats:
+        """A stat() hung on a dead NFS server."""
+        started.set()
+        assert release.wait(30), "test gate never released"
+        return ScanStats()
+
+    monkeypatch.setattr(fs_manager, "scan_rank_dir", stuck_scan)
+    monkeypatch.setattr(FileSystemSecondaryTier, "_THREAD_STOP_TIMEOUT_S", 0.05)
+    tier = FileSystemSecondaryTier(
+        make_spec(primary.row_bytes, primary.num_rows),
+        primary.view,
+        "fs",
+        root_dir=str(root),
+        min_free_bytes=0,
+    )
+    assert started.wait(10)
+    with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload.tiering"):
+        tier.shutdown()  # returns although the scan is stuck
+    assert any("start-up scan" in r.getMessage() for r in caplog.records)
+    assert os.fstat(tier._run_dir.rank_fd), "the stuck scan's directory is still open"
+    release.set()
+    tier._scan_thread.join(10)
+    assert not tier._scan_thread.is_alive()
+    assert tier.usage().used_bytes == 0, "a stopped scan evicts and indexes nothing more"
     tier._run_dir.close()
 
 

@@ -137,9 +137,10 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             ``o_direct=True`` and O_DIRECT does not work there.
     """
 
-    _LOOKUP_STOP_TIMEOUT_S: float = 10.0
-    """How long ``shutdown()`` waits for a lookup blocked in the filesystem (e.g. a hung NFS
-    mount) before it goes on without it, leaving the directory descriptors open."""
+    _THREAD_STOP_TIMEOUT_S: float = 10.0
+    """How long ``shutdown()`` waits for the lookup thread, then for the start-up scan, when one
+    is blocked in the filesystem (e.g. a hung NFS mount), before it goes on without it, leaving
+    the directory descriptors open."""
 
     def __init__(
         self,
@@ -392,26 +393,35 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         """Stop lookups and the scan, cancel queued I/O (reported as failed), join the threads,
         release the primary view and close the directories. Idempotent.
 
-        A lookup blocked in the filesystem for longer than ``_LOOKUP_STOP_TIMEOUT_S`` is left
-        behind on its daemon thread; the directories then stay open (see the warning logged).
+        A lookup or a start-up scan blocked in the filesystem for longer than
+        ``_THREAD_STOP_TIMEOUT_S`` is left behind on its daemon thread (a stopped scan evicts
+        nothing); the directories then stay open (see the warning logged). I/O tasks already
+        running are waited for without a bound: they hold rows of the primary view.
         """
         if self._closed:
             return
         self._closed = True
-        lookups_stopped = self._lookups.shutdown(self._LOOKUP_STOP_TIMEOUT_S)
+        timeout = self._THREAD_STOP_TIMEOUT_S
+        stuck: list[str] = []
+        if not self._lookups.shutdown(timeout):
+            stuck.append("a lookup")
         self._scan_stop.set()
-        self._scan_thread.join()
+        self._scan_thread.join(timeout)
+        if self._scan_thread.is_alive():
+            stuck.append("the start-up scan")
         self._pool.shutdown()
         self._flat.release()
-        if lookups_stopped:
+        if not stuck:
             self._run_dir.close()
         else:
-            # A probe stuck in the filesystem still stats paths relative to these descriptors;
-            # closed, their numbers could be reused by any later open() of the process.
+            # A thread stuck in the filesystem still resolves paths relative to these
+            # descriptors; closed, their numbers could be reused by any later open().
             logger.warning(
-                "fs tier: a lookup is still blocked in the filesystem under %s; its directory "
-                "descriptors stay open",
+                "fs tier: %s still blocked in the filesystem under %s after %.0f s; the "
+                "directory descriptors stay open",
+                " and ".join(stuck),
                 self._config.root_dir,
+                timeout,
             )
         unregister_writer(self._writer)
 

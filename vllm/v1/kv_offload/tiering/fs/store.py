@@ -7,7 +7,7 @@ Failure classes, as the tier reports them:
     * permanent (``BlockFileCorrupt``: wrong size, bad header, other key or run, checksum
       mismatch): the load fails and the file is deleted, so later lookups miss it;
     * vanished (``FileNotFoundError``): the load fails, the index forgets the file (a miss); a
-      store that finds its file gone forgets it too, before it tries to write it again;
+      store that finds its file gone (or truncated) accounts it so before it writes it again;
     * transient (any other ``OSError``: EACCES, EIO, ELOOP, EMFILE, ENOSPC, ...): the operation
       fails and nothing is deleted; a failed write removes only its own temporary file.
 """
@@ -209,10 +209,9 @@ class BlockStore:
             self._index.observe(key, existing, ticket, hot=True)
             self._count("blocks_skipped")
             return True
-        if existing is None:
-            # Forget a file deleted behind the tier's back now: if the store fails below, the
-            # index must not keep counting it.
-            self._index.observe(key, None, ticket, hot=False)
+        # Account a file deleted or truncated behind the tier's back as it is now: if the store
+        # fails below, the index must not keep counting a whole file.
+        self._index.observe(key, existing, ticket, hot=False)
         if not self._has_room_on_fs():
             return self._failed("store_failures")
         reservation = self._index.reserve(key, self.file_size)
