@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.v1.kv_offload.cpu.policies.reference_arc import ReferenceARCCachePolicy
 from tests.v1.kv_offload.cpu.policies.utils import (
     CountingSet,
     evicted_ids,
@@ -12,6 +13,8 @@ from tests.v1.kv_offload.cpu.policies.utils import (
     pin,
     unpin,
 )
+from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 
@@ -228,6 +231,30 @@ def test_insert_many_keeps_the_bounds_of_one_insert_per_block() -> None:
         assert ids(policy.b1_keys) == [3]
         assert sorted(ids(policy.t1_keys)) == [2, 20, 21]
         assert_directory_bounds(policy)
+
+
+def test_a_batch_trims_as_one_insert_per_block_would() -> None:
+    """Found by review: trimming once after a whole batch kept a B2 ghost that one insert per
+    block drops (the directory was full when the first block came in; only the second one's
+    B1 trim made room)."""
+    reference = "tests.v1.kv_offload.cpu.policies.reference_arc:ReferenceARCCachePolicy"
+    ctx = ReqContext("r")
+    states = []
+    for policy_name in ("arc", reference):
+        manager = CPUOffloadingManager(2, cache_policy=policy_name)
+        for batch in ([3, 4], [1, 2]):
+            out = manager.prepare_store([k(i) for i in batch], ctx)
+            assert out is not None
+            manager.complete_store(out.keys_to_store, ctx)
+            manager.touch([k(i) for i in batch if i != 1], ctx)  # 1 stays in T1
+        # Evicts 1 (to B1) and 2 (to B2): B1 = [1], B2 = [4, 3, 2], a full directory. Then
+        # stores new key 0 (the directory overflows: B2 drops 4) and B2 ghost 3 (L1 overflows:
+        # B1 drops 1).
+        assert manager.prepare_store([k(0), k(3)], ctx) is not None
+        policy = manager.policy
+        assert isinstance(policy, (ARCCachePolicy, ReferenceARCCachePolicy))
+        states.append((ids(policy.b1_keys), ids(policy.b2_keys)))
+    assert states[0] == states[1] == ([], [2])
 
 
 def test_evict_skips_pinned_in_flight_and_protected() -> None:

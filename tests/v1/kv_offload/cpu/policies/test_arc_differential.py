@@ -4,22 +4,26 @@
 deletion and periodic compaction. Hypothesis drives it and ``ReferenceARCCachePolicy`` (ordered
 dicts, no laziness) through the same calls, the way the CPU manager makes them, and requires
 identical observable state after every step: list membership and order, target size, eviction
-results. Batched inserts (``insert_many``, which trims the ghost lists once per batch) are checked
-against one reference ``insert`` per block. The compaction slack is lowered so compaction runs
-all the time.
+results. Inserts first evict what they need, as the manager does, so at most ``capacity`` blocks
+are ever resident. Batched inserts (``insert_many``, which trims the ghost lists once per batch
+while the batch holds new keys only) are checked against one reference ``insert`` per block.
+The compaction slack is lowered so compaction runs all the time.
 """
 
 from __future__ import annotations
 
+import random
 from typing import ClassVar
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.v1.kv_offload.cpu.policies.reference_arc import ReferenceARCCachePolicy
 from tests.v1.kv_offload.cpu.policies.utils import k
-from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
 
@@ -44,9 +48,22 @@ class ARCDifferentialMachine(RuleBasedStateMachine):
     def _resident(self) -> list[OffloadKey]:
         return [key for key in UNIVERSE if self.ref.get(key) is not None]
 
+    def _make_room(self, new_keys: list[OffloadKey]) -> bool:
+        """Evict what storing ``new_keys`` needs, as the manager's ``prepare_store`` does."""
+        need = len(self.ref) + len(new_keys) - self.capacity
+        if need <= 0:
+            return True
+        fast = self.fast.evict(need, set(new_keys))
+        ref = self.ref.evict(need, set(new_keys))
+        assert (fast is None) == (ref is None)
+        if ref is None or fast is None:
+            return False
+        assert [(key, b.block_id) for key, b in fast] == [(key, b.block_id) for key, b in ref]
+        return True
+
     @rule(key=st.sampled_from(UNIVERSE))
     def insert_being_written(self, key: OffloadKey) -> None:
-        if self.ref.get(key) is not None:
+        if self.ref.get(key) is not None or not self._make_room([key]):
             return
         block_id = self.next_block_id
         self.next_block_id += 1
@@ -57,6 +74,8 @@ class ARCDifferentialMachine(RuleBasedStateMachine):
     def insert_batch(self, keys: list[OffloadKey]) -> None:
         """The manager's path: ``insert_many`` here, one ``insert`` per block in the reference."""
         new_keys = [key for key in dict.fromkeys(keys) if self.ref.get(key) is None]
+        if len(new_keys) > self.capacity or not self._make_room(new_keys):
+            return
         items = [(key, self.next_block_id + i) for i, key in enumerate(new_keys)]
         self.next_block_id += len(new_keys)
         self.fast.insert_many([(key, BlockStatus(block_id)) for key, block_id in items])
@@ -153,3 +172,69 @@ class _DefaultSlack(ARCDifferentialMachine):
 
 TestARCDifferentialDefaultSlack = _DefaultSlack.TestCase
 TestARCDifferentialDefaultSlack.settings = _SETTINGS
+
+
+class _Tiny(ARCDifferentialMachine):
+    """Capacity 2: the bounds bind on almost every insert, so batches trim both ghost lists."""
+
+    capacity = 2
+
+
+TestARCDifferentialTiny = _Tiny.TestCase
+TestARCDifferentialTiny.settings = _SETTINGS
+
+
+# -- the same comparison through two managers, by random walk ---------------------------------
+
+_REFERENCE = "tests.v1.kv_offload.cpu.policies.reference_arc:ReferenceARCCachePolicy"
+
+
+def _observable(manager: CPUOffloadingManager) -> tuple[object, ...]:
+    policy = manager.policy
+    assert isinstance(policy, (ARCCachePolicy, ReferenceARCCachePolicy))
+    return (
+        policy.t1_keys,
+        policy.t2_keys,
+        policy.b1_keys,
+        policy.b2_keys,
+        policy.target_t1_size,
+        sorted((key, b.block_id, b.ref_cnt) for key, b in policy.items()),
+    )
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3])
+def test_random_manager_walks_agree_with_the_reference(capacity: int) -> None:
+    """Random prepare/complete/load/touch walks through the CPU manager: short batches over few
+    keys reach the full-directory states (both ghost lists non-empty, a batch mixing new keys and
+    ghosts) that the rule-based machine above rarely builds."""
+    ctx = ReqContext("r")
+    keys = [k(i) for i in range(3 * capacity + 2)]
+    for seed in range(150):
+        rng = random.Random(seed)
+        managers = [CPUOffloadingManager(capacity, cache_policy=p) for p in ("arc", _REFERENCE)]
+        pinned: list[list[OffloadKey]] = []
+        for _ in range(60):
+            op = rng.random()
+            batch = rng.sample(keys, rng.randint(1, min(3, capacity)))
+            if op < 0.5:
+                outs = [m.prepare_store(batch, ctx) for m in managers]
+                assert (outs[0] is None) == (outs[1] is None), seed
+                if outs[0] is not None and outs[1] is not None:
+                    assert outs[0].keys_to_store == outs[1].keys_to_store, seed
+                    ok = rng.random() < 0.9
+                    for m, out in zip(managers, outs, strict=True):
+                        m.complete_store(out.keys_to_store, ctx, success=ok)
+            elif op < 0.8:
+                for m in managers:
+                    m.touch(batch, ctx)
+            elif op < 0.9:
+                ready = [key for key in batch if managers[1].lookup(key, ctx)]
+                if ready and all(managers[0].lookup(key, ctx) for key in ready):
+                    for m in managers:
+                        m.prepare_load(ready, ctx)
+                    pinned.append(ready)
+            elif pinned:
+                done = pinned.pop(rng.randrange(len(pinned)))
+                for m in managers:
+                    m.complete_load(done, ctx)
+            assert _observable(managers[0]) == _observable(managers[1]), seed

@@ -103,12 +103,15 @@ class ARCCachePolicy(CachePolicy):
           first. A resident key is never a ghost.
         * Directory bounds, those of the ARC paper (Megiddo and Modha, FAST 2003), with
           ``c = cache_capacity``: ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c``.
-          Only an insert can break them; it drops the oldest ghosts of B1, then of B2, until
-          both hold again. So a cache that T1 fills keeps no B1 history (a scan leaves no
-          ghosts behind), and the directory never holds more than ``2c`` keys. (Upstream vLLM
-          instead bounds each ghost list by ``c`` on its own, which lets a scan keep ``c``
-          ghosts, up to ``3c`` keys in all, and makes every stored block of a scan drop a cold
-          ghost.)
+          Only an insert can break them: a new block joins T1, growing L1 = T1 + B1 and the
+          directory, while touch, evict, remove and the evictability hooks only move keys (T1
+          to T2, a victim to its ghost list) or drop them. After each inserted block the oldest
+          ghost of B1, then of B2, is dropped until both bounds hold again; with at most ``c``
+          resident blocks, B2 always has enough (``|T2| <= c``). So a cache that T1 fills
+          keeps no B1 history (a scan leaves no ghosts behind), and the directory never holds
+          more than ``2c`` keys. (Upstream vLLM instead bounds each ghost list by ``c`` on its
+          own, which lets a scan keep ``c`` ghosts, up to ``3c`` keys in all, and makes every
+          stored block of a scan drop a cold ghost.)
         * ``target_t1_size``: the adaptive target size of T1, in ``[0, cache_capacity]``,
           starting at 0. A touch that hits B1 (a block evicted too early from T1) raises it by
           ``max(1, |B2| / |B1|)``; a touch that hits B2 lowers it by ``max(1, |B1| / |B2|)``.
@@ -139,7 +142,7 @@ class ARCCachePolicy(CachePolicy):
       A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
     * B1 / B2 order: a ``_LazyFIFO`` of keys per list, with lazy deletion counted like T1's
       (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
-      pops from the left, skipping stale entries, once per ``insert_many`` call.
+      pops from the left, skipping stale entries.
 
     Every FIFO is appended and popped sequentially (cheap, prefetch-friendly memory) and
     compacted once its stale entries exceed its live ones by ``_COMPACT_SLACK``, so memory is
@@ -208,30 +211,44 @@ class ARCCachePolicy(CachePolicy):
         t1_append = t1.keys.append
         b1 = self._b1
         b2 = self._b2
-        num_inserted = 0
-        num_ready = 0
-        ghosts_left = False
+        num_resident = self._num_resident
+        # Every inserted block joins T1; nothing else in this call changes T1's size.
+        t1_size = num_resident - len(self._t2_evictable) - len(self._t2_pinned)
+        # While the batch holds new keys only, one trim after the last block drops exactly the
+        # ghosts one insert per block would (each block grows L1 and the directory by one, and
+        # the oldest ghosts go first either way). A ghost key changes that: which ghosts the
+        # trims of the blocks before it dropped decides what it finds. From the first ghost on,
+        # the bounds are restored after every block, as insert() does.
+        per_block = False
         for key, block in items:
             old = entries.get(key)
+            if old is not None and not per_block:
+                per_block = True
+                self._bound_directory(t1_size, num_resident)
+                old = entries.get(key)  # the trim may have dropped this very ghost
             entries[key] = block
-            num_inserted += 1
+            num_resident += 1
+            t1_size += 1
             if block.ref_cnt == 0:
                 t1_append(key)
-                num_ready += 1
+                t1.live += 1
             if old is not None:
                 # A resident key has no ghost; the adaptation for a ghost hit happened in
                 # touch().
                 assert type(old) is int, f"insert: key {key.hex()} is already resident"
                 (b1 if old == _B1 else b2).leave(key)
-                ghosts_left = True
-        if not num_inserted:
-            return
-        self._num_resident += num_inserted
-        t1.live += num_ready
-        if ghosts_left:
+            if per_block:
+                self._bound_directory(t1_size, num_resident)
+        assert num_resident <= self.cache_capacity, (
+            f"insert: {num_resident} resident blocks exceed the capacity {self.cache_capacity} "
+            "(the caller evicts before it inserts)"
+        )
+        self._num_resident = num_resident
+        if per_block:
             b1.maybe_compact(self._COMPACT_SLACK)
             b2.maybe_compact(self._COMPACT_SLACK)
-        self._bound_directory()
+        else:
+            self._bound_directory(t1_size, num_resident)
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -431,22 +448,12 @@ class ARCCachePolicy(CachePolicy):
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _bound_directory(self) -> None:
-        """Restore ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c`` after inserts.
-
-        Only an insert grows L1 (a new T1 block) or the directory; every other operation moves
-        keys between lists of the same side or drops them. The oldest ghosts of B1 go first;
-        with L1 within ``c`` and at most ``c`` resident blocks, trimming B2 then always suffices
-        for the directory bound (``|T2| <= c``). A caller that inserts more than ``c`` blocks
-        breaks the bounds; the trim then empties the ghost lists, nothing more.
-        """
+    def _bound_directory(self, t1_size: int, num_resident: int) -> None:
+        """Drop the oldest ghosts of B1, then of B2, until ``|T1| + |B1| <= c`` and the
+        directory holds at most ``2c`` keys, given T1's and the resident count (O(dropped))."""
         capacity = self.cache_capacity
         b1 = self._b1
         b2 = self._b2
-        num_resident = self._num_resident
-        if num_resident + b1.live + b2.live <= capacity:
-            return  # neither bound can be exceeded (the common case while the cache fills)
-        t1_size = num_resident - len(self._t2_evictable) - len(self._t2_pinned)
         excess = min(t1_size + b1.live - capacity, b1.live)
         if excess > 0:
             b1.trim(excess, self._entries, _B1)

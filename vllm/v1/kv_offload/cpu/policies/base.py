@@ -91,15 +91,18 @@ class CachePolicy(ABC):
 
         The block is evictable at once if ``block.ref_cnt == 0``; the manager inserts blocks
         with ``ref_cnt == -1`` (being written) and calls ``mark_evictable`` when the store
-        completes.
+        completes. The caller keeps at most ``cache_capacity`` blocks resident (it evicts
+        first); a policy may rely on that (ARC's ghost bounds do).
         """
 
     def insert_many(self, items: Iterable[tuple[OffloadKey, BlockStatus]]) -> None:
         """Insert several blocks, in order, with the effect of one ``insert`` per item.
 
         The manager stores a request's new blocks through this call. Default: calls ``insert``
-        for each item. Policies override it to save the per-call overhead on the hot path or
-        to do per-call work (e.g. ARC's ghost-list trim) once per batch.
+        for each item. Policies override it to save the per-call overhead on the hot path; the
+        built-in ones then implement ``insert`` through it. So a subclass of a built-in policy
+        that changes insertion must override ``insert_many`` (the manager never calls its
+        ``insert``).
 
         Args:
             items: ``(key, block)`` pairs; no key may be resident or repeated.
