@@ -198,11 +198,13 @@ def test_run_end_to_end_report_json_and_plot(
     assert (
         fs_store["blocks"] + fs_store["skipped_blocks"] == off["transfers"]["gpu_to_cpu"]["blocks"]
     )
-    # The fs tier's busy time: wall time with its I/O threads at work, below the run's.
+    # The fs tier's busy time: wall time with its I/O threads at work. Promotions serve requests,
+    # so they end within the run; write-through stores may go on after the last output.
     for name in ("cpu_to_fs", "fs_to_cpu"):
         t = off["transfers"][name]
-        assert 0 < t["busy_s"] < off["wall_s"], (name, t)
+        assert t["busy_s"] > 0, (name, t)
         assert t["throughput_bytes_per_s"] == pytest.approx(t["bytes"] / t["busy_s"])
+    assert off["transfers"]["fs_to_cpu"]["busy_s"] < off["wall_s"]
     assert off["fs_tier"]["warm_start"] is False
     assert off["fs_tier"]["files_at_end"] == off["transfers"]["cpu_to_fs"]["blocks"]
     assert off["transfers"]["cpu_to_fs"]["bytes"] == off["fs_tier"]["bytes_at_end"]
