@@ -124,3 +124,65 @@ def test_run_is_the_default_subcommand() -> None:
     assert args.command == "run"
     assert args.workload == "chat"
     assert parser.parse_args(_with_default_subcommand([])).workload == "mix"
+
+
+# The parsed defaults of `run`, captured before its options became a table (issue #16); a change
+# here changes what `vllm-kv-offload run` does with no flags.
+_RUN_DEFAULTS: dict[str, object] = {
+    "command": "run",
+    "workload": "mix",
+    "seed": 0,
+    "num_clients": 12,
+    "num_sessions": 160,
+    "turns": 4,
+    "turn_tokens": 48,
+    "output_tokens": 8,
+    "system_prompt_tokens": 384,
+    "document_tokens": 1024,
+    "num_documents": 16,
+    "think_time": 0.05,
+    "num_layers": 8,
+    "num_kv_heads": 2,
+    "head_size": 64,
+    "dtype": "float16",
+    "block_size": 16,
+    "offload_block_size": None,
+    "gpu_blocks": 256,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "device": "auto",
+    "timeout": 1800.0,
+    "cpu_bytes": 20 * 2**20,
+    "eviction_policy": "lru",
+    "fs_root": None,
+    "fs_max_bytes": 2**30,
+    "no_fs": False,
+    "fs_read_threads": 2,
+    "fs_write_threads": 2,
+    "json": None,
+    "plot": None,
+    "no_progress": False,
+    "verbose": 0,
+}
+
+
+def test_run_defaults_are_unchanged() -> None:
+    args = vars(build_parser().parse_args(["run"]))
+    assert args.pop("command_parser") is not None
+    assert args == _RUN_DEFAULTS
+
+
+def test_run_help_lists_every_option_with_its_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one line per option: no wrapped help to match across
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for dest in _RUN_DEFAULTS.keys() - {"command"}:
+        assert f"--{dest.replace('_', '-')}" in out, dest
+    for note in ("(default: 20MiB)", "(default: 1GiB)", "(default: --block-size)"):
+        assert note in out
+    assert f"(default: {default_fs_root()})" in out
+    for group in ("workload:", "model stand-in and engine:", "CPU tier:", "fs tier:", "output:"):
+        assert f"\n{group}\n" in out

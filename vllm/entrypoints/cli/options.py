@@ -1,5 +1,9 @@
 """Options of ``vllm-kv-offload run``: argparse definitions, value parsers and validation.
 
+The options are declared as a table: one ``_Option`` row per flag, one function per concern
+(workload, model stand-in and engine, CPU tier, fs tier, output), each becoming an argparse
+argument group of ``--help``.
+
 Every option is checked before anything runs; a bad value ends the command with argparse's
 usage line, a message that names the option, the value and what is allowed, and exit code 2.
 """
@@ -10,9 +14,10 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm.entrypoints.cli.workloads import WorkloadConfig, WorkloadKind, max_request_tokens
 
@@ -157,192 +162,212 @@ class RunOptions:
         return self.offload_block_size * self.kv_bytes_per_token
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the options of ``run`` on ``parser``."""
+@dataclass(frozen=True)
+class _Option:
+    """One row of the option table: a flag and what ``add_argument`` gets for it.
+
+    Attributes:
+        flag: the option string, e.g. ``--num-clients``.
+        help: what the option does; may be empty when the flag says it all.
+        type: parser of the value (None: the string itself, or a flag with ``action``).
+        default: the value when the option is absent.
+        default_text: what the help's ``(default: ...)`` says: ``%(default)s`` (the value),
+            a fixed text where the value reads badly (a size in bytes), or None for no note.
+        choices, metavar, action: passed to ``add_argument`` when set.
+    """
+
+    flag: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    default_text: str | None = "%(default)s"
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+    action: str | None = None
+
+    def add_to(self, group: argparse._ArgumentGroup) -> None:
+        """Declare this option on ``group``."""
+        kwargs: dict[str, Any] = {"default": self.default}
+        for name in ("type", "choices", "metavar", "action"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        help_text = self.help
+        if self.default_text is not None:
+            note = f"(default: {self.default_text})"
+            help_text = f"{help_text} {note}" if help_text else note
+        group.add_argument(self.flag, help=help_text, **kwargs)
+
+
+def _count(
+    flag: str, default: int, help: str = "", minimum: int = 1, maximum: int | None = None
+) -> _Option:
+    """An integer option in ``[minimum, maximum]``: the common shape (counts, token lengths)."""
+    return _Option(flag, help, type=_int_at_least(minimum, maximum), default=default)
+
+
+def _choice(flag: str, choices: Sequence[str], default: str, help: str = "") -> _Option:
+    return _Option(flag, help, default=default, choices=choices)
+
+
+def _seconds(flag: str, default: float, help: str) -> _Option:
+    return _Option(flag, help, type=_non_negative_float, default=default, metavar="SECONDS")
+
+
+def _size(flag: str, default: str, help: str) -> _Option:
+    # The help quotes the default as written ("20MiB"), not as the byte count it parses to.
+    return _Option(
+        flag,
+        help,
+        type=parse_size,
+        default=parse_size(default),
+        default_text=default,
+        metavar="SIZE",
+    )
+
+
+def _switch(flag: str, help: str) -> _Option:
+    """A ``store_true`` flag (off by default, so the help needs no default note)."""
+    return _Option(flag, help, default=False, default_text=None, action="store_true")
+
+
+def _output_path(flag: str, metavar: str, help: str) -> _Option:
+    """A file to write (none by default, so the help needs no default note)."""
+    return _Option(flag, help, type=Path, default_text=None, metavar=metavar)
+
+
+def _workload_options() -> tuple[_Option, ...]:
+    """What to serve: the workload kind and its shape (defaults of ``WorkloadConfig``)."""
     d = WorkloadConfig()
-    wl = parser.add_argument_group("workload")
-    wl.add_argument(
-        "--workload",
-        choices=[k.value for k in WorkloadKind],
-        default=WorkloadKind.MIX.value,
-        help="multi-turn chat, shared system prompts, long documents queried several times, or "
-        "a mix of the three (default: %(default)s)",
-    )
-    wl.add_argument("--seed", type=_int_at_least(0), default=d.seed, help="(default: %(default)s)")
-    wl.add_argument(
-        "--num-clients",
-        type=_int_at_least(1),
-        default=d.num_clients,
-        help="concurrent clients (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--num-sessions",
-        type=_int_at_least(1),
-        default=d.num_sessions,
-        help="conversations / document sessions in the workload (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--turns",
-        type=_int_at_least(1),
-        default=d.turns_per_session,
-        help="requests per session (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--turn-tokens",
-        type=_int_at_least(1),
-        default=d.turn_tokens,
-        help="mean tokens of a user message or question (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--output-tokens",
-        type=_int_at_least(1),
-        default=d.output_tokens,
-        help="tokens generated per request (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--system-prompt-tokens",
-        type=_int_at_least(1),
-        default=d.system_prompt_tokens,
-        help="length of each shared system prompt (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--document-tokens",
-        type=_int_at_least(1),
-        default=d.document_tokens,
-        help="mean length of a document (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--num-documents",
-        type=_int_at_least(1),
-        default=d.num_documents,
-        help="distinct documents (default: %(default)s)",
-    )
-    wl.add_argument(
-        "--think-time",
-        type=_non_negative_float,
-        default=d.think_time_s,
-        metavar="SECONDS",
-        help="mean think time between the turns of a session (default: %(default)s)",
+    return (
+        _choice(
+            "--workload",
+            [k.value for k in WorkloadKind],
+            WorkloadKind.MIX.value,
+            "multi-turn chat, shared system prompts, long documents queried several times, or "
+            "a mix of the three",
+        ),
+        _count("--seed", d.seed, minimum=0),
+        _count("--num-clients", d.num_clients, "concurrent clients"),
+        _count(
+            "--num-sessions", d.num_sessions, "conversations / document sessions in the workload"
+        ),
+        _count("--turns", d.turns_per_session, "requests per session"),
+        _count("--turn-tokens", d.turn_tokens, "mean tokens of a user message or question"),
+        _count("--output-tokens", d.output_tokens, "tokens generated per request"),
+        _count(
+            "--system-prompt-tokens", d.system_prompt_tokens, "length of each shared system prompt"
+        ),
+        _count("--document-tokens", d.document_tokens, "mean length of a document"),
+        _count("--num-documents", d.num_documents, "distinct documents"),
+        _seconds("--think-time", d.think_time_s, "mean think time between the turns of a session"),
     )
 
-    model = parser.add_argument_group("model stand-in and engine")
-    model.add_argument(
-        "--num-layers", type=_int_at_least(1), default=8, help="(default: %(default)s)"
-    )
-    model.add_argument(
-        "--num-kv-heads", type=_int_at_least(1), default=2, help="(default: %(default)s)"
-    )
-    model.add_argument(
-        "--head-size", type=_int_at_least(1), default=64, help="(default: %(default)s)"
-    )
-    model.add_argument(
-        "--dtype", choices=sorted(DTYPE_BYTES), default="float16", help="(default: %(default)s)"
-    )
-    model.add_argument(
-        "--block-size",
-        type=_int_at_least(1),
-        default=16,
-        help="tokens per GPU block (default: %(default)s)",
-    )
-    model.add_argument(
-        "--offload-block-size",
-        type=_int_at_least(1),
-        default=None,
-        help="tokens per offloaded block, a multiple of --block-size (default: --block-size)",
-    )
-    model.add_argument(
-        "--gpu-blocks",
-        type=_int_at_least(1),
-        default=256,
-        help="blocks in the GPU KV-cache pool; small enough that prefixes get evicted "
-        "(default: %(default)s)",
-    )
-    model.add_argument(
-        "--max-num-seqs",
-        type=_int_at_least(1),
-        default=8,
-        help="requests running at once (default: %(default)s)",
-    )
-    model.add_argument(
-        "--max-num-batched-tokens",
-        type=_int_at_least(1),
-        default=512,
-        help="tokens per engine step; longer prefills are chunked (default: %(default)s)",
-    )
-    model.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="auto",
-        help="where the 'GPU' KV cache lives: cuda when available with auto (default: %(default)s)",
+
+def _engine_options() -> tuple[_Option, ...]:
+    """The model stand-in's KV geometry, the GPU pool, the scheduler limits and the run's bound."""
+    return (
+        _count("--num-layers", 8),
+        _count("--num-kv-heads", 2),
+        _count("--head-size", 64),
+        _choice("--dtype", sorted(DTYPE_BYTES), "float16"),
+        _count("--block-size", 16, "tokens per GPU block"),
+        _Option(
+            "--offload-block-size",
+            "tokens per offloaded block, a multiple of --block-size",
+            type=_int_at_least(1),
+            default=None,
+            default_text="--block-size",
+        ),
+        _count(
+            "--gpu-blocks",
+            256,
+            "blocks in the GPU KV-cache pool; small enough that prefixes get evicted",
+        ),
+        _count("--max-num-seqs", 8, "requests running at once"),
+        _count(
+            "--max-num-batched-tokens", 512, "tokens per engine step; longer prefills are chunked"
+        ),
+        _choice(
+            "--device",
+            DEVICES,
+            "auto",
+            "where the 'GPU' KV cache lives: cuda when available with auto",
+        ),
+        _seconds(
+            "--timeout", 1800.0, "give up (exit code 1) when one run takes longer; 0 waits forever"
+        ),
     )
 
-    tiers = parser.add_argument_group("offload tiers")
-    tiers.add_argument(
-        "--cpu-bytes",
-        type=parse_size,
-        default=parse_size("20MiB"),
-        metavar="SIZE",
-        help="host memory of the CPU tier, e.g. 64MiB; small by default so that the fs tier "
-        "serves too (default: 20MiB)",
-    )
-    tiers.add_argument(
-        "--eviction-policy",
-        choices=EVICTION_POLICIES,
-        default="lru",
-        help="the CPU tier's cache policy (default: %(default)s)",
-    )
-    tiers.add_argument(
-        "--fs-root",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help=f"root of the fs tier; a second run over the same root starts warm "
-        f"(default: {default_fs_root()})",
-    )
-    tiers.add_argument(
-        "--fs-max-bytes",
-        type=parse_size,
-        default=parse_size("1GiB"),
-        metavar="SIZE",
-        help="capacity of the fs tier; least recently used blocks are evicted beyond it "
-        "(default: 1GiB)",
-    )
-    tiers.add_argument(
-        "--no-fs", action="store_true", help="run without the fs tier (CPU tier only)"
-    )
-    tiers.add_argument(
-        "--fs-read-threads", type=_int_at_least(1, 256), default=2, help="(default: %(default)s)"
-    )
-    tiers.add_argument(
-        "--fs-write-threads", type=_int_at_least(1, 256), default=2, help="(default: %(default)s)"
+
+def _cpu_tier_options() -> tuple[_Option, ...]:
+    """Size and policy of the CPU (primary) tier."""
+    return (
+        _size(
+            "--cpu-bytes",
+            "20MiB",
+            "host memory of the CPU tier, e.g. 64MiB; small by default so that the fs tier "
+            "serves too",
+        ),
+        _choice("--eviction-policy", EVICTION_POLICIES, "lru", "the CPU tier's cache policy"),
     )
 
-    model.add_argument(
-        "--timeout",
-        type=_non_negative_float,
-        default=1800.0,
-        metavar="SECONDS",
-        help="give up (exit code 1) when one run takes longer; 0 waits forever "
-        "(default: %(default)s)",
+
+def _fs_tier_options() -> tuple[_Option, ...]:
+    """Where the fs tier lives, its capacity and I/O threads, or none at all."""
+    return (
+        _Option(
+            "--fs-root",
+            "root of the fs tier; a second run over the same root starts warm",
+            type=Path,
+            # Resolved when the parser is built, so the help shows this user's cache directory.
+            default_text=str(default_fs_root()),
+            metavar="DIR",
+        ),
+        _size(
+            "--fs-max-bytes",
+            "1GiB",
+            "capacity of the fs tier; least recently used blocks are evicted beyond it",
+        ),
+        _switch("--no-fs", "run without the fs tier (CPU tier only)"),
+        _count("--fs-read-threads", 2, maximum=256),
+        _count("--fs-write-threads", 2, maximum=256),
     )
 
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="write the report as JSON"
+
+def _output_options() -> tuple[_Option, ...]:
+    """Where the report and plot go, and whether progress bars are drawn."""
+    return (
+        _output_path("--json", "FILE", "write the report as JSON"),
+        _output_path(
+            "--plot",
+            "FILE.png",
+            "draw hit rate per tier and bytes moved per step over time (needs matplotlib: "
+            "pip install 'vllm-kv-offload[plot]')",
+        ),
+        _switch(
+            "--no-progress",
+            "no progress bar (it is drawn on stderr only when stderr is a terminal)",
+        ),
     )
-    out.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="FILE.png",
-        help="draw hit rate per tier and bytes moved per step over time (needs matplotlib: "
-        "pip install 'vllm-kv-offload[plot]')",
-    )
-    out.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (it is drawn on stderr only when stderr is a terminal)",
-    )
+
+
+_RUN_OPTION_GROUPS: tuple[tuple[str, Callable[[], tuple[_Option, ...]]], ...] = (
+    ("workload", _workload_options),
+    ("model stand-in and engine", _engine_options),
+    ("CPU tier", _cpu_tier_options),
+    ("fs tier", _fs_tier_options),
+    ("output", _output_options),
+)
+"""The options of ``run``, one argparse group per concern, in ``--help`` order."""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``run`` on ``parser``, one argument group per concern."""
+    for title, options in _RUN_OPTION_GROUPS:
+        group = parser.add_argument_group(title)
+        for option in options():
+            option.add_to(group)
 
 
 def _check_writable_file(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
