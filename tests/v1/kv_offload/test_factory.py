@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from typing_extensions import override
 
+from tests.v1.kv_offload.utils import make_run_info
 from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -17,17 +18,7 @@ from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-RUN = KVCacheRunInfo(
-    model_name="m",
-    dtype="float16",
-    kv_layout="cross_layer",
-    num_layers=1,
-    num_kv_heads=1,
-    head_size=8,
-    gpu_block_sizes=(16,),
-    gpu_kv_bytes_per_block=4096,
-    instance_id="spec-factory",
-)
+RUN = make_run_info(4096, instance_id="spec-factory")
 
 
 class PlainCustomSpec(OffloadingSpec):

@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 )
 from typing_extensions import override
 
+from tests.v1.kv_offload.utils import make_tiering_spec
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
@@ -36,10 +37,8 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.example.manager import (
     EXAMPLE_MEDIUM,
@@ -84,24 +83,12 @@ def key_content(key: OffloadKey, row_bytes: int) -> npt.NDArray[np.uint8]:
 
 
 def make_spec(tmp_path: Path, num_blocks: int = NUM_PRIMARY_BLOCKS) -> TieringOffloadingSpec:
-    row_bytes = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
-    config = OffloadingConfig(
-        cpu_bytes_to_use=num_blocks * row_bytes,
-        spec_name="TieringOffloadingSpec",
-        shared_region_dir=str(tmp_path),
-    )
-    run = KVCacheRunInfo(
-        model_name="test-model",
-        dtype="float16",
-        kv_layout="cross_layer",
-        num_layers=1,
-        num_kv_heads=1,
-        head_size=8,
-        gpu_block_sizes=(16,),
+    return make_tiering_spec(
+        tmp_path,
+        num_blocks,
         gpu_kv_bytes_per_block=WORKER_PAGE_BYTES,
         instance_id=f"tiering-test-{tmp_path.name}",
     )
-    return TieringOffloadingSpec(config, run)
 
 
 def make_primary(

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.v1.kv_offload.utils import make_run_info
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
 
-RUN = KVCacheRunInfo(
-    model_name="m",
-    dtype="float16",
-    kv_layout="cross_layer",
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=64,
-    gpu_block_sizes=(16,),
-    gpu_kv_bytes_per_block=3000,
-    tensor_parallel_size=2,
-)
+RUN = make_run_info(3000, tensor_parallel_size=2)
 
 
 def test_manager_geometry_and_cache() -> None:

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from typing_extensions import override
 
+from tests.v1.kv_offload import utils
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -51,28 +50,15 @@ CTX = ReqContext(req_id="r")
 def make_tiering_spec(
     tmp_path: Path, tiers: Iterable[dict[str, Any]], num_blocks: int = 4, world_size: int = 1
 ) -> TieringOffloadingSpec:
-    page = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
-    config = OffloadingConfig.from_extra_config(
-        {
-            "cpu_bytes_to_use": num_blocks * page,
-            "spec_name": "TieringOffloadingSpec",
-            "secondary_tiers": list(tiers),
-            "shared_region_dir": str(tmp_path),
-        }
-    )
-    run = KVCacheRunInfo(
-        model_name="m",
-        dtype="float16",
-        kv_layout="cross_layer",
-        num_layers=2,
-        num_kv_heads=1,
-        head_size=4,
-        gpu_block_sizes=(16,),
+    return utils.make_tiering_spec(
+        tmp_path,
+        num_blocks,
         gpu_kv_bytes_per_block=256,
+        secondary_tiers=tiers,
+        enable_events=True,
         tensor_parallel_size=world_size,
         instance_id="spec-test",
     )
-    return TieringOffloadingSpec(config, run, enable_events=True)
 
 
 def region_files(tmp_path: Path) -> list[str]:

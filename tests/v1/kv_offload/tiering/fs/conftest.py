@@ -17,10 +17,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from tests.v1.kv_offload.utils import make_cpu_spec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 
@@ -33,19 +32,7 @@ def make_spec(
     row_bytes: int = ROW_BYTES, num_rows: int = NUM_ROWS, **run_overrides: Any
 ) -> CPUOffloadingSpec:
     """A real ``CPUOffloadingSpec`` whose rows are ``row_bytes`` (one worker, one group)."""
-    fields: dict[str, Any] = dict(
-        model_name="org/test-model",
-        dtype="float16",
-        kv_layout="cross_layer",
-        num_layers=2,
-        num_kv_heads=4,
-        head_size=64,
-        gpu_block_sizes=(16,),
-        gpu_kv_bytes_per_block=row_bytes,
-    )
-    fields.update(run_overrides)
-    run = KVCacheRunInfo(**fields)
-    return CPUOffloadingSpec(OffloadingConfig(cpu_bytes_to_use=num_rows * row_bytes), run)
+    return make_cpu_spec(row_bytes, num_rows, **run_overrides)
 
 
 class Primary:

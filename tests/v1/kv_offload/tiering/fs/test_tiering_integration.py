@@ -16,13 +16,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from tests.v1.kv_offload.utils import make_tiering_spec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from .conftest import key_of, pattern
 
@@ -35,33 +33,22 @@ class Engine:
     """A tiering manager built from config, plus helpers that play the scheduler and worker."""
 
     def __init__(self, tmp_path: Path, root: Path) -> None:
-        config = OffloadingConfig(
-            cpu_bytes_to_use=NUM_CPU_BLOCKS * ROW_BYTES,
-            spec_name="TieringOffloadingSpec",
-            shared_region_dir=str(tmp_path),
-            secondary_tiers=[
-                {
-                    "type": "fs",
-                    "root_dir": str(root),
-                    "n_read_threads": 2,
-                    "n_write_threads": 2,
-                    "min_free_bytes": 0,
-                    "enable_events": True,
-                }
-            ],
-        )
-        run = KVCacheRunInfo(
-            model_name="org/test-model",
-            dtype="float16",
-            kv_layout="cross_layer",
-            num_layers=2,
-            num_kv_heads=4,
-            head_size=64,
-            gpu_block_sizes=(16,),
+        fs_tier = {
+            "type": "fs",
+            "root_dir": str(root),
+            "n_read_threads": 2,
+            "n_write_threads": 2,
+            "min_free_bytes": 0,
+            "enable_events": True,
+        }
+        spec = make_tiering_spec(
+            tmp_path,
+            NUM_CPU_BLOCKS,
             gpu_kv_bytes_per_block=ROW_BYTES,
+            secondary_tiers=[fs_tier],
             instance_id=f"fs-integration-{next(_instances)}",
         )
-        self.manager: TieringOffloadingManager = TieringOffloadingSpec(config, run).get_manager()
+        self.manager: TieringOffloadingManager = spec.get_manager()
         tier = self.manager.secondary_tiers[0]
         assert isinstance(tier, FileSystemSecondaryTier)
         self.tier = tier
