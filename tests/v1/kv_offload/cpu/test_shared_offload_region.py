@@ -10,7 +10,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -201,8 +201,16 @@ def test_create_and_join_across_processes(tmp_path: Path) -> None:
     assert _files(tmp_path) == []
 
 
-def _join_in_thread(tmp_path: Path) -> tuple[threading.Thread, dict[str, Any]]:
-    """Start joining the region from a thread; ``result`` gets "region" or "error"."""
+def _join_while_creator_holds_stub(
+    tmp_path: Path, poll_started: threading.Event
+) -> tuple[str, int, Callable[[], SharedOffloadRegion]]:
+    """A creator's stub file, created but not sized yet, and a joiner polling it from a thread.
+
+    Returns once the joiner polls: the stub's path, the creator's fd of it, and ``joined()``,
+    which waits for the joiner and returns the region it got.
+    """
+    path = SharedOffloadRegion.region_path("inst", tmp_path)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     result: dict[str, Any] = {}
 
     def join() -> None:
@@ -213,21 +221,23 @@ def _join_in_thread(tmp_path: Path) -> tuple[threading.Thread, dict[str, Any]]:
 
     thread = threading.Thread(target=join)
     thread.start()
-    return thread, result
+    assert poll_started.wait(timeout=60)
+
+    def joined() -> SharedOffloadRegion:
+        thread.join(timeout=60)
+        assert "error" not in result, result
+        region: SharedOffloadRegion = result["region"]
+        return region
+
+    return path, fd, joined
 
 
 def test_joiner_waits_for_creator_to_size_file(
     tmp_path: Path, poll_started: threading.Event
 ) -> None:
-    path = SharedOffloadRegion.region_path("inst", tmp_path)
-    # A creator that has created the file but not sized it yet.
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    thread, result = _join_in_thread(tmp_path)
-    assert poll_started.wait(timeout=60)
+    path, fd, joined = _join_while_creator_holds_stub(tmp_path, poll_started)
     os.ftruncate(fd, 4 * -(-3000 // PAGE) * PAGE)
-    thread.join(timeout=60)
-    assert "error" not in result, result
-    region = result["region"]
+    region = joined()
     assert not region.is_creator
     region.cleanup()
     # A joiner never removes the file.
@@ -238,16 +248,11 @@ def test_joiner_waits_for_creator_to_size_file(
 def test_joiner_recreates_after_creator_gave_up(
     tmp_path: Path, poll_started: threading.Event
 ) -> None:
-    path = SharedOffloadRegion.region_path("inst", tmp_path)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    thread, result = _join_in_thread(tmp_path)
-    assert poll_started.wait(timeout=60)
+    path, fd, joined = _join_while_creator_holds_stub(tmp_path, poll_started)
     # The creator failed: it unlinks its stub. The waiting process must not hang on it.
     os.unlink(path)
     os.close(fd)
-    thread.join(timeout=60)
-    assert "error" not in result, result
-    region = result["region"]
+    region = joined()
     assert region.is_creator
     assert os.path.getsize(path) == region.total_bytes
     region.cleanup()

@@ -63,6 +63,18 @@ CTX_A = ReqContext(req_id="a")
 CTX_B = ReqContext(req_id="b")
 
 
+def hold_probe(mgr: SetLookup, k: OffloadKey) -> threading.Event:
+    """Look ``k`` up for request a and end the step; return once the probe thread holds it.
+
+    The probe stays in ``batch_lookup`` until the returned gate is set.
+    """
+    gate = mgr.gate = threading.Event()
+    mgr.lookup(k, CTX_A)
+    mgr.flush()
+    assert mgr.entered.wait(WAIT_S)
+    return gate
+
+
 def test_new_key_returns_none(mgr: SetLookup) -> None:
     assert mgr.lookup(key(1), CTX_A) is None
     assert mgr.lookup(key(1), CTX_A) is None  # still unresolved: nothing flushed
@@ -148,15 +160,12 @@ def test_cleanup_before_flush_cancels_the_probe(mgr: SetLookup) -> None:
 
 
 def test_in_flight_probe_survives_cleanup(mgr: SetLookup) -> None:
-    mgr.gate = threading.Event()
-    mgr.lookup(key(1), CTX_A)
-    mgr.flush()
-    assert mgr.entered.wait(WAIT_S)
+    gate = hold_probe(mgr, key(1))
     mgr.cleanup("a")
     assert mgr.num_tracked_keys == 1, "in-flight probe dropped"
     # A later request shares the in-flight probe instead of starting another.
     assert mgr.lookup(key(1), CTX_B) is None
-    mgr.gate.set()
+    gate.set()
     assert mgr.wait_idle(WAIT_S)
     assert mgr.lookup(key(1), CTX_B) is True
     mgr.flush()
@@ -165,25 +174,19 @@ def test_in_flight_probe_survives_cleanup(mgr: SetLookup) -> None:
 
 
 def test_orphaned_in_flight_result_is_dropped(mgr: SetLookup) -> None:
-    mgr.gate = threading.Event()
-    mgr.lookup(key(1), CTX_A)
-    mgr.flush()
-    assert mgr.entered.wait(WAIT_S)
+    gate = hold_probe(mgr, key(1))
     mgr.cleanup("a")
-    mgr.gate.set()
+    gate.set()
     assert mgr.wait_idle(WAIT_S)
     mgr.flush()  # applies the result: nobody wants it any more
     assert mgr.num_tracked_keys == 0
 
 
 def test_stale_result_is_discarded_after_mark_miss(mgr: SetLookup) -> None:
-    mgr.gate = threading.Event()
-    mgr.lookup(key(1), CTX_A)  # present: the probe would answer True
-    mgr.flush()
-    assert mgr.entered.wait(WAIT_S)
+    gate = hold_probe(mgr, key(1))  # present: the probe would answer True
     mgr.mark_miss([key(1)])
     assert mgr.lookup(key(1), CTX_A) is False
-    mgr.gate.set()
+    gate.set()
     assert mgr.wait_idle(WAIT_S)
     assert mgr.lookup(key(1), CTX_A) is False, "a superseded probe overwrote mark_miss"
 
@@ -230,12 +233,9 @@ def test_wrong_result_length_is_a_miss(mgr: SetLookup, caplog: pytest.LogCapture
 
 
 def test_wait_idle_times_out_while_busy(mgr: SetLookup) -> None:
-    mgr.gate = threading.Event()
-    mgr.lookup(key(1), CTX_A)
-    mgr.flush()
-    assert mgr.entered.wait(WAIT_S)
+    gate = hold_probe(mgr, key(1))
     assert mgr.wait_idle(0.01) is False
-    mgr.gate.set()
+    gate.set()
     assert mgr.wait_idle(WAIT_S) is True
 
 

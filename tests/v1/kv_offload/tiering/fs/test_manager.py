@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs import block_io
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
@@ -79,12 +80,29 @@ def _gate_method(
 ) -> None:
     real = getattr(obj, name)
 
-    def gated(*args: Any) -> Any:
+    def gated(*args: Any, **kwargs: Any) -> Any:
         started.set()
         assert release.wait(30), "test gate never released"
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(obj, name, gated)
+
+
+def _submit_held(
+    monkeypatch: pytest.MonkeyPatch,
+    tier: FileSystemSecondaryTier,
+    j: JobMetadata,
+    started: threading.Event,
+    release: threading.Event,
+) -> JobMetadata:
+    """Submit ``j`` with every I/O of its direction held by the gate; return once one started.
+
+    The I/O thread that took ``j`` stays busy until ``release`` is set.
+    """
+    _gate_method(monkeypatch, tier._store, "load" if j.is_promotion else "store", started, release)
+    (tier.submit_load if j.is_promotion else tier.submit_store)(j)
+    assert started.wait(10)
+    return j
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,10 +587,7 @@ def test_blocks_being_loaded_are_never_evicted(
     tier = make_tier(max_bytes=2 * FILE_SIZE, n_read_threads=1, n_write_threads=1)
     a, b, c = key_of(0), key_of(1), key_of(2)
     assert store(tier, primary, [a, b], [0, 1])  # a is the least recently used block
-    _gate_method(monkeypatch, tier._store, "load", started, release)
-    load_job = job([a], [8], load=True)
-    tier.submit_load(load_job)
-    assert started.wait(10)
+    load_job = _submit_held(monkeypatch, tier, job([a], [8], load=True), started, release)
     # a is pinned by the held load: storing c evicts b instead (on the other I/O thread).
     primary.fill(2, c)
     store_c = job([c], [2], load=False)
@@ -597,10 +612,7 @@ def test_store_fails_when_only_pinned_blocks_could_be_evicted(
     tier = make_tier(max_bytes=FILE_SIZE, n_read_threads=1, n_write_threads=1)
     a, b = key_of(0), key_of(1)
     assert store(tier, primary, [a], [0])
-    _gate_method(monkeypatch, tier._store, "load", started, release)
-    load_job = job([a], [8], load=True)
-    tier.submit_load(load_job)
-    assert started.wait(10)
+    load_job = _submit_held(monkeypatch, tier, job([a], [8], load=True), started, release)
     primary.fill(1, b)
     store_b = job([b], [1], load=False)
     tier.submit_store(store_b)
@@ -627,14 +639,11 @@ def test_drain_jobs_waits_for_in_flight_work(
 ) -> None:
     started, release = gate
     tier = make_tier()
-    _gate_method(monkeypatch, tier._store, "store", started, release)
-    j = job([key_of(1)], [0], load=False)
-    tier.submit_store(j)
+    j = _submit_held(monkeypatch, tier, job([key_of(1)], [0], load=False), started, release)
     assert tier.has_pending_work()
     drained = threading.Event()
     drainer = threading.Thread(target=lambda: (tier.drain_jobs(), drained.set()))
     drainer.start()
-    assert started.wait(10)
     assert not drained.wait(0.2)
     release.set()
     drainer.join(10)
@@ -652,16 +661,10 @@ def test_shutdown_discards_queued_tasks_and_reports_them_failed(
     tier = make_tier(n_read_threads=1, n_write_threads=1)
     keys = [key_of(i) for i in range(4)]
     assert store(tier, primary, keys[:2], [0, 1])
-    _gate_method(monkeypatch, tier._store, "load", started, release)
-    running = job([keys[0]], [4], load=True)
-    tier.submit_load(running)
-    assert started.wait(10)
+    running = _submit_held(monkeypatch, tier, job([keys[0]], [4], load=True), started, release)
     # Park the other I/O thread on a store, so that everything submitted next stays queued.
-    store_started = threading.Event()
-    _gate_method(monkeypatch, tier._store, "store", store_started, release)
     parked = job([keys[2]], [2], load=False)
-    tier.submit_store(parked)
-    assert store_started.wait(10)
+    _submit_held(monkeypatch, tier, parked, threading.Event(), release)
     queued = [job([keys[1]], [5], load=True), job([keys[3]], [3], load=False)]
     for j in queued:
         (tier.submit_load if j.is_promotion else tier.submit_store)(j)
@@ -780,22 +783,13 @@ def test_scan_never_blocks_the_scheduler(
     monkeypatch: pytest.MonkeyPatch,
     gate: tuple[threading.Event, threading.Event],
 ) -> None:
-    from vllm.v1.kv_offload.tiering.fs import manager as manager_mod
-
     started, release = gate
     spec = make_spec()
     first = FileSystemSecondaryTier(spec, primary.view, "fs", root_dir=str(root), min_free_bytes=0)
     key = key_of(1)
     assert store(first, primary, [key], [0])
     first.shutdown()
-    real_scan = manager_mod.scan_rank_dir
-
-    def slow_scan(*args: Any, **kwargs: Any) -> Any:
-        started.set()
-        assert release.wait(30)
-        return real_scan(*args, **kwargs)
-
-    monkeypatch.setattr(manager_mod, "scan_rank_dir", slow_scan)
+    _gate_method(monkeypatch, fs_manager, "scan_rank_dir", started, release)
     tier = FileSystemSecondaryTier(
         spec, primary.view, "fs", root_dir=str(root), min_free_bytes=0, n_read_threads=1,
         n_write_threads=1,
