@@ -42,7 +42,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import HandlerFactory
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
@@ -93,8 +92,9 @@ class EngineCore:
     """The engine: scheduler, GPU block pool, worker ranks and the offloading connector.
 
     Args:
-        config: the engine's settings.
-        handler_factory: builds each rank's transfer handlers (default: the CPU tier's).
+        config: the engine's settings. ``kv_connector_extra_config`` selects the offloading spec,
+            which builds both the scheduler-side manager and each rank's transfer handlers (an
+            out-of-tree spec: ``spec_name`` + ``spec_module_path``).
         event_sink: receives each published, msgpack-encoded ``KVEventBatch``.
     """
 
@@ -102,7 +102,6 @@ class EngineCore:
         self,
         config: EngineConfig,
         *,
-        handler_factory: HandlerFactory | None = None,
         event_sink: Callable[[bytes], None] | None = None,
     ) -> None:
         self.config = config
@@ -131,7 +130,7 @@ class EngineCore:
                     hash_block_size=self._hash_block_size,
                 )
             for rank in range(config.tensor_parallel_size):
-                self.workers.append(Worker(config, rank, self.spec, handler_factory))
+                self.workers.append(Worker(config, rank, self.spec))
         except BaseException:
             self.shutdown()
             raise

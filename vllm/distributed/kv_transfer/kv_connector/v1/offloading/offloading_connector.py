@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    HandlerFactory,
     OffloadingConnectorWorker,
 )
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
@@ -53,8 +52,9 @@ class OffloadingConnector:
         rank: the worker rank (worker role only).
         hash_block_size: tokens per hashed block of ``Request.block_hashes`` (scheduler role;
             default: the gcd of the GPU block sizes).
-        handler_factory: builds a worker's transfer handlers (worker role; see
-            ``OffloadingConnectorWorker``).
+
+    The spec builds both halves' medium-specific parts: the manager (``spec.get_manager``) on
+    the scheduler side, each rank's transfer handlers (``spec.get_handlers``) on the worker side.
     """
 
     def __init__(
@@ -64,7 +64,6 @@ class OffloadingConnector:
         *,
         rank: int = 0,
         hash_block_size: int | None = None,
-        handler_factory: HandlerFactory | None = None,
     ) -> None:
         self.spec = spec
         self.role = role
@@ -74,7 +73,7 @@ class OffloadingConnector:
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = OffloadingConnectorScheduler(spec, hash_block_size=hash_block_size)
         else:
-            self._worker = OffloadingConnectorWorker(spec, rank, handler_factory)
+            self._worker = OffloadingConnectorWorker(spec, rank)
 
     @staticmethod
     def create_spec(
