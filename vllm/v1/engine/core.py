@@ -48,6 +48,7 @@ from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
 from vllm.v1.engine.stats import EngineStats, StepRecord
 from vllm.v1.engine.worker import Worker, WorkerOutput
+from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
@@ -310,6 +311,19 @@ class EngineCore:
     def connector_stats(self) -> dict[str, int | float]:
         """The connector's and manager's counters (empty without offloading)."""
         return self.connector.get_stats() if self.connector is not None else {}
+
+    def tier_stats(self) -> list[TierStats]:
+        """Point-in-time reports of the secondary tiers, in lookup order (empty without
+        offloading or secondary tiers; see ``OffloadingSpec.get_tier_stats``)."""
+        return self.connector.get_tier_stats() if self.connector is not None else []
+
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the secondary tiers finished their start-up work (e.g. the fs tier's scan
+        of what is already on disk); False if ``timeout_s`` expired first. For reports, before
+        the first request; True without offloading."""
+        if self.connector is None:
+            return True
+        return self.connector.wait_for_tiers_ready(timeout_s)
 
     def _publish_events(self, events: list[KVCacheEvent]) -> None:
         self.stats.events_published += 1

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingManager
+from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingManager, TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
@@ -187,3 +187,28 @@ class OffloadingSpec(ABC):
             Any error of acquiring the handlers' resources; the spec releases whatever it had
             acquired before raising, so a caller that gets an exception has nothing to close.
         """
+
+    def get_tier_stats(self) -> list[TierStats]:
+        """Point-in-time reports of the secondary tiers behind the primary tier, in lookup order.
+
+        Scheduler side: the tiers are those of the manager ``get_manager`` built (none before it
+        is built); tiers that report nothing (``SecondaryTierManager.get_stats`` returns None)
+        are left out. Called between steps, on the scheduler thread; no side effect.
+        Default: ``[]`` (a spec without secondary tiers).
+        """
+        return []
+
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until every secondary tier finished its start-up work (e.g. indexing what is
+        already stored), so that ``get_tier_stats`` reports it.
+
+        Not for the step path: for reports and tests, before the first request. Scheduler side,
+        after ``get_manager``.
+
+        Args:
+            timeout_s: the longest wait, over all tiers; None waits without bound.
+
+        Returns:
+            False if ``timeout_s`` expired first. Default: True (nothing to wait for).
+        """
+        return True

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from typing_extensions import override
 
+from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig, SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import cpu_worker_handlers, open_shared_region
@@ -65,6 +67,23 @@ class TieringOffloadingSpec(OffloadingSpec):
         """The rank's GPU <-> CPU handlers over its slot of the shared region (see
         ``cpu_worker_handlers``)."""
         return cpu_worker_handlers(self, kv_caches, rank)
+
+    def _secondary_tiers(self) -> tuple[SecondaryTierManager, ...]:
+        return () if self._manager is None else self._manager.secondary_tiers
+
+    @override
+    def get_tier_stats(self) -> list[TierStats]:
+        reports = (tier.get_stats() for tier in self._secondary_tiers())
+        return [report for report in reports if report is not None]
+
+    @override
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for tier in self._secondary_tiers():
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not tier.wait_until_ready(left):
+                return False
+        return True
 
     def _with_events(self, tier_config: SecondaryTierConfig) -> Mapping[str, Any]:
         """The tier's config entry, with ``enable_events`` filled in from the spec.

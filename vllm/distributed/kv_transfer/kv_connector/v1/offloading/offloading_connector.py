@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
+from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
@@ -151,6 +152,18 @@ class OffloadingConnector:
     def get_stats(self) -> dict[str, int | float]:
         """Connector and manager counters (scheduler role)."""
         return self.connector_scheduler.get_stats()
+
+    def get_tier_stats(self) -> list[TierStats]:
+        """Point-in-time reports of the spec's secondary tiers, in lookup order (scheduler role;
+        see ``OffloadingSpec.get_tier_stats``)."""
+        assert self._scheduler is not None, "not the scheduler-side connector"
+        return self.spec.get_tier_stats()
+
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the secondary tiers finished their start-up work; False on timeout
+        (scheduler role; see ``OffloadingSpec.wait_for_tiers_ready``)."""
+        assert self._scheduler is not None, "not the scheduler-side connector"
+        return self.spec.wait_for_tiers_ready(timeout_s)
 
     # -----------------------------------------------------------------------------------------
     # Worker side
