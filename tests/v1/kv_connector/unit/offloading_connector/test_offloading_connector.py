@@ -231,7 +231,7 @@ def test_a_load_failed_on_one_rank_only_is_recomputed(tmp_path: Path) -> None:
     """Rank 0 fails the load at once; rank 1 succeeds two steps later: the failure is kept
     until the load is finished on both ranks, then the blocks are recomputed."""
 
-    def factory(real: WorkerHandlers, rank: int) -> WorkerHandlers:
+    def wrap(real: WorkerHandlers, rank: int) -> WorkerHandlers:
         wrapped = []
         for src, dst, handler in real.registrations:
             if src is CPULoadStoreSpec:  # loads only
@@ -248,7 +248,7 @@ def test_a_load_failed_on_one_rank_only_is_recomputed(tmp_path: Path) -> None:
 
     prompt = [random.Random(15).randrange(1000) for _ in range(80)]
     config = make_config(tmp_path, tensor_parallel_size=2)
-    with EngineCore(with_handlers(config, factory)) as engine:
+    with EngineCore(with_handlers(config, wrap)) as engine:
         expected = engine.generate({"warm": prompt}, 3)["warm"]
         engine.kv_cache_manager.reset_prefix_cache()
         assert engine.generate({"again": prompt}, 3)["again"] == expected
