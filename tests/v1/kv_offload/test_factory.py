@@ -12,11 +12,12 @@ from tests.v1.kv_offload.utils import make_run_info
 from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec, cpu_worker_handlers
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 
 RUN = make_run_info(4096, instance_id="spec-factory")
 
@@ -27,6 +28,10 @@ class PlainCustomSpec(OffloadingSpec):
     @override
     def get_manager(self) -> OffloadingManager:
         return CPUOffloadingManager(self.num_primary_blocks)
+
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        return cpu_worker_handlers(self, kv_caches, rank)
 
 
 class EventsCustomSpec(PlainCustomSpec):

@@ -35,14 +35,15 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.scheduler import RequestOutput
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.base import TierStats
 
 PROG = "vllm-kv-offload"
 IDLE_TIMEOUT_S = 600.0
 """Longest wait for in-flight transfers after the last output before the run gives up."""
 SCAN_TIMEOUT_S = 120.0
 """Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
+FS_TIER_TYPE = "fs"
+"""Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
 
 _GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
 
@@ -59,7 +60,7 @@ def extra_config(opts: RunOptions) -> dict[str, Any]:
         return cfg
     cfg["spec_name"] = "TieringOffloadingSpec"
     tier: dict[str, Any] = {
-        "type": "fs",
+        "type": FS_TIER_TYPE,
         "root_dir": str(opts.fs_root),
         "n_read_threads": opts.fs_read_threads,
         "n_write_threads": opts.fs_write_threads,
@@ -88,17 +89,9 @@ def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
     )
 
 
-def find_fs_tier(engine: EngineCore) -> FileSystemSecondaryTier | None:
-    """The engine's fs tier, if its connector has one."""
-    if engine.connector is None:
-        return None
-    manager = engine.connector.connector_scheduler.manager
-    if not isinstance(manager, TieringOffloadingManager):
-        return None
-    for tier in manager.secondary_tiers:
-        if isinstance(tier, FileSystemSecondaryTier):
-            return tier
-    return None
+def fs_tier_stats(engine: EngineCore) -> TierStats | None:
+    """The engine's fs tier's report (``EngineCore.tier_stats``), if its connector has one."""
+    return next((s for s in engine.tier_stats() if s.tier_type == FS_TIER_TYPE), None)
 
 
 @dataclass
@@ -110,14 +103,12 @@ class StepSampler:
 
     Attributes:
         t0: ``time.monotonic()`` at the start of the run.
-        fs_tier: the run's fs tier (its counters give the CPU <-> fs bytes).
         samples: the samples so far.
         overhead_us: scheduler-side connector + manager time per busy step (microseconds).
         worker_overhead_us: worker-side connector time per busy step (microseconds).
     """
 
     t0: float
-    fs_tier: FileSystemSecondaryTier | None = None
     samples: list[StepSample] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     worker_overhead_us: list[float] = field(default_factory=list)
@@ -133,9 +124,10 @@ class StepSampler:
                 direction = _GPU_DIRECTIONS.get(name)
                 if direction is not None:
                     moved[direction.value] += n
-        if self.fs_tier is not None:
-            counters = self.fs_tier.stats()
-            row_bytes = self.fs_tier.block_file_size
+        fs = fs_tier_stats(engine)  # its counters give the CPU <-> fs bytes
+        if fs is not None:
+            counters = fs.counters
+            row_bytes = fs.block_bytes
             written, loaded = counters.get("blocks_written", 0), counters.get("blocks_loaded", 0)
             moved[Direction.CPU_TO_FS.value] = (written - self._fs_written) * row_bytes
             moved[Direction.FS_TO_CPU.value] = (loaded - self._fs_loaded) * row_bytes
@@ -222,11 +214,10 @@ async def serve(
     """Serve ``workload`` on a fresh engine and return what the run measured."""
     label = "offload" if offload else "baseline"
     engine = EngineCore(engine_config(opts, offload))
-    fs_tier = find_fs_tier(engine) if offload else None
     result = RunResult(label=label, offload=offload, num_requests=workload.num_requests)
     if offload and opts.fs_root is not None:
         result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
-    sampler = StepSampler(t0=time.monotonic(), fs_tier=fs_tier)
+    sampler = StepSampler(t0=time.monotonic())
     log = _ClientLog()
     done = 0
 
@@ -278,11 +269,12 @@ async def serve(
 
 def _fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
     # Engine thread, before the first request: (blocks, bytes) the fs tier found on disk.
-    tier = find_fs_tier(engine)
-    if tier is None or tier.wait_for_scan(SCAN_TIMEOUT_S) is None:
+    if not engine.wait_for_tiers_ready(SCAN_TIMEOUT_S):
         return 0, 0
-    usage = tier.usage()
-    return usage.num_blocks, usage.used_bytes
+    fs = fs_tier_stats(engine)
+    if fs is None:
+        return 0, 0
+    return fs.num_blocks, fs.used_bytes
 
 
 @dataclass(frozen=True)
@@ -297,16 +289,14 @@ class _Snapshot:
 
 def _snapshot(engine: EngineCore) -> _Snapshot:
     # Engine thread: copy everything the report needs before the engine shuts down.
-    tier = find_fs_tier(engine)
-    stats = engine.stats
-    usage = tier.usage() if tier is not None else None
+    fs = fs_tier_stats(engine)
     return _Snapshot(
-        engine_stats=stats,
+        engine_stats=engine.stats,
         connector=dict(engine.connector_stats()),
-        fs_counters=tier.stats() if tier is not None else {},
-        fs_blocks=usage.num_blocks if usage is not None else 0,
-        fs_bytes=usage.used_bytes if usage is not None else 0,
-        fs_file_bytes=tier.block_file_size if tier is not None else 0,
+        fs_counters=dict(fs.counters) if fs is not None else {},
+        fs_blocks=fs.num_blocks if fs is not None else 0,
+        fs_bytes=fs.used_bytes if fs is not None else 0,
+        fs_file_bytes=fs.block_bytes if fs is not None else 0,
     )
 
 

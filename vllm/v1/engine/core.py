@@ -42,13 +42,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import HandlerFactory
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
 from vllm.v1.engine.stats import EngineStats, StepRecord
 from vllm.v1.engine.worker import Worker, WorkerOutput
+from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
@@ -93,8 +93,9 @@ class EngineCore:
     """The engine: scheduler, GPU block pool, worker ranks and the offloading connector.
 
     Args:
-        config: the engine's settings.
-        handler_factory: builds each rank's transfer handlers (default: the CPU tier's).
+        config: the engine's settings. ``kv_connector_extra_config`` selects the offloading spec,
+            which builds both the scheduler-side manager and each rank's transfer handlers (an
+            out-of-tree spec: ``spec_name`` + ``spec_module_path``).
         event_sink: receives each published, msgpack-encoded ``KVEventBatch``.
     """
 
@@ -102,7 +103,6 @@ class EngineCore:
         self,
         config: EngineConfig,
         *,
-        handler_factory: HandlerFactory | None = None,
         event_sink: Callable[[bytes], None] | None = None,
     ) -> None:
         self.config = config
@@ -131,7 +131,7 @@ class EngineCore:
                     hash_block_size=self._hash_block_size,
                 )
             for rank in range(config.tensor_parallel_size):
-                self.workers.append(Worker(config, rank, self.spec, handler_factory))
+                self.workers.append(Worker(config, rank, self.spec))
         except BaseException:
             self.shutdown()
             raise
@@ -311,6 +311,19 @@ class EngineCore:
     def connector_stats(self) -> dict[str, int | float]:
         """The connector's and manager's counters (empty without offloading)."""
         return self.connector.get_stats() if self.connector is not None else {}
+
+    def tier_stats(self) -> list[TierStats]:
+        """Point-in-time reports of the secondary tiers, in lookup order (empty without
+        offloading or secondary tiers; see ``OffloadingSpec.get_tier_stats``)."""
+        return self.connector.get_tier_stats() if self.connector is not None else []
+
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the secondary tiers finished their start-up work (e.g. the fs tier's scan
+        of what is already on disk); False if ``timeout_s`` expired first. For reports, before
+        the first request; True without offloading."""
+        if self.connector is None:
+            return True
+        return self.connector.wait_for_tiers_ready(timeout_s)
 
     def _publish_events(self, events: list[KVCacheEvent]) -> None:
         self.stats.events_published += 1

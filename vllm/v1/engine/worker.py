@@ -28,7 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import HandlerFactory
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.model import (
@@ -101,8 +100,8 @@ class Worker:
     Args:
         config: the engine's settings.
         rank: this rank.
-        spec: the offloading spec (None: no connector).
-        handler_factory: passed to the connector's worker half.
+        spec: the offloading spec (None: no connector); it builds the rank's transfer handlers
+            (``OffloadingSpec.get_handlers``) when the connector registers the KV caches.
     """
 
     def __init__(
@@ -110,7 +109,6 @@ class Worker:
         config: EngineConfig,
         rank: int,
         spec: OffloadingSpec | None = None,
-        handler_factory: HandlerFactory | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -132,9 +130,7 @@ class Worker:
         self._requests: dict[str, _RequestState] = {}
         self.connector: OffloadingConnector | None = None
         if spec is not None:
-            self.connector = OffloadingConnector(
-                spec, KVConnectorRole.WORKER, rank=rank, handler_factory=handler_factory
-            )
+            self.connector = OffloadingConnector(spec, KVConnectorRole.WORKER, rank=rank)
             self.connector.register_kv_caches(canonical_kv_caches(self.kv_caches))
 
     def _update_states(self, so: SchedulerOutput) -> None:

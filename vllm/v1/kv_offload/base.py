@@ -4,8 +4,10 @@ This module defines the vocabulary shared by the scheduler side and the worker s
 
 * ``OffloadKey``: the identity of one offloaded block (block hash + KV-cache group).
 * ``ReqContext`` / ``RequestOffloadingContext``: per-request state handed to managers.
-* ``LoadStoreSpec`` and its subclasses: where a transfer reads or writes, per medium.
+* ``LoadStoreSpec`` and its subclasses: where a transfer reads or writes, per medium (the CPU
+  tier's is in ``vllm.v1.kv_offload.mediums``).
 * ``PrepareStoreOutput`` / ``OffloadingEvent``: results of manager calls.
+* ``TierStats``: a secondary tier's occupancy and counters, for reports.
 * ``OffloadingManager``: the scheduler-side ABC that decides what is offloaded and where.
 
 Everything here is pure bookkeeping; no method in this module blocks or moves bytes.
@@ -243,6 +245,27 @@ class OffloadingEvent:
     keys: list[OffloadKey]
     medium: str
     removed: bool
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A point-in-time report of one secondary tier, for reports and monitoring.
+
+    Attributes:
+        tier_type: the type name the tier was registered under (e.g. ``"fs"``).
+        num_blocks: blocks the tier holds now.
+        used_bytes: bytes those blocks occupy on the tier's medium.
+        block_bytes: bytes one block occupies on the medium (e.g. a block file: header and one
+            primary row); 0 if blocks have no fixed size there.
+        counters: the tier's cumulative counters by name (tier-defined, e.g. ``"blocks_written"``);
+            a copy, owned by the caller.
+    """
+
+    tier_type: str
+    num_blocks: int
+    used_bytes: int
+    block_bytes: int
+    counters: Mapping[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""``OffloadingSpec``: what one engine run offloads, and the object that builds its managers.
+"""``OffloadingSpec``: what one engine run offloads, and the object that builds both its sides.
 
 A spec combines the parsed ``kv_connector_extra_config`` (``OffloadingConfig``) with the facts
 of the run that fix the bytes of a block (``KVCacheRunInfo``: model, dtype, KV layout, block
-sizes, parallel sizes). Specs build the scheduler-side manager; worker-side objects are built by
-the worker from the same spec.
+sizes, parallel sizes). The same spec builds the scheduler side (``get_manager``: which blocks
+live where) and each worker's side (``get_handlers``: the transfer handlers that move the bytes of
+the jobs the manager issues), so a medium's two halves are chosen together and the connector
+between them never names a medium.
 """
 
 from __future__ import annotations
@@ -11,10 +13,16 @@ from __future__ import annotations
 import math
 import mmap
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingManager, TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.worker.worker import OffloadingHandler
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -73,8 +81,40 @@ class KVCacheRunInfo:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+HandlerRegistration = tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]
+"""``(src spec class, dst spec class, handler)``: the handler serving one direction of transfers
+(upstream vLLM's ``get_handlers`` yields the same triples)."""
+
+
+def _no_op() -> None:
+    pass
+
+
+@dataclass
+class WorkerHandlers:
+    """A worker rank's transfer handlers, and how to release what they were built on.
+
+    Returned by ``OffloadingSpec.get_handlers``; owned from then on by the caller (the connector's
+    worker half), which shuts every registered handler down, drops its references to them, and
+    only then calls ``close`` (exactly once).
+
+    Attributes:
+        registrations: one handler per ``(src spec class, dst spec class)`` direction.
+        close: releases the resources the handlers used (e.g. this rank's mapping of the shared
+            host region); called after every handler is shut down. Default: nothing to release.
+    """
+
+    registrations: list[HandlerRegistration]
+    close: Callable[[], None] = field(default=_no_op)
+
+
 class OffloadingSpec(ABC):
-    """Sizes the offloaded blocks of a run and builds its scheduler-side manager.
+    """Sizes the offloaded blocks of a run and builds both of its sides.
+
+    ``get_manager`` builds the scheduler side (one manager per engine), ``get_handlers`` the
+    worker side (once per worker rank, over the rank's KV caches). The jobs the manager issues
+    name ``LoadStoreSpec`` classes; the handlers ``get_handlers`` registers must serve exactly
+    those ``(src, dst)`` pairs.
 
     Attributes:
         config: the parsed ``kv_connector_extra_config``.
@@ -118,4 +158,57 @@ class OffloadingSpec(ABC):
 
     @abstractmethod
     def get_manager(self) -> OffloadingManager:
-        """Return the scheduler-side manager (created on first call, then cached)."""
+        """Return the scheduler-side manager (created on first call, then cached).
+
+        The connector's scheduler half owns the manager and shuts it down.
+        """
+
+    @abstractmethod
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        """Build worker ``rank``'s transfer handlers over its KV caches.
+
+        Called once per worker rank, in the worker, when the connector's worker half registers
+        the rank's KV caches (upstream vLLM: ``get_handlers(kv_caches, attn_backends)``). Runs
+        after the scheduler side's ``get_manager`` when both live in one process, but must not
+        rely on it: a worker process has a spec of its own.
+
+        Args:
+            kv_caches: the rank's GPU KV caches in canonical form. Borrowed: the worker owns the
+                tensors and keeps them alive until the connector is shut down.
+            rank: the worker's rank, in ``[0, run.world_size)``.
+
+        Returns:
+            One registration per ``(src, dst)`` direction the manager issues jobs for, and a
+            ``close`` callback. Ownership passes to the caller: it shuts every registered handler
+            down (which waits for transfers in flight), drops them, then calls ``close`` once.
+
+        Raises:
+            ValueError: ``rank`` is out of range or the caches do not fit the spec.
+            Any error of acquiring the handlers' resources; the spec releases whatever it had
+            acquired before raising, so a caller that gets an exception has nothing to close.
+        """
+
+    def get_tier_stats(self) -> list[TierStats]:
+        """Point-in-time reports of the secondary tiers behind the primary tier, in lookup order.
+
+        Scheduler side: the tiers are those of the manager ``get_manager`` built (none before it
+        is built); tiers that report nothing (``SecondaryTierManager.get_stats`` returns None)
+        are left out. Called between steps, on the scheduler thread; no side effect.
+        Default: ``[]`` (a spec without secondary tiers).
+        """
+        return []
+
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until every secondary tier finished its start-up work (e.g. indexing what is
+        already stored), so that ``get_tier_stats`` reports it.
+
+        Not for the step path: for reports and tests, before the first request. Scheduler side,
+        after ``get_manager``.
+
+        Args:
+            timeout_s: the longest wait, over all tiers; None waits without bound.
+
+        Returns:
+            False if ``timeout_s`` expired first. Default: True (nothing to wait for).
+        """
+        return True

@@ -1,27 +1,11 @@
-"""Transfer descriptors of the CPU primary tier."""
+"""Transfer descriptors of the CPU primary tier.
+
+The definitions live in the medium-neutral ``vllm.v1.kv_offload.mediums`` (so that the connector
+can name them without importing the CPU tier); they are re-exported here for existing imports.
+"""
 
 from __future__ import annotations
 
-from typing_extensions import override
+from vllm.v1.kv_offload.mediums import CPU_MEDIUM, CPULoadStoreSpec
 
-from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec
-
-CPU_MEDIUM = "CPU"
-"""Medium name of the CPU primary tier, as used in specs and ``OffloadingEvent.medium``."""
-
-
-class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
-    """CPU blocks of a transfer.
-
-    Attributes:
-        block_ids: 1-D, C-contiguous ``int64`` array of row indices into the CPU region (the shared
-            host buffer of ``num_blocks`` rows, one row per offloaded block), in the order of the
-            keys of the manager call that produced the spec. Row ``i`` spans bytes
-            ``[i * row_bytes, (i + 1) * row_bytes)`` of the region. Owned by the spec; callers
-            must not mutate it.
-    """
-
-    @staticmethod
-    @override
-    def medium() -> str:
-        return CPU_MEDIUM
+__all__ = ["CPU_MEDIUM", "CPULoadStoreSpec"]

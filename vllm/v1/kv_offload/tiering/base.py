@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    TierStats,
 )
 
 if TYPE_CHECKING:
@@ -179,6 +180,30 @@ class SecondaryTierManager(ABC):
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Yield the tier's events since the last call; only drains. Default: nothing."""
         return ()
+
+    def get_stats(self) -> TierStats | None:
+        """Return a point-in-time report of the tier (occupancy and cumulative counters).
+
+        For reports and monitoring (``OffloadingSpec.get_tier_stats``): called on the scheduler
+        thread, between steps, possibly after every step, so it must be cheap and must not block
+        on I/O; no side effect. Default: None (the tier reports nothing).
+        """
+        return None
+
+    def wait_until_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the tier's start-up work has ended (e.g. indexing the blocks it already
+        holds), so that ``get_stats`` counts them.
+
+        A tier serves requests while that work runs; this is only for reports and tests that need
+        the start-up state, and is never called on the step path.
+
+        Args:
+            timeout_s: the longest wait; None waits without bound.
+
+        Returns:
+            False if ``timeout_s`` expired first. Default: True (nothing to wait for).
+        """
+        return True
 
     def shutdown(self) -> None:  # noqa: B027
         """Stop the tier's threads and release its resources. Default: no-op."""

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from typing_extensions import override
 
+from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig, SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.kv_offload.cpu.spec import cpu_worker_handlers, open_shared_region
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
+from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,10 @@ class TieringOffloadingSpec(OffloadingSpec):
     """Builds a ``TieringOffloadingManager``: CPU primary tier + configured secondary tiers.
 
     The scheduler side creates the shared region (``rank=None``) in ``config.shared_region_dir``,
-    named after ``run.instance_id``; workers join the same file with their rank.
+    named after ``run.instance_id``, and hands it to the primary tier, which owns it (cleans it
+    up at shutdown); workers join the same file with their rank (``get_handlers``, the same
+    GPU <-> CPU handlers as ``CPUOffloadingSpec``). Secondary tiers never touch GPU memory, so
+    they have no worker side.
 
     Args:
         config: the parsed ``kv_connector_extra_config``.
@@ -55,6 +62,29 @@ class TieringOffloadingSpec(OffloadingSpec):
             self._manager = self._build_manager()
         return self._manager
 
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        """The rank's GPU <-> CPU handlers over its slot of the shared region (see
+        ``cpu_worker_handlers``)."""
+        return cpu_worker_handlers(self, kv_caches, rank)
+
+    def _secondary_tiers(self) -> tuple[SecondaryTierManager, ...]:
+        return () if self._manager is None else self._manager.secondary_tiers
+
+    @override
+    def get_tier_stats(self) -> list[TierStats]:
+        reports = (tier.get_stats() for tier in self._secondary_tiers())
+        return [report for report in reports if report is not None]
+
+    @override
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for tier in self._secondary_tiers():
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not tier.wait_until_ready(left):
+                return False
+        return True
+
     def _with_events(self, tier_config: SecondaryTierConfig) -> Mapping[str, Any]:
         """The tier's config entry, with ``enable_events`` filled in from the spec.
 
@@ -70,19 +100,8 @@ class TieringOffloadingSpec(OffloadingSpec):
 
     def _build_manager(self) -> TieringOffloadingManager:
         """Create region, primary and tiers in order; on failure undo in reverse order."""
-        region = SharedOffloadRegion(
-            instance_id=self.run.instance_id,
-            num_blocks=self.num_primary_blocks,
-            worker_page_bytes=self.worker_page_bytes,
-            num_workers=self.run.world_size,
-            rank=None,
-            directory=self.config.shared_region_dir,
-            join_timeout_s=self.config.shared_region_join_timeout_s,
-        )
+        region = open_shared_region(self, rank=None)
         try:
-            assert region.row_bytes == self.row_bytes, (
-                f"shared region rows of {region.row_bytes} bytes, spec expects {self.row_bytes}"
-            )
             primary = CPUPrimaryTierOffloadingManager(
                 self.num_primary_blocks,
                 region,

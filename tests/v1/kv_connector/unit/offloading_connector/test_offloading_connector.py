@@ -19,6 +19,7 @@ import pytest
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
     ChaosHandler,
     EventCollector,
+    HandlerWrapper,
     baseline,
     chaos_factory,
     cpu_ref_counts,
@@ -27,6 +28,7 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
     make_config,
     random_tokens,
     run_multi_turn,
+    with_handlers,
 )
 from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -36,16 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    HandlerFactory,
-    WorkerHandlers,
-    default_cpu_handlers,
-)
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.model import KVLayout
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.spec import OffloadingSpec
-from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
+from vllm.v1.kv_offload.mediums import CPULoadStoreSpec
+from vllm.v1.kv_offload.spec import WorkerHandlers
 
 
 def _assert_clean_end(engine: EngineCore) -> None:
@@ -159,12 +155,11 @@ def _every(n: int) -> Callable[[int], bool]:
     return lambda job_id: next(count) % n == 0
 
 
-def _chaos_with_failures(seed: int) -> HandlerFactory:
+def _chaos_with_failures(seed: int) -> HandlerWrapper:
     """Delays of up to 3 polls, 5 % random failures per rank, plus, whatever the timing, every
     3rd load failing on rank 0 only and every 4th store failing on rank 1 only."""
 
-    def factory(spec: OffloadingSpec, caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        real = default_cpu_handlers(spec, caches, rank)
+    def wrap(real: WorkerHandlers, rank: int) -> WorkerHandlers:
         rng = random.Random(seed * 10 + rank)
         wrapped = []
         for src, dst, handler in real.registrations:
@@ -176,7 +171,7 @@ def _chaos_with_failures(seed: int) -> HandlerFactory:
         real.registrations = wrapped
         return real
 
-    return factory
+    return wrap
 
 
 def _settle_secondary_tiers_after_every_step(engine: EngineCore) -> None:
@@ -217,7 +212,7 @@ def test_multi_turn_through_cpu_and_fs_tiers_under_chaos(tmp_path: Path) -> None
 
     expected = baseline(tmp_path, workload, **geometry)
     config = make_config(tmp_path, cpu_blocks=20, fs=True, **geometry)
-    with EngineCore(config, handler_factory=_chaos_with_failures(14)) as engine:
+    with EngineCore(with_handlers(config, _chaos_with_failures(14))) as engine:
         _settle_secondary_tiers_after_every_step(engine)
         assert workload(engine, delete_some_files) == expected
         stats = engine.stats
@@ -236,8 +231,7 @@ def test_a_load_failed_on_one_rank_only_is_recomputed(tmp_path: Path) -> None:
     """Rank 0 fails the load at once; rank 1 succeeds two steps later: the failure is kept
     until the load is finished on both ranks, then the blocks are recomputed."""
 
-    def factory(spec: OffloadingSpec, caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        real = default_cpu_handlers(spec, caches, rank)
+    def wrap(real: WorkerHandlers, rank: int) -> WorkerHandlers:
         wrapped = []
         for src, dst, handler in real.registrations:
             if src is CPULoadStoreSpec:  # loads only
@@ -254,7 +248,7 @@ def test_a_load_failed_on_one_rank_only_is_recomputed(tmp_path: Path) -> None:
 
     prompt = [random.Random(15).randrange(1000) for _ in range(80)]
     config = make_config(tmp_path, tensor_parallel_size=2)
-    with EngineCore(config, handler_factory=factory) as engine:
+    with EngineCore(with_handlers(config, wrap)) as engine:
         expected = engine.generate({"warm": prompt}, 3)["warm"]
         engine.kv_cache_manager.reset_prefix_cache()
         assert engine.generate({"again": prompt}, 3)["again"] == expected
@@ -304,6 +298,6 @@ def test_random_configurations_under_chaos(tmp_path: Path, seed: int) -> None:
         max_delay_polls=rng.choice([0, 2, 5]),
         failure_rate=rng.choice([0.0, 0.05, 0.2]),
     )
-    with EngineCore(config, handler_factory=factory) as engine:
+    with EngineCore(with_handlers(config, factory)) as engine:
         assert workload(engine, between) == expected
         _assert_clean_end(engine)

@@ -26,6 +26,7 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
     random_tokens,
     run_multi_turn,
     spy_on_manager,
+    with_handlers,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
@@ -46,7 +47,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
+from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.request import Request, RequestStatus
 
 
@@ -155,7 +157,7 @@ def test_store_jobs_cover_newly_full_blocks_once(tmp_path: Path) -> None:
 def test_load_runs_before_forward_after_deferred_stores(tmp_path: Path) -> None:
     log = TransferLog()
     config = make_config(tmp_path)
-    with EngineCore(config, handler_factory=chaos_factory(log=log)) as engine:
+    with EngineCore(with_handlers(config, chaos_factory(log=log))) as engine:
         mark_forward(engine, log)
         metas = capture_metadata(engine)
         rng = random.Random(3)
@@ -199,7 +201,7 @@ def test_load_runs_before_forward_after_deferred_stores(tmp_path: Path) -> None:
 
 def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
     factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
-    with EngineCore(make_config(tmp_path), handler_factory=factory) as engine:
+    with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         prompt = random_tokens(random.Random(4), 96)
         engine.generate({"warm": prompt}, max_tokens=1)
         engine.kv_cache_manager.reset_prefix_cache()
@@ -221,7 +223,7 @@ def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
 
 def test_abort_while_loading_keeps_blocks_until_the_load_is_reported(tmp_path: Path) -> None:
     factory = chaos_factory(min_delay_polls=4, max_delay_polls=4)
-    with EngineCore(make_config(tmp_path), handler_factory=factory) as engine:
+    with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         prompt = random_tokens(random.Random(5), 80)
         engine.generate({"warm": prompt}, max_tokens=1)
         engine.kv_cache_manager.reset_prefix_cache()
@@ -265,7 +267,7 @@ def test_preemption_flushes_pending_stores(tmp_path: Path, flush: bool) -> None:
     log = TransferLog()
     factory = chaos_factory(min_delay_polls=2, max_delay_polls=2, log=log)
     config = make_config(tmp_path, num_gpu_blocks=24, cpu_blocks=256)
-    with EngineCore(config, handler_factory=factory) as engine:
+    with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
         mark_forward(engine, log)
         if not flush:
@@ -299,7 +301,7 @@ def test_fence_flushes_a_finished_requests_store_when_its_block_is_reused(
     log = TransferLog()
     factory = chaos_factory(min_delay_polls=1000, max_delay_polls=1000, log=log)
     config = make_config(tmp_path, num_gpu_blocks=9, max_num_seqs=2)
-    with EngineCore(config, handler_factory=factory) as engine:
+    with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
         mark_forward(engine, log)
         rng = random.Random(7)
@@ -331,7 +333,7 @@ def test_fence_flushes_a_finished_requests_store_when_its_block_is_reused(
 def test_fence_at_update_state_after_alloc(tmp_path: Path) -> None:
     factory = chaos_factory(min_delay_polls=1000, max_delay_polls=1000)
     config = make_config(tmp_path, num_gpu_blocks=8, max_num_seqs=1)
-    with EngineCore(config, handler_factory=factory) as engine:
+    with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
         rng = random.Random(8)
         engine.add_request("a", random_tokens(rng, 64), 1)  # 5 blocks, 4 stored
@@ -358,7 +360,7 @@ def test_fence_at_update_state_after_alloc(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tiers", ["cpu", "fs"])
 def test_on_schedule_end_once_per_build_connector_meta(tmp_path: Path, tiers: str) -> None:
     config = make_config(tmp_path, num_gpu_blocks=32, cpu_blocks=24, fs=tiers == "fs")
-    with EngineCore(config, handler_factory=chaos_factory(max_delay_polls=2)) as engine:
+    with EngineCore(with_handlers(config, chaos_factory(max_delay_polls=2))) as engine:
         log = spy_on_manager(engine)
         run_multi_turn(engine, seed=9, num_sessions=4, turns=3)
         for _ in range(3):  # idle steps drain events only
@@ -392,7 +394,7 @@ def test_reset_cache_flushes_in_flight_jobs_and_ignores_their_completions(
     tmp_path: Path,
 ) -> None:
     factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
-    with EngineCore(make_config(tmp_path), handler_factory=factory) as engine:
+    with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         metas = capture_metadata(engine)
         rng = random.Random(10)
         prompt = random_tokens(rng, 96)
@@ -422,7 +424,7 @@ def test_no_lookup_until_every_pre_reset_job_is_reported(tmp_path: Path) -> None
     """After a reset, lookups (which can start promotions into freshly freed rows that a
     pre-reset copy still touches) wait until every worker reported every pre-reset job."""
     factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
-    with EngineCore(make_config(tmp_path, fs=True), handler_factory=factory) as engine:
+    with EngineCore(with_handlers(make_config(tmp_path, fs=True), factory)) as engine:
         metas = capture_metadata(engine)
         rng = random.Random(12)
         first = random_tokens(rng, 96)
@@ -565,6 +567,10 @@ class ScriptedSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         return self.manager
 
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        raise NotImplementedError("scheduler-side tests only")
+
 
 def _scheduler(
     block_sizes: tuple[int, ...] = (16,), block_size: int | None = None
@@ -662,7 +668,7 @@ def test_load_job_specs_are_group_major_with_block_indices() -> None:
 
 def test_request_id_is_not_reused_while_its_transfers_run(tmp_path: Path) -> None:
     factory = chaos_factory(min_delay_polls=4, max_delay_polls=4)
-    with EngineCore(make_config(tmp_path), handler_factory=factory) as engine:
+    with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         rng = random.Random(13)
         engine.add_request("a", random_tokens(rng, 96), 1)
         while engine.has_unfinished_requests():

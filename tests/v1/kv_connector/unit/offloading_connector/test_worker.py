@@ -18,13 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
-    WorkerHandlers,
 )
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.worker import canonical_kv_caches
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from vllm.v1.kv_offload.spec import WorkerHandlers
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult
 
@@ -69,6 +68,26 @@ class RecordingHandler(OffloadingHandler):
 _TYPES = {"store": ("GPU", "CPU"), "load": ("CPU", "GPU")}
 
 
+class RecordingSpec(CPUOffloadingSpec):
+    """The CPU spec, but its worker side serves the jobs with the two given handlers."""
+
+    def __init__(
+        self, base: CPUOffloadingSpec, store: RecordingHandler, load: RecordingHandler
+    ) -> None:
+        super().__init__(base.config, base.run)
+        self.store = store
+        self.load = load
+
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        return WorkerHandlers(
+            [
+                (GPULoadStoreSpec, CPULoadStoreSpec, self.store),
+                (CPULoadStoreSpec, GPULoadStoreSpec, self.load),
+            ]
+        )
+
+
 Harness = tuple[
     OffloadingConnectorWorker, RecordingHandler, RecordingHandler, list[tuple[str, object]]
 ]
@@ -80,17 +99,9 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
     store = RecordingHandler("store", calls)
     load = RecordingHandler("load", calls)
 
-    def factory(spec: OffloadingSpec, caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        return WorkerHandlers(
-            [
-                (GPULoadStoreSpec, CPULoadStoreSpec, store),
-                (CPULoadStoreSpec, GPULoadStoreSpec, load),
-            ]
-        )
-
     with EngineCore(make_config(tmp_path)) as engine:
-        assert engine.spec is not None
-        worker = OffloadingConnectorWorker(engine.spec, 0, factory)
+        assert isinstance(engine.spec, CPUOffloadingSpec)
+        worker = OffloadingConnectorWorker(RecordingSpec(engine.spec, store, load), 0)
         worker.register_kv_caches(canonical_kv_caches(engine.workers[0].kv_caches))
         yield worker, store, load, calls
         worker.shutdown()

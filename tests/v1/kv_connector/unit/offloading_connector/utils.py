@@ -6,11 +6,16 @@ Test doubles here wrap REAL components:
   ``get_finished`` polls, or when ``wait`` asks for it) and can fail jobs on purpose (the real
   transfer is then skipped, so the destination keeps stale bytes). Running stores late is what
   makes a missing flush observable: the store would copy bytes that were overwritten meanwhile.
+* ``WrappedCPUOffloadingSpec`` / ``WrappedTieringOffloadingSpec`` are the real specs, but their
+  ``get_handlers`` passes each rank's real handlers through a ``HandlerWrapper`` (e.g.
+  ``chaos_factory``'s). ``with_handlers(config, wrapper)`` selects them the way an out-of-tree
+  spec is selected: ``spec_name`` + ``spec_module_path``.
 * ``ManagerSpy`` forwards every call to a real manager and logs its name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import random
@@ -29,15 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    HandlerFactory,
-    WorkerHandlers,
-    default_cpu_handlers,
-)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.spec import OffloadingSpec, WorkerHandlers
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
@@ -192,6 +194,60 @@ class ChaosHandler(OffloadingHandler):
         self.inner.shutdown()
 
 
+HandlerWrapper = Callable[[WorkerHandlers, int], WorkerHandlers]
+"""``(a rank's real handlers, rank) -> the handlers to register``; may wrap the registrations'
+handlers, must keep ``close`` (which releases what the real handlers were built on)."""
+
+# The wrapper of each engine, by ``EngineConfig.instance_id`` (which the spec sees as
+# ``run.instance_id``): a spec named in the config is built by the engine, so this is how the
+# test's wrapper reaches it. Entries live as long as the test process (a few small closures).
+_WRAPPERS: dict[str, HandlerWrapper] = {}
+
+_WRAPPED_SPECS = {
+    "CPUOffloadingSpec": "WrappedCPUOffloadingSpec",
+    "TieringOffloadingSpec": "WrappedTieringOffloadingSpec",
+}
+
+
+def _wrapped_handlers(spec: OffloadingSpec, real: WorkerHandlers, rank: int) -> WorkerHandlers:
+    wrap = _WRAPPERS[spec.run.instance_id]
+    try:
+        return wrap(real, rank)
+    except BaseException:
+        for _, _, handler in real.registrations:
+            handler.shutdown()
+        real.close()
+        raise
+
+
+class WrappedCPUOffloadingSpec(CPUOffloadingSpec):
+    """``CPUOffloadingSpec`` whose real handlers go through the engine's ``HandlerWrapper``."""
+
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        return _wrapped_handlers(self, super().get_handlers(kv_caches, rank), rank)
+
+
+class WrappedTieringOffloadingSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` whose real handlers go through the engine's ``HandlerWrapper``."""
+
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        return _wrapped_handlers(self, super().get_handlers(kv_caches, rank), rank)
+
+
+def with_handlers(config: EngineConfig, wrapper: HandlerWrapper) -> EngineConfig:
+    """``config``, with its spec replaced by the ``Wrapped*`` test spec of the same kind, so that
+    every rank's real handlers go through ``wrapper`` (the engine builds the spec from the config
+    as it would an out-of-tree one: ``spec_name`` + ``spec_module_path``)."""
+    extra = dict(config.kv_connector_extra_config or {})
+    assert extra, "with_handlers needs a config with offloading"
+    extra["spec_name"] = _WRAPPED_SPECS[extra.get("spec_name", "CPUOffloadingSpec")]
+    extra["spec_module_path"] = __name__
+    _WRAPPERS[config.instance_id] = wrapper
+    return dataclasses.replace(config, kv_connector_extra_config=extra)
+
+
 def chaos_factory(
     seed: int = 0,
     max_delay_polls: int = 0,
@@ -199,11 +255,11 @@ def chaos_factory(
     log: TransferLog | None = None,
     fail_job: Callable[[int], bool] | None = None,
     min_delay_polls: int = 0,
-) -> HandlerFactory:
-    """A handler factory wrapping each rank's real CPU handlers in ``ChaosHandler`` s."""
+) -> HandlerWrapper:
+    """A handler wrapper putting each rank's real handlers behind ``ChaosHandler`` s (inject it
+    with ``with_handlers``)."""
 
-    def factory(spec: OffloadingSpec, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        real = default_cpu_handlers(spec, kv_caches, rank)
+    def wrap(real: WorkerHandlers, rank: int) -> WorkerHandlers:
         rng = random.Random(seed * 1000 + rank)
         real.registrations = [
             (
@@ -217,7 +273,7 @@ def chaos_factory(
         ]
         return real
 
-    return factory
+    return wrap
 
 
 # ---------------------------------------------------------------------------------------------

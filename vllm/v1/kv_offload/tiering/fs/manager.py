@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    TierStats,
 )
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.fs.block_file import file_size
@@ -291,6 +292,24 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         if not self._scan_done.wait(timeout):
             return None
         return self._scan_stats
+
+    @override
+    def get_stats(self) -> TierStats:
+        """Blocks and bytes of the capacity index, block file size and ``stats()`` counters."""
+        usage = self.usage()
+        return TierStats(
+            tier_type=self.tier_type,
+            num_blocks=usage.num_blocks,
+            used_bytes=usage.used_bytes,
+            block_bytes=self.block_file_size,
+            counters=self.stats(),
+        )
+
+    @override
+    def wait_until_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait for the start-up scan (``wait_for_scan``): the index then counts every block
+        file already on disk."""
+        return self.wait_for_scan(timeout_s) is not None
 
     def wait_lookups_idle(self, timeout: float | None = None) -> bool:
         """Block until the lookup thread processed every flushed batch (tests)."""

@@ -32,10 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    HandlerFactory,
     OffloadingConnectorWorker,
 )
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
+from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
@@ -53,8 +53,9 @@ class OffloadingConnector:
         rank: the worker rank (worker role only).
         hash_block_size: tokens per hashed block of ``Request.block_hashes`` (scheduler role;
             default: the gcd of the GPU block sizes).
-        handler_factory: builds a worker's transfer handlers (worker role; see
-            ``OffloadingConnectorWorker``).
+
+    The spec builds both halves' medium-specific parts: the manager (``spec.get_manager``) on
+    the scheduler side, each rank's transfer handlers (``spec.get_handlers``) on the worker side.
     """
 
     def __init__(
@@ -64,7 +65,6 @@ class OffloadingConnector:
         *,
         rank: int = 0,
         hash_block_size: int | None = None,
-        handler_factory: HandlerFactory | None = None,
     ) -> None:
         self.spec = spec
         self.role = role
@@ -74,7 +74,7 @@ class OffloadingConnector:
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = OffloadingConnectorScheduler(spec, hash_block_size=hash_block_size)
         else:
-            self._worker = OffloadingConnectorWorker(spec, rank, handler_factory)
+            self._worker = OffloadingConnectorWorker(spec, rank)
 
     @staticmethod
     def create_spec(
@@ -152,6 +152,18 @@ class OffloadingConnector:
     def get_stats(self) -> dict[str, int | float]:
         """Connector and manager counters (scheduler role)."""
         return self.connector_scheduler.get_stats()
+
+    def get_tier_stats(self) -> list[TierStats]:
+        """Point-in-time reports of the spec's secondary tiers, in lookup order (scheduler role;
+        see ``OffloadingSpec.get_tier_stats``)."""
+        assert self._scheduler is not None, "not the scheduler-side connector"
+        return self.spec.get_tier_stats()
+
+    def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the secondary tiers finished their start-up work; False on timeout
+        (scheduler role; see ``OffloadingSpec.wait_for_tiers_ready``)."""
+        assert self._scheduler is not None, "not the scheduler-side connector"
+        return self.spec.wait_for_tiers_ready(timeout_s)
 
     # -----------------------------------------------------------------------------------------
     # Worker side

@@ -18,8 +18,7 @@ written; deferring its submission to the next step keeps it off the critical pat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     JobId,
@@ -28,64 +27,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     ReqId,
     TransferJob,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.spec import OffloadingSpec, WorkerHandlers
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
-from vllm.v1.kv_offload.worker.worker import OffloadingHandler, OffloadingWorker
+from vllm.v1.kv_offload.worker.worker import OffloadingWorker
 
 logger = logging.getLogger(__name__)
-
-HandlerRegistration = tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]
-"""``(src spec class, dst spec class, handler)``: a handler for one direction."""
-
-
-def _no_op() -> None:
-    pass
-
-
-@dataclass
-class WorkerHandlers:
-    """A rank's transfer handlers and how to release what they were built on.
-
-    Attributes:
-        registrations: the handlers, one per ``(src spec class, dst spec class)``.
-        close: called once at shutdown, after every handler is shut down (e.g. to clean up the
-            shared host region the handlers copied through).
-    """
-
-    registrations: list[HandlerRegistration]
-    close: Callable[[], None] = field(default=_no_op)
-
-
-HandlerFactory = Callable[[OffloadingSpec, CanonicalKVCaches, int], WorkerHandlers]
-"""Builds a rank's handlers from the spec, its canonical KV caches and its rank."""
 
 
 class OffloadingConnectorWorker:
     """The worker-side half of the offloading connector (see the module docstring).
 
+    The handlers come from the spec (``OffloadingSpec.get_handlers``), built when the rank's KV
+    caches are registered; this half names no offload medium, it only routes each job to the
+    handler registered for its ``(src, dst)`` media. It owns the handlers from then on: ``shutdown``
+    shuts them down and then releases what they were built on (``WorkerHandlers.close``).
+
     Args:
         spec: the offloading spec (the same configuration as the scheduler side).
         rank: this worker's rank in ``[0, spec.run.world_size)``.
-        handler_factory: builds the handlers once the KV caches are registered. Default:
-            ``default_cpu_handlers``, the CPU tier's GPU <-> CPU handlers over this rank's slice
-            of the shared host region.
     """
 
     def __init__(
         self,
         spec: OffloadingSpec,
         rank: int = 0,
-        handler_factory: HandlerFactory | None = None,
     ) -> None:
         if not 0 <= rank < spec.run.world_size:
             raise ValueError(f"rank={rank} is outside [0, {spec.run.world_size})")
         self.spec = spec
         self.rank = rank
-        self._handler_factory = handler_factory or default_cpu_handlers
         self.worker = OffloadingWorker()
         self._handlers: WorkerHandlers | None = None
         # Loads in flight: job id -> (request, GPU blocks it writes, per group).
@@ -100,12 +71,28 @@ class OffloadingConnectorWorker:
     # -----------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
-        """Build and register the transfer handlers over this rank's canonical KV caches."""
+        """Build the transfer handlers over this rank's canonical KV caches (``spec.get_handlers``)
+        and register them.
+
+        Raises:
+            ValueError: two registrations serve the same pair of media; every handler is then
+                shut down and ``close``d before the error propagates.
+            Whatever ``spec.get_handlers`` raises (it released its own resources).
+        """
         assert self._handlers is None, "KV caches are already registered"
-        handlers = self._handler_factory(self.spec, kv_caches, self.rank)
+        handlers = self.spec.get_handlers(kv_caches, self.rank)
+        try:
+            for src_cls, dst_cls, handler in handlers.registrations:
+                self.worker.register_handler(src_cls, dst_cls, handler)
+        except BaseException:
+            # No job was submitted yet: shut each handler down once, then release the rest.
+            self.worker = OffloadingWorker()
+            for handler in {id(h): h for _, _, h in handlers.registrations}.values():
+                handler.shutdown()
+            handlers.registrations.clear()
+            handlers.close()
+            raise
         self._handlers = handlers
-        for src_cls, dst_cls, handler in handlers.registrations:
-            self.worker.register_handler(src_cls, dst_cls, handler)
 
     # -----------------------------------------------------------------------------------------
     # Per-step hooks
@@ -223,42 +210,3 @@ def _blocks_by_group(spec: GPULoadStoreSpec) -> dict[int, list[int]]:
             out[group] = ids[start : start + size]
         start += size
     return out
-
-
-def default_cpu_handlers(
-    spec: OffloadingSpec, kv_caches: CanonicalKVCaches, rank: int
-) -> WorkerHandlers:
-    """The CPU tier's handlers over this rank's slice of the shared host region.
-
-    The rank joins (or creates, if it comes first) the engine instance's region named after
-    ``spec.run.instance_id``, takes one view per canonical tensor from its slot of every row, and
-    serves ``GPU -> CPU`` (stores) and ``CPU -> GPU`` (loads). ``close`` cleans the region up
-    after the handlers are shut down.
-    """
-    region = SharedOffloadRegion(
-        instance_id=spec.run.instance_id,
-        num_blocks=spec.num_primary_blocks,
-        worker_page_bytes=spec.worker_page_bytes,
-        num_workers=spec.run.world_size,
-        rank=rank,
-        directory=spec.config.shared_region_dir,
-        join_timeout_s=spec.config.shared_region_join_timeout_s,
-    )
-    try:
-        cpu_gpu = CpuGpuOffloadingHandlers(kv_caches, spec.block_size_factors, region=region)
-    except BaseException:
-        region.cleanup()
-        raise
-
-    registrations: list[HandlerRegistration] = [
-        (GPULoadStoreSpec, CPULoadStoreSpec, cpu_gpu.gpu_to_cpu_handler),
-        (CPULoadStoreSpec, GPULoadStoreSpec, cpu_gpu.cpu_to_gpu_handler),
-    ]
-    owned = [cpu_gpu]
-
-    def close() -> None:
-        while owned:
-            owned.pop().shutdown()
-        region.cleanup()
-
-    return WorkerHandlers(registrations=registrations, close=close)
