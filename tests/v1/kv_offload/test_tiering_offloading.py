@@ -461,9 +461,10 @@ class TestTieringOffloadingManager:
         output = self.manager.prepare_store(to_keys([10, 11]), _CTX)
         assert output is not None
         assert output.keys_to_store == to_keys([10, 11])
-        assert output.evicted_keys == first[:2]
+        # The run is evicted tail first: its head stays reachable by prefix lookups.
+        assert output.evicted_keys == [first[4], first[3]]
         self.manager.complete_store(output.keys_to_store, _CTX)
-        assert count_hits(self.primary, first[2:]) == 3
+        assert count_hits(self.primary, first) == 3
         assert count_hits(self.primary, to_keys([10, 11])) == 2
 
     def test_cascade_pins_block_eviction(self) -> None:
@@ -485,7 +486,7 @@ class TestTieringOffloadingManager:
         # In the primary the touched keys are now the most recently used: others go first.
         output = self.manager.prepare_store(to_keys([20, 21, 22]), _CTX)
         assert output is not None
-        assert output.evicted_keys == keys[2:]
+        assert output.evicted_keys == [keys[4], keys[3], keys[2]]  # the untouched tail first
 
     # -- request lifecycle --------------------------------------------------------------------
 

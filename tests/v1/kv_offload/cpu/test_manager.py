@@ -132,23 +132,24 @@ def test_eviction_when_full(policy: str) -> None:
     list(manager.take_events())
     out = manager.prepare_store(ks(4, 5), CTX)
     assert out is not None
-    assert out.evicted_keys == ks(0, 1)
-    assert sorted(slots(out.store_spec)) == [0, 1]
-    assert manager.lookup(k(0), CTX) is False and manager.lookup(k(1), CTX) is False
+    # The run 0..3 is evicted tail first (see test_eviction_order.py).
+    assert out.evicted_keys == ks(3, 2)
+    assert sorted(slots(out.store_spec)) == [2, 3]
+    assert manager.lookup(k(3), CTX) is False and manager.lookup(k(2), CTX) is False
     assert list(manager.take_events()) == [
-        OffloadingEvent(keys=ks(0, 1), medium="CPU", removed=True)
+        OffloadingEvent(keys=ks(3, 2), medium="CPU", removed=True)
     ]
 
 
 def test_already_stored_block_not_evicted_during_prepare_store(policy: str) -> None:
     manager = CPUOffloadingManager(4, cache_policy=policy)
-    store(manager, 0, 1, 2, 3)  # 0 is the first eviction candidate of both policies
-    out = manager.prepare_store(ks(0, 4, 5), CTX)
+    store(manager, 0, 1, 2, 3)  # 3 (the run's tail) is the first eviction candidate of both
+    out = manager.prepare_store(ks(3, 4, 5), CTX)
     assert out is not None
     assert out.keys_to_store == ks(4, 5)
-    assert k(0) not in out.evicted_keys
-    assert out.evicted_keys == ks(1, 2)
-    assert manager.lookup(k(0), CTX) is True
+    assert k(3) not in out.evicted_keys
+    assert out.evicted_keys == ks(2, 1)
+    assert manager.lookup(k(3), CTX) is True
 
 
 def test_prepare_store_fails_when_only_requested_keys_are_evictable(policy: str) -> None:
@@ -326,20 +327,20 @@ def test_assertions_name_the_key(policy: str) -> None:
 
 def test_touch_changes_eviction_order(policy: str) -> None:
     manager = CPUOffloadingManager(3, cache_policy=policy)
-    store(manager, 0, 1, 2)
-    manager.touch(ks(0), CTX)
+    store(manager, 0, 1, 2)  # eviction order: 2, 1, 0 (tail first)
+    manager.touch(ks(2), CTX)
     out = manager.prepare_store(ks(3), CTX)
     assert out is not None and out.evicted_keys == ks(1)
 
 
 def test_released_block_is_most_recent(policy: str) -> None:
     manager = CPUOffloadingManager(3, cache_policy=policy)
-    store(manager, 0, 1, 2)
-    manager.prepare_load(ks(0), CTX)
-    manager.complete_load(ks(0), CTX)
+    store(manager, 0, 1, 2)  # eviction order: 2, 1, 0 (tail first)
+    manager.prepare_load(ks(2), CTX)
+    manager.complete_load(ks(2), CTX)
     out = manager.prepare_store(ks(3, 4), CTX)
-    assert out is not None and out.evicted_keys == ks(1, 2)
-    assert manager.lookup(k(0), CTX) is True
+    assert out is not None and out.evicted_keys == ks(1, 0)
+    assert manager.lookup(k(2), CTX) is True
 
 
 def test_arc_scan_resistance() -> None:

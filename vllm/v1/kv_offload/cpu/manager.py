@@ -15,7 +15,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
@@ -34,6 +34,12 @@ class CPUOffloadingManager(OffloadingManager):
     by ``n`` readers (``prepare_load`` without ``complete_load`` yet). Only ``ref_cnt == 0``
     blocks are ever evicted. The manager owns ``ref_cnt`` and reports every change of
     evictability to the cache policy (``mark_evictable`` / ``mark_non_evictable``).
+
+    Eviction order within a run: ``complete_store`` and ``complete_load`` hand the blocks they
+    make evictable to the policy last key first, so that the policy (LRU or ARC, both queue newly
+    evictable blocks at their most recently used end) evicts a run of blocks stored or read
+    together tail first, as vLLM's GPU prefix cache does: the head of a prefix stays reachable
+    while its tail goes.
 
     Every call costs O(keys given) amortised (``prepare_store``: plus the eviction's
     O(victims + keys)); nothing scans the cache except ``reset_cache``.
@@ -139,7 +145,8 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         policy = self._policy
         get = policy.get
-        for key in keys:
+        # Last key first, as in complete_store: a run released together is evicted tail first.
+        for key in reversed_keys(keys):
             block = get(key)
             assert block is not None, f"complete_load: key {key.hex()} is not offloaded"
             ref_cnt = block.ref_cnt
@@ -225,7 +232,10 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             mark_evictable = policy.mark_evictable
             stored: list[OffloadKey] = []
-            for key in keys:
+            # Last key first: blocks that become evictable together are queued tail first, so
+            # eviction takes a stored run's tail before its head. Evicting the head first
+            # (K0 of K0..Kn) would leave K1..Kn occupying rows that no prefix lookup reaches.
+            for key in reversed_keys(keys):
                 block = get(key)
                 # Ready blocks (and keys evicted or never stored) are left as they are.
                 if block is not None and block.ref_cnt < 0:
@@ -233,6 +243,7 @@ class CPUOffloadingManager(OffloadingManager):
                     mark_evictable(key)
                     stored.append(key)
             if stored:
+                stored.reverse()  # the event lists the keys in the caller's order
                 self._stores += len(stored)
                 if self._events is not None:
                     self._events.append(
