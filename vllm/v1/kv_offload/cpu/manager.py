@@ -110,7 +110,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        block = self._policy.get(key)
+        block = self._policy.lookup(key)  # not get: a miss may be a re-reference (ARC ghost)
         if block is None:
             self._misses += 1
             return False

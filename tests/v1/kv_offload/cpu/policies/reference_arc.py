@@ -22,6 +22,13 @@ class ReferenceARCCachePolicy(CachePolicy):
     ``_blocks`` maps every resident key to its status; T1 and T2 each keep an ordered dict of
     their evictable blocks; B1 and B2 are ordered dicts of ghost keys, oldest first, trimmed
     after every insert to the ARC paper's directory bounds.
+
+    Ghost hits (where this differs from the paper and from upstream vLLM, see ``ARCCachePolicy``):
+    whichever call first observes a ghost key being requested again (``touch``, ``lookup``, or
+    the ``insert`` of ``prepare_store``) adapts the target and moves the ghost to its list's most
+    recently used end; the ghost is then *seen* (``_seen``) and adapts no more. Inserting a
+    ghost key puts its block in T2 (the paper's cases II and III), adapting first if it was not
+    seen.
     """
 
     def __init__(self, cache_capacity: int) -> None:
@@ -30,9 +37,11 @@ class ReferenceARCCachePolicy(CachePolicy):
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
         self._t1_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self._t2_pinned: set[OffloadKey] = set()  # T2 blocks with ref_cnt > 0
+        # T2 blocks that are not evictable: pinned, or being written after a ghost hit.
+        self._t2_pinned: set[OffloadKey] = set()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._seen: set[OffloadKey] = set()  # ghosts whose re-reference was counted
         self.target_t1_size: float = 0.0
 
     # -- introspection (O(size): tests and debugging only) -----------------------------------
@@ -69,25 +78,41 @@ class ReferenceARCCachePolicy(CachePolicy):
         return self._blocks.get(key)
 
     @override
+    def lookup(self, key: OffloadKey) -> BlockStatus | None:
+        block = self._blocks.get(key)
+        if block is None:
+            self._ghost_hit(key)
+        return block
+
+    @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         blocks = self._blocks
         assert key not in blocks, f"insert: key {key.hex()} is already resident"
-        blocks[key] = block
-        if block.ref_cnt == 0:
-            self._t1_evictable[key] = block
-        # A resident key has no ghost; the adaptation for a ghost hit happened in touch().
         b1 = self._b1
         b2 = self._b2
-        if b1.pop(key, False) is False:
-            b2.pop(key, None)
+        blocks[key] = block
+        if key in b1 or key in b2:
+            # A ghost hit: adapt unless already counted, then the block joins T2.
+            if key not in self._seen:
+                self._adapt(key in b1)
+            self._seen.discard(key)
+            if b1.pop(key, False) is False:
+                del b2[key]
+            if block.ref_cnt == 0:
+                self._t2_evictable[key] = block
+            else:
+                self._t2_pinned.add(key)
+        elif block.ref_cnt == 0:
+            self._t1_evictable[key] = block
         # The directory bounds of the ARC paper: |T1| + |B1| <= c, then
         # |T1| + |T2| + |B1| + |B2| <= 2c, the oldest ghosts dropped first.
         capacity = self.cache_capacity
         t1_size = len(self.t1_keys)
+        seen = self._seen
         while b1 and t1_size + len(b1) > capacity:
-            b1.popitem(last=False)
+            seen.discard(b1.popitem(last=False)[0])
         while b2 and len(blocks) + len(b1) + len(b2) > 2 * capacity:
-            b2.popitem(last=False)
+            seen.discard(b2.popitem(last=False)[0])
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -117,18 +142,33 @@ class ReferenceARCCachePolicy(CachePolicy):
                 elif ref_cnt > 0:
                     # Pinned: promoted now, placed when its last reader unpins it.
                     self._t2_pinned.add(key)
-                # ref_cnt < 0: being written, stays in T1.
+                # ref_cnt < 0: being written, stays where it is.
                 continue
-            b1 = self._b1
-            b2 = self._b2
-            if key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
-                b1.move_to_end(key)
-            elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                b2.move_to_end(key)
+            self._ghost_hit(key)
+
+    def _ghost_hit(self, key: OffloadKey) -> None:
+        """Non-resident ``key`` is requested: the first time a ghost is seen, adapt."""
+        if key in self._seen:
+            return
+        if key in self._b1:
+            self._adapt(True)
+            self._b1.move_to_end(key)
+        elif key in self._b2:
+            self._adapt(False)
+            self._b2.move_to_end(key)
+        else:
+            return
+        self._seen.add(key)
+
+    def _adapt(self, in_b1: bool) -> None:
+        b1 = self._b1
+        b2 = self._b2
+        if in_b1:
+            delta = max(1.0, len(b2) / len(b1))
+            self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
+        else:
+            delta = max(1.0, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
 
     @override
     def evict(
@@ -200,6 +240,7 @@ class ReferenceARCCachePolicy(CachePolicy):
         self._t2_pinned.clear()
         self._b1.clear()
         self._b2.clear()
+        self._seen.clear()
         self.target_t1_size = 0.0
 
     @override

@@ -136,12 +136,31 @@ def test_adaptive_target() -> None:
     assert policy.target_t1_size == pytest.approx(2.0)
     assert ids(policy.b2_keys) == [2, 1, 3], "a ghost hit moves the ghost to its MRU end"
 
+    # A ghost adapts once: its re-reference was counted (a request deferred for several steps
+    # touches and looks its keys up again every step).
     for _ in range(5):
         policy.touch([k(0)])
-    assert policy.target_t1_size == 10.0, "capped at the capacity"
-    for _ in range(20):
-        policy.touch([k(1)])
+        policy.touch([k(3)])
+        assert policy.lookup(k(0)) is None
+    assert policy.target_t1_size == pytest.approx(2.0)
+    assert ids(policy.b2_keys) == [2, 1, 3]
+
+    policy.target_t1_size = 9.5
+    policy.touch([k(2)])  # B2 hit: - max(1, 1 / 3)
+    assert policy.target_t1_size == pytest.approx(8.5)
+    policy.target_t1_size = 0.5
+    policy.touch([k(1)])
     assert policy.target_t1_size == 0.0, "floored at 0"
+
+
+def test_target_is_capped_at_the_capacity() -> None:
+    policy = ARCCachePolicy(10)
+    make_t2(policy, 1, 2, 3)
+    insert_ready(policy, 0)
+    policy.evict(4, ())
+    policy.target_t1_size = 9.0
+    policy.touch([k(0)])  # B1 hit: + 3
+    assert policy.target_t1_size == 10.0
 
 
 def test_fractional_adaptation() -> None:
@@ -154,7 +173,7 @@ def test_fractional_adaptation() -> None:
     assert evicted_ids(policy.evict(1, ())) == [0]
     # |B1| = 3, |B2| = 1: a B1 hit adds max(1, 1/3) = 1, a B2 hit removes max(1, 3/1) = 3.
     policy.touch([k(1)])
-    policy.touch([k(1)])
+    policy.touch([k(2)])
     assert policy.target_t1_size == pytest.approx(2.0)
     policy.touch([k(0)])
     assert policy.target_t1_size == 0.0
@@ -166,10 +185,13 @@ def test_insert_removes_ghost() -> None:
     make_t2(policy, 1)
     policy.evict(2, ())
     assert ids(policy.b1_keys) == [0] and ids(policy.b2_keys) == [1]
-    policy.insert(k(0), BlockStatus(0))
-    policy.insert(k(1), BlockStatus(1))
+    policy.insert(k(0), BlockStatus(0))  # B1 hit: + max(1, |B2| / |B1|) = + 1
+    assert policy.target_t1_size == 1.0
+    policy.insert(k(1), BlockStatus(1))  # B2 hit: - max(1, |B1| / |B2|) = - 1
+    assert policy.target_t1_size == 0.0
     assert ids(policy.b1_keys) == [] and ids(policy.b2_keys) == []
-    assert sorted(ids(policy.t1_keys)) == [0, 1], "a re-inserted ghost starts again in T1"
+    # The paper's cases II and III: a block requested again after its eviction joins T2.
+    assert sorted(ids(policy.t2_keys)) == [0, 1] and not policy.t1_keys
 
 
 def assert_directory_bounds(policy: ARCCachePolicy) -> None:
@@ -223,13 +245,16 @@ def test_insert_many_keeps_the_bounds_of_one_insert_per_block() -> None:
         policy.touch([k(0)])
         assert evicted_ids(policy.evict(3, ())) == [1, 2, 3]
         assert ids(policy.b1_keys) == [1, 2, 3]
-    # Storing ghost 2 and two new keys: L1 grows by two, B1 loses ghost 2 and its oldest one.
+    # Storing ghost 2 and two new keys: ghost 2 moves to T2 (adapting), L1 grows by the two
+    # new keys and stays within c: B1 keeps its other ghosts.
     for i in (2, 20, 21):
         one_by_one.insert(k(i), BlockStatus(i))
     batched.insert_many([(k(i), BlockStatus(i)) for i in (2, 20, 21)])
     for policy in (one_by_one, batched):
-        assert ids(policy.b1_keys) == [3]
-        assert sorted(ids(policy.t1_keys)) == [2, 20, 21]
+        assert ids(policy.b1_keys) == [1, 3]
+        assert sorted(ids(policy.t1_keys)) == [20, 21]
+        assert sorted(ids(policy.t2_keys)) == [0, 2]
+        assert policy.target_t1_size == 1.0
         assert_directory_bounds(policy)
 
 
@@ -248,13 +273,13 @@ def test_a_batch_trims_as_one_insert_per_block_would() -> None:
             manager.complete_store(out.keys_to_store, ctx)
             manager.touch([k(i) for i in batch if i != 1], ctx)  # 1 stays in T1
         # Evicts 1 (to B1) and 2 (to B2): B1 = [1], B2 = [4, 3, 2], a full directory. Then
-        # stores new key 0 (the directory overflows: B2 drops 4) and B2 ghost 3 (L1 overflows:
-        # B1 drops 1).
+        # stores new key 0 (the directory overflows: B2 drops 4) and B2 ghost 3 (a ghost hit:
+        # it joins T2, so L1 does not grow and B1 keeps 1).
         assert manager.prepare_store([k(0), k(3)], ctx) is not None
         policy = manager.policy
         assert isinstance(policy, (ARCCachePolicy, ReferenceARCCachePolicy))
         states.append((ids(policy.b1_keys), ids(policy.b2_keys)))
-    assert states[0] == states[1] == ([], [2])
+    assert states[0] == states[1] == ([1], [2])
 
 
 def test_evict_skips_pinned_in_flight_and_protected() -> None:

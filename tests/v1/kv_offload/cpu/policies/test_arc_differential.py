@@ -4,10 +4,11 @@
 deletion and periodic compaction. Hypothesis drives it and ``ReferenceARCCachePolicy`` (ordered
 dicts, no laziness) through the same calls, the way the CPU manager makes them, and requires
 identical observable state after every step: list membership and order, target size, eviction
-results. Inserts first evict what they need, as the manager does, so at most ``capacity`` blocks
-are ever resident. Batched inserts (``insert_many``, which trims the ghost lists once per batch
-while the batch holds new keys only) are checked against one reference ``insert`` per block.
-The compaction slack is lowered so compaction runs all the time.
+results. Lookups are driven too: a lookup that misses on a ghost adapts the target, once per
+ghost, as touches and stores of ghost keys do. Inserts first evict what they need, as the manager
+does, so at most ``capacity`` blocks are ever resident. Batched inserts (``insert_many``, which
+trims the ghost lists once per batch while the batch holds new keys only) are checked against one
+reference ``insert`` per block. The compaction slack is lowered so compaction runs all the time.
 """
 
 from __future__ import annotations
@@ -120,6 +121,12 @@ class ARCDifferentialMachine(RuleBasedStateMachine):
         for policy in self._both():
             policy.touch(keys)
 
+    @rule(key=st.sampled_from(UNIVERSE))
+    def lookup(self, key: OffloadKey) -> None:
+        """A request's lookup: a miss on a ghost adapts the target (once per ghost)."""
+        fast, ref = self.fast.lookup(key), self.ref.lookup(key)
+        assert (fast is None) == (ref is None)
+
     @rule(n=st.integers(0, 5), protected=key_lists)
     def evict(self, n: int, protected: list[OffloadKey]) -> None:
         fast = self.fast.evict(n, set(protected))
@@ -228,8 +235,11 @@ def test_random_manager_walks_agree_with_the_reference(capacity: int) -> None:
                 for m in managers:
                     m.touch(batch, ctx)
             elif op < 0.9:
-                ready = [key for key in batch if managers[1].lookup(key, ctx)]
-                if ready and all(managers[0].lookup(key, ctx) for key in ready):
+                # Lookups adapt on ghosts: both managers look up exactly the same keys.
+                answers = [[m.lookup(key, ctx) for key in batch] for m in managers]
+                assert answers[0] == answers[1], seed
+                ready = [key for key, hit in zip(batch, answers[1], strict=True) if hit]
+                if ready:
                     for m in managers:
                         m.prepare_load(ready, ctx)
                     pinned.append(ready)

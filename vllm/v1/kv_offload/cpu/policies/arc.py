@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator
+from typing import cast
 
 from typing_extensions import override
 
@@ -14,6 +15,10 @@ _B1 = 1
 """``_entries`` value of a ghost in B1 (a small int: shared, never allocated per ghost)."""
 _B2 = -1
 """``_entries`` value of a ghost in B2."""
+_B1_SEEN = 2
+"""``_entries`` value of a ghost in B1 whose re-reference was already counted (adapted on)."""
+_B2_SEEN = -2
+"""``_entries`` value of a ghost in B2 whose re-reference was already counted."""
 
 
 class _LazyFIFO:
@@ -45,7 +50,11 @@ class _LazyFIFO:
         self.live -= 1
 
     def trim(self, excess: int, entries: dict[OffloadKey, BlockStatus | int], marker: int) -> None:
-        """Forget the ``excess`` oldest live ghosts (dropping their ``entries``)."""
+        """Forget the ``excess`` oldest live ghosts (dropping their ``entries``).
+
+        ``marker`` is the list's ghost value (``_B1`` or ``_B2``); a ghost may also hold twice
+        that value (seen).
+        """
         assert 0 <= excess <= self.live, f"trim {excess} of {self.live} ghosts"
         self.live -= excess
         keys = self.keys
@@ -62,7 +71,9 @@ class _LazyFIFO:
                     self.num_stale -= 1
                     continue
             ghost = entries.pop(key)
-            assert ghost == marker, f"ghost FIFO: key {key.hex()} maps to {ghost!r}"
+            assert ghost == marker or ghost == 2 * marker, (
+                f"ghost FIFO: key {key.hex()} maps to {ghost!r}"
+            )
             excess -= 1
 
     def maybe_compact(self, slack: int) -> None:
@@ -98,14 +109,16 @@ class ARCCachePolicy(CachePolicy):
 
     Lists:
         * T1: resident blocks seen once (inserted, not touched since they became ready).
-        * T2: resident blocks touched at least once while ready.
+        * T2: resident blocks touched at least once while ready, and blocks stored again after
+          a ghost hit (the paper moves a ghost-hit block to T2: it was requested twice).
         * B1 / B2: ghost lists, keys only, of blocks recently evicted from T1 / T2, oldest
           first. A resident key is never a ghost.
         * Directory bounds, those of the ARC paper (Megiddo and Modha, FAST 2003), with
           ``c = cache_capacity``: ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c``.
           Only an insert can break them: a new block joins T1, growing L1 = T1 + B1 and the
-          directory, while touch, evict, remove and the evictability hooks only move keys (T1
-          to T2, a victim to its ghost list) or drop them. After each inserted block the oldest
+          directory (a stored ghost key only moves from B1 or B2 to T2), while touch, evict,
+          remove and the evictability hooks only move keys (T1 to T2, a victim to its ghost
+          list) or drop them. After each inserted block the oldest
           ghost of B1, then of B2, is dropped until both bounds hold again; with at most ``c``
           resident blocks, B2 always has enough (``|T2| <= c``). So a cache that T1 fills
           keeps no B1 history (a scan leaves no ghosts behind), and the directory never holds
@@ -113,8 +126,20 @@ class ARCCachePolicy(CachePolicy):
           own, which lets a scan keep ``c`` ghosts, up to ``3c`` keys in all, and makes every
           stored block of a scan drop a cold ghost.)
         * ``target_t1_size``: the adaptive target size of T1, in ``[0, cache_capacity]``,
-          starting at 0. A touch that hits B1 (a block evicted too early from T1) raises it by
-          ``max(1, |B2| / |B1|)``; a touch that hits B2 lowers it by ``max(1, |B1| / |B2|)``.
+          starting at 0. A ghost hit in B1 (a block evicted too early from T1) raises it by
+          ``max(1, |B2| / |B1|)``; one in B2 lowers it by ``max(1, |B1| / |B2|)``.
+
+    Ghost hits: the paper adapts when a request misses on a ghost and then stores the block in
+    T2. Here a request reaches the tier through several calls (the connector may ``touch`` a
+    request's keys, then ``lookup`` them until the first miss, then ``prepare_store`` the
+    missing ones), and whichever of them first observes a ghost counts the hit: ``touch``,
+    ``lookup`` (a miss) and ``insert`` (through ``prepare_store``) all adapt. The first
+    observation marks the ghost *seen* (``_B1_SEEN`` / ``_B2_SEEN``) and moves it to its list's
+    most recently used end; later observations of a seen ghost do not adapt again, so one
+    re-reference seen by three calls (or by the lookups of a request deferred for several steps)
+    adapts once, as the paper's single miss does. Storing a ghost key places its block in T2.
+    (Upstream vLLM adapts on ``touch`` only, once per touch, and stores ghost keys in T1; with a
+    connector that touches only hit keys its target never moves.)
 
     Eviction takes from T1 while T1's size (shrinking virtually with every victim taken from it)
     is at least ``int(target_t1_size)``, else from T2, falling back to the other list when the
@@ -140,6 +165,7 @@ class ARCCachePolicy(CachePolicy):
       by lazy deletion (``_LazyFIFO``).
     * T2's evictable blocks: an ``OrderedDict``, least recently used first (touches move them).
       A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
+    * A ghost's *seen* state is its ``_entries`` value, so it costs no memory and no probe.
     * B1 / B2 order: a ``_LazyFIFO`` of keys per list, with lazy deletion counted like T1's
       (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
       pops from the left, skipping stale entries.
@@ -160,7 +186,9 @@ class ARCCachePolicy(CachePolicy):
         self._t1 = _LazyFIFO()  # T1's evictable blocks
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
         self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self._t2_pinned: set[OffloadKey] = set()  # T2 blocks with ref_cnt > 0
+        # T2 blocks that are not evictable: pinned (ref_cnt > 0), or being written after a
+        # ghost hit (ref_cnt -1).
+        self._t2_pinned: set[OffloadKey] = set()
         self._b1 = _LazyFIFO()
         self._b2 = _LazyFIFO()
         self.target_t1_size: float = 0.0
@@ -201,6 +229,15 @@ class ARCCachePolicy(CachePolicy):
         return entry if type(entry) is BlockStatus else None
 
     @override
+    def lookup(self, key: OffloadKey) -> BlockStatus | None:
+        entry = self._entries.get(key)
+        if type(entry) is BlockStatus:
+            return entry
+        if entry is not None:
+            self._ghost_hit(key, cast(int, entry))
+        return None
+
+    @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.insert_many(((key, block),))
 
@@ -209,16 +246,18 @@ class ARCCachePolicy(CachePolicy):
         entries = self._entries
         t1 = self._t1
         t1_append = t1.keys.append
+        t2_evictable = self._t2_evictable
         b1 = self._b1
         b2 = self._b2
         num_resident = self._num_resident
         # Every inserted block joins T1; nothing else in this call changes T1's size.
-        t1_size = num_resident - len(self._t2_evictable) - len(self._t2_pinned)
+        t1_size = num_resident - len(t2_evictable) - len(self._t2_pinned)
         # While the batch holds new keys only, one trim after the last block drops exactly the
         # ghosts one insert per block would (each block grows L1 and the directory by one, and
         # the oldest ghosts go first either way). A ghost key changes that: which ghosts the
-        # trims of the blocks before it dropped decides what it finds. From the first ghost on,
-        # the bounds are restored after every block, as insert() does.
+        # trims of the blocks before it dropped decides what it finds (and the list sizes its
+        # adaptation sees). From the first ghost on, the bounds are restored after every block,
+        # as insert() does.
         per_block = False
         for key, block in items:
             old = entries.get(key)
@@ -226,17 +265,25 @@ class ARCCachePolicy(CachePolicy):
                 per_block = True
                 self._bound_directory(t1_size, num_resident)
                 old = entries.get(key)  # the trim may have dropped this very ghost
-            entries[key] = block
-            num_resident += 1
-            t1_size += 1
-            if block.ref_cnt == 0:
-                t1_append(key)
-                t1.live += 1
-            if old is not None:
-                # A resident key has no ghost; the adaptation for a ghost hit happened in
-                # touch().
+            if old is None:  # a new key joins T1
+                entries[key] = block
+                t1_size += 1
+                if block.ref_cnt == 0:
+                    t1_append(key)
+                    t1.live += 1
+            else:
+                # A ghost hit (the paper's cases II and III): adapt unless an earlier call
+                # already counted this re-reference, and store the block in T2.
                 assert type(old) is int, f"insert: key {key.hex()} is already resident"
-                (b1 if old == _B1 else b2).leave(key)
+                if old in (_B1, _B2):
+                    self._adapt(old)
+                (b1 if old > 0 else b2).leave(key)
+                entries[key] = block
+                if block.ref_cnt == 0:
+                    t2_evictable[key] = block
+                else:
+                    self._t2_pinned.add(key)
+            num_resident += 1
             if per_block:
                 self._bound_directory(t1_size, num_resident)
         assert num_resident <= self.cache_capacity, (
@@ -283,23 +330,9 @@ class ARCCachePolicy(CachePolicy):
                 elif ref_cnt > 0:
                     # Pinned: promoted now, placed when its last reader unpins it.
                     self._t2_pinned.add(key)
-                # ref_cnt < 0: being written, stays in T1.
+                # ref_cnt < 0: being written, stays where it is (T1, or T2 after a ghost hit).
                 continue
-            b1 = self._b1
-            b2 = self._b2
-            if entry == _B1:  # B1 hit
-                delta = max(1.0, b2.live / b1.live)
-                self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
-                ghosts = b1
-            else:  # B2 hit
-                assert entry == _B2, f"touch: key {key.hex()} maps to {entry!r}"
-                delta = max(1.0, b1.live / b2.live)
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                ghosts = b2
-            # The ghost moves to its list's most recently used end.
-            ghosts.leave(key)
-            ghosts.append(key)
-            ghosts.maybe_compact(self._COMPACT_SLACK)
+            self._ghost_hit(key, cast(int, entry))
 
     @override
     def evict(
@@ -447,6 +480,33 @@ class ARCCachePolicy(CachePolicy):
         self._t1_leave(key)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _ghost_hit(self, key: OffloadKey, entry: int) -> None:
+        """A call observed ghost ``key`` (value ``entry``) being requested again.
+
+        The first observation adapts the target, marks the ghost seen and moves it to its
+        list's most recently used end; a seen ghost is left as it is.
+        """
+        if entry not in (_B1, _B2):
+            assert entry in (_B1_SEEN, _B2_SEEN), f"key {key.hex()} maps to {entry!r}"
+            return
+        self._adapt(entry)
+        ghosts = self._b1 if entry == _B1 else self._b2
+        self._entries[key] = 2 * entry  # seen
+        ghosts.leave(key)
+        ghosts.append(key)
+        ghosts.maybe_compact(self._COMPACT_SLACK)
+
+    def _adapt(self, entry: int) -> None:
+        """Move the target for a ghost hit in B1 (``entry == _B1``) or B2 (the paper's deltas)."""
+        b1_live = self._b1.live
+        b2_live = self._b2.live
+        if entry == _B1:
+            delta = max(1.0, b2_live / b1_live)
+            self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
+        else:
+            delta = max(1.0, b1_live / b2_live)
+            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
 
     def _bound_directory(self, t1_size: int, num_resident: int) -> None:
         """Drop the oldest ghosts of B1, then of B2, until ``|T1| + |B1| <= c`` and the

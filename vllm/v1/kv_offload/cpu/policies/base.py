@@ -85,6 +85,15 @@ class CachePolicy(ABC):
         Pure lookup: does not change recency.
         """
 
+    def lookup(self, key: OffloadKey) -> BlockStatus | None:
+        """``get`` on behalf of a request's lookup: the status of ``key``, or None.
+
+        The manager's ``lookup`` calls this instead of ``get`` because a lookup is a request
+        for the block: a policy with history (ARC) counts a miss on a key it evicted recently
+        as the re-reference it adapts on. Default: ``get``.
+        """
+        return self.get(key)
+
     @abstractmethod
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Add block ``key`` (not resident yet) at the most recently used position.

@@ -52,6 +52,14 @@ class LRUCachePolicy(CachePolicy):
         return block
 
     @override
+    def lookup(self, key: OffloadKey) -> BlockStatus | None:
+        # get's body, not a call to it: the manager's lookup is the hottest path.
+        block = self._evictable.get(key)
+        if block is None:
+            block = self._non_evictable.get(key)
+        return block
+
+    @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.insert_many(((key, block),))
 
