@@ -26,6 +26,8 @@ ALL_KEYS = (
     "shared_region_dir",
     "shared_region_join_timeout_s",
     "offload_prompt_only",
+    "store_threshold",
+    "max_tracker_size",
 )
 
 
@@ -55,6 +57,8 @@ def test_defaults() -> None:
         shared_region_dir="/dev/shm",
         shared_region_join_timeout_s=30.0,
         offload_prompt_only=False,
+        store_threshold=0,
+        max_tracker_size=64_000,
     )
     assert OffloadingConfig.allowed_keys() == ALL_KEYS
     assert parse_offloading_config({"cpu_bytes_to_use": 4096}) == cfg
@@ -232,6 +236,23 @@ def test_join_timeout_invalid(value: Any) -> None:
 @pytest.mark.parametrize("value", [1, 0, "true", None])
 def test_offload_prompt_only_invalid(value: Any) -> None:
     _bad("offload_prompt_only", value, "true or false")
+
+
+@pytest.mark.parametrize(("value", "expected"), [(0, 0), (1, 1), (2, 2), (3.0, 3)])
+def test_store_threshold_valid(value: Any, expected: int) -> None:
+    cfg = _parse(store_threshold=value, max_tracker_size=1e3)
+    assert cfg.store_threshold == expected and type(cfg.store_threshold) is int
+    assert cfg.max_tracker_size == 1000 and type(cfg.max_tracker_size) is int
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2", None, float("inf")])
+def test_store_threshold_invalid(value: Any) -> None:
+    _bad("store_threshold", value, "an integer >= 0")
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, False, "64000", None])
+def test_max_tracker_size_invalid(value: Any) -> None:
+    _bad("max_tracker_size", value, "an integer > 0")
 
 
 def test_unknown_key_with_suggestion() -> None:

@@ -34,6 +34,9 @@ BUILTIN_SPEC_NAMES: tuple[str, ...] = ("CPUOffloadingSpec", "TieringOffloadingSp
 BUILTIN_EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc")
 """Cache policies shipped in ``vllm.v1.kv_offload.cpu.policies``."""
 
+DEFAULT_MAX_TRACKER_SIZE = 64_000
+"""Upstream's default ``max_tracker_size`` of the reuse filter (``cpu/reuse_filter.py``)."""
+
 
 def _bad_value(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{_EXTRA_CONFIG}[{key!r}]={value!r} is invalid: expected {allowed}")
@@ -60,6 +63,23 @@ def _parse_positive_int(key: str, value: Any) -> int:
         raise _bad_value(key, value, _POSITIVE_INT)
     if as_int <= 0:
         raise _bad_value(key, value, _POSITIVE_INT)
+    return as_int
+
+
+_NON_NEGATIVE_INT = "an integer >= 0 (an integral float such as 2.0 is accepted; bools are not)"
+
+
+def _parse_non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise _bad_value(key, value, _NON_NEGATIVE_INT)
+    if isinstance(value, int):
+        as_int = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        as_int = int(value)
+    else:
+        raise _bad_value(key, value, _NON_NEGATIVE_INT)
+    if as_int < 0:
+        raise _bad_value(key, value, _NON_NEGATIVE_INT)
     return as_int
 
 
@@ -221,6 +241,11 @@ class OffloadingConfig:
         shared_region_join_timeout_s: how long a process waits for the region's creator.
         offload_prompt_only: store only blocks made entirely of prompt tokens, not blocks that
             hold generated tokens (those are rarely shared by another request).
+        store_threshold: the reuse filter (upstream's key and default): with 2 or more, a block
+            is stored in the CPU tier only from its ``store_threshold``-th offer on, so one-off
+            prompts cost no write bandwidth; 0 (default) or 1 stores every block offered.
+        max_tracker_size: most block keys whose offers the reuse filter counts (upstream's
+            default 64,000); ignored without the filter.
     """
 
     # fmt: off
@@ -233,6 +258,8 @@ class OffloadingConfig:
     shared_region_dir: str = field(default="/dev/shm", metadata=_key(_parse_directory, _DIRECTORY))
     shared_region_join_timeout_s: float = field(default=30.0, metadata=_key(_parse_positive_seconds, _POSITIVE_SECONDS))  # noqa: E501
     offload_prompt_only: bool = field(default=False, metadata=_key(_parse_bool, _BOOL))
+    store_threshold: int = field(default=0, metadata=_key(_parse_non_negative_int, _NON_NEGATIVE_INT))  # noqa: E501
+    max_tracker_size: int = field(default=DEFAULT_MAX_TRACKER_SIZE, metadata=_key(_parse_positive_int, _POSITIVE_INT))  # noqa: E501
     # fmt: on
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
+from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreReuseFilter
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
 
@@ -53,7 +54,8 @@ class CPUOffloadingManager(OffloadingManager):
     Statistics (``get_stats``), cumulative since construction or the last ``reset_cache``:
     ``hits`` / ``misses`` (lookups answering True / False; an in-flight block's None counts as
     neither), ``stores`` (blocks made ready), ``failed_stores`` (blocks dropped by a failed
-    store), ``evictions``, and the gauges ``num_blocks``, ``used_blocks``, ``usage``.
+    store), ``evictions``, ``stores_skipped`` (only with the reuse filter on: new blocks it
+    declined to store), and the gauges ``num_blocks``, ``used_blocks``, ``usage``.
 
     After an ``AssertionError`` (a violated precondition, i.e. a caller bug) the state is
     unspecified.
@@ -62,7 +64,12 @@ class CPUOffloadingManager(OffloadingManager):
     medium = CPU_MEDIUM
 
     def __init__(
-        self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False
+        self,
+        num_blocks: int,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+        store_threshold: int = 0,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     ) -> None:
         """Create an empty CPU tier.
 
@@ -72,9 +79,14 @@ class CPUOffloadingManager(OffloadingManager):
                 ``vllm.v1.kv_offload.cpu.policies.factory.create_cache_policy`` (``"lru"``,
                 ``"arc"``, a registered name, or ``"package.module:ClassName"``).
             enable_events: whether to record ``OffloadingEvent`` s for ``take_events``.
+            store_threshold: with 2 or more, the reuse filter stores a block only from its
+                ``store_threshold``-th offer on (``vllm.v1.kv_offload.cpu.reuse_filter``); 0 or
+                1: every block offered is stored.
+            max_tracker_size: most keys whose offers the reuse filter counts.
 
         Raises:
-            ValueError: if ``num_blocks < 1`` or the policy name does not resolve.
+            ValueError: if ``num_blocks < 1``, the policy name does not resolve, or the reuse
+                filter's arguments are out of range.
         """
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -83,6 +95,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_allocated: int = 0
         self._free_list: list[int] = []
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._reuse_filter: StoreReuseFilter | None = (
+            StoreReuseFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
+        )
         self._hits = 0
         self._misses = 0
         self._stores = 0
@@ -167,6 +182,8 @@ class CPUOffloadingManager(OffloadingManager):
         # covers every key passed in, already stored ones included.
         requested = dict.fromkeys(keys)
         keys_to_store = [key for key in requested if get(key) is None]
+        if self._reuse_filter is not None:
+            keys_to_store = self._reuse_filter.admit(requested, keys_to_store)
         num_new = len(keys_to_store)
         if num_new == 0:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]))
@@ -292,12 +309,14 @@ class CPUOffloadingManager(OffloadingManager):
         self._stores = 0
         self._failed_stores = 0
         self._evictions = 0
+        if self._reuse_filter is not None:
+            self._reuse_filter.reset_stats()
         assert len(self._policy) == 0, self._pool_error()
 
     @override
     def get_stats(self) -> dict[str, int | float]:
         used = self._num_allocated - len(self._free_list)
-        return {
+        stats: dict[str, int | float] = {
             "hits": self._hits,
             "misses": self._misses,
             "stores": self._stores,
@@ -307,6 +326,10 @@ class CPUOffloadingManager(OffloadingManager):
             "used_blocks": used,
             "usage": used / self._num_blocks,
         }
+        if self._reuse_filter is not None:
+            # Only with the filter on, as upstream registers vllm:kv_offload_stores_skipped.
+            stats["stores_skipped"] = self._reuse_filter.num_skipped
+        return stats
 
     def _pool_error(self) -> str:
         return (

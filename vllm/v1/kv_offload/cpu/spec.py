@@ -139,6 +139,8 @@ class CPUOffloadingSpec(OffloadingSpec):
                 self.num_primary_blocks,
                 cache_policy=self.config.eviction_policy,
                 enable_events=self.enable_events,
+                store_threshold=self.config.store_threshold,
+                max_tracker_size=self.config.max_tracker_size,
             )
         return self._manager
 

@@ -15,6 +15,7 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey, PrepareStoreOutput, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 
@@ -36,6 +37,8 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         mmap_region: SharedOffloadRegion,
         cache_policy: str = "lru",
         enable_events: bool = False,
+        store_threshold: int = 0,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     ) -> None:
         """Create the primary tier.
 
@@ -44,6 +47,8 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             mmap_region: the scheduler-side shared region (required: tiers copy through it).
             cache_policy: eviction policy name.
             enable_events: record ``OffloadingEvent`` s (medium ``"CPU"``).
+            store_threshold, max_tracker_size: the reuse filter of GPU -> CPU stores (see
+                ``CPUOffloadingManager``); promotions (``prepare_write``) are never filtered.
 
         Raises:
             ValueError: ``num_blocks`` disagrees with the region.
@@ -52,7 +57,13 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             raise ValueError(
                 f"num_blocks={num_blocks} but the shared region has {mmap_region.num_blocks} rows"
             )
-        super().__init__(num_blocks, cache_policy=cache_policy, enable_events=enable_events)
+        super().__init__(
+            num_blocks,
+            cache_policy=cache_policy,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+        )
         self._mmap_region = mmap_region
         # Shape (num_blocks, row_bytes), format "B": row b holds every worker's slice of block b.
         self._kv_memoryview: memoryview | None = mmap_region.create_kv_memoryview()
@@ -84,9 +95,14 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
     ) -> PrepareStoreOutput | None:
         """Reserve rows (ref_cnt -1, unreadable) for blocks a tier will write (a promotion).
 
-        Same as ``prepare_store``; finish with ``complete_write``.
+        Same as ``prepare_store``, but never subject to the reuse filter (a block found in a
+        secondary tier was stored before); finish with ``complete_write``.
         """
-        return self.prepare_store(keys, req_context)
+        reuse_filter, self._reuse_filter = self._reuse_filter, None
+        try:
+            return self.prepare_store(keys, req_context)
+        finally:
+            self._reuse_filter = reuse_filter
 
     def complete_write(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True

@@ -107,6 +107,8 @@ class TieringOffloadingSpec(OffloadingSpec):
                 region,
                 cache_policy=self.config.eviction_policy,
                 enable_events=self.enable_events,
+                store_threshold=self.config.store_threshold,
+                max_tracker_size=self.config.max_tracker_size,
             )
         except BaseException:
             region.cleanup()
