@@ -56,6 +56,12 @@ class EngineConfig:
         instance_id: names the engine's shared host region; unique per live engine.
         device: where the "GPU" KV cache lives (``"cpu"`` without a GPU).
         record_steps: keep one ``StepRecord`` per step in the stats.
+        freeze_gc_heap: at the end of start-up, collect garbage and then ``gc.freeze()`` what is
+            left (as vLLM's engine core does, with ``vllm.utils.gc_utils.freeze_gc_heap``), so
+            full collections while serving no longer traverse the start-up heap. That heap
+            includes every per-block object of the CPU tier, so a full collection's pause stops
+            growing with the cache. The collector keeps running for everything created later;
+            objects frozen are never collected as cycles. False leaves the heap alone.
     """
 
     gpu_block_sizes: tuple[int, ...] = (16,)
@@ -79,6 +85,7 @@ class EngineConfig:
     instance_id: str = field(default_factory=default_instance_id)
     device: str = "cpu"
     record_steps: bool = True
+    freeze_gc_heap: bool = True
 
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator
-from typing import cast
 
 from typing_extensions import override
 
@@ -19,6 +18,18 @@ _B1_SEEN = 2
 """``_entries`` value of a ghost in B1 whose re-reference was already counted (adapted on)."""
 _B2_SEEN = -2
 """``_entries`` value of a ghost in B2 whose re-reference was already counted."""
+
+
+class _GCAnchor(BlockStatus):
+    """Type of ``_ANCHOR``: neither a resident block (``type(v) is BlockStatus`` is False)
+    nor a ghost (not an int)."""
+
+    __slots__ = ()
+
+
+_ANCHOR_KEY = OffloadKey(b"")
+"""``_entries``' permanent entry (no offload key is empty), see ``ARCCachePolicy.__init__``."""
+_ANCHOR = _GCAnchor(-1)
 
 
 class _LazyFIFO:
@@ -80,7 +91,11 @@ class _LazyFIFO:
         """Rebuild the FIFO once its stale entries exceed its live ones by ``slack``."""
         if self.num_stale <= self.live + slack:
             return
-        self.keys = deque(self.live_keys())
+        # In place, not a new deque: a container built at start-up stays the one an
+        # application's gc.freeze() took out of the collector's sight.
+        live = self.live_keys()
+        self.keys.clear()
+        self.keys.extend(live)
         self.stale.clear()
         self.num_stale = 0
 
@@ -182,6 +197,12 @@ class ARCCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._entries: dict[OffloadKey, BlockStatus | int] = {}
+        # The one table that grows with the cache (every block and ghost) must stay the object a
+        # start-up gc.freeze() took out of the collector's sight. CPython untracks a plain dict
+        # that holds no container during a full collection (before the freeze, while it is
+        # empty) and tracks it again, as a young object, when the first block is stored: every
+        # later full collection would traverse all its entries. The anchor keeps it tracked.
+        self._entries[_ANCHOR_KEY] = _ANCHOR
         self._num_resident = 0
         self._t1 = _LazyFIFO()  # T1's evictable blocks
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
@@ -233,8 +254,8 @@ class ARCCachePolicy(CachePolicy):
         entry = self._entries.get(key)
         if type(entry) is BlockStatus:
             return entry
-        if entry is not None:
-            self._ghost_hit(key, cast(int, entry))
+        if type(entry) is int:
+            self._ghost_hit(key, entry)
         return None
 
     @override
@@ -332,7 +353,8 @@ class ARCCachePolicy(CachePolicy):
                     self._t2_pinned.add(key)
                 # ref_cnt < 0: being written, stays where it is (T1, or T2 after a ghost hit).
                 continue
-            self._ghost_hit(key, cast(int, entry))
+            if type(entry) is int:
+                self._ghost_hit(key, entry)
 
     @override
     def evict(
@@ -435,6 +457,7 @@ class ARCCachePolicy(CachePolicy):
     @override
     def clear(self) -> None:
         self._entries.clear()
+        self._entries[_ANCHOR_KEY] = _ANCHOR
         self._num_resident = 0
         self._t1.clear()
         self._t2_evictable.clear()
