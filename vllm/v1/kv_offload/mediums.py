@@ -12,7 +12,8 @@ worker) never imports a concrete medium.
 
 from __future__ import annotations
 
-from typing_extensions import override
+import numpy as np
+from typing_extensions import Self, override
 
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, GPULoadStoreSpec
 
@@ -32,6 +33,21 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
             ``[i * row_bytes, (i + 1) * row_bytes)`` of the region. Owned by the spec; callers
             must not mutate it.
     """
+
+    @classmethod
+    def from_rows(cls, rows: list[int]) -> Self:
+        """A spec of rows that the CPU tier's own bookkeeping produced, without validation.
+
+        The public constructor checks that arbitrary input is a 1-D sequence of non-negative
+        integers below 2**63; rows the manager hands out are so by construction, and the check
+        (about a microsecond a spec, two specs per request and step) would only repeat it.
+
+        Args:
+            rows: row indices, each in ``[0, num_blocks)``.
+        """
+        spec = cls.__new__(cls)
+        spec.block_ids = np.array(rows, dtype=np.int64)
+        return spec
 
     @staticmethod
     @override

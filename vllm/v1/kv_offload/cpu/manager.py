@@ -102,6 +102,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy: CachePolicy = create_cache_policy(cache_policy, num_blocks)
         self._num_allocated: int = 0
         self._free_list: list[int] = []
+        # One status per row, reused by every block the row holds; a row held by no block
+        # (fresh, or free-listed after a failed store) has ref_cnt -1, ready to be written.
         self._rows: list[BlockStatus] = [BlockStatus(s) for s in range(num_blocks)]
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._reuse_filter: StoreReuseFilter | None = (
@@ -159,7 +161,7 @@ class CPUOffloadingManager(OffloadingManager):
                 policy.mark_non_evictable(key)
             block.ref_cnt = ref_cnt + 1
             block_ids.append(block.block_id)
-        return CPULoadStoreSpec(block_ids)
+        return CPULoadStoreSpec.from_rows(block_ids)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -195,7 +197,7 @@ class CPUOffloadingManager(OffloadingManager):
             keys_to_store = self._reuse_filter.admit(requested, keys_to_store)
         num_new = len(keys_to_store)
         if num_new == 0:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]))
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_rows([]))
 
         free_list = self._free_list
         num_allocated = self._num_allocated
@@ -234,19 +236,22 @@ class CPUOffloadingManager(OffloadingManager):
             if free_list:
                 new_blocks += [rows[s] for s in free_list]
                 free_list.clear()
-            new_blocks += [block for _, block in victims]
-            assert all(rows[block.block_id] is block for _, block in victims), (
-                "prepare_store: the policy evicted a status object that is not its row's"
-            )
+            append = new_blocks.append
+            for _, block in victims:
+                assert rows[block.block_id] is block, (
+                    "prepare_store: the policy evicted a status object that is not its row's"
+                )
+                block.ref_cnt = -1  # a victim was ready (0): now being written
+                append(block)
 
-        for block in new_blocks:
-            block.ref_cnt = -1  # being written (a reused row's status held its last block's)
+        # Rows held by no block (fresh or free-listed) keep ref_cnt -1 (see _rows), so only the
+        # victims' statuses needed resetting.
         policy.insert_many(zip(keys_to_store, new_blocks, strict=True))
 
         assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
-            store_spec=CPULoadStoreSpec([block.block_id for block in new_blocks]),
+            store_spec=CPULoadStoreSpec.from_rows([block.block_id for block in new_blocks]),
             evicted_keys=evicted_keys,
         )
 
@@ -270,9 +275,9 @@ class CPUOffloadingManager(OffloadingManager):
                     mark_evictable(key)
                     stored.append(key)
             if stored:
-                stored.reverse()  # the event lists the keys in the caller's order
                 self._stores += len(stored)
                 if self._events is not None:
+                    stored.reverse()  # the event lists the keys in the caller's order
                     self._events.append(
                         OffloadingEvent(keys=stored, medium=CPU_MEDIUM, removed=False)
                     )
@@ -314,6 +319,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.clear()
         self._free_list.clear()
         self._num_allocated = 0
+        for block in self._rows:
+            block.ref_cnt = -1  # every row is fresh again
         self._hits = 0
         self._misses = 0
         self._stores = 0
@@ -340,6 +347,41 @@ class CPUOffloadingManager(OffloadingManager):
             # Only with the filter on, as upstream registers vllm:kv_offload_stores_skipped.
             stats["stores_skipped"] = self._reuse_filter.num_skipped
         return stats
+
+    def _reserve_row(self, key: OffloadKey) -> int | None:
+        """Allocate a row for ``key``, which is not resident, and return it; None if full.
+
+        ``prepare_store((key,))`` without the reuse filter, the de-duplication and the transfer
+        spec: for the tiering manager's promotions, which reserve one block at a time. The row
+        comes from the same places in the same order (fresh, recycled, then one eviction), and
+        the block is inserted being written (``ref_cnt == -1``).
+        """
+        policy = self._policy
+        assert policy.get(key) is None, f"_reserve_row: key {key.hex()} is resident"
+        free_list = self._free_list
+        num_allocated = self._num_allocated
+        if num_allocated < self._num_blocks:
+            row = num_allocated
+            self._num_allocated = num_allocated + 1
+        elif free_list:
+            row = free_list.pop()
+        else:
+            victims = policy.evict(1, (key,))  # a 1-tuple: O(1) membership
+            if victims is None:
+                return None
+            ((victim, block),) = victims
+            row = block.block_id
+            assert self._rows[row] is block, (
+                "_reserve_row: the policy evicted a status object that is not its row's"
+            )
+            self._evictions += 1
+            if self._events is not None:
+                self._events.append(OffloadingEvent(keys=[victim], medium=CPU_MEDIUM, removed=True))
+        block = self._rows[row]
+        block.ref_cnt = -1
+        policy.insert_many(((key, block),))
+        assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
+        return row
 
     def _pool_error(self) -> str:
         return (

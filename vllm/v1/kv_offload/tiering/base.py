@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from typing_extensions import override
 
 from vllm.v1.kv_offload.base import (
     BlockIds,
@@ -33,9 +34,13 @@ JobId = int
 """Id of a primary <-> secondary job, unique within one tiering manager (shared by all tiers)."""
 
 
-@dataclass(frozen=True, eq=False)
 class JobMetadata:
-    """One transfer between the primary tier and one secondary tier.
+    """One transfer between the primary tier and one secondary tier (read-only).
+
+    A plain ``__slots__`` class: the tiering manager creates one per job on the scheduler's hot
+    path, and a frozen dataclass's construction (one ``object.__setattr__`` per field, plus a
+    ``__post_init__`` check) cost several times more. The manager builds ``block_ids`` parallel to
+    ``keys`` itself, so nothing is checked here. Equality is identity.
 
     Attributes:
         job_id: unique id; the tier reports it exactly once through ``get_finished_jobs()``.
@@ -48,22 +53,36 @@ class JobMetadata:
             that asked for any of its keys this step).
     """
 
-    job_id: JobId
-    keys: Collection[OffloadKey]
-    block_ids: BlockIds
-    is_promotion: bool
-    req_context: ReqContext
+    __slots__ = ("block_ids", "is_promotion", "job_id", "keys", "req_context")
 
-    def __post_init__(self) -> None:
-        assert self.block_ids.ndim == 1 and len(self.block_ids) == len(self.keys), (
-            f"job {self.job_id}: {len(self.keys)} keys but block_ids of shape "
-            f"{self.block_ids.shape}"
+    def __init__(
+        self,
+        job_id: JobId,
+        keys: Collection[OffloadKey],
+        block_ids: BlockIds,
+        is_promotion: bool,
+        req_context: ReqContext,
+    ) -> None:
+        self.job_id = job_id
+        self.keys = keys
+        self.block_ids = block_ids
+        self.is_promotion = is_promotion
+        self.req_context = req_context
+
+    @override
+    def __repr__(self) -> str:
+        kind = "promotion" if self.is_promotion else "cascade"
+        return (
+            f"JobMetadata(job_id={self.job_id}, {kind}, {len(self.keys)} keys, "
+            f"req_id={self.req_context.req_id!r})"
         )
 
 
-@dataclass(frozen=True)
-class JobResult:
-    """Outcome of a job: every block of it was moved (``success``) or the job failed as a whole."""
+class JobResult(NamedTuple):
+    """Outcome of a job: every block of it was moved (``success``) or the job failed as a whole.
+
+    A named tuple (cheap to build: tiers report one per job); compares by value.
+    """
 
     job_id: JobId
     success: bool

@@ -77,10 +77,8 @@ class _RequestState:
     finished_req_context: ReqContext | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class _InFlightJob:
-    tier_idx: int
-    job: JobMetadata
+_InFlightJob = tuple[int, JobMetadata]
+"""``(tier index, job)`` of a job submitted and not reported yet (a tuple: one per job)."""
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -124,7 +122,11 @@ class TieringOffloadingManager(OffloadingManager):
         self._request_level_tiers: dict[str, tuple[int, ...]] = {}
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
-        # Counters for get_stats().
+        # The primary policy's lookup, bound once: lookup() calls it directly.
+        self._primary_policy_lookup = primary_tier.policy.lookup
+        # Counters for get_stats(); lookups are the primary's hits and misses.
+        self._lookup_hits = 0
+        self._lookup_misses = 0
         self._cascades_submitted = 0
         self._promotions_submitted = 0
         self._jobs_failed = 0
@@ -178,11 +180,12 @@ class TieringOffloadingManager(OffloadingManager):
                     f"secondary tier #{tier_idx} ({tier.tier_type}) reported unknown job "
                     f"{result.job_id} (never submitted, already reported, or its submit raised)"
                 )
-                assert entry.tier_idx == tier_idx, (
+                submitted_to, job = entry
+                assert submitted_to == tier_idx, (
                     f"secondary tier #{tier_idx} ({tier.tier_type}) reported job {result.job_id} "
-                    f"submitted to tier #{entry.tier_idx}"
+                    f"submitted to tier #{submitted_to}"
                 )
-                self._finish_job(entry.job, result.success)
+                self._finish_job(job, result.success)
 
     def _finish_job(self, job: JobMetadata, success: bool) -> None:
         if not success:
@@ -197,7 +200,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _submit(self, tier_idx: int, job: JobMetadata) -> None:
         """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
         tier = self._tiers[tier_idx]
-        self._jobs[job.job_id] = _InFlightJob(tier_idx, job)
+        self._jobs[job.job_id] = (tier_idx, job)
         try:
             if job.is_promotion:
                 tier.submit_load(job)
@@ -239,13 +242,9 @@ class TieringOffloadingManager(OffloadingManager):
         Returns:
             False if the primary tier cannot make room (the caller reports a miss).
         """
-        output = self._primary.prepare_write((key,), req_context)
-        if output is None:
+        row = self._primary.reserve_row(key)
+        if row is None:
             return False
-        assert output.keys_to_store == [key], (
-            f"promotion of key {key.hex()}: primary allocated {output.keys_to_store}"
-        )
-        assert isinstance(output.store_spec, CPULoadStoreSpec)
         req_id = req_context.req_id
         pending = self._pending_promotions[tier_idx]
         entry = pending.get(req_id)
@@ -254,7 +253,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._num_queued_promotion_batches += 1
             self._get_req_state(req_id).queued_promotions += 1
         entry.keys.append(key)
-        entry.block_ids.append(int(output.store_spec.block_ids[0]))
+        entry.block_ids.append(row)
         return True
 
     def _flush_pending_promotions(self) -> None:
@@ -321,10 +320,22 @@ class TieringOffloadingManager(OffloadingManager):
         than retry forever). A tier answering None makes the overall answer None unless a later
         tier starts a promotion.
         """
-        self._maybe_process_finished_jobs()
-        primary_result = self._primary.lookup(key, req_context)
-        if primary_result is not False:
-            return primary_result
+        # The common case (the step's poll done, a primary hit) costs one call below this one:
+        # the primary policy's lookup. The primary's hit/miss counters are kept here, since
+        # its own lookup() is bypassed (get_stats adds them up).
+        if not self._processed_jobs_this_step:
+            self._maybe_process_finished_jobs()
+        block = self._primary_policy_lookup(key)
+        if block is not None:
+            if block.ref_cnt < 0:
+                return None  # being written (a GPU store or a promotion in flight)
+            self._lookup_hits += 1
+            return True
+        self._lookup_misses += 1
+        return self._lookup_in_tiers(key, req_context)
+
+    def _lookup_in_tiers(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """``lookup`` after a primary miss: ask the tiers in order (see ``lookup``)."""
         any_pending = False
         for tier_idx, tier in enumerate(self._tiers):
             tier_result = tier.lookup(key, req_context)
@@ -461,8 +472,8 @@ class TieringOffloadingManager(OffloadingManager):
         assert not self._jobs, (
             "reset_cache: tiers did not report jobs after drain_jobs(): "
             + ", ".join(
-                f"job {job_id} on tier #{entry.tier_idx} ({self._tiers[entry.tier_idx].tier_type})"
-                for job_id, entry in self._jobs.items()
+                f"job {job_id} on tier #{tier_idx} ({self._tiers[tier_idx].tier_type})"
+                for job_id, (tier_idx, _) in self._jobs.items()
             )
         )
         # Never submitted: no I/O touches their reserved rows, which the primary reset frees.
@@ -476,6 +487,8 @@ class TieringOffloadingManager(OffloadingManager):
                 for tier in self._tiers:
                     tier.on_request_finished(state.finished_req_context)
         self._primary.reset_cache()
+        self._lookup_hits = 0
+        self._lookup_misses = 0
         self._request_level_tiers.clear()
         self._processed_jobs_this_step = False
 
@@ -483,6 +496,8 @@ class TieringOffloadingManager(OffloadingManager):
     def get_stats(self) -> dict[str, int | float]:
         """The primary's counters plus the tiering job counters (``tiering_*``)."""
         stats: dict[str, int | float] = dict(self._primary.get_stats())
+        stats["hits"] += self._lookup_hits
+        stats["misses"] += self._lookup_misses
         stats["tiering_jobs_in_flight"] = len(self._jobs)
         stats["tiering_cascades_submitted"] = self._cascades_submitted
         stats["tiering_promotions_submitted"] = self._promotions_submitted
