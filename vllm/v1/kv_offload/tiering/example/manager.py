@@ -136,10 +136,12 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
                 new[key] = i
         evicted = self._evict(len(new), protected=job_keys)
         if new:
-            copied = rows[job.block_ids[list(new.values())]]  # one indexed copy
+            ids = job.block_ids
+            if len(new) < len(keys):  # only some keys are new: their rows
+                ids = ids[list(new.values())]
+            copied = rows.take(ids, axis=0)  # one indexed copy
             copied.flags.writeable = False
-            for key, row in zip(new, copied, strict=True):
-                blocks[key] = row
+            blocks.update(zip(new, copied, strict=True))
         stored = list(new)
         if self._events is not None:
             if evicted:
