@@ -28,6 +28,14 @@ Usage::
 
     python benchmarks/kv_offload/bench_manager.py            # full run (~50 s on 2 cores)
     python benchmarks/kv_offload/bench_manager.py --quick    # smoke run (~25 s)
+    python benchmarks/kv_offload/bench_manager.py --trace    # trace mode (manager_trace.py)
+    python benchmarks/kv_offload/bench_manager.py --trace --against /path/to/other/checkout
+
+Trace mode (``--trace``, see ``manager_trace.py``) instead replays a seeded Zipf prefix-reuse
+trace through five managers (CPU LRU and ARC, tiering without a secondary tier, tiering with the
+example tier under LRU and ARC) with the connector's per-step call order, and reports ops/s and
+the step-time distribution at each ``--requests-per-step``; with ``--against`` it alternates
+child processes between this checkout and another one and reports the ratios.
 
 Figures: "best" is the fastest repetition (least disturbed by other processes), "med" the
 median. A third row set, "floor", times a bare ``OrderedDict`` doing only the hash-table work
@@ -45,6 +53,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+from manager_trace import ROWS, trace_main
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -287,7 +296,32 @@ def main() -> None:
         help="then time this many consecutive steps one by one at the largest capacity, per "
         "policy, and report their percentiles (default: 0, skipped)",
     )
+    trace = parser.add_argument_group("trace mode")
+    trace.add_argument("--trace", action="store_true", help="run trace mode instead")
+    trace.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    trace.add_argument("--requests-per-step", nargs="+", type=int, default=[16, 256])
+    trace.add_argument("--trace-capacity", type=int, default=10_000, help="blocks (10,000)")
+    trace.add_argument(
+        "--trace-steps", type=int, default=400, help="steps per row and batch size (400)"
+    )
+    trace.add_argument("--against", default=None, help="another checkout to compare with")
+    trace.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
+    trace.add_argument("--no-freeze", action="store_true", help="no gc.freeze() at start-up")
+    trace.add_argument(
+        "--wall-clock", action="store_true", help="time steps by the wall clock, not CPU time"
+    )
+    trace.add_argument(
+        "--request-objects",
+        type=int,
+        default=0,
+        help="tracked objects each request keeps alive, as an engine's would (0)",
+    )
+    trace.add_argument("--request-steps", type=int, default=32, help="steps they live (32)")
+    trace.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trace:
+        trace_main(args)
+        return
     # Many short repetitions: on a shared machine, each gets its own chance at a quiet moment.
     reps = args.reps or (5 if args.quick else 25)
     steps = args.steps or (500 if args.quick else 1_500)
