@@ -30,6 +30,7 @@ Usage::
     python benchmarks/kv_offload/bench_manager.py --quick    # smoke run (~25 s)
     python benchmarks/kv_offload/bench_manager.py --trace    # trace mode (manager_trace.py)
     python benchmarks/kv_offload/bench_manager.py --trace --against /path/to/other/checkout
+    python benchmarks/kv_offload/bench_manager.py --gc-pause --rows cpu-lru cpu-arc
 
 Trace mode (``--trace``, see ``manager_trace.py``) instead replays a seeded Zipf prefix-reuse
 trace through five managers (CPU LRU and ARC, tiering without a secondary tier, tiering with the
@@ -53,7 +54,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-from manager_trace import ROWS, trace_main
+from manager_trace import ROWS, gc_pause_main, trace_main
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -318,7 +319,16 @@ def main() -> None:
     )
     trace.add_argument("--request-steps", type=int, default=32, help="steps they live (32)")
     trace.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    trace.add_argument(
+        "--gc-pause",
+        action="store_true",
+        help="time one full garbage collection per --rows row and --capacities size, with the "
+        "cache filled after a start-up gc.freeze() (as a serving engine does)",
+    )
     args = parser.parse_args()
+    if args.gc_pause:
+        gc_pause_main(args.rows, sorted(args.capacities))
+        return
     if args.trace:
         trace_main(args)
         return

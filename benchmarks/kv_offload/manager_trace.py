@@ -362,6 +362,40 @@ def run_rows(
     return results
 
 
+def gc_pause_main(rows: Sequence[str], capacities: Sequence[int]) -> None:
+    """``--gc-pause``: what one full collection costs once a row's cache is full.
+
+    As in a serving process: build the manager, freeze the start-up heap, then fill the cache
+    (twice its capacity in one-off blocks) and time ``gc.collect()`` (best of 5). Whatever the
+    manager created after start-up is what the collection traverses.
+    """
+    header = f"{'row':<12} {'blocks':>9} {'build ms':>9} {'full GC ms':>10} {'tracked objects':>16}"
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory(prefix="bench-gc-", dir="/dev/shm") as workdir:
+        for row in rows:
+            for capacity in capacities:
+                t0 = time.perf_counter()
+                manager, close = build_manager(row, capacity, workdir)
+                build_ms = (time.perf_counter() - t0) * 1e3
+                gc.collect()
+                gc.freeze()
+                try:
+                    prefill(manager, 2 * capacity, 0)
+                    best = float("inf")
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        gc.collect()
+                        best = min(best, time.perf_counter() - t0)
+                    visible = len(gc.get_objects())
+                finally:
+                    gc.unfreeze()
+                    close()
+                print(
+                    f"{row:<12} {capacity:>9,} {build_ms:>9.0f} {best * 1e3:>10.1f} {visible:>16,}"
+                )
+
+
 def _print_table(title: str, results: Sequence[RowResult]) -> None:
     print(title)
     header = (
