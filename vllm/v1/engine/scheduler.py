@@ -156,10 +156,7 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id!r} is already in use by a live request")
-        if (
-            self.connector is not None
-            and self.connector.connector_scheduler.request_state(req_id) is not None
-        ):
+        if self.connector is not None and self.connector.connector_scheduler.tracks_request(req_id):
             raise ValueError(
                 f"request id {req_id!r} is still in use: transfers of a finished request with "
                 "that id are in flight; use a unique id"
