@@ -11,7 +11,7 @@
 #                  FORCE_BUILD=1); otherwise uses the library found (any vllm/_kv_offload_cuda*.so:
 #                  it has no Python ABI).
 #   preflight      the library loads, has this checkout's ABI and sees a GPU (else the reason, e.g.
-#                  a driver older than the library's CUDA runtime).
+#                  a driver older than the library's CUDA runtime), and torch sees a GPU.
 #   c-selftest     builds benchmarks/kv_offload/copy_selftest.cpp (g++ and the library only) and
 #                  runs it: bit-exact round trips of every copy method, device binding, then a
 #                  throughput table; then twice more with a forced cuMemcpyBatchAsync result: 801
@@ -125,6 +125,9 @@ print("GPUs:", devices.count, devices.problem)
 if lib is None or devices.count == 0:
     sys.exit("the CUDA copy library is unusable: " + devices.problem)
 print("backend:", ops.copy_backend(), "| cuMemcpyBatchAsync:", lib.dma_batch_available())
+import torch
+if not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} sees no GPU: the torch CUDA tests would all be skipped")
 PY
 }
 
