@@ -70,7 +70,8 @@ if [[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && .venv/bin/python -c "import 
   PY=.venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+NVCC=${CUDACXX:-${CUDA_HOME:+$CUDA_HOME/bin/nvcc}}
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 
 echo "date: $(date -u)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
