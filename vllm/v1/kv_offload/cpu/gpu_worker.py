@@ -171,26 +171,15 @@ class CpuGpuOffloadingHandlers:
         )
         compute = compute_stream or functools.partial(current_compute_stream, device)
         order = CrossDirectionOrder()
-        self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            JobPlanner(kv_caches, views, factors, num_cpu_blocks, store=True),
-            True,
-            lib,
-            device,
-            method,
-            max_ctas,
-            compute,
-            order,
-        )
-        self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
-            JobPlanner(kv_caches, views, factors, num_cpu_blocks, store=False),
-            False,
-            lib,
-            device,
-            method,
-            max_ctas,
-            compute,
-            order,
-        )
+
+        def handler(store: bool) -> SingleDirectionOffloadingHandler:
+            planner = JobPlanner(kv_caches, views, factors, num_cpu_blocks, store=store)
+            return SingleDirectionOffloadingHandler(
+                planner, store, lib, device, method, max_ctas, compute, order
+            )
+
+        self.gpu_to_cpu_handler = handler(store=True)
+        self.cpu_to_gpu_handler = handler(store=False)
 
     def _pin(
         self,
