@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm.entrypoints.cli.workloads import WorkloadConfig, WorkloadKind, max_request_tokens
+from vllm.v1.kv_offload.sizes import SizeError
+from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
@@ -27,45 +28,19 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 EVICTION_POLICIES = ("lru", "arc")
 DEVICES = ("auto", "cpu", "cuda")
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    # Bare k/m/g/t are binary, as in the fs tier's own size parser.
-    "k": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
 
 def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``64MiB``, ``1.5GB`` or ``4e9``.
+    """Parse a size flag (``4096``, ``64MiB``, ``1.5GB``, ``4e9``) with the one size parser.
+
+    The forms are those of the config keys (``vllm.v1.kv_offload.sizes.SIZE_FORMS``).
 
     Raises:
-        argparse.ArgumentTypeError: not a size, not a whole number of bytes, or not > 0.
+        argparse.ArgumentTypeError: not a size of at least one byte.
     """
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: expected a number of bytes with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64MiB"
-        )
-    value = float(match.group(1)) * _SIZE_UNITS[unit]
-    if not math.isfinite(value) or value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: must be a whole number of bytes >= 1"
-        )
-    return int(value)
+    try:
+        return parse_size_value(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(f"invalid size {e}") from None
 
 
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
