@@ -80,6 +80,11 @@ TINY_MIX = [
 _NUM = (int, float)
 
 
+def _flat(text: str) -> str:
+    # The report wraps its prose at 80 columns: match sentences across line breaks.
+    return " ".join(line.strip() for line in text.splitlines())
+
+
 def _run(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
     out = tmp_path / f"{name}.json"
     code = main([*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out), *extra])
@@ -286,7 +291,7 @@ def test_a_block_corrupted_on_disk_is_detected_reported_and_recomputed(
     path.write_bytes(bytes(data))
 
     code2, second = _run(tmp_path, "r2")
-    out = capsys.readouterr().out
+    out = _flat(capsys.readouterr().out)
     assert code2 == 1  # the verdict fails
     off = second["runs"]["offload"]
     assert off["verification"]["corrupt_blocks_detected"] >= 1
