@@ -33,8 +33,9 @@ def test_bar_on_a_terminal_fits_its_width_and_is_erased_at_the_end() -> None:
     assert len(redraws) > 1
     assert all(len(r) <= 80 for r in redraws), max(redraws, key=len)
     assert "\n" not in text  # never a new line: one row, redrawn
-    # leave=False: the last thing written blanks the row and returns to its start.
-    assert text.endswith("\r") and redraws[-1].strip() == ""
+    # leave=False: the last thing written blanks the row, returns to its start and erases the
+    # rest of the line (where a ^C echo would be).
+    assert text.endswith("\r\x1b[K") and redraws[-2].strip() == ""
 
 
 def test_lines_off_a_terminal_come_every_interval_and_at_the_end() -> None:

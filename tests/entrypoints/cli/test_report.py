@@ -159,7 +159,7 @@ def test_every_line_fits_80_columns() -> None:
     assert WIDTH == 80
     for line in text.splitlines():
         assert len(line) <= WIDTH, line
-    assert "fs tier (up to 1023.0 TiB) in ~/.cache/vllm-kv-offload" in text
+    assert "fs tier:  up to 1023.0 TiB in ~/.cache/vllm-kv-offload" in text
     assert "GPU -> CPU (store)" in text and "9,999,999 failed, 9,999,999 already there" in text
     # Nothing was cut: every reason is there in full, wrapped.
     flat = " ".join(line.strip() for line in text.splitlines())

@@ -319,7 +319,7 @@ def test_run_without_fs_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert off["fs_tier"] is None
     assert off["prompt_tokens"]["fs_tier"] == 0
     assert off["transfers"]["cpu_to_fs"]["blocks"] == 0
-    assert "no fs tier" in capsys.readouterr().out
+    assert "  fs tier:  none" in capsys.readouterr().out
 
 
 def test_a_run_that_exceeds_its_timeout_fails_cleanly(

@@ -1,9 +1,12 @@
 """A run's progress on stderr: a ``tqdm`` bar on a terminal, else a line every few seconds.
 
-On a terminal the bar is tqdm's (the progress bar of vLLM and most of the ML ecosystem): it
-measures the terminal on every redraw (``dynamic_ncols``), so it never wraps and leaves no stale
-lines behind on a narrow or resized terminal, and it is erased when the run ends (``leave=False``)
-so that only the report stays on the screen. When stderr is not a terminal (a CI log,
+On a terminal the bar is tqdm's (the progress bar of vLLM and most of the ML ecosystem). It is
+fitted to the terminal's width on every update, so it never wraps and leaves no stale lines
+behind on a narrow or resized terminal, and it is erased when the run ends (``leave=False``) so
+that only the report stays on the screen. It stops two columns short of the edge: a Ctrl-C is
+echoed by the terminal as ``^C`` where the cursor is, and on a full-width bar that echo would wrap
+and push the bar up out of reach of the erase; ``close`` also erases the rest of the line, where
+the echo was. When stderr is not a terminal (a CI log,
 ``2>&1 | tee``), carriage-return redraws would pile up into one endless line, so ``Progress``
 prints instead one short, complete line every ``line_interval_s`` seconds, and a last one when
 the run ends. ``--no-progress`` turns both off.
@@ -11,6 +14,7 @@ the run ends. ``--no-progress`` turns both off.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +26,9 @@ from typing_extensions import Self
 
 LINE_INTERVAL_S = 5.0
 """Seconds between two progress lines when stderr is not a terminal."""
+ECHO_MARGIN = 2
+"""Columns the bar leaves free at the right edge, for the terminal's ``^C`` echo."""
+_ERASE_TO_END_OF_LINE = "\x1b[K"
 
 
 def _is_tty(stream: TextIO) -> bool:
@@ -44,7 +51,7 @@ class Progress:
         enabled: False writes nothing.
         tty: draw a tqdm bar (True) or print lines (False); None asks ``stream.isatty()``.
         line_interval_s: seconds between two lines when not drawing a bar.
-        ncols: the bar's width; None follows the terminal (tests fix it).
+        ncols: the bar's width; None follows the terminal, less ``ECHO_MARGIN`` (tests fix it).
         clock: the time source (tests replace it).
     """
 
@@ -71,6 +78,7 @@ class Progress:
         self._done = 0
         self._shares = ""
         self._closed = False
+        self._fixed_ncols = ncols
         self._bar: tqdm[Any] | None = None
         if enabled and self.tty:
             self._bar = tqdm(
@@ -79,12 +87,22 @@ class Progress:
                 unit="req",
                 file=self.stream,
                 leave=False,
-                dynamic_ncols=ncols is None,
-                ncols=ncols,
+                ncols=self._ncols(),
                 mininterval=0.1,
                 # A bar per run, one after the other: never a second row, never a cursor move.
                 position=0,
             )
+
+    def _ncols(self) -> int:
+        # Measured on every update (a resized terminal gets a bar of its new width). tqdm's own
+        # dynamic_ncols would fill the last columns, where the ^C echo goes.
+        if self._fixed_ncols is not None:
+            return self._fixed_ncols
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            columns = 80
+        return max(20, columns - ECHO_MARGIN)
 
     def update(self, done: int, shares: Mapping[str, float] | None = None) -> None:
         """Set the count of finished requests and the token shares so far."""
@@ -92,6 +110,7 @@ class Progress:
         if shares is not None:
             self._shares = format_shares(shares)
         if self._bar is not None:
+            self._bar.ncols = self._ncols()
             self._bar.set_postfix_str(self._shares, refresh=False)
             self._bar.update(self._done - self._bar.n)
         self.tick()
@@ -104,6 +123,7 @@ class Progress:
         if not self.enabled or self._closed:
             return
         if self._bar is not None:
+            self._bar.ncols = self._ncols()
             self._bar.refresh()  # the elapsed time moves on while no request finishes
             return
         now = self._clock()
@@ -128,6 +148,8 @@ class Progress:
         self._closed = True
         if self._bar is not None:
             self._bar.close()
+            self.stream.write(_ERASE_TO_END_OF_LINE)  # e.g. a ^C echoed after the bar
+            self.stream.flush()
         elif self.enabled:
             self._write_line(self._clock())
 

@@ -95,20 +95,23 @@ def render_header(
         f"model stand-in: {s.get('num_layers')} layers x {s.get('num_kv_heads')} KV heads x "
         f"{s.get('head_size')} head size, {s.get('dtype')}"
     )
-    lines += _wrap(
-        f"GPU pool {s.get('gpu_blocks')} blocks of {s.get('block_size')} tokens "
-        f"({format_bytes(s.get('block_bytes', 0))} each); CPU tier "
-        f"{format_bytes(s.get('cpu_bytes', 0))} ({s.get('eviction_policy')}) in /dev/shm"
+    lines.append(
+        f"  GPU pool: {s.get('gpu_blocks'):,} blocks of {s.get('block_size')} tokens "
+        f"({format_bytes(s.get('block_bytes', 0))} each)"
+    )
+    lines.append(
+        f"  CPU tier: {format_bytes(s.get('cpu_bytes', 0))} in /dev/shm "
+        f"({s.get('eviction_policy')})"
     )
     root = s.get("fs_root")
     if root is None:
-        lines.append("  no fs tier")
+        lines.append("  fs tier:  none")
     else:
         max_bytes = s.get("fs_max_bytes")
         bound = f"up to {format_bytes(max_bytes)}" if max_bytes is not None else "unbounded"
-        line = f"  fs tier ({bound}) in {show_path(root, home)}"
+        line = f"  fs tier:  {bound} in {show_path(root, home)}"
         if len(line) > WIDTH:  # a long path goes whole on its own line
-            lines += [f"  fs tier ({bound}) in", f"    {show_path(root, home)}"]
+            lines += [f"  fs tier:  {bound} in", f"    {show_path(root, home)}"]
         else:
             lines.append(line)
     return lines
@@ -179,11 +182,7 @@ def _side_by_side(report: Report) -> Iterable[str]:
             _pct(b.hit_rate(tier)) if (b.offload or tier is Tier.GPU) else "-",
             _pct(o.hit_rate(tier)) if (tier is not Tier.FS or o.fs is not None) else "-",
         )
-    yield from _wrap(
-        "(hit rate: served / tokens that reached the tier, i.e. missed the faster ones)",
-        indent=4,
-        hanging=1,
-    )
+    yield "    (hit rate: served / reached the tier, i.e. missed the faster tiers)"
     yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
     yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
     yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
@@ -244,13 +243,9 @@ def _transfers(o: RunResult) -> Iterable[str]:
             extra.append(f"{t.skipped_blocks:,} already there")
         if extra:
             notes.append(f"{d.label}: {', '.join(extra)}")
-    yield from _wrap(
-        "(throughput: while transferring; average: over the run's wall time"
-        + "".join(f"; {n}" for n in notes)
-        + ")",
-        indent=4,
-        hanging=1,
-    )
+    yield "    (throughput: while transferring; average: over the run's wall time)"
+    for note in notes:
+        yield from _wrap(f"({note})", indent=4, hanging=1)
 
 
 def _disk(report: Report, home: str | None) -> Iterable[str]:
@@ -276,8 +271,8 @@ def _verdict(report: Report) -> Iterable[str]:
     differing = compare_outputs(b.outputs, o.outputs)
     yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
     yield from _wrap(
-        f"{o.blocks_verified:,} blocks loaded from CPU or disk checked bit-exact against "
-        f"recomputation: {o.blocks_mismatched:,} differed",
+        f"{o.blocks_verified:,} loaded blocks checked bit-exact against recomputation, "
+        f"{o.blocks_mismatched:,} differed",
         indent=4,
     )
     yield from _wrap(
