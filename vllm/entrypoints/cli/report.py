@@ -1,9 +1,10 @@
-"""The report of ``vllm-kv-offload run``: figures of one invocation, as text and as JSON.
+"""The report of ``vllm-kv-offload run``: figures of one invocation, and their JSON.
 
 One ``RunResult`` holds what one engine run measured (the no-offload baseline or the offloaded
-run); ``Report`` puts both side by side, derives the comparison (prefill tokens saved) and the
-verdict, and renders them. The JSON document (``Report.to_json()``) carries the same figures as
-the text; its layout is documented in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
+run); ``Report`` puts both side by side and derives the comparison (prefill tokens saved, and why
+nothing was saved when that happens) and the verdict. The JSON document (``Report.to_json()``)
+carries the same figures as the text, which ``report_text.py`` renders; its layout is documented
+in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def render_fs_start(fs: FsTierState | None) -> list[str]:
         return list(
             _wrap(
                 f"fs tier started WARM: {fs.files_at_start:,} blocks "
-                f"({format_bytes(fs.bytes_at_start)}) already on disk from earlier runs"
+                f"({format_bytes(fs.bytes_at_start)}) on disk from earlier runs"
             )
         )
     return ["  fs tier started cold (no blocks of this geometry on disk)"]

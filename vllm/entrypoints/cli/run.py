@@ -7,6 +7,9 @@ concurrently, with the workload's think times. A step callback on the engine thr
 engine's counters after every step for the plot. Once the last output arrived, the run waits
 until every transfer (including cascades to the fs tier) finished, so the next invocation over
 the same fs root starts warm with everything this one stored.
+
+Both runs share one event loop, run by ``interrupt.run_interruptible``: a Ctrl-C cancels the main
+task, whose ``async with`` blocks shut the engines down, and the command ends with one line.
 """
 
 from __future__ import annotations
