@@ -53,6 +53,11 @@ def show_path(path: str, home: str | None = None) -> str:
     return path
 
 
+def _count(value: Any) -> str:
+    # Settings of a report read back from elsewhere may lack a figure: shown as "None".
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -96,7 +101,7 @@ def render_header(
         f"{s.get('head_size')} head size, {s.get('dtype')}"
     )
     lines.append(
-        f"  GPU pool: {s.get('gpu_blocks'):,} blocks of {s.get('block_size')} tokens "
+        f"  GPU pool: {_count(s.get('gpu_blocks'))} blocks of {s.get('block_size')} tokens "
         f"({format_bytes(s.get('block_bytes', 0))} each)"
     )
     lines.append(
