@@ -1,40 +1,22 @@
 """Validation of the filesystem tier's config keys (the ``secondary_tiers`` entry of type "fs").
 
 Every key is checked here, before the tier touches the filesystem, and every error names the key,
-the value and what is allowed. Sizes accept an integer number of bytes, an integral float
-(``4e9``) or a string with a binary or decimal unit (``"64GiB"``, ``"500MB"``, ``"1T"``).
+the value and what is allowed. Sizes go through the one size parser of the package
+(``vllm.v1.kv_offload.sizes``): an integer number of bytes, an integral float (``4e9``) or a
+string with a binary or decimal unit (``"64GiB"``, ``"500MB"``, ``"1T"``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-ODirectMode = Literal["auto", True, False]
+from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError
+from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_DOC = (
-    "a byte count > 0: an integer, an integral float, or a string such as '64GiB' or '500MB'"
-)
+ODirectMode = Literal["auto", True, False]
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -42,32 +24,16 @@ def _bad(key: str, value: Any, allowed: str) -> ValueError:
 
 
 def parse_size(key: str, value: Any, *, allow_zero: bool = False) -> int:
-    """Parse a byte count (see the module docstring for the accepted forms).
+    """Parse a byte count with the one size parser (``vllm.v1.kv_offload.sizes.parse_size``).
 
     Raises:
-        ValueError: naming ``key``, for anything else (bools, negatives, unknown units).
+        ValueError: naming ``key``, for anything that parser refuses.
     """
-    allowed = _SIZE_DOC.replace("> 0", ">= 0") if allow_zero else _SIZE_DOC
-    if isinstance(value, bool):
-        raise _bad(key, value, allowed)
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        size = int(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise _bad(key, value, allowed)
-        scaled = float(match.group(1)) * _SIZE_UNITS[unit]
-        if not scaled.is_integer():
-            raise _bad(key, value, allowed)
-        size = int(scaled)
-    else:
-        raise _bad(key, value, allowed)
-    if size < 0 or (size == 0 and not allow_zero):
-        raise _bad(key, value, allowed)
-    return size
+    try:
+        return parse_size_value(value, allow_zero=allow_zero)
+    except SizeError:
+        allowed = f"{SIZE_FORMS}{' (0 allowed)' if allow_zero else ''}"
+        raise _bad(key, value, allowed) from None
 
 
 def _parse_threads(key: str, value: Any) -> int:
