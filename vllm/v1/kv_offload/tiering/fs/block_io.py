@@ -165,9 +165,9 @@ def open_block_dir(rank_fd: int, path: BlockPath, *, create: bool) -> int:
         os.close(fd1)
 
 
-def regular_file_size(dir_fd: int, name: str) -> int | None:
-    """Size of regular file ``name`` under ``dir_fd`` (no symlink followed); None if absent or
-    not a regular file.
+def regular_file_stat(dir_fd: int, name: str) -> os.stat_result | None:
+    """``stat`` of regular file ``name`` under ``dir_fd`` (no symlink followed); None if absent
+    or not a regular file.
 
     Raises:
         OSError: any error other than the file (or a directory above it) being absent.
@@ -176,7 +176,13 @@ def regular_file_size(dir_fd: int, name: str) -> int | None:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def regular_file_size(dir_fd: int, name: str) -> int | None:
+    """Size of regular file ``name`` under ``dir_fd`` (see ``regular_file_stat``)."""
+    st = regular_file_stat(dir_fd, name)
+    return None if st is None else st.st_size
 
 
 # ---------------------------------------------------------------------------------------------

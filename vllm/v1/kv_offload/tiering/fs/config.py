@@ -70,11 +70,26 @@ def parse_size(key: str, value: Any, *, allow_zero: bool = False) -> int:
     return size
 
 
-def _parse_threads(key: str, value: Any) -> int:
-    allowed = "an integer in [1, 256]"
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
-        raise _bad(key, value, allowed)
+def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(key, value, f"an integer in [{lo}, {hi}]")
     return value
+
+
+def _parse_threads(key: str, value: Any) -> int:
+    return _parse_int(key, value, 1, 256)
+
+
+def _parse_seconds(key: str, value: Any, *, positive: bool) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        raise _bad(key, value, f"a finite number of seconds {'> 0' if positive else '>= 0'}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,10 @@ class FsTierConfig:
         enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``) for blocks written or
             removed by this tier.
         stale_tmp_age_s: a temporary file of a writer that may still be alive (another host or
-            a live process) is deleted by the start-up scan only once it is this old.
+            a live process) is deleted by the scan only once it is this old.
+        max_read_failures: consecutive failed reads (transient errors such as EACCES or EIO) of
+            one block file after which the tier stops serving it: lookups miss, it becomes the
+            first eviction victim, and the next store of the block replaces it.
     """
 
     root_dir: str
@@ -106,6 +124,7 @@ class FsTierConfig:
     o_direct: ODirectMode = "auto"
     enable_events: bool = False
     stale_tmp_age_s: float = 600.0
+    max_read_failures: int = 3
 
     @classmethod
     def from_kwargs(
@@ -119,6 +138,7 @@ class FsTierConfig:
         o_direct: Any = "auto",
         enable_events: Any = False,
         stale_tmp_age_s: Any = 600.0,
+        max_read_failures: Any = 3,
     ) -> FsTierConfig:
         """Validate raw config values (e.g. decoded JSON) and normalise them.
 
@@ -141,13 +161,6 @@ class FsTierConfig:
             raise _bad("enable_events", enable_events, "a bool")
         if not (isinstance(o_direct, bool) or (isinstance(o_direct, str) and o_direct == "auto")):
             raise _bad("o_direct", o_direct, "'auto', true or false")
-        if (
-            isinstance(stale_tmp_age_s, bool)
-            or not isinstance(stale_tmp_age_s, (int, float))
-            or not math.isfinite(stale_tmp_age_s)
-            or stale_tmp_age_s < 0
-        ):
-            raise _bad("stale_tmp_age_s", stale_tmp_age_s, "a finite number of seconds >= 0")
         return cls(
             root_dir=os.path.realpath(os.path.abspath(os.path.expanduser(root_dir))),
             n_read_threads=_parse_threads("n_read_threads", n_read_threads),
@@ -160,5 +173,6 @@ class FsTierConfig:
             ),
             o_direct=cast(ODirectMode, o_direct),
             enable_events=enable_events,
-            stale_tmp_age_s=float(stale_tmp_age_s),
+            stale_tmp_age_s=_parse_seconds("stale_tmp_age_s", stale_tmp_age_s, positive=False),
+            max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
         )

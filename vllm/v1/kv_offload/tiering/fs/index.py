@@ -384,6 +384,12 @@ class CapacityIndex:
                 else:
                     pins[key] = count - 1
 
+    def demote(self, key: OffloadKey) -> None:
+        """Make ``key`` (if indexed) the least recently used block: the next victim."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key, last=False)
+
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """Mark indexed ``keys`` as recently used; the first key ends up the most recent."""
         with self._lock:

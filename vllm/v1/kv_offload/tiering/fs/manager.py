@@ -18,9 +18,12 @@ Guarantees:
       never sees a partial file, and a crash leaves only temporary files, which are never served
       and are removed by the next start-up scan.
     * Every load is verified (header, key, run digest, size, CRC-32 of the payload). A corrupt,
-      truncated or foreign file fails the job and is deleted; a transient error (any ``OSError``:
-      EACCES, EIO, ELOOP, EMFILE, ...) fails the job and keeps the file. A failed load job may
-      have written part of its rows; the tiering manager frees them, so they are never served.
+      truncated or foreign file fails the job and is deleted; a file of the wrong size is deleted
+      wherever the tier meets it and never indexed. A transient error (any ``OSError``: EACCES,
+      EIO, ELOOP, EMFILE, ...) fails the job and keeps the file; after ``max_read_failures``
+      failed reads in a row the file is no longer served and the next store replaces it. A
+      failed load job may have written part of its rows; the tiering manager frees them, so
+      they are never served.
     * ``max_bytes`` is enforced by LRU eviction that never removes a block being loaded; the
       accounting stays exact under concurrency and when files vanish (a vanished file is a miss).
     * Events (medium ``"STORAGE"``) are recorded only for files this tier really wrote or
@@ -128,6 +131,8 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         enable_events: record ``OffloadingEvent`` s, medium ``"STORAGE"`` (default false).
         stale_tmp_age_s: age after which a possibly live writer's temporary file is removed by
             the start-up scan (default 600).
+        max_read_failures: consecutive failed reads after which a block file is no longer
+            served and the next store replaces it (default 3).
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape,
@@ -155,6 +160,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         o_direct: bool | str = "auto",
         enable_events: bool = False,
         stale_tmp_age_s: float = 600.0,
+        max_read_failures: int = 3,
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
@@ -167,6 +173,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             o_direct=o_direct,
             enable_events=enable_events,
             stale_tmp_age_s=stale_tmp_age_s,
+            max_read_failures=max_read_failures,
         )
         view = primary_kv_view
         shape = view.shape or ()
@@ -215,6 +222,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             writer=self._writer,
             root_dir=config.root_dir,
             max_bytes=config.max_bytes,
+            max_read_failures=config.max_read_failures,
         )
         # Scheduler thread only.
         self._jobs: dict[int, _JobRecord] = {}
@@ -478,6 +486,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
                 stale_tmp_age_s=self._config.stale_tmp_age_s,
                 stop=self._scan_stop,
             )
+            self._store.count("corrupt_removed", stats.invalid_removed)
             if stats.completed:
                 victims = self._index.evict_to_fit()
                 if victims:

@@ -11,6 +11,9 @@ What it does with each entry below ``<rank_dir>/<hhh>/<hh>_g<group>/``:
 * a block file (well-formed name in the right directory, regular file): indexed with its size,
   as least recently used (files found at start rank colder than anything used since);
 * a temporary file that ``is_stale_tmp`` calls a leftover (a dead writer's, or too old): deleted;
+* a block name whose file is not exactly one block file of this run's geometry (header plus one
+  primary row): deleted, counted as invalid, never indexed (one 2 GiB file named like a block
+  would otherwise make the tier evict every valid block to get under ``max_bytes``);
 * a digested block name (``z<digest>.bin``) whose header cannot be read: deleted (nothing could
   ever load it); its key is taken from the header otherwise;
 * anything else: left alone and not counted.
@@ -30,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileCorrupt
+from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
     is_stale_tmp,
@@ -52,7 +55,8 @@ class ScanStats:
         blocks: block files indexed.
         bytes: their total size.
         tmp_removed: leftover temporary files deleted.
-        invalid_removed: unreadable digested-name block files deleted.
+        invalid_removed: block files deleted because they were of the wrong size or (digested
+            names) had an unreadable header.
         errors: directories or files that could not be examined (left alone).
         completed: False if the scan was stopped before the end.
     """
@@ -164,6 +168,12 @@ def _scan_dir1(
                     st = os.stat(name, dir_fd=fd2, follow_symlinks=False)
                     if not stat.S_ISREG(st.st_mode):
                         continue
+                    if st.st_size != file_size(payload_len):
+                        # Never indexed at its size: one huge file would evict every valid block.
+                        raise BlockFileCorrupt(
+                            f"{st.st_size} bytes instead of {file_size(payload_len)}",
+                            (st.st_dev, st.st_ino),
+                        )
                     if key is None:
                         key = OffloadKey(
                             read_header_key(
@@ -176,7 +186,7 @@ def _scan_dir1(
                     continue
                 except BlockFileCorrupt as e:
                     logger.warning(
-                        "fs tier scan: removing unreadable %s/%s/%s: %s", dir1, dir2, name, e
+                        "fs tier scan: removing invalid %s/%s/%s: %s", dir1, dir2, name, e
                     )
                     # Only the inode found corrupt: a writer may have renamed a good file
                     # over it since.

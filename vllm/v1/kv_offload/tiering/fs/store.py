@@ -5,11 +5,15 @@
 
 Failure classes, as the tier reports them:
     * permanent (``BlockFileCorrupt``: wrong size, bad header, other key or run, checksum
-      mismatch): the load fails and the file is deleted, so later lookups miss it;
+      mismatch): the load fails and the file is deleted, so later lookups miss it. A file of the
+      wrong size is deleted as soon as the tier meets it (lookup probe, store, scan), never
+      indexed: its size says nothing about the bytes the tier can serve;
     * vanished (``FileNotFoundError``): the load fails, the index forgets the file (a miss); a
-      store that finds its file gone (or truncated) accounts it so before it writes it again;
+      store that finds its file gone accounts it so before it writes it again;
     * transient (any other ``OSError``: EACCES, EIO, ELOOP, EMFILE, ENOSPC, ...): the operation
-      fails and nothing is deleted; a failed write removes only its own temporary file.
+      fails and nothing is deleted; a failed write removes only its own temporary file. A file
+      whose reads fail ``max_read_failures`` times in a row is given up (``ReadFailures``):
+      lookups miss it, it becomes the first eviction victim, and the next store replaces it.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     open_block_dir,
     read_block_file,
     regular_file_size,
+    regular_file_stat,
     tmp_name,
     unlink_if_same,
     write_block_file,
 )
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, RemoveOutcome, ReserveStatus
+from vllm.v1.kv_offload.tiering.fs.read_failures import ReadFailures, file_identity
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +123,7 @@ class BlockStore:
         writer: writer id for temporary file names.
         root_dir: for log messages.
         max_bytes: for log messages.
+        max_read_failures: consecutive failed reads after which a file is given up.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class BlockStore:
         writer: str,
         root_dir: str,
         max_bytes: int | None,
+        max_read_failures: int = 3,
     ) -> None:
         self._rank_fd = rank_fd
         self._mapper = mapper
@@ -150,12 +158,15 @@ class BlockStore:
         self._fs_low_lock = threading.Lock()
         self._store_clock = BusyClock()
         self._load_clock = BusyClock()
+        self._read_failures = ReadFailures(max_read_failures)
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts: ``blocks_written``, ``blocks_skipped`` (already present),
-        ``blocks_loaded``, ``blocks_evicted``, ``corrupt_removed``, ``store_failures``,
-        ``load_failures``; and ``store_busy_us`` / ``load_busy_us``, the wall time (in
-        microseconds) during which at least one store / load was running (see ``BusyClock``)."""
+        ``blocks_loaded``, ``blocks_evicted``, ``corrupt_removed`` (invalid files deleted,
+        wrong-size ones included), ``store_failures``, ``load_failures``, ``reads_given_up``
+        (files no longer served after ``max_read_failures`` failed reads); and
+        ``store_busy_us`` / ``load_busy_us``, the wall time (in microseconds) during which at
+        least one store / load was running (see ``BusyClock``)."""
         with self._counters_lock:
             counters = dict(self._counters)
         counters["store_busy_us"] = round(self._store_clock.seconds() * 1e6)
@@ -200,18 +211,22 @@ class BlockStore:
         self, leaf_fd: int, path: BlockPath, key: OffloadKey, row: memoryview, ticket: int
     ) -> bool:
         try:
-            existing = regular_file_size(leaf_fd, path.name)
+            st = regular_file_stat(leaf_fd, path.name)
         except OSError as e:
             self._log_os_error("store", key, e)
             return self._failed("store_failures")
-        if existing == self.file_size:
-            # Dedupe. A file of the wrong size (truncated by someone) is replaced below.
-            self._index.observe(key, existing, ticket, hot=True)
-            self._count("blocks_skipped")
+        if st is None:
+            # Deleted behind the tier's back: if the store fails below, the index must not keep
+            # counting the file.
+            self._index.observe(key, None, ticket, hot=False)
+        elif st.st_size != self.file_size:
+            # Never indexed at its size; deleted (only that inode) before the new file is made.
+            self._remove_wrong_size(leaf_fd, key, path, st)
+        elif not self._read_failures.given_up(key, file_identity(st)):
+            self._index.observe(key, st.st_size, ticket, hot=True)
+            self._count("blocks_skipped")  # dedupe
             return True
-        # Account a file deleted or truncated behind the tier's back as it is now: if the store
-        # fails below, the index must not keep counting a whole file.
-        self._index.observe(key, existing, ticket, hot=False)
+        # else: a whole file this tier gave up reading; the rename below replaces it.
         if not self._has_room_on_fs():
             return self._failed("store_failures")
         reservation = self._index.reserve(key, self.file_size)
@@ -250,6 +265,7 @@ class BlockStore:
                 return False
             raise
         self._index.commit(key, self.file_size)
+        self._read_failures.clear(key)
         self._count("blocks_written")
         return True
 
@@ -305,6 +321,14 @@ class BlockStore:
             self._log_os_error("load", key, e)
             return self._failed("load_failures")
         try:
+            return self._load_in(leaf_fd, key, path, row, ticket)
+        finally:
+            os.close(leaf_fd)
+
+    def _load_in(
+        self, leaf_fd: int, key: OffloadKey, path: BlockPath, row: memoryview, ticket: int
+    ) -> bool:
+        try:
             read_block_file(
                 leaf_fd,
                 path.name,
@@ -315,6 +339,7 @@ class BlockStore:
                 o_direct=self._o_direct,
             )
         except FileNotFoundError:
+            self._read_failures.clear(key)
             self._index.observe(key, None, ticket, hot=False)
             return self._failed("load_failures")
         except BlockFileCorrupt as e:
@@ -325,16 +350,36 @@ class BlockStore:
                 path.rel,
                 e.reason,
             )
+            self._read_failures.clear(key)
             self._remove_corrupt(leaf_fd, key, path, e.file_id)
             return self._failed("load_failures")
         except OSError as e:
             self._log_os_error("load", key, e)
+            self._count_read_failure(leaf_fd, key, path)
             return self._failed("load_failures")
-        finally:
-            os.close(leaf_fd)
+        self._read_failures.clear(key)
         self._index.observe(key, self.file_size, ticket, hot=True)
         self._count("blocks_loaded")
         return True
+
+    def _count_read_failure(self, leaf_fd: int, key: OffloadKey, path: BlockPath) -> None:
+        """A transient error failed a read of ``key``'s file: count it, maybe give the file up."""
+        try:
+            st = regular_file_stat(leaf_fd, path.name)
+        except OSError:
+            st = None  # cannot tell which file: counted against the one that failed before
+        if not self._read_failures.failed(key, None if st is None else file_identity(st)):
+            return
+        self._index.demote(key)
+        self._count("reads_given_up")
+        self._log(
+            logging.WARNING,
+            "given_up",
+            "fs tier: block file %s failed %d reads in a row; no longer served (lookups miss, "
+            "it is evicted first, the next store of the block replaces it)",
+            path.rel,
+            self._read_failures.limit,
+        )
 
     # -----------------------------------------------------------------------------------------
     # Probe
@@ -363,8 +408,22 @@ class BlockStore:
         except OSError as e:
             self._log(logging.WARNING, "probe", "fs tier: cannot stat %s: %s", path.rel, e)
             return False
-        present = self._index.observe(key, st.st_size, ticket, hot=True)
-        return present and st.st_size == self.file_size
+        if st.st_size != self.file_size:
+            try:
+                leaf_fd = open_block_dir(rank_fd, path, create=False)
+            except OSError as e:
+                self._log(logging.WARNING, "probe", "fs tier: cannot open %s: %s", path.rel, e)
+                return False
+            try:
+                self._remove_wrong_size(leaf_fd, key, path, st)
+            finally:
+                os.close(leaf_fd)
+            return False
+        if self._read_failures.given_up(key, file_identity(st)):
+            # Still accounted (it occupies the disk), left where it is in the LRU order.
+            self._index.observe(key, st.st_size, ticket, hot=False)
+            return False
+        return self._index.observe(key, st.st_size, ticket, hot=True)
 
     # -----------------------------------------------------------------------------------------
     # Removal
@@ -397,6 +456,21 @@ class BlockStore:
             if outcome is RemoveOutcome.REMOVED:
                 self._count("blocks_evicted")
 
+    def _remove_wrong_size(
+        self, leaf_fd: int, key: OffloadKey, path: BlockPath, st: os.stat_result
+    ) -> None:
+        """Delete ``key``'s file of the wrong size (the inode ``st`` describes, only)."""
+        self._log(
+            logging.WARNING,
+            "wrong_size",
+            "fs tier: block file %s has %d bytes instead of %d; deleting it",
+            path.rel,
+            st.st_size,
+            self.file_size,
+        )
+        self._read_failures.clear(key)
+        self._remove_corrupt(leaf_fd, key, path, (st.st_dev, st.st_ino))
+
     def _remove_corrupt(
         self, leaf_fd: int, key: OffloadKey, path: BlockPath, file_id: tuple[int, int] | None
     ) -> None:
@@ -415,6 +489,8 @@ class BlockStore:
             self._log(logging.WARNING, "unlink", "fs tier: cannot delete %s: %s", path.rel, e)
             with contextlib.suppress(OSError):
                 kept = regular_file_size(leaf_fd, path.name)
+        if kept is not None and kept != self.file_size:
+            kept = None  # a file of the wrong size is never indexed (it is retried when met)
         self._index.finish_remove(key, outcome, kept)
         if outcome is RemoveOutcome.REMOVED:
             self._count("corrupt_removed")
@@ -423,9 +499,14 @@ class BlockStore:
     # Helpers
     # -----------------------------------------------------------------------------------------
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (see ``counters``)."""
+        if n:
+            with self._counters_lock:
+                self._counters[name] += n
+
     def _count(self, name: str) -> None:
-        with self._counters_lock:
-            self._counters[name] += 1
+        self.count(name)
 
     def _failed(self, counter: str) -> bool:
         self._count(counter)
