@@ -52,6 +52,11 @@ def test_defaults_and_root_normalisation(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
+        ("reconcile_interval_s", 0),
+        ("reconcile_interval_s", float("inf")),
+        ("reconcile_interval_s", "1"),
+        ("reconcile_batch", 0),
+        ("reconcile_batch", 2.0),
         ("max_read_failures", 0),
         ("max_read_failures", True),
         ("stale_tmp_age_s", -1),
@@ -64,4 +69,5 @@ def test_reliability_keys_are_validated(key: str, value: Any) -> None:
 
 def test_reliability_key_defaults() -> None:
     config = FsTierConfig.from_kwargs(root_dir="/tmp/x")
+    assert (config.reconcile_interval_s, config.reconcile_batch) == (1.0, 1024)
     assert config.max_read_failures == 3

@@ -111,6 +111,11 @@ class FsTierConfig:
             removed by this tier.
         stale_tmp_age_s: a temporary file of a writer that may still be alive (another host or
             a live process) is deleted by the scan only once it is this old.
+        reconcile_interval_s: seconds between two steps of the background reconcile, which
+            re-reads the run directory to learn what other instances (or operators) wrote and
+            deleted.
+        reconcile_batch: directory entries (files and directories) one reconcile step examines;
+            a full pass over ``E`` entries takes ``ceil(E / reconcile_batch)`` steps.
         max_read_failures: consecutive failed reads (transient errors such as EACCES or EIO) of
             one block file after which the tier stops serving it: lookups miss, it becomes the
             first eviction victim, and the next store of the block replaces it.
@@ -124,6 +129,8 @@ class FsTierConfig:
     o_direct: ODirectMode = "auto"
     enable_events: bool = False
     stale_tmp_age_s: float = 600.0
+    reconcile_interval_s: float = 1.0
+    reconcile_batch: int = 1024
     max_read_failures: int = 3
 
     @classmethod
@@ -138,6 +145,8 @@ class FsTierConfig:
         o_direct: Any = "auto",
         enable_events: Any = False,
         stale_tmp_age_s: Any = 600.0,
+        reconcile_interval_s: Any = 1.0,
+        reconcile_batch: Any = 1024,
         max_read_failures: Any = 3,
     ) -> FsTierConfig:
         """Validate raw config values (e.g. decoded JSON) and normalise them.
@@ -174,5 +183,9 @@ class FsTierConfig:
             o_direct=cast(ODirectMode, o_direct),
             enable_events=enable_events,
             stale_tmp_age_s=_parse_seconds("stale_tmp_age_s", stale_tmp_age_s, positive=False),
+            reconcile_interval_s=_parse_seconds(
+                "reconcile_interval_s", reconcile_interval_s, positive=True
+            ),
+            reconcile_batch=_parse_int("reconcile_batch", reconcile_batch, 1, 1 << 24),
             max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
         )
