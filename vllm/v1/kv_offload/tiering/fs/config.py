@@ -36,11 +36,26 @@ def parse_size(key: str, value: Any, *, allow_zero: bool = False) -> int:
         raise _bad(key, value, allowed) from None
 
 
-def _parse_threads(key: str, value: Any) -> int:
-    allowed = "an integer in [1, 256]"
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
-        raise _bad(key, value, allowed)
+def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(key, value, f"an integer in [{lo}, {hi}]")
     return value
+
+
+def _parse_threads(key: str, value: Any) -> int:
+    return _parse_int(key, value, 1, 256)
+
+
+def _parse_seconds(key: str, value: Any, *, positive: bool) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        raise _bad(key, value, f"a finite number of seconds {'> 0' if positive else '>= 0'}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -61,7 +76,15 @@ class FsTierConfig:
         enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``) for blocks written or
             removed by this tier.
         stale_tmp_age_s: a temporary file of a writer that may still be alive (another host or
-            a live process) is deleted by the start-up scan only once it is this old.
+            a live process) is deleted by the scan only once it is this old.
+        reconcile_interval_s: seconds between two steps of the background reconcile, which
+            re-reads the run directory to learn what other instances (or operators) wrote and
+            deleted.
+        reconcile_batch: directory entries (files and directories) one reconcile step examines;
+            a full pass over ``E`` entries takes ``ceil(E / reconcile_batch)`` steps.
+        max_read_failures: consecutive failed reads (transient errors such as EACCES or EIO) of
+            one block file after which the tier stops serving it: lookups miss, it becomes the
+            first eviction victim, and the next store of the block replaces it.
     """
 
     root_dir: str
@@ -72,6 +95,9 @@ class FsTierConfig:
     o_direct: ODirectMode = "auto"
     enable_events: bool = False
     stale_tmp_age_s: float = 600.0
+    reconcile_interval_s: float = 1.0
+    reconcile_batch: int = 1024
+    max_read_failures: int = 3
 
     @classmethod
     def from_kwargs(
@@ -85,6 +111,9 @@ class FsTierConfig:
         o_direct: Any = "auto",
         enable_events: Any = False,
         stale_tmp_age_s: Any = 600.0,
+        reconcile_interval_s: Any = 1.0,
+        reconcile_batch: Any = 1024,
+        max_read_failures: Any = 3,
     ) -> FsTierConfig:
         """Validate raw config values (e.g. decoded JSON) and normalise them.
 
@@ -107,13 +136,6 @@ class FsTierConfig:
             raise _bad("enable_events", enable_events, "a bool")
         if not (isinstance(o_direct, bool) or (isinstance(o_direct, str) and o_direct == "auto")):
             raise _bad("o_direct", o_direct, "'auto', true or false")
-        if (
-            isinstance(stale_tmp_age_s, bool)
-            or not isinstance(stale_tmp_age_s, (int, float))
-            or not math.isfinite(stale_tmp_age_s)
-            or stale_tmp_age_s < 0
-        ):
-            raise _bad("stale_tmp_age_s", stale_tmp_age_s, "a finite number of seconds >= 0")
         return cls(
             root_dir=os.path.realpath(os.path.abspath(os.path.expanduser(root_dir))),
             n_read_threads=_parse_threads("n_read_threads", n_read_threads),
@@ -126,5 +148,10 @@ class FsTierConfig:
             ),
             o_direct=cast(ODirectMode, o_direct),
             enable_events=enable_events,
-            stale_tmp_age_s=float(stale_tmp_age_s),
+            stale_tmp_age_s=_parse_seconds("stale_tmp_age_s", stale_tmp_age_s, positive=False),
+            reconcile_interval_s=_parse_seconds(
+                "reconcile_interval_s", reconcile_interval_s, positive=True
+            ),
+            reconcile_batch=_parse_int("reconcile_batch", reconcile_batch, 1, 1 << 24),
+            max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
         )
