@@ -152,6 +152,7 @@ _RUN_DEFAULTS: dict[str, object] = {
     "max_num_batched_tokens": 512,
     "device": "auto",
     "timeout": 1800.0,
+    "async_scheduling": False,
     "cpu_bytes": 20 * 2**20,
     "eviction_policy": "lru",
     "fs_root": None,

@@ -342,3 +342,30 @@ def test_module_runs_as_a_script(tmp_path: Path) -> None:
     # The default fs root is under the user's cache dir.
     assert str(tmp_path / "cache" / "vllm-kv-offload") in proc.stdout
     assert list((tmp_path / "cache" / "vllm-kv-offload").rglob("*.bin"))
+
+
+def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm.entrypoints.cli.run import _run_one
+
+    out = tmp_path / "async.json"
+    argv = [*TINY_MIX, "--fs-root", str(tmp_path / "fs")]
+    assert main([*argv, "--async-scheduling", "--json", str(out)]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["async_scheduling"] is True
+    assert doc["runs"]["offload"]["verification"]["blocks_mismatched"] == 0
+    # The asynchronously scheduled offloaded run produced exactly the synchronous baseline's
+    # tokens (the verdict above compared it with an asynchronous baseline only).
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    sync_opts = build_run_options(args.command_parser, args)
+    workload = generate_workload(sync_opts.workload)
+    sync_baseline = _run_one(sync_opts, workload, offload=False)
+    async_args = parser.parse_args(["run", *argv, "--async-scheduling"])
+    async_opts = build_run_options(async_args.command_parser, async_args)
+    assert async_opts.async_scheduling and not sync_opts.async_scheduling
+    async_offload = _run_one(async_opts, workload, offload=True)
+    assert len(sync_baseline.outputs) == workload.num_requests
+    assert async_offload.outputs == sync_baseline.outputs

@@ -122,6 +122,7 @@ class RunOptions:
         plot_path: where to write the plot, if anywhere.
         progress: whether to draw progress bars (on a terminal only).
         timeout_s: longest time one run may take (None: no limit).
+        async_scheduling: run the engine with one step in flight (vLLM's async scheduling).
     """
 
     workload: WorkloadConfig
@@ -145,6 +146,7 @@ class RunOptions:
     plot_path: Path | None
     progress: bool
     timeout_s: float | None
+    async_scheduling: bool = False
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -296,6 +298,11 @@ def _engine_options() -> tuple[_Option, ...]:
         ),
         _seconds(
             "--timeout", 1800.0, "give up (exit code 1) when one run takes longer; 0 waits forever"
+        ),
+        _switch(
+            "--async-scheduling",
+            "schedule each step before the previous step's output arrived (one step in flight), "
+            "as vLLM's async scheduling does; both runs use it",
         ),
     )
 
@@ -466,6 +473,7 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         plot_path=args.plot,
         progress=not args.no_progress,
         timeout_s=args.timeout or None,
+        async_scheduling=args.async_scheduling,
     )
     row_bytes = -(-opts.offload_block_bytes // os.sysconf("SC_PAGE_SIZE")) * os.sysconf(
         "SC_PAGE_SIZE"

@@ -86,6 +86,7 @@ def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
         verify_kv=True,
         kv_connector_extra_config=extra_config(opts) if offload else None,
         device=opts.device,
+        async_scheduling=opts.async_scheduling,
     )
 
 
@@ -387,6 +388,7 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
         "fs_max_bytes": opts.fs_max_bytes,
         "device": opts.device,
         "timeout_s": opts.timeout_s,
+        "async_scheduling": opts.async_scheduling,
     }
 
 

@@ -98,6 +98,9 @@ class Scheduler:
         event_sink: receives the connector's KV events after each drain.
         max_model_len: a request stops (length-capped) once it holds this many tokens; default
             and upper bound: the tokens the GPU KV cache holds, so a request alone always fits.
+        async_scheduling: ``schedule()`` may run before the previous step's output was applied
+            (one step in flight): a request that samples in a step gets an output placeholder,
+            and the next step already computes the placeholder token's KV.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class Scheduler:
         block_verifier: BlockVerifier | None = None,
         event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
         max_model_len: int | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         capacity = min(
@@ -118,6 +122,7 @@ class Scheduler:
         )
         self.max_model_len = min(max_model_len or capacity, capacity)
         self.max_num_seqs = max_num_seqs
+        self.async_scheduling = async_scheduling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
         self.stats = stats
@@ -243,7 +248,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._finishes_in_flight(request):
+                index += 1  # its last token is being sampled: nothing left to compute (as vLLM)
+                continue
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                budget,
+            )
             assert num_new > 0, f"running {request} has nothing to compute"
             new_blocks = None
             while True:
@@ -327,8 +338,24 @@ class Scheduler:
             self.drain_events()
         # The scheduled tokens count as computed from here on (as in vLLM).
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens
+                == request.num_tokens + request.num_output_placeholders
+            ):
+                # This step samples a token the next schedule() cannot know yet.
+                request.num_output_placeholders += 1
         return output
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether the tokens being sampled by steps in flight finish the request."""
+        n = request.num_output_placeholders
+        return n > 0 and (
+            request.num_output_tokens + n >= request.max_tokens
+            or request.num_tokens + n >= self.max_model_len
+        )
 
     def _try_place(self, request: Request, budget: int) -> str | None:
         """Allocate a waiting request's blocks.
@@ -339,6 +366,8 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         connector = self.connector
+        # Preempted with a step in flight, it waited a step, which brought its token in.
+        assert request.num_output_placeholders == 0, f"{request} placed with tokens in flight"
         if request.request_id in self._loaded:
             # Its connector load finished (possibly in part): it holds its blocks already and
             # computes the rest, without asking the connector again.
@@ -422,9 +451,13 @@ class Scheduler:
             token = model_output.sampled_token_ids.get(req_id)
             if token is None:
                 continue
-            assert request.num_computed_tokens == request.num_tokens, (
-                f"{request} sampled before its last token was computed"
-            )
+            if self.async_scheduling:
+                assert request.num_output_placeholders > 0, f"{request} sampled unexpectedly"
+                request.num_output_placeholders -= 1
+            else:
+                assert request.num_computed_tokens == request.num_tokens, (
+                    f"{request} sampled before its last token was computed"
+                )
             request.append_output_token_ids(token)
             self.stats.output_tokens += 1
             out = self._output(req_id)
@@ -433,7 +466,10 @@ class Scheduler:
                 request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len
             ):
-                self.running.remove(request)
+                if request.status is RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # preempted while its last token was in flight (async scheduling)
+                    self.waiting.remove(request)
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 self._free_request(request)
                 out.finished = True

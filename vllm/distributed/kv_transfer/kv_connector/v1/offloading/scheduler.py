@@ -121,6 +121,10 @@ class OffloadingConnectorScheduler:
         self._jobs = TransferJobTable(self.num_workers)
         self._metrics = OffloadingSchedulerMetrics()
         self._req_status: dict[ReqId, RequestOffloadState] = {}
+        # Running requests whose latest prepare_store found no room: offered again at the next
+        # step even when not scheduled in it (under async scheduling a request's last step is
+        # scheduled before the completions that free the room arrive).
+        self._deferred_store_reqs: set[ReqId] = set()
 
         # Per-step buffers, consumed by build_connector_meta.
         self._current_batch_load_jobs: dict[JobId, TransferJob] = {}
@@ -203,6 +207,7 @@ class OffloadingConnectorScheduler:
         state.num_locally_computed_tokens = num_computed_tokens
         state.next_stored_block_idx = 0
         state.expect_fresh_alloc = True
+        self._deferred_store_reqs.discard(request.request_id)  # a restart offers all blocks anew
         block_size = self.offloaded_block_size
         num_blocks = state.extend_offload_keys(self.hashes_per_block)
         if num_blocks * block_size - num_computed_tokens < block_size:
@@ -349,6 +354,11 @@ class OffloadingConnectorScheduler:
         ]
         cached = scheduler_output.scheduled_cached_reqs
         scheduled.extend(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id in self._deferred_store_reqs - scheduler_output.num_scheduled_tokens.keys():
+            retry = self._req_status.get(req_id)
+            if retry is not None and not retry.finished and any(retry.block_ids):
+                scheduled.append((req_id, retry.req.num_computed_tokens))
+        self._deferred_store_reqs.clear()
         for req_id, num_computed in scheduled:
             state = self._req_status[req_id]
             req = state.req
@@ -369,6 +379,7 @@ class OffloadingConnectorScheduler:
             if output is None:
                 # Not enough evictable room now; these blocks are offered again next step.
                 self._metrics.deferred_stores += 1
+                self._deferred_store_reqs.add(req_id)
                 continue
             state.next_stored_block_idx = end
             keys_to_store = output.keys_to_store
