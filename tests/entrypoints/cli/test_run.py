@@ -369,3 +369,23 @@ def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
     async_offload = _run_one(async_opts, workload, offload=True)
     assert len(sync_baseline.outputs) == workload.num_requests
     assert async_offload.outputs == sync_baseline.outputs
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-scheduling"]], ids=["sync", "async"])
+def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    out = tmp_path / "hybrid.json"
+    argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    # Hybrid blocks hold two groups: twice the CPU tier keeps the CPU / fs split of TINY.
+    argv += ["--model-stand-in", "hybrid", "--sliding-window", "24", "--cpu-bytes", "256KiB"]
+    assert main([*argv, *mode]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["model_stand_in"] == "hybrid"
+    assert doc["settings"]["sliding_window"] == 24
+    off = doc["runs"]["offload"]
+    assert off["verification"]["blocks_verified"] > 0
+    assert off["verification"]["blocks_mismatched"] == 0
+    assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
+    assert doc["comparison"]["outputs_identical"] is True

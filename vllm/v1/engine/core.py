@@ -146,6 +146,7 @@ class EngineCore:
             config.gpu_block_sizes,
             self._hash_block_size,
             config.enable_prefix_caching,
+            config.sliding_windows,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -178,6 +179,7 @@ class EngineCore:
             gpu_kv_bytes_per_block=kv_bytes,
             tensor_parallel_size=c.tensor_parallel_size,
             instance_id=c.instance_id,
+            sliding_windows=c.sliding_windows,
         )
 
     # -----------------------------------------------------------------------------------------

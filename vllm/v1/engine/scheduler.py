@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from typing_extensions import ParamSpec
@@ -38,45 +38,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connecto
 )
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
 from vllm.v1.engine.stats import EngineStats
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
+
+__all__ = ["BlockVerifier", "ModelRunnerOutput", "RequestOutput", "Scheduler"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 BlockVerifier = Callable[[Request, Mapping[int, list[tuple[int, int]]], int], dict[int, set[int]]]
 """``(request, {group: [(logical_idx, gpu_block_id)]}, num_tokens) -> {group: bad block ids}``."""
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the workers return for one step (aggregated over ranks).
-
-    Attributes:
-        sampled_token_ids: the token sampled for each request that reached its end this step.
-        kv_connector_output: the connectors' report, or None without a connector.
-    """
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    kv_connector_output: KVConnectorOutput | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: the request.
-        new_token_ids: tokens sampled this step.
-        finished: the request is done.
-        finish_reason: ``"length"`` or ``"abort"`` once finished.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -518,15 +490,20 @@ class Scheduler:
         if aborted is not None:
             kv.free(aborted)
             return
+        if valid_tokens < end and kv.has_sliding_window:
+            valid_tokens = num_local  # an SWA window may straddle the failure: recompute all
         request = holder
         assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS, (
             f"{request} finished loading but is not waiting for it"
         )
         if self.block_verifier is not None:
-            checkable = {
-                g: [(i, b) for i, b in pairs if i * kv.block_sizes[g] < valid_tokens]
-                for g, pairs in loaded.items()
-            }
+            checkable = kv.window_pairs(
+                {
+                    g: [(i, b) for i, b in pairs if i * kv.block_sizes[g] < valid_tokens]
+                    for g, pairs in loaded.items()
+                },
+                min(valid_tokens, request.num_tokens - 1),
+            )
             mismatched = self.block_verifier(request, checkable, valid_tokens)
             num_checked = sum(len(p) for p in checkable.values())
             self.stats.blocks_loaded_verified += num_checked
@@ -537,8 +514,13 @@ class Scheduler:
                     if block_id in bad_ids:
                         valid_tokens = min(valid_tokens, i * kv.block_sizes[g])
                         break
+            if mismatched and kv.has_sliding_window:
+                valid_tokens = num_local
         valid_tokens = max(num_local, valid_tokens - valid_tokens % kv.alignment)
         num_computed = min(valid_tokens, request.num_tokens - 1)
+        # SWA blocks below the window were allocated for the load but not loaded: free them
+        # before they could be cached.
+        kv.remove_skipped_blocks(request, num_computed)
         kv.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING
@@ -571,10 +553,13 @@ class Scheduler:
         kv = self.kv_cache_manager
         blocks = kv.get_block_ids(request.request_id)
         num_tokens = request.num_computed_tokens
-        pairs = {
-            g: [(i, b) for i, b in enumerate(blocks[g]) if i * bs < num_tokens]
-            for g, bs in enumerate(kv.block_sizes)
-        }
+        pairs = kv.window_pairs(
+            {
+                g: [(i, b) for i, b in enumerate(blocks[g]) if i * bs < num_tokens]
+                for g, bs in enumerate(kv.block_sizes)
+            },
+            0,
+        )
         mismatched = self.block_verifier(request, pairs, num_tokens)
         self.stats.blocks_verified += sum(len(p) for p in pairs.values())
         self.stats.verification_failures += sum(len(b) for b in mismatched.values())
