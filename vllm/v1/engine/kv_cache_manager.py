@@ -152,7 +152,8 @@ class KVCacheManager:
 
         Returns:
             The ids of the newly allocated blocks per group, or None if they do not fit (nothing
-            changed then).
+            changed then, except that SWA blocks out of the window were freed, as they would be
+            anyway).
         """
         req_id = request.request_id
         self.remove_skipped_blocks(request, request.num_computed_tokens)
