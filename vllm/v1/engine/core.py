@@ -11,6 +11,11 @@ One ``step()``::
     scheduler.update_from_output(...) connector: update_connector_output, request_finished,
                                       take_events
 
+With ``async_scheduling`` one step stays in flight, as in vLLM's async scheduling: ``step()``
+schedules step N+1 and runs it on the ranks *before* it applies step N's output, so the scheduler
+(and the connector's ``build_connector_meta``) never sees the newest completions. The ranks know
+the tokens they sampled; the scheduler counts them as output placeholders until they arrive.
+
 The engine keeps stepping while requests are unfinished or the connector has transfers in flight
 (``has_pending_work``), so cascades to slower tiers complete even after the last request.
 
@@ -43,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connecto
     OffloadingConnector,
 )
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
@@ -140,6 +146,7 @@ class EngineCore:
             config.gpu_block_sizes,
             self._hash_block_size,
             config.enable_prefix_caching,
+            config.sliding_windows,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -150,7 +157,11 @@ class EngineCore:
             block_verifier=self._verify_blocks if config.verify_kv else None,
             event_sink=self._publish_events if config.enable_kv_events else None,
             max_model_len=config.max_model_len,
+            async_scheduling=config.async_scheduling,
         )
+        # Async scheduling: the step executed but not applied yet (its output and the ranks'
+        # raw outputs), applied by the next step().
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self._aggregator = KVOutputAggregator(config.tensor_parallel_size)
 
     def run_info(self) -> KVCacheRunInfo:
@@ -168,6 +179,7 @@ class EngineCore:
             gpu_kv_bytes_per_block=kv_bytes,
             tensor_parallel_size=c.tensor_parallel_size,
             instance_id=c.instance_id,
+            sliding_windows=c.sliding_windows,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -201,8 +213,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_pending_work(self) -> bool:
-        """Whether ``step()`` has anything to do: requests, or transfers to finish."""
-        return self.scheduler.has_pending_work()
+        """Whether ``step()`` has anything to do: requests, transfers to finish, or a step in
+        flight to apply."""
+        return self._in_flight is not None or self.scheduler.has_pending_work()
 
     # -----------------------------------------------------------------------------------------
     # Stepping
@@ -216,6 +229,9 @@ class EngineCore:
         assert not self._closed, "the engine is shut down"
         scheduler = self.scheduler
         if not scheduler.has_pending_work():
+            if self._in_flight is not None:
+                # Nothing new to schedule: only apply the step in flight.
+                return scheduler.update_from_output(*self._take_in_flight())
             pending = scheduler.take_outputs()
             if self.connector is not None:
                 scheduler.drain_events()
@@ -233,7 +249,16 @@ class EngineCore:
         model_output = ModelRunnerOutput(
             sampled_token_ids=outputs[0].sampled_token_ids, kv_connector_output=kv_output
         )
-        results = scheduler.update_from_output(scheduler_output, model_output)
+        if self.config.async_scheduling:
+            # Apply the previous step only now: this step was scheduled without its output.
+            previous = self._take_in_flight() if self._in_flight is not None else None
+            self._in_flight = (scheduler_output, model_output)
+            if previous is not None:
+                results = scheduler.update_from_output(*previous)
+            else:
+                results = scheduler.take_outputs()
+        else:
+            results = scheduler.update_from_output(scheduler_output, model_output)
 
         stats = self.stats
         stats.steps += 1
@@ -266,6 +291,11 @@ class EngineCore:
             )
         self._step_index += 1
         return results
+
+    def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        assert self._in_flight is not None
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until no request is unfinished and no transfer is in flight.
