@@ -12,6 +12,7 @@ import math
 import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -89,6 +90,13 @@ class OffloadingSpec(ABC):
     """
 
     BLOCK_SIZE_ALIGNMENT = mmap.PAGESIZE
+
+    SCHEDULER_MAPS_REGION: ClassVar[bool] = False
+    """Whether the scheduler side maps the shared host region too, besides every worker rank.
+
+    Every participant passes it to ``SharedOffloadRegion(expect_scheduler=...)``: the region's
+    name is removed once all expected participants joined, so the two sides must agree.
+    """
 
     def __init__(self, config: OffloadingConfig, run: KVCacheRunInfo) -> None:
         self.config = config

@@ -41,6 +41,7 @@ class TieringOffloadingSpec(OffloadingSpec):
     """
 
     BLOCK_SIZE_ALIGNMENT = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+    SCHEDULER_MAPS_REGION = True  # the secondary tiers copy whole rows through it
 
     def __init__(
         self, config: OffloadingConfig, run: KVCacheRunInfo, *, enable_events: bool = False
@@ -78,6 +79,7 @@ class TieringOffloadingSpec(OffloadingSpec):
             rank=None,
             directory=self.config.shared_region_dir,
             join_timeout_s=self.config.shared_region_join_timeout_s,
+            expect_scheduler=True,
         )
         try:
             assert region.row_bytes == self.row_bytes, (

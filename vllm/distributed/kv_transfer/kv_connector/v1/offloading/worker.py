@@ -243,6 +243,7 @@ def default_cpu_handlers(
         rank=rank,
         directory=spec.config.shared_region_dir,
         join_timeout_s=spec.config.shared_region_join_timeout_s,
+        expect_scheduler=spec.SCHEDULER_MAPS_REGION,
     )
     try:
         cpu_gpu = CpuGpuOffloadingHandlers(kv_caches, spec.block_size_factors, region=region)
