@@ -447,6 +447,8 @@ class CPUOffloadingManager(OffloadingManager):
 
         Slot accounting; each ready block's ``ref_cnt`` equals its pins in outstanding loads;
         each block being written is pending in exactly one request's stores; no empty entries.
+        Internal invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure
+        is a bug of the manager, never of its caller.
         """
         policy = self._policy
         assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
