@@ -15,7 +15,7 @@ import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingManager, TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -132,6 +132,13 @@ class OffloadingSpec(ABC):
     """
 
     BLOCK_SIZE_ALIGNMENT = mmap.PAGESIZE
+
+    SCHEDULER_MAPS_REGION: ClassVar[bool] = False
+    """Whether the scheduler side maps the shared host region too, besides every worker rank.
+
+    Every participant passes it to ``SharedOffloadRegion(expect_scheduler=...)``: the region's
+    name is removed once all expected participants joined, so the two sides must agree.
+    """
 
     def __init__(self, config: OffloadingConfig, run: KVCacheRunInfo) -> None:
         self.config = config
