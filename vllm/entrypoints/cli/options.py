@@ -122,6 +122,8 @@ class RunOptions:
         plot_path: where to write the plot, if anywhere.
         progress: whether to draw progress bars (on a terminal only).
         timeout_s: longest time one run may take (None: no limit).
+        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
+            (None: no server).
     """
 
     workload: WorkloadConfig
@@ -145,6 +147,7 @@ class RunOptions:
     plot_path: Path | None
     progress: bool
     timeout_s: float | None
+    metrics_port: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -349,6 +352,14 @@ def _output_options() -> tuple[_Option, ...]:
             "--no-progress",
             "no progress bar (it is drawn on stderr only when stderr is a terminal)",
         ),
+        _Option(
+            "--metrics-port",
+            "serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the runs "
+            "(docs/metrics.md)",
+            type=_int_at_least(1, 65535),
+            default_text=None,
+            metavar="PORT",
+        ),
     )
 
 
@@ -466,6 +477,7 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         plot_path=args.plot,
         progress=not args.no_progress,
         timeout_s=args.timeout or None,
+        metrics_port=args.metrics_port,
     )
     row_bytes = -(-opts.offload_block_bytes // os.sysconf("SC_PAGE_SIZE")) * os.sysconf(
         "SC_PAGE_SIZE"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.options import RunOptions
 from vllm.entrypoints.cli.progress import ProgressBar
 from vllm.entrypoints.cli.report import (
@@ -209,9 +210,14 @@ async def _run_client(
 
 
 async def serve(
-    opts: RunOptions, workload: Workload, offload: bool, progress: ProgressBar | None = None
+    opts: RunOptions,
+    workload: Workload,
+    offload: bool,
+    progress: ProgressBar | None = None,
+    exporter: MetricsExporter | None = None,
 ) -> RunResult:
-    """Serve ``workload`` on a fresh engine and return what the run measured."""
+    """Serve ``workload`` on a fresh engine and return what the run measured (feeding
+    ``exporter``'s metrics, labelled with the run, when given)."""
     label = "offload" if offload else "baseline"
     engine = EngineCore(engine_config(opts, offload))
     result = RunResult(label=label, offload=offload, num_requests=workload.num_requests)
@@ -227,8 +233,9 @@ async def serve(
         if progress is not None:
             progress.update(done, _progress_extra(sampler))
 
+    callback = sampler if exporter is None else exporter.attach(engine, label, sampler)
     # From here on the engine belongs to the front end's thread (and is shut down by it).
-    async with AsyncLLM(engine, step_callback=sampler) as llm:
+    async with AsyncLLM(engine, step_callback=callback) as llm:
         if result.fs is not None:
             # Only to report what was on disk before the run: the tier serves during its scan.
             files, size = await llm.call(_fs_usage_after_scan)
@@ -254,6 +261,8 @@ async def serve(
                 f"{label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the last "
                 "output"
             ) from None
+        if exporter is not None:
+            await llm.call(lambda e: exporter.flush(e, label))
         snapshot = await llm.call(_snapshot)
     result.wall_s = max(log.last_output_time - t0, 0.0)
     result.outputs = log.outputs
@@ -390,10 +399,12 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
     }
 
 
-def _run_one(opts: RunOptions, workload: Workload, offload: bool) -> RunResult:
+def _run_one(
+    opts: RunOptions, workload: Workload, offload: bool, exporter: MetricsExporter | None = None
+) -> RunResult:
     label = "offload" if offload else "baseline"
     with ProgressBar(workload.num_requests, label, enabled=None if opts.progress else False) as bar:
-        return asyncio.run(serve(opts, workload, offload, bar))
+        return asyncio.run(serve(opts, workload, offload, bar, exporter))
 
 
 def run_command(opts: RunOptions) -> int:
@@ -403,18 +414,28 @@ def run_command(opts: RunOptions) -> int:
         0 when the verdict passed, 1 when it failed or the run hit an error.
     """
     workload = generate_workload(opts.workload)
+    exporter: MetricsExporter | None = None
     try:
-        baseline = _run_one(opts, workload, offload=False)
-        offload = _run_one(opts, workload, offload=True)
+        if opts.metrics_port is not None:
+            exporter = MetricsExporter(opts.metrics_port)
+        baseline = _run_one(opts, workload, offload=False, exporter=exporter)
+        offload = _run_one(opts, workload, offload=True, exporter=exporter)
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 1
+    finally:
+        if exporter is not None:
+            exporter.close()
     report = Report(settings=settings_of(opts), baseline=baseline, offload=offload)
     sys.stdout.write(report.render() + "\n")
     sys.stdout.flush()
     try:
         if opts.json_path is not None:
-            opts.json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+            doc = report.to_json()
+            if exporter is not None:
+                # The metrics' final values, per run (docs/metrics.md).
+                doc["metrics"] = {r: exporter.final_values(r) for r in ("baseline", "offload")}
+            opts.json_path.write_text(json.dumps(doc, indent=2) + "\n")
         if opts.plot_path is not None:
             from vllm.entrypoints.cli.plot import write_plot
 
