@@ -49,6 +49,9 @@ class OffloadPromMetrics:
         self._metrics: dict[str, _Metric] = {}
         # (name, label values) -> the total a counter was last set to (set_counter_total).
         self._totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        # (name, label values) -> the labelled child: ``labels()`` validates and locks on every
+        # call, which would dominate a step's observation cost.
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         for m in catalog:
             labels = [*self.labelnames, *m.labelnames]
             metric: _Metric
@@ -76,7 +79,10 @@ class OffloadPromMetrics:
             if metric is None or self._defs[name].type is not kind:
                 unknown += 1
                 continue
-            child: Any = metric.labels(*labelvalues, *labels)
+            key = (name, (*labelvalues, *labels))
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = metric.labels(*key[1])
             if kind is MetricType.COUNTER:
                 if value > 0:
                     child.inc(value)
