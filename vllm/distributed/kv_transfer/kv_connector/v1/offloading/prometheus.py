@@ -80,7 +80,7 @@ class OffloadPromMetrics:
                 unknown += 1
                 continue
             key = (name, (*labelvalues, *labels))
-            child = self._children.get(key)
+            child: Any = self._children.get(key)
             if child is None:
                 child = self._children[key] = metric.labels(*key[1])
             if kind is MetricType.COUNTER:
