@@ -147,3 +147,43 @@ def test_engine_run_stats_match_the_connector_counters(tmp_path: Path) -> None:
     assert get('vllm:kv_offload_tiering_chunk_hits{tier="0:primary"}') == counters["manager.hits"]
     assert get("vllm:kv_offload_schedule_end_seconds_count") == counters["schedule_ends"]
     assert get("vllm:kv_offload_jobs_in_flight") == 0
+    assert (
+        get('vllm:kv_offload_transfer_blocks{transfer_type="fs_to_CPU"}')
+        == fs.counters["blocks_loaded"]
+    )
+    # Every deferred lookup is one step some request waited; each wait ended (resolved or the
+    # request finished) and was observed once.
+    assert get("vllm:kv_offload_lookup_wait_steps_sum") == counters["deferred_lookups"] > 0
+    assert get("vllm:kv_offload_lookup_deferrals") == counters["deferred_lookups"]
+
+
+def test_counters_never_decrease_across_reset_cache(tmp_path: Path) -> None:
+    """``reset_cache`` zeroes the CPU manager's counters: the stats count on from zero rather
+    than emitting negative increments."""
+    collected: list[OffloadingConnectorStats] = []
+    config = make_config(tmp_path, cpu_blocks=128, num_gpu_blocks=24)
+    with EngineCore(config) as engine:
+        engine.kv_connector_stats_sink = collected.append
+        hits_before_reset: list[int] = []
+
+        def reset_after_turn_1(e: EngineCore, turn: int) -> None:
+            if turn == 1:
+                hits_before_reset.append(int(e.connector_stats()["manager.hits"]))
+                e.reset_prefix_cache()
+
+        run_multi_turn(engine, num_sessions=6, turns=4, between_turns=reset_after_turn_1)
+        hits_after_last_reset = engine.connector_stats()["manager.hits"]
+    increments = [
+        (name, value)
+        for step in collected
+        for name, kind, _, value in step.items()
+        if kind.value == "counter"
+    ]
+    assert increments and all(value >= 0 for _, value in increments)
+    total = OffloadingConnectorStats()
+    for step in collected:
+        total.aggregate(step)
+    hits = total.get("vllm:kv_offload_tiering_chunk_hits", ("0:primary",))
+    # The counter kept what it had counted before the reset and went on from there.
+    assert hits == hits_before_reset[0] + hits_after_last_reset
+    assert hits_before_reset[0] > 0 and hits_after_last_reset > 0
