@@ -347,12 +347,12 @@ class TieringOffloadingManager(OffloadingManager):
         if primary_result is not False:
             return primary_result
         any_pending = False
-        stats = self._tiering_stats
         for tier_idx, tier in enumerate(self._tiers):
             tier_result = tier.lookup(key, req_context)
-            stats.lookups[tier_idx] += 1
             if tier_result is True:
-                stats.hits[tier_idx] += 1
+                # Only hits are counted here: how many lookups reached each tier follows from
+                # the primary's misses and the faster tiers' hits (TieringStats.report).
+                self._tiering_stats.hits[tier_idx] += 1
                 return None if self._initiate_promotion(tier_idx, key, req_context) else False
             if tier_result is None:
                 any_pending = True
@@ -499,6 +499,8 @@ class TieringOffloadingManager(OffloadingManager):
                 self._request_level_tiers.pop(req_id, None)
                 for tier in self._tiers:
                     tier.on_request_finished(state.finished_req_context)
+        # The primary zeroes its counters; the tiers' lookup counts derive from its misses.
+        self._tiering_stats.primary_misses_before_reset += int(self._primary.get_stats()["misses"])
         self._primary.reset_cache()
         self._request_level_tiers.clear()
         self._processed_jobs_this_step = False
@@ -521,7 +523,8 @@ class TieringOffloadingManager(OffloadingManager):
         if not self._shut_down:
             view = self._primary.get_kv_memoryview()  # (num_blocks, row_bytes)
             row_bytes = view.nbytes // max(len(view), 1)
-        self._tiering_stats.report(recorder, self._tiers, row_bytes)
+        misses = int(self._primary.get_stats()["misses"])
+        self._tiering_stats.report(recorder, self._tiers, row_bytes, misses)
 
     @override
     def shutdown(self) -> None:

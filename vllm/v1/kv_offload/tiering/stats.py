@@ -1,9 +1,9 @@
 """``TieringStats``: what the tiering manager counts per secondary tier, for monitoring.
 
-The manager updates it on its hot paths with plain integer adds (lookups, hits, jobs submitted
-and in flight) and, once per finished job (not per key), records a ``TierJobSample`` with the
-job's size and how long it took from submission to the poll that saw it finish. The connector's
-stats collector drains the samples once per step (``take_samples``) and reads the counters.
+The manager updates it with plain integer adds (tier hits, jobs submitted and in flight; a lookup
+that misses every tier adds nothing) and, once per finished job (not per key), records a
+``TierJobSample``: the job's size and how long it took from submission to the poll that saw it
+finish. The connector's stats collector drains the samples once per step (``report``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ class TieringStats:
     """Per-tier counters of a ``TieringOffloadingManager`` (cumulative, never reset).
 
     Attributes:
-        lookups: per tier, lookups that reached it (the primary missed).
         hits: per tier, lookups it answered with a hit (a promotion was then attempted).
+        primary_misses_before_reset: the primary's lookup misses before its counters were last
+            zeroed by ``reset_cache``. Lookups reaching tier 0 are the primary's misses; those
+            reaching tier ``i + 1`` are those reaching tier ``i`` less its hits (a hit ends the
+            lookup, a miss or "not yet" goes on), so only hits need counting per key.
         promotion_jobs, cascade_jobs: per tier, jobs submitted.
         failed_promotion_jobs, failed_cascade_jobs: per tier, jobs reported failed (or whose
             submit raised).
@@ -54,8 +57,8 @@ class TieringStats:
     """
 
     def __init__(self, num_tiers: int) -> None:
-        self.lookups = [0] * num_tiers
         self.hits = [0] * num_tiers
+        self.primary_misses_before_reset = 0
         self.promotion_jobs = [0] * num_tiers
         self.cascade_jobs = [0] * num_tiers
         self.failed_promotion_jobs = [0] * num_tiers
@@ -100,16 +103,25 @@ class TieringStats:
         recorder: MetricsRecorder,
         tiers: Sequence[SecondaryTierManager],
         row_bytes: int,
+        primary_misses: int,
     ) -> None:
         """Report every tier's counters and gauges, its own ``get_stats()``, and the jobs
-        finished since the last report (``row_bytes``: bytes of one primary row, the size of a
-        job's block in the job-size histogram)."""
+        finished since the last report.
+
+        Args:
+            recorder: where to report.
+            tiers: the secondary tiers, in lookup order.
+            row_bytes: bytes of one primary row (a job's block in the job-size histogram).
+            primary_misses: the primary's lookup misses since its last ``reset_cache``.
+        """
+        reaching = self.primary_misses_before_reset + primary_misses
         for i, tier in enumerate(tiers):
             label = tier_label(i, tier.tier_type)
             t = (label,)
             total = recorder.counter_total
-            total("vllm:kv_offload_tiering_chunk_queries", self.lookups[i], t)
+            total("vllm:kv_offload_tiering_chunk_queries", reaching, t)
             total("vllm:kv_offload_tiering_chunk_hits", self.hits[i], t)
+            reaching -= self.hits[i]
             total("vllm:kv_offload_tiering_promotion_jobs", self.promotion_jobs[i], t)
             total("vllm:kv_offload_tiering_cascade_jobs", self.cascade_jobs[i], t)
             failed = self.failed_promotion_jobs[i]

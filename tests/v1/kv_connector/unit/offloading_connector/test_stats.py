@@ -145,6 +145,13 @@ def test_engine_run_stats_match_the_connector_counters(tmp_path: Path) -> None:
         == counters["manager.tiering_cascades_submitted"]
     )
     assert get('vllm:kv_offload_tiering_chunk_hits{tier="0:primary"}') == counters["manager.hits"]
+    # Every primary miss asks the fs tier (its only secondary tier).
+    misses = counters["manager.misses"]
+    assert get('vllm:kv_offload_tiering_chunk_queries{tier="0:primary"}') == (
+        counters["manager.hits"] + misses
+    )
+    assert get('vllm:kv_offload_tiering_chunk_queries{tier="1:fs"}') == misses > 0
+    assert 0 < get('vllm:kv_offload_tiering_chunk_hits{tier="1:fs"}') <= misses
     assert get("vllm:kv_offload_schedule_end_seconds_count") == counters["schedule_ends"]
     assert get("vllm:kv_offload_jobs_in_flight") == 0
     assert (
