@@ -51,7 +51,7 @@ class OffloadPromMetrics:
         self._totals: dict[tuple[str, tuple[str, ...]], float] = {}
         # (name, label values) -> the labelled child: ``labels()`` validates and locks on every
         # call, which would dominate a step's observation cost.
-        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[str, tuple[str, ...], tuple[str, ...]], Any] = {}
         for m in catalog:
             labels = [*self.labelnames, *m.labelnames]
             metric: _Metric
@@ -73,24 +73,31 @@ class OffloadPromMetrics:
         Returns:
             How many recorded names the catalogue does not know (they are skipped).
         """
+        # Straight over ``data`` (no enum conversion, no intermediate lists): the CLI observes
+        # every step on the engine thread.
         unknown = 0
-        for name, kind, labels, value in stats.items():
+        lv = tuple(labelvalues)
+        types: dict[str, str] = stats.data["types"]
+        children = self._children
+        for name, slot in stats.data["data"].items():
+            kind = types[name]
             metric = self._metrics.get(name)
-            if metric is None or self._defs[name].type is not kind:
+            if metric is None or self._defs[name].type != kind:
                 unknown += 1
                 continue
-            key = (name, (*labelvalues, *labels))
-            child: Any = self._children.get(key)
-            if child is None:
-                child = self._children[key] = metric.labels(*key[1])
-            if kind is MetricType.COUNTER:
-                if value > 0:
-                    child.inc(value)
-            elif kind is MetricType.GAUGE:
-                child.set(value)
-            else:
-                for v in value:
-                    child.observe(v)
+            for labels, value in slot.items():
+                key = (name, lv, labels)
+                child: Any = children.get(key)
+                if child is None:
+                    child = children[key] = metric.labels(*lv, *labels)
+                if kind == "counter":
+                    if value > 0:
+                        child.inc(value)
+                elif kind == "gauge":
+                    child.set(value)
+                else:
+                    for v in value:
+                        child.observe(v)
         return unknown
 
     def set_counter_total(

@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.spec import OffloadingSpec
 _GPU_TO_CPU = ("GPU_to_CPU",)
 _CPU_TO_GPU = ("CPU_to_GPU",)
 _PRIMARY = (PRIMARY_TIER_LABEL,)
+_MAX_UNMERGED = 64
 
 # Metric names (see metric_catalog for their meaning).
 TRANSFER_JOBS = "vllm:kv_offload_transfer_jobs"
@@ -63,6 +64,7 @@ class SchedulerStatsCollector:
         self._metrics = metrics
         self._row_bytes: int = spec.row_bytes
         self._pending = OffloadingConnectorStats()
+        self._worker_stats: list[OffloadingConnectorStats] = []
         # (name, labels) -> the cumulative value already emitted as increments.
         self._emitted: dict[tuple[str, tuple[str, ...]], float] = {}
         self._lookup_seconds: list[float] = []
@@ -78,7 +80,13 @@ class SchedulerStatsCollector:
         assert isinstance(stats, OffloadingConnectorStats), (
             f"unexpected connector stats {type(stats).__name__}"
         )
-        self._pending.aggregate(stats)
+        # Merged at collection, off update_connector_output's path (folded early only when
+        # nobody collects, to bound memory).
+        self._worker_stats.append(stats)
+        if len(self._worker_stats) >= _MAX_UNMERGED:
+            for step in self._worker_stats:
+                self._pending.aggregate(step)
+            self._worker_stats = []
 
     def on_lookup(self, req_id: str, deferred: bool, seconds: float) -> None:
         """One ``get_num_new_matched_tokens`` call took ``seconds``; ``deferred``: it answered
@@ -132,6 +140,9 @@ class SchedulerStatsCollector:
         """Everything since the previous call, as one stats object (None when nothing at all
         was recorded, which only happens before the first call's gauges)."""
         stats, self._pending = self._pending, OffloadingConnectorStats()
+        worker_stats, self._worker_stats = self._worker_stats, []
+        for step in worker_stats:
+            stats.aggregate(step)
         m = self._metrics
         self._count(stats, TRANSFER_BLOCKS, _GPU_TO_CPU, m.stored_blocks)
         self._count(stats, TRANSFER_BLOCKS, _CPU_TO_GPU, m.loaded_blocks)
