@@ -137,8 +137,8 @@ class SchedulerStatsCollector:
             stats.increase_counter(name, delta, labels)
 
     def collect(self, jobs_in_flight: int) -> OffloadingConnectorStats | None:
-        """Everything since the previous call, as one stats object (None when nothing at all
-        was recorded, which only happens before the first call's gauges)."""
+        """Everything since the previous call, as one stats object. It always holds the gauges
+        (levels now), so the None of vLLM's interface is never returned here."""
         stats, self._pending = self._pending, OffloadingConnectorStats()
         worker_stats, self._worker_stats = self._worker_stats, []
         for step in worker_stats:
