@@ -10,7 +10,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, run_multi_turn
+from tests.v1.kv_connector.unit.offloading_connector.utils import (
+    chaos_factory,
+    make_config,
+    run_multi_turn,
+    with_handlers,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog import BY_NAME
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -194,3 +199,35 @@ def test_counters_never_decrease_across_reset_cache(tmp_path: Path) -> None:
     # The counter kept what it had counted before the reset and went on from there.
     assert hits == hits_before_reset[0] + hits_after_last_reset
     assert hits_before_reset[0] > 0 and hits_after_last_reset > 0
+
+
+def test_failed_transfers_are_counted_per_direction(tmp_path: Path) -> None:
+    """Real handlers failing a share of the jobs: the failure metrics equal the connector's
+    failure counters, and failed jobs are neither in the moved blocks nor in the histograms."""
+    collected: list[OffloadingConnectorStats] = []
+    config = with_handlers(
+        make_config(tmp_path, cpu_blocks=128, num_gpu_blocks=24),
+        chaos_factory(seed=3, failure_rate=0.3),
+    )
+    with EngineCore(config) as engine:
+        engine.kv_connector_stats_sink = collected.append
+        run_multi_turn(engine, num_sessions=6, turns=3)
+        counters = engine.connector_stats()
+    total = OffloadingConnectorStats()
+    for step in collected:
+        total.aggregate(step)
+    r = total.reduce()
+    for direction, op in (("GPU_to_CPU", "store"), ("CPU_to_GPU", "load")):
+        label = f'{{transfer_type="{direction}"}}'
+        failed = counters[f"failed_{op}_blocks"]
+        assert r.get(f"vllm:kv_offload_transfer_failed_blocks{label}", 0) == failed
+        assert (
+            r.get(f"vllm:kv_offload_transfer_failed_jobs{label}", 0)
+            == (counters[f"failed_{op}_jobs"])
+        )
+        moved = r.get(f"vllm:kv_offload_transfer_blocks{label}", 0)
+        assert moved == counters[f"{op}_blocks"] - failed
+        assert r.get(f"vllm:kv_offload_transfer_jobs{label}", 0) == (
+            counters[f"{op}_jobs"] - counters[f"failed_{op}_jobs"]
+        )
+    assert counters["failed_store_blocks"] > 0
