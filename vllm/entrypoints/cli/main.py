@@ -6,7 +6,8 @@ the console script ``vllm-kv-offload = "vllm.entrypoints.cli.main:main"``; also 
 ``python -m vllm.entrypoints.cli.main``.
 
 Exit codes: 0 success; 1 the run's verdict failed, a benchmark failed, or the run hit an error;
-2 bad options (argparse's convention); 130 interrupted.
+2 bad options (argparse's convention: one line naming the option, and a hint to see --help);
+130 interrupted (Ctrl-C: one line, after the run shut down cleanly).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections.abc import Sequence
 
 import vllm
 from vllm.entrypoints.cli.bench import add_bench_arguments, run_bench
-from vllm.entrypoints.cli.options import add_run_arguments, build_run_options
+from vllm.entrypoints.cli.interrupt import Interrupted
+from vllm.entrypoints.cli.options import CommandParser, add_run_arguments, build_run_options
 
 PROG = "vllm-kv-offload"
 SUBCOMMANDS = ("run", "bench")
@@ -27,7 +29,7 @@ _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the whole command, with one sub-parser per subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG,
         description=(
             "Serve a workload through the engine core, the offloading connector, the CPU tier "
@@ -93,7 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return run_command(options)
+    except Interrupted as e:
+        # run_command shut everything down before raising: one line, no traceback.
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return e.exit_code
     except KeyboardInterrupt:
+        # Outside the run's event loop (generating the workload, printing the report).
         sys.stderr.write(f"{PROG}: interrupted\n")
         return 130
 

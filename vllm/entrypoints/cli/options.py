@@ -13,13 +13,22 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from vllm.entrypoints.cli.workloads import WorkloadConfig, WorkloadKind, max_request_tokens
+from typing_extensions import override
+
+from vllm.entrypoints.cli import checks
+from vllm.entrypoints.cli.workloads import (
+    WORKLOAD_DEFAULTS,
+    WorkloadConfig,
+    WorkloadKind,
+    max_request_tokens,
+)
+from vllm.v1.kv_offload.sizes import SizeError
+from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
@@ -27,45 +36,31 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 EVICTION_POLICIES = ("lru", "arc")
 DEVICES = ("auto", "cpu", "cuda")
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    # Bare k/m/g/t are binary, as in the fs tier's own size parser.
-    "k": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
 
 def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``64MiB``, ``1.5GB`` or ``4e9``.
+    """Parse a size flag (``4096``, ``64MiB``, ``1.5GB``, ``4e9``) with the one size parser.
+
+    The forms are those of the config keys (``vllm.v1.kv_offload.sizes.SIZE_FORMS``).
 
     Raises:
-        argparse.ArgumentTypeError: not a size, not a whole number of bytes, or not > 0.
+        argparse.ArgumentTypeError: not a size of at least one byte.
     """
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: expected a number of bytes with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64MiB"
-        )
-    value = float(match.group(1)) * _SIZE_UNITS[unit]
-    if not math.isfinite(value) or value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: must be a whole number of bytes >= 1"
-        )
-    return int(value)
+    try:
+        return parse_size_value(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(f"invalid size {e}") from None
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and a hint, not the whole usage block.
+
+    The usage (two dozen lines for ``run``) buries the one line that says what is wrong; it is
+    printed by ``--help`` only. Sub-parsers are of this class too (argparse's default).
+    """
+
+    @override
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
 
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -94,6 +89,22 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _directory(text: str) -> Path:
+    # Path("") is Path("."): an empty --fs-root would silently mean the current directory.
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty, which would mean the current directory: name a directory "
+            f"(default {default_fs_root()}) or pass --no-fs"
+        )
+    return Path(text)
+
+
+def _output_file(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: name a file")
+    return Path(text)
+
+
 def default_fs_root() -> Path:
     """``$XDG_CACHE_HOME/vllm-kv-offload`` (``~/.cache/vllm-kv-offload`` when unset)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -117,8 +128,9 @@ class RunOptions:
         fs_root: root of the fs tier; None runs without one.
         fs_max_bytes: capacity bound of the fs tier (None: bounded by the filesystem).
         fs_read_threads, fs_write_threads: the fs tier's I/O threads.
+        fs_clear: delete the fs tier's files under ``fs_root`` and exit instead of running.
         device: ``"cpu"`` or ``"cuda"`` (``auto`` is resolved before this is built).
-        json_path: where to write the JSON report, if anywhere.
+        json_path: where to write the JSON report, if anywhere (``-``: stdout).
         plot_path: where to write the plot, if anywhere.
         progress: whether to draw progress bars (on a terminal only).
         timeout_s: longest time one run may take (None: no limit).
@@ -142,6 +154,7 @@ class RunOptions:
     fs_max_bytes: int | None
     fs_read_threads: int
     fs_write_threads: int
+    fs_clear: bool
     device: str
     json_path: Path | None
     plot_path: Path | None
@@ -236,7 +249,22 @@ def _switch(flag: str, help: str) -> _Option:
 
 def _output_path(flag: str, metavar: str, help: str) -> _Option:
     """A file to write (none by default, so the help needs no default note)."""
-    return _Option(flag, help, type=Path, default_text=None, metavar=metavar)
+    return _Option(flag, help, type=_output_file, default_text=None, metavar=metavar)
+
+
+def _workload_count(flag: str, field_name: str, help: str = "") -> _Option:
+    """A count of the workload whose default may depend on ``--workload`` (``WORKLOAD_DEFAULTS``).
+
+    Parsed as None when absent; ``build_run_options`` fills in the workload's default.
+    """
+    base = getattr(WorkloadConfig(), field_name)
+    by_kind = [
+        f"{kind.value}: {fields[field_name]}"
+        for kind, fields in WORKLOAD_DEFAULTS.items()
+        if field_name in fields
+    ]
+    text = "; ".join([str(base), *by_kind])
+    return _Option(flag, help, type=_int_at_least(1), default=None, default_text=text)
 
 
 def _workload_options() -> tuple[_Option, ...]:
@@ -251,7 +279,7 @@ def _workload_options() -> tuple[_Option, ...]:
             "a mix of the three",
         ),
         _count("--seed", d.seed, minimum=0),
-        _count("--num-clients", d.num_clients, "concurrent clients"),
+        _workload_count("--num-clients", "num_clients", "concurrent clients"),
         _count(
             "--num-sessions", d.num_sessions, "conversations / document sessions in the workload"
         ),
@@ -261,6 +289,7 @@ def _workload_options() -> tuple[_Option, ...]:
         _count(
             "--system-prompt-tokens", d.system_prompt_tokens, "length of each shared system prompt"
         ),
+        _workload_count("--num-system-prompts", "num_system_prompts", "distinct system prompts"),
         _count("--document-tokens", d.document_tokens, "mean length of a document"),
         _count("--num-documents", d.num_documents, "distinct documents"),
         _seconds("--think-time", d.think_time_s, "mean think time between the turns of a session"),
@@ -322,7 +351,7 @@ def _fs_tier_options() -> tuple[_Option, ...]:
         _Option(
             "--fs-root",
             "root of the fs tier; a second run over the same root starts warm",
-            type=Path,
+            type=_directory,
             # Resolved when the parser is built, so the help shows this user's cache directory.
             default_text=str(default_fs_root()),
             metavar="DIR",
@@ -333,6 +362,10 @@ def _fs_tier_options() -> tuple[_Option, ...]:
             "capacity of the fs tier; least recently used blocks are evicted beyond it",
         ),
         _switch("--no-fs", "run without the fs tier (CPU tier only)"),
+        _switch(
+            "--fs-clear",
+            "delete the fs tier's files under --fs-root (only what the tier wrote) and exit",
+        ),
         _count("--fs-read-threads", 2, maximum=256),
         _count("--fs-write-threads", 2, maximum=256),
     )
@@ -341,16 +374,21 @@ def _fs_tier_options() -> tuple[_Option, ...]:
 def _output_options() -> tuple[_Option, ...]:
     """Where the report and plot go, and whether progress bars are drawn."""
     return (
-        _output_path("--json", "FILE", "write the report as JSON"),
+        _output_path(
+            "--json",
+            "FILE",
+            "write the report as JSON; '-' writes it to stdout and the text report to stderr",
+        ),
         _output_path(
             "--plot",
             "FILE.png",
-            "draw hit rate per tier and bytes moved per step over time (needs matplotlib: "
+            "draw hit rate per tier and bytes moved per step over time, in the format the "
+            "suffix names (.png, .svg, .pdf, ...; needs matplotlib: "
             "pip install 'vllm-kv-offload[plot]')",
         ),
         _switch(
             "--no-progress",
-            "no progress bar (it is drawn on stderr only when stderr is a terminal)",
+            "no progress on stderr (a bar on a terminal, else a line every few seconds)",
         ),
         _Option(
             "--metrics-port",
@@ -381,29 +419,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             option.add_to(group)
 
 
-def _check_writable_file(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.exists() and path.is_dir():
-        parser.error(f"{option} {path}: is a directory")
-    if not parent.is_dir():
-        parser.error(f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        parser.error(f"{option} {path}: directory {parent} is not writable")
-
-
-def _check_fs_root(parser: argparse.ArgumentParser, root: Path) -> None:
-    # The tier creates the root; here only what would make it fail later is reported early.
-    probe = root
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        parser.error(f"--fs-root {root}: {probe} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        parser.error(f"--fs-root {root}: {probe} is not writable")
-
-
 def resolve_device(requested: str) -> str:
     """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
     import torch
@@ -413,48 +428,100 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    kind = WorkloadKind(args.workload)
+    defaults = WORKLOAD_DEFAULTS.get(kind, {})
+
+    def pick(field_name: str, given: int | None) -> Any:
+        if given is not None:
+            return given
+        return defaults.get(field_name, getattr(WorkloadConfig(), field_name))
+
+    return WorkloadConfig(
+        kind=kind,
+        seed=args.seed,
+        num_clients=pick("num_clients", args.num_clients),
+        num_sessions=args.num_sessions,
+        turns_per_session=args.turns,
+        turn_tokens=args.turn_tokens,
+        output_tokens=args.output_tokens,
+        system_prompt_tokens=args.system_prompt_tokens,
+        num_system_prompts=pick("num_system_prompts", args.num_system_prompts),
+        document_tokens=args.document_tokens,
+        num_documents=args.num_documents,
+        think_time_s=args.think_time,
+        arrival_interval_s=args.think_time,
+    )
+
+
+def _machine_problems(opts: RunOptions) -> list[str]:
+    """What the machine would refuse later (paths, free space, formats), in option order."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    row_bytes = -(-opts.offload_block_bytes // page) * page
+    problems: list[str | None] = []
+    if opts.cpu_bytes < row_bytes:
+        problems.append(
+            f"--cpu-bytes {opts.cpu_bytes} is smaller than one offloaded block ({row_bytes} "
+            f"bytes with this geometry): raise --cpu-bytes to at least {row_bytes}"
+        )
+    elif not opts.fs_clear:
+        # The shared region holds whole rows only.
+        problems.append(checks.shm_problem(opts.cpu_bytes // row_bytes * row_bytes))
+    if opts.fs_root is not None:
+        problems.append(checks.fs_root_problem(opts.fs_root))
+    if opts.fs_max_bytes is not None:
+        from vllm.v1.kv_offload.tiering.fs.block_file import file_size
+
+        problems.append(checks.fs_max_bytes_problem(opts.fs_max_bytes, file_size(row_bytes)))
+    if opts.json_path is not None:
+        problems.append(checks.output_file_problem("--json", opts.json_path))
+    if opts.plot_path is not None:
+        problems.append(checks.output_file_problem("--plot", opts.plot_path))
+    return [p for p in problems if p is not None]
+
+
 def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunOptions:
-    """Cross-check the parsed values and build ``RunOptions``; errors exit through ``parser``."""
+    """Cross-check the parsed values and build ``RunOptions``; errors exit through ``parser``.
+
+    Everything that can be checked before the first engine step is checked here: values against
+    each other, and against the machine (``checks``): the fs root, free space in ``/dev/shm``,
+    output files and the plot's format.
+    """
     offload_block_size = args.offload_block_size or args.block_size
     if offload_block_size % args.block_size:
         parser.error(
             f"--offload-block-size {offload_block_size} must be a multiple of --block-size "
             f"{args.block_size}"
         )
+    if args.no_fs and (args.fs_root is not None or args.fs_clear):
+        flag = "--fs-root" if args.fs_root is not None else "--fs-clear"
+        parser.error(f"{flag} and --no-fs contradict each other")
+    fs_root = None if args.no_fs else (args.fs_root or default_fs_root()).expanduser()
+    if args.plot is not None:
+        from vllm.entrypoints.cli.plot import PlotUnavailableError, check_plot_available
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as e:
+            parser.error(str(e))
+        problem = checks.plot_format_problem(args.plot)
+        if problem is not None:
+            parser.error(problem)
     device = resolve_device(args.device)
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
-    workload = WorkloadConfig(
-        kind=WorkloadKind(args.workload),
-        seed=args.seed,
-        num_clients=args.num_clients,
-        num_sessions=args.num_sessions,
-        turns_per_session=args.turns,
-        turn_tokens=args.turn_tokens,
-        output_tokens=args.output_tokens,
-        system_prompt_tokens=args.system_prompt_tokens,
-        document_tokens=args.document_tokens,
-        num_documents=args.num_documents,
-        think_time_s=args.think_time,
-        arrival_interval_s=args.think_time,
-    )
+    workload = _workload_config(args)
     longest = max_request_tokens(workload)
     blocks_needed = -(-longest // args.block_size)
     if blocks_needed > args.gpu_blocks:
         parser.error(
             f"--gpu-blocks {args.gpu_blocks} cannot hold the longest request of this workload "
-            f"(up to {longest} tokens = {blocks_needed} blocks of {args.block_size}); raise "
+            f"(up to {longest} tokens = {blocks_needed} blocks of {args.block_size}): raise "
             "--gpu-blocks or shrink the workload"
         )
-    fs_root: Path | None = None
-    if not args.no_fs:
-        fs_root = (args.fs_root or default_fs_root()).expanduser()
-        _check_fs_root(parser, fs_root)
-    elif args.fs_root is not None:
-        parser.error("--fs-root and --no-fs contradict each other")
     opts = RunOptions(
         workload=workload,
         num_layers=args.num_layers,
@@ -472,6 +539,7 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         fs_max_bytes=None if fs_root is None else args.fs_max_bytes,
         fs_read_threads=args.fs_read_threads,
         fs_write_threads=args.fs_write_threads,
+        fs_clear=args.fs_clear,
         device=device,
         json_path=args.json,
         plot_path=args.plot,
@@ -479,27 +547,7 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         timeout_s=args.timeout or None,
         metrics_port=args.metrics_port,
     )
-    row_bytes = -(-opts.offload_block_bytes // os.sysconf("SC_PAGE_SIZE")) * os.sysconf(
-        "SC_PAGE_SIZE"
-    )
-    if opts.cpu_bytes < row_bytes:
-        parser.error(
-            f"--cpu-bytes {opts.cpu_bytes} is smaller than one offloaded block "
-            f"({row_bytes} bytes with this geometry)"
-        )
-    if opts.fs_max_bytes is not None and opts.fs_max_bytes < opts.offload_block_bytes:
-        parser.error(
-            f"--fs-max-bytes {opts.fs_max_bytes} is smaller than one offloaded block "
-            f"({opts.offload_block_bytes} bytes with this geometry)"
-        )
-    if opts.json_path is not None:
-        _check_writable_file(parser, "--json", opts.json_path)
-    if opts.plot_path is not None:
-        _check_writable_file(parser, "--plot", opts.plot_path)
-        from vllm.entrypoints.cli.plot import PlotUnavailableError, check_plot_available
-
-        try:
-            check_plot_available()
-        except PlotUnavailableError as e:
-            parser.error(str(e))
+    problems = _machine_problems(opts)
+    if problems:
+        parser.error(problems[0])
     return opts

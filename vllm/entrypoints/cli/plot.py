@@ -1,5 +1,8 @@
 """``--plot FILE.png``: hit rate per tier and bytes moved per step over time.
 
+The file's suffix names the format (``.png``, ``.svg``, ``.pdf``, ...: whatever matplotlib
+writes); the command refuses other suffixes before it runs (``checks.plot_format_problem``).
+
 matplotlib is an optional dependency (the ``plot`` extra); it is imported only here, with the
 non-interactive Agg backend so that plotting works on a machine without a display.
 """
@@ -85,6 +88,7 @@ def write_plot(path: str | Path, offload: RunResult, baseline: RunResult | None 
         ax_bytes.legend(loc="best", fontsize="small")
         ax_bytes.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(str(path), format="png", dpi=100)
+        # No format=: matplotlib takes it from the suffix, which the command checked.
+        fig.savefig(str(path), dpi=100)
     finally:
         plt.close(fig)

@@ -1,16 +1,17 @@
-"""The report of ``vllm-kv-offload run``: figures of one invocation, as text and as JSON.
+"""The report of ``vllm-kv-offload run``: figures of one invocation, and their JSON.
 
 One ``RunResult`` holds what one engine run measured (the no-offload baseline or the offloaded
-run); ``Report`` puts both side by side, derives the comparison (prefill tokens saved) and the
-verdict, and renders them. The JSON document (``Report.to_json()``) carries the same figures as
-the text; its layout is documented in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
+run); ``Report`` puts both side by side and derives the comparison (prefill tokens saved, and why
+nothing was saved when that happens) and the verdict. The JSON document (``Report.to_json()``)
+carries the same figures as the text, which ``report_text.py`` renders; its layout is documented
+in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,6 +378,44 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
     )
 
 
+def _suggest_smaller_pool(settings: Mapping[str, Any]) -> str:
+    gpu_blocks = int(settings.get("gpu_blocks", 0))
+    smallest = int(settings.get("min_gpu_blocks", 1))
+    smaller = max(smallest, gpu_blocks // 4)
+    if smaller < gpu_blocks:
+        return f"try --gpu-blocks {smaller}"
+    return f"try --num-clients {2 * int(settings.get('num_clients', 1))}"
+
+
+def no_savings_reason(report: Report) -> str | None:
+    """Why the offloaded run computed no fewer prompt tokens than the baseline, or None.
+
+    Told from the run's own figures, from the likeliest cause to the least likely: nothing was
+    offloaded; offloaded blocks were never asked for again (the GPU prefix cache held the working
+    set); or the tiers served, but the baseline's GPU prefix cache happened to serve more.
+    """
+    if report.prefill_tokens_saved > 0:
+        return None
+    b, o = report.baseline, report.offload
+    from_tiers = o.served[Tier.CPU] + o.served[Tier.FS]
+    if o.transfers[Direction.GPU_TO_CPU].blocks == 0:
+        block = report.settings.get("offload_block_size")
+        return (
+            f"nothing was offloaded: no request filled a whole offloaded block of {block} tokens "
+            "(try a smaller --offload-block-size or longer prompts)"
+        )
+    if from_tiers == 0:
+        return (
+            "the GPU prefix cache held the whole working set, so no request needed a block "
+            f"after it was evicted: {_suggest_smaller_pool(report.settings)}"
+        )
+    return (
+        f"the CPU and fs tiers served {from_tiers:,} tokens, but the baseline's GPU prefix cache "
+        f"served {b.served[Tier.GPU]:,} to this run's {o.served[Tier.GPU]:,} (the two runs "
+        "interleave requests differently)"
+    )
+
+
 @dataclass
 class Report:
     """Both runs of one invocation, with the settings that produced them.
@@ -417,159 +456,22 @@ class Report:
                 "outputs_identical": not compare_outputs(
                     self.baseline.outputs, self.offload.outputs
                 ),
+                "no_savings_reason": self.no_savings_reason,
             },
             "verdict": self.verdict.to_json(),
         }
 
-    def render(self) -> str:
-        """The human-readable report."""
-        return "\n".join(_render(self))
+    @property
+    def no_savings_reason(self) -> str | None:
+        """Why the offloaded run saved no prefill, in one sentence; None when it saved some."""
+        return no_savings_reason(self)
 
+    def render(self, home: str | None = None) -> str:
+        """The human-readable report, at most ``report_text.WIDTH`` columns wide.
 
-# ---------------------------------------------------------------------------------------------
-# Text rendering
-# ---------------------------------------------------------------------------------------------
+        Args:
+            home: the directory shown as ``~`` in paths (default: the user's home).
+        """
+        from vllm.entrypoints.cli.report_text import render_report
 
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes with a binary unit, e.g. ``"1.5 MiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def _row(label: str, *cells: str) -> str:
-    return f"  {label:<34}" + "".join(f"{c:>22}" for c in cells)
-
-
-def _tokens_cell(run: RunResult, n: int, enabled: bool = True) -> str:
-    if not enabled:
-        return "-"
-    share = n / run.prompt_tokens if run.prompt_tokens else 0.0
-    return f"{n:,} ({_pct(share)})"
-
-
-_TIER_LABELS = {Tier.GPU: "GPU prefix cache", Tier.CPU: "CPU tier", Tier.FS: "fs tier"}
-
-
-def _render(report: Report) -> Iterable[str]:
-    b, o = report.baseline, report.offload
-    s = report.settings
-    yield "vllm-kv-offload run"
-    yield (
-        f"  workload {s.get('workload')} (seed {s.get('seed')}): {b.num_requests} requests "
-        f"from {s.get('num_clients')} concurrent client(s); device {s.get('device')}"
-    )
-    yield (
-        f"  model stand-in: {s.get('num_layers')} layers x {s.get('num_kv_heads')} KV heads x "
-        f"{s.get('head_size')} head size, {s.get('dtype')}"
-    )
-    yield (
-        f"  GPU pool {s.get('gpu_blocks')} blocks of {s.get('block_size')} tokens "
-        f"({format_bytes(s.get('block_bytes', 0))} each); "
-        f"CPU tier {format_bytes(s.get('cpu_bytes', 0))} ({s.get('eviction_policy')})"
-    )
-    if o.fs is None:
-        yield "  no fs tier"
-    else:
-        bound = f" (max {format_bytes(o.fs.max_bytes)})" if o.fs.max_bytes is not None else ""
-        yield f"  fs tier {o.fs.root_dir}{bound}"
-        if o.fs.warm:
-            yield (
-                f"  fs tier started WARM: {o.fs.files_at_start:,} blocks "
-                f"({format_bytes(o.fs.bytes_at_start)}) already on disk from earlier runs"
-            )
-        else:
-            yield "  fs tier started cold (no blocks of this geometry on disk)"
-    yield ""
-    yield _row("", "baseline (no offload)", "offload")
-    yield _row("wall time", f"{b.wall_s:.1f} s", f"{o.wall_s:.1f} s")
-    yield _row(
-        "requests finished",
-        f"{b.num_finished}/{b.num_requests}",
-        f"{o.num_finished}/{o.num_requests}",
-    )
-    yield _row("prompt tokens", f"{b.prompt_tokens:,}", f"{o.prompt_tokens:,}")
-    yield _row("  computed", _tokens_cell(b, b.computed_tokens), _tokens_cell(o, o.computed_tokens))
-    for tier in Tier:
-        yield _row(
-            f"  served from {_TIER_LABELS[tier]}",
-            _tokens_cell(b, b.served[tier], b.offload or tier is Tier.GPU),
-            _tokens_cell(
-                o, o.served[tier], o.offload and (tier is not Tier.FS or o.fs is not None)
-            ),
-        )
-    for tier in Tier:
-        yield _row(
-            f"hit rate, {_TIER_LABELS[tier]}",
-            _pct(b.hit_rate(tier)) if (b.offload or tier is Tier.GPU) else "-",
-            _pct(o.hit_rate(tier)) if (tier is not Tier.FS or o.fs is not None) else "-",
-        )
-    yield "    (hit rate: share of the tokens that reached the tier, i.e. missed faster tiers)"
-    yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
-    yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
-    yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
-    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
-    yield _row(
-        "TTFT median / p99",
-        f"{bt.median:.0f} / {bt.p99:.0f} ms",
-        f"{ot.median:.0f} / {ot.p99:.0f} ms",
-    )
-    ov = Distribution.of(o.overhead_us)
-    wv = Distribution.of(o.worker_overhead_us)
-    yield _row("connector+manager per step", "-", f"{ov.median:.0f} / {ov.p99:.0f} us")
-    yield _row("  worker-side connector per step", "-", f"{wv.median:.0f} / {wv.p99:.0f} us")
-    yield "    (median / p99 over the steps that scheduled tokens)"
-    if s.get("device") == "cpu":
-        yield "    (on CPU the model stand-in computes almost for free: wall time and TTFT mostly"
-        yield "     measure copies and checks; prefill tokens saved is what carries over to a GPU)"
-    saved = report.prefill_tokens_saved
-    frac = saved / b.computed_tokens if b.computed_tokens else 0.0
-    yield ""
-    yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
-    yield ""
-    yield (
-        f"  {'transfers (offload run)':<24}{'blocks':>10}{'bytes':>14}{'busy':>10}"
-        f"{'throughput':>14}{'average':>14}"
-    )
-    for d in Direction:
-        t = o.transfers[d]
-        tp = t.throughput()
-        avg = t.bytes / o.wall_s if o.wall_s > 0 else 0.0
-        notes = [f"{t.failed_blocks:,} failed"] if t.failed_blocks else []
-        if t.skipped_blocks:
-            notes.append(f"{t.skipped_blocks:,} already there")
-        yield (
-            f"  {d.label:<24}{t.blocks:>10,}{format_bytes(t.bytes):>14}"
-            f"{'-' if t.busy_s is None else f'{t.busy_s:.2f} s':>10}"
-            f"{'-' if tp is None else format_bytes(tp) + '/s':>14}"
-            f"{format_bytes(avg) + '/s':>14}" + (f"  ({', '.join(notes)})" if notes else "")
-        )
-    yield "    (throughput: while transferring; average: over the run's wall time)"
-    yield ""
-    verdict = report.verdict
-    differing = compare_outputs(b.outputs, o.outputs)
-    yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
-    yield (
-        f"    {o.blocks_verified:,} blocks loaded from CPU or disk verified bit-exact against "
-        f"recomputation, {o.blocks_mismatched:,} mismatched"
-    )
-    yield (
-        f"    outputs of {len(o.outputs):,} requests identical to the baseline's"
-        if not differing
-        else f"    outputs of {len(differing):,} requests differ from the baseline's"
-    )
-    yield (
-        f"  storage integrity: {'PASS' if verdict.storage_intact else 'FAIL'} - "
-        f"{o.corrupt_blocks_detected:,} corrupt block(s) detected on disk"
-        + (" (discarded and recomputed, never served)" if o.corrupt_blocks_detected else "")
-    )
-    for reason in verdict.reasons:
-        yield f"    - {reason}"
-    yield f"  verdict: {'PASS' if verdict.passed else 'FAIL'}"
+        return "\n".join(render_report(self, home))

@@ -7,6 +7,9 @@ concurrently, with the workload's think times. A step callback on the engine thr
 engine's counters after every step for the plot. Once the last output arrived, the run waits
 until every transfer (including cascades to the fs tier) finished, so the next invocation over
 the same fs root starts warm with everything this one stored.
+
+Both runs share one event loop, run by ``interrupt.run_interruptible``: a Ctrl-C cancels the main
+task, whose ``async with`` blocks shut the engines down, and the command ends with one line.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
+from vllm.entrypoints.cli.checks import STDOUT, clear_fs_root
+from vllm.entrypoints.cli.interrupt import run_interruptible
 from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.options import RunOptions
-from vllm.entrypoints.cli.progress import ProgressBar
+from vllm.entrypoints.cli.progress import Progress
 from vllm.entrypoints.cli.report import (
     Direction,
     FsTierState,
@@ -31,7 +36,13 @@ from vllm.entrypoints.cli.report import (
     Tier,
     TransferFigures,
 )
-from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload
+from vllm.entrypoints.cli.report_text import (
+    format_bytes,
+    render_body,
+    render_fs_start,
+    render_header,
+)
+from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload, max_request_tokens
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
@@ -45,6 +56,8 @@ SCAN_TIMEOUT_S = 120.0
 """Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
 FS_TIER_TYPE = "fs"
 """Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
+PROGRESS_TICK_S = 1.0
+"""How often the progress line's timer looks at the clock (lines come every few seconds)."""
 
 _GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
 
@@ -153,19 +166,19 @@ class StepSampler:
         )
 
 
-def _progress_extra(sampler: StepSampler) -> str:
+def _token_shares(sampler: StepSampler) -> dict[str, float]:
     # The engine thread appends samples; reading the last one from the loop is a snapshot.
     if not sampler.samples:
-        return ""
+        return {}
     tokens = sampler.samples[-1].tokens
     total = sum(tokens.values())
     if not total:
-        return ""
-    shares = [("computed", tokens.get("computed", 0))] + [
-        (name, tokens.get(t.value, 0))
+        return {}
+    counts = {"computed": tokens.get("computed", 0)} | {
+        name: tokens.get(t.value, 0)
         for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
-    ]
-    return "  ".join(f"{name} {100 * n / total:.0f}%" for name, n in shares)
+    }
+    return {name: n / total for name, n in counts.items()}
 
 
 @dataclass
@@ -209,15 +222,60 @@ async def _run_client(
         await _run_session(llm, session, log, on_done)
 
 
+async def _tick(progress: Progress) -> None:
+    # A timer, not a synchronisation: lets the progress line come while no request finishes.
+    while True:
+        await asyncio.sleep(PROGRESS_TICK_S)
+        progress.tick()
+
+
+async def _serve_clients(
+    llm: AsyncLLM,
+    workload: Workload,
+    log: _ClientLog,
+    on_done: Callable[[], None],
+    timeout_s: float | None,
+) -> bool:
+    """Run every client to the end; False when ``timeout_s`` passed first.
+
+    The clients are tasks that are always cancelled and awaited before this returns (also when
+    it is cancelled itself), so that no client outlives its engine and none of their exceptions
+    goes unretrieved.
+    """
+    clients = [
+        asyncio.ensure_future(_run_client(llm, workload.sessions_of_client(c), log, on_done))
+        for c in sorted({s.client for s in workload.sessions})
+    ]
+    try:
+        finished, pending = await asyncio.wait(
+            clients, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        for task in finished:
+            task.result()  # a client's error is the run's error
+        return not pending
+    finally:
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+
+
 async def serve(
     opts: RunOptions,
     workload: Workload,
     offload: bool,
-    progress: ProgressBar | None = None,
+    on_fs_start: Callable[[FsTierState], None] | None = None,
     exporter: MetricsExporter | None = None,
 ) -> RunResult:
-    """Serve ``workload`` on a fresh engine and return what the run measured (feeding
-    ``exporter``'s metrics, labelled with the run, when given)."""
+    """Serve ``workload`` on a fresh engine and return what the run measured.
+
+    Args:
+        opts: the run's options.
+        workload: what to serve.
+        offload: with the offloading connector and its tiers (else the baseline).
+        on_fs_start: called with the fs tier's state once its start-up scan counted what is on
+            disk, before the first request (the command prints it at once).
+        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+    """
     label = "offload" if offload else "baseline"
     engine = EngineCore(engine_config(opts, offload))
     result = RunResult(label=label, offload=offload, num_requests=workload.num_requests)
@@ -227,12 +285,6 @@ async def serve(
     log = _ClientLog()
     done = 0
 
-    def on_done() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress.update(done, _progress_extra(sampler))
-
     callback = sampler if exporter is None else exporter.attach(engine, label, sampler)
     # From here on the engine belongs to the front end's thread (and is shut down by it).
     async with AsyncLLM(engine, step_callback=callback) as llm:
@@ -240,27 +292,33 @@ async def serve(
             # Only to report what was on disk before the run: the tier serves during its scan.
             files, size = await llm.call(_fs_usage_after_scan)
             result.fs.files_at_start, result.fs.bytes_at_start = files, size
-        t0 = sampler.t0 = time.monotonic()
-        clients = asyncio.gather(
-            *(
-                _run_client(llm, workload.sessions_of_client(c), log, on_done)
-                for c in sorted({s.client for s in workload.sessions})
-            )
-        )
-        try:
-            await asyncio.wait_for(clients, opts.timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(
-                f"{label} run: {done} of {workload.num_requests} requests finished within the "
-                f"--timeout of {opts.timeout_s:g} s"
-            ) from None
-        try:
-            await asyncio.wait_for(llm.wait_until_idle(), IDLE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise RuntimeError(
-                f"{label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the last "
-                "output"
-            ) from None
+            if on_fs_start is not None:
+                on_fs_start(result.fs)
+        with Progress(workload.num_requests, label, enabled=opts.progress) as progress:
+
+            def on_done() -> None:
+                nonlocal done
+                done += 1
+                progress.update(done, _token_shares(sampler))
+
+            ticker = asyncio.ensure_future(_tick(progress))
+            try:
+                t0 = sampler.t0 = time.monotonic()
+                if not await _serve_clients(llm, workload, log, on_done, opts.timeout_s):
+                    raise RuntimeError(
+                        f"{label} run: {done} of {workload.num_requests} requests finished within "
+                        f"the --timeout of {opts.timeout_s:g} s"
+                    )
+                try:
+                    await asyncio.wait_for(llm.wait_until_idle(), IDLE_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(
+                        f"{label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the "
+                        "last output"
+                    ) from None
+            finally:
+                ticker.cancel()
+                await asyncio.gather(ticker, return_exceptions=True)
         if exporter is not None:
             await llm.call(lambda e: exporter.flush(e, label))
         snapshot = await llm.call(_snapshot)
@@ -388,6 +446,7 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
         "offload_block_size": opts.offload_block_size,
         "block_bytes": opts.gpu_block_bytes,
         "gpu_blocks": opts.gpu_blocks,
+        "min_gpu_blocks": -(-max_request_tokens(w) // opts.block_size),
         "max_num_seqs": opts.max_num_seqs,
         "max_num_batched_tokens": opts.max_num_batched_tokens,
         "cpu_bytes": opts.cpu_bytes,
@@ -399,47 +458,89 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
     }
 
 
-def _run_one(
-    opts: RunOptions, workload: Workload, offload: bool, exporter: MetricsExporter | None = None
-) -> RunResult:
-    label = "offload" if offload else "baseline"
-    with ProgressBar(workload.num_requests, label, enabled=None if opts.progress else False) as bar:
-        return asyncio.run(serve(opts, workload, offload, bar, exporter))
+def _write(stream: TextIO, lines: list[str]) -> None:
+    # Flushed at once: the header must show before the run starts, and before stderr's progress.
+    if lines:
+        stream.write("\n".join(lines) + "\n")
+        stream.flush()
+
+
+async def _serve_both(
+    opts: RunOptions, workload: Workload, out: TextIO, exporter: MetricsExporter | None = None
+) -> Report:
+    baseline = await serve(opts, workload, offload=False, exporter=exporter)
+    offload = await serve(
+        opts,
+        workload,
+        offload=True,
+        on_fs_start=lambda fs: _write(out, render_fs_start(fs)),
+        exporter=exporter,
+    )
+    return Report(settings=settings_of(opts), baseline=baseline, offload=offload)
+
+
+def clear_fs(opts: RunOptions) -> int:
+    """``--fs-clear``: delete the fs tier's files under ``--fs-root`` and exit (no run)."""
+    assert opts.fs_root is not None
+    try:
+        runs, removed = clear_fs_root(opts.fs_root)
+    except OSError as e:
+        sys.stderr.write(f"{PROG}: error: cannot clear {opts.fs_root}: {e}\n")
+        return 1
+    sys.stdout.write(
+        f"{PROG}: removed {runs} run director{'y' if runs == 1 else 'ies'} "
+        f"({format_bytes(removed)}) of the fs tier from {opts.fs_root}\n"
+    )
+    return 0
 
 
 def run_command(opts: RunOptions) -> int:
     """Run the baseline and the offloaded run, print the report, write ``--json``/``--plot``.
 
+    The report's header is printed before the baseline starts, the fs tier's state when the
+    offloaded run's tier has scanned its root, the rest at the end. With ``--json -`` the JSON
+    document goes to stdout and the human report to stderr.
+
     Returns:
         0 when the verdict passed, 1 when it failed or the run hit an error.
+
+    Raises:
+        Interrupted: a signal stopped the run (everything was shut down first).
     """
+    if opts.fs_clear:
+        return clear_fs(opts)
+    json_to_stdout = opts.json_path is not None and str(opts.json_path) == STDOUT
+    out = sys.stderr if json_to_stdout else sys.stdout
     workload = generate_workload(opts.workload)
+    _write(out, render_header(settings_of(opts), workload.num_requests))
     exporter: MetricsExporter | None = None
     try:
         if opts.metrics_port is not None:
             exporter = MetricsExporter(opts.metrics_port)
-        baseline = _run_one(opts, workload, offload=False, exporter=exporter)
-        offload = _run_one(opts, workload, offload=True, exporter=exporter)
+        report = run_interruptible(_serve_both(opts, workload, out, exporter))
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 1
     finally:
         if exporter is not None:
             exporter.close()
-    report = Report(settings=settings_of(opts), baseline=baseline, offload=offload)
-    sys.stdout.write(report.render() + "\n")
-    sys.stdout.flush()
+    _write(out, list(render_body(report)))
     try:
         if opts.json_path is not None:
             doc = report.to_json()
             if exporter is not None:
                 # The metrics' final values, per run (docs/metrics.md).
                 doc["metrics"] = {r: exporter.final_values(r) for r in ("baseline", "offload")}
-            opts.json_path.write_text(json.dumps(doc, indent=2) + "\n")
+            text = json.dumps(doc, indent=2) + "\n"
+            if json_to_stdout:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            else:
+                opts.json_path.write_text(text)
         if opts.plot_path is not None:
             from vllm.entrypoints.cli.plot import write_plot
 
-            write_plot(opts.plot_path, offload, baseline)
+            write_plot(opts.plot_path, report.offload, report.baseline)
     except OSError as e:
         sys.stderr.write(f"{PROG}: error: cannot write the report: {e}\n")
         return 1
