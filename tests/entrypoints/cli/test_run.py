@@ -7,6 +7,7 @@ second (warm) run over the same fs root, and against a block deliberately corrup
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -394,3 +395,50 @@ def test_every_workload_exercises_offloading_with_its_defaults(
     assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
     assert doc["comparison"]["prefill_tokens_saved_fraction"] > 0.1
     assert doc["comparison"]["no_savings_reason"] is None
+
+
+def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm.entrypoints.cli.run import serve
+
+    out = tmp_path / "async.json"
+    argv = [*TINY_MIX, "--fs-root", str(tmp_path / "fs")]
+    assert main([*argv, "--async-scheduling", "--json", str(out)]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["async_scheduling"] is True
+    assert doc["runs"]["offload"]["verification"]["blocks_mismatched"] == 0
+    # The asynchronously scheduled offloaded run produced exactly the synchronous baseline's
+    # tokens (the verdict above compared it with an asynchronous baseline only).
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    sync_opts = build_run_options(args.command_parser, args)
+    workload = generate_workload(sync_opts.workload)
+    sync_baseline = asyncio.run(serve(sync_opts, workload, offload=False))
+    async_args = parser.parse_args(["run", *argv, "--async-scheduling"])
+    async_opts = build_run_options(async_args.command_parser, async_args)
+    assert async_opts.async_scheduling and not sync_opts.async_scheduling
+    async_offload = asyncio.run(serve(async_opts, workload, offload=True))
+    assert len(sync_baseline.outputs) == workload.num_requests
+    assert async_offload.outputs == sync_baseline.outputs
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-scheduling"]], ids=["sync", "async"])
+def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    out = tmp_path / "hybrid.json"
+    argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    # Hybrid blocks hold two groups: twice the CPU tier keeps the CPU / fs split of TINY.
+    argv += ["--model-stand-in", "hybrid", "--sliding-window", "24", "--cpu-bytes", "256KiB"]
+    assert main([*argv, *mode]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["model_stand_in"] == "hybrid"
+    assert doc["settings"]["sliding_window"] == 24
+    off = doc["runs"]["offload"]
+    assert off["verification"]["blocks_verified"] > 0
+    assert off["verification"]["blocks_mismatched"] == 0
+    assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
+    assert doc["comparison"]["outputs_identical"] is True

@@ -46,6 +46,7 @@ from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload,
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.model import ModelStandIn, hybrid_stand_in
 from vllm.v1.engine.scheduler import RequestOutput
 from vllm.v1.kv_offload.base import TierStats
 
@@ -87,8 +88,13 @@ def extra_config(opts: RunOptions) -> dict[str, Any]:
 
 def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
     """The engine settings of one run (identical for both runs but for the connector)."""
+    block_sizes: tuple[int, ...] = (opts.block_size,)
+    windows: tuple[int | None, ...] = ()
+    if ModelStandIn(opts.model_stand_in) is ModelStandIn.HYBRID:
+        block_sizes, windows = hybrid_stand_in(opts.block_size, opts.sliding_window)
     return EngineConfig(
-        gpu_block_sizes=(opts.block_size,),
+        gpu_block_sizes=block_sizes,
+        sliding_windows=windows,
         num_gpu_blocks=opts.gpu_blocks,
         num_layers=opts.num_layers,
         num_kv_heads=opts.num_kv_heads,
@@ -100,6 +106,7 @@ def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
         verify_kv=True,
         kv_connector_extra_config=extra_config(opts) if offload else None,
         device=opts.device,
+        async_scheduling=opts.async_scheduling,
     )
 
 
@@ -455,6 +462,9 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
         "fs_max_bytes": opts.fs_max_bytes,
         "device": opts.device,
         "timeout_s": opts.timeout_s,
+        "async_scheduling": opts.async_scheduling,
+        "model_stand_in": opts.model_stand_in,
+        "sliding_window": opts.sliding_window if opts.model_stand_in == "hybrid" else None,
     }
 
 

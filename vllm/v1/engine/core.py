@@ -11,6 +11,11 @@ One ``step()``::
     scheduler.update_from_output(...) connector: update_connector_output, request_finished,
                                       take_events
 
+With ``async_scheduling`` one step stays in flight, as in vLLM's async scheduling: ``step()``
+schedules step N+1 and runs it on the ranks *before* it applies step N's output, so the scheduler
+(and the connector's ``build_connector_meta``) never sees the newest completions. The ranks know
+the tokens they sampled; the scheduler counts them as output placeholders until they arrive.
+
 The engine keeps stepping while requests are unfinished or the connector has transfers in flight
 (``has_pending_work``), so cascades to slower tiers complete even after the last request.
 
@@ -46,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connecto
     OffloadingConnector,
 )
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
@@ -152,6 +158,7 @@ class EngineCore:
             config.gpu_block_sizes,
             self._hash_block_size,
             config.enable_prefix_caching,
+            config.sliding_windows,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -162,7 +169,11 @@ class EngineCore:
             block_verifier=self._verify_blocks if config.verify_kv else None,
             event_sink=self._publish_events if config.enable_kv_events else None,
             max_model_len=config.max_model_len,
+            async_scheduling=config.async_scheduling,
         )
+        # Async scheduling: the step executed but not applied yet (its output and the ranks'
+        # raw outputs), applied by the next step().
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self._aggregator = KVOutputAggregator(config.tensor_parallel_size)
 
     def run_info(self) -> KVCacheRunInfo:
@@ -180,6 +191,7 @@ class EngineCore:
             gpu_kv_bytes_per_block=kv_bytes,
             tensor_parallel_size=c.tensor_parallel_size,
             instance_id=c.instance_id,
+            sliding_windows=c.sliding_windows,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -213,8 +225,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_pending_work(self) -> bool:
-        """Whether ``step()`` has anything to do: requests, or transfers to finish."""
-        return self.scheduler.has_pending_work()
+        """Whether ``step()`` has anything to do: requests, transfers to finish, or a step in
+        flight to apply."""
+        return self._in_flight is not None or self.scheduler.has_pending_work()
 
     # -----------------------------------------------------------------------------------------
     # Stepping
@@ -228,6 +241,11 @@ class EngineCore:
         assert not self._closed, "the engine is shut down"
         scheduler = self.scheduler
         if not scheduler.has_pending_work():
+            if self._in_flight is not None:
+                # Nothing new to schedule: only apply the step in flight.
+                results = scheduler.update_from_output(*self._take_in_flight())
+                self._emit_kv_connector_stats()
+                return results
             pending = scheduler.take_outputs()
             if self.connector is not None:
                 scheduler.drain_events()
@@ -245,7 +263,16 @@ class EngineCore:
         model_output = ModelRunnerOutput(
             sampled_token_ids=outputs[0].sampled_token_ids, kv_connector_output=kv_output
         )
-        results = scheduler.update_from_output(scheduler_output, model_output)
+        if self.config.async_scheduling:
+            # Apply the previous step only now: this step was scheduled without its output.
+            previous = self._take_in_flight() if self._in_flight is not None else None
+            self._in_flight = (scheduler_output, model_output)
+            if previous is not None:
+                results = scheduler.update_from_output(*previous)
+            else:
+                results = scheduler.take_outputs()
+        else:
+            results = scheduler.update_from_output(scheduler_output, model_output)
 
         stats = self.stats
         stats.steps += 1
@@ -258,11 +285,8 @@ class EngineCore:
         stats.manager_seconds += manager_s
         stats.worker_connector_seconds += worker_s
         if self.connector is not None:
-            # Collected every step, as vLLM's scheduler does, so that nothing accumulates.
             self.connector.observe_step_seconds(connector_s)
-            kv_stats = self.connector.get_kv_connector_stats()
-            if kv_stats is not None and self.kv_connector_stats_sink is not None:
-                self.kv_connector_stats_sink(kv_stats)
+            self._emit_kv_connector_stats()
         if self.config.record_steps:
             moved: dict[str, int] = {}
             meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
@@ -284,6 +308,20 @@ class EngineCore:
             )
         self._step_index += 1
         return results
+
+    def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        assert self._in_flight is not None
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight
+
+    def _emit_kv_connector_stats(self) -> None:
+        """Collect the connector's stats and hand them to the sink. Every step, as vLLM's
+        scheduler does, so that nothing accumulates between collections."""
+        if self.connector is None:
+            return
+        kv_stats = self.connector.get_kv_connector_stats()
+        if kv_stats is not None and self.kv_connector_stats_sink is not None:
+            self.kv_connector_stats_sink(kv_stats)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until no request is unfinished and no transfer is in flight.

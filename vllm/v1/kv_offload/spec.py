@@ -47,6 +47,8 @@ class KVCacheRunInfo:
         tensor_parallel_size: tensor-parallel workers.
         pipeline_parallel_size: pipeline-parallel stages.
         instance_id: unique id of this engine instance (names its shared host region).
+        sliding_windows: per group, the window in tokens of a sliding-window attention group or
+            None for full attention; empty: every group has full attention.
     """
 
     model_name: str
@@ -60,6 +62,7 @@ class KVCacheRunInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     instance_id: str = "default"
+    sliding_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):

@@ -477,7 +477,8 @@ class TieringOffloadingManager(OffloadingManager):
         """Drain every tier, drop unsubmitted promotions and reset the primary.
 
         Blocks until every tier job has finished (``drain_jobs``). Secondary tiers keep their
-        data. Requests that already finished get their delayed ``on_request_finished``.
+        data. Requests that already finished get their delayed ``on_request_finished`` and are
+        forgotten; running requests keep their REQUEST_LEVEL tiers.
         """
         for tier in self._tiers:
             tier.drain_jobs()
@@ -502,7 +503,9 @@ class TieringOffloadingManager(OffloadingManager):
         # The primary zeroes its counters; the tiers' lookup counts derive from its misses.
         self._tiering_stats.primary_misses_before_reset += int(self._primary.get_stats()["misses"])
         self._primary.reset_cache()
-        self._request_level_tiers.clear()
+        # Running requests keep their REQUEST_LEVEL tiers: their later prepare_store calls must
+        # still cascade what is in the primary (finished ones were dropped above). Their
+        # counters restart at zero: pre-reset jobs are never completed.
         self._processed_jobs_this_step = False
 
     @override

@@ -110,12 +110,21 @@ def test_a_name_cannot_change_type() -> None:
         a.aggregate(b)
 
 
-def test_engine_run_stats_match_the_connector_counters(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_run_stats_match_the_connector_counters(
+    tmp_path: Path, async_scheduling: bool
+) -> None:
     """Two worker ranks, CPU and fs tiers: the sum of every step's stats equals the connector's
-    cumulative counters; the workers' bytes arrive summed over ranks."""
+    cumulative counters; the workers' bytes arrive summed over ranks. With async scheduling
+    too (the last step in flight is applied, and its stats collected, by an extra step)."""
     collected: list[OffloadingConnectorStats] = []
     config = make_config(
-        tmp_path, cpu_blocks=16, fs=True, tensor_parallel_size=2, num_gpu_blocks=24
+        tmp_path,
+        cpu_blocks=16,
+        fs=True,
+        tensor_parallel_size=2,
+        num_gpu_blocks=24,
+        async_scheduling=async_scheduling,
     )
     with EngineCore(config) as engine:
         engine.kv_connector_stats_sink = collected.append
