@@ -260,6 +260,7 @@ _RUN_DEFAULTS: dict[str, object] = {
     "json": None,
     "plot": None,
     "no_progress": False,
+    "metrics_port": None,
     "verbose": 0,
 }
 

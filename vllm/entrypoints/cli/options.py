@@ -143,6 +143,8 @@ class RunOptions:
         model_stand_in: ``"standard"`` (one full-attention KV-cache group) or ``"hybrid"`` (a
             full-attention group and a sliding-window group; ``vllm.v1.engine.model``).
         sliding_window: the hybrid stand-in's window in tokens.
+        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
+            (None: no server).
     """
 
     workload: WorkloadConfig
@@ -170,6 +172,7 @@ class RunOptions:
     async_scheduling: bool = False
     model_stand_in: str = "standard"
     sliding_window: int = 64
+    metrics_port: int | None = None
 
     @property
     def num_kv_groups(self) -> int:
@@ -422,6 +425,14 @@ def _output_options() -> tuple[_Option, ...]:
             "--no-progress",
             "no progress on stderr (a bar on a terminal, else a line every few seconds)",
         ),
+        _Option(
+            "--metrics-port",
+            "serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the runs "
+            "(docs/metrics.md)",
+            type=_int_at_least(1, 65535),
+            default_text=None,
+            metavar="PORT",
+        ),
     )
 
 
@@ -572,6 +583,7 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         async_scheduling=args.async_scheduling,
         model_stand_in=args.model_stand_in,
         sliding_window=args.sliding_window,
+        metrics_port=args.metrics_port,
     )
     problems = _machine_problems(opts)
     if problems:

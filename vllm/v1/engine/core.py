@@ -44,6 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
@@ -87,6 +90,13 @@ class KVOutputAggregator:
                     self._recv_counts[req_id] = count
             for group, ids in rank_out.invalid_block_ids.items():
                 out.invalid_block_ids.setdefault(group, set()).update(ids)
+            rank_stats = rank_out.kv_connector_stats
+            if rank_stats is not None:
+                out.kv_connector_stats = (
+                    rank_stats
+                    if out.kv_connector_stats is None
+                    else out.kv_connector_stats.aggregate(rank_stats)
+                )
             rank_meta = rank_out.kv_connector_worker_meta
             if rank_meta is not None:
                 assert isinstance(rank_meta, OffloadingWorkerMetadata)
@@ -119,6 +129,8 @@ class EngineCore:
         self._encoder = KVEventEncoder()
         self._step_index = 0
         self._closed = False
+        # Receives the connector's stats of every step (engine thread), e.g. an exporter.
+        self.kv_connector_stats_sink: Callable[[OffloadingConnectorStats], None] | None = None
 
         self.spec: OffloadingSpec | None = None
         self.connector: OffloadingConnector | None = None
@@ -231,7 +243,9 @@ class EngineCore:
         if not scheduler.has_pending_work():
             if self._in_flight is not None:
                 # Nothing new to schedule: only apply the step in flight.
-                return scheduler.update_from_output(*self._take_in_flight())
+                results = scheduler.update_from_output(*self._take_in_flight())
+                self._emit_kv_connector_stats()
+                return results
             pending = scheduler.take_outputs()
             if self.connector is not None:
                 scheduler.drain_events()
@@ -270,6 +284,9 @@ class EngineCore:
         stats.connector_seconds += connector_s
         stats.manager_seconds += manager_s
         stats.worker_connector_seconds += worker_s
+        if self.connector is not None:
+            self.connector.observe_step_seconds(connector_s)
+            self._emit_kv_connector_stats()
         if self.config.record_steps:
             moved: dict[str, int] = {}
             meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
@@ -296,6 +313,15 @@ class EngineCore:
         assert self._in_flight is not None
         in_flight, self._in_flight = self._in_flight, None
         return in_flight
+
+    def _emit_kv_connector_stats(self) -> None:
+        """Collect the connector's stats and hand them to the sink. Every step, as vLLM's
+        scheduler does, so that nothing accumulates between collections."""
+        if self.connector is None:
+            return
+        kv_stats = self.connector.get_kv_connector_stats()
+        if kv_stats is not None and self.kv_connector_stats_sink is not None:
+            self.kv_connector_stats_sink(kv_stats)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until no request is unfinished and no transfer is in flight.

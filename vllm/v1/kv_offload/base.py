@@ -21,11 +21,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.metrics import MetricsRecorder
 
 # ---------------------------------------------------------------------------------------------
 # Keys
@@ -332,6 +335,8 @@ class TierStats:
             primary row); 0 if blocks have no fixed size there.
         counters: the tier's cumulative counters by name (tier-defined, e.g. ``"blocks_written"``);
             a copy, owned by the caller.
+        capacity_bytes: the most bytes the tier may use, or None when it is unbounded (or does
+            not say).
     """
 
     tier_type: str
@@ -339,6 +344,7 @@ class TierStats:
     used_bytes: int
     block_bytes: int
     counters: Mapping[str, int] = field(default_factory=dict)
+    capacity_bytes: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +504,10 @@ class OffloadingManager(ABC):
         no side effect.
         """
         return None
+
+    def report_metrics(self, recorder: MetricsRecorder) -> None:  # noqa: B027
+        """Report metrics beyond ``get_stats()`` (per tier, per job) to ``recorder``, once per
+        step; see ``vllm.v1.kv_offload.metrics``. Must be cheap. Default: nothing."""
 
     def shutdown(self) -> None:  # noqa: B027
         """Release every resource the manager holds; idempotent. Default: no-op.

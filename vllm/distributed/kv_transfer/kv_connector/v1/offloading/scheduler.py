@@ -58,11 +58,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
     TransferJobTable,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
     OffloadingSchedulerMetrics,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
     LoadResult,
     RequestOffloadState,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.stats_collector import (
+    SchedulerStatsCollector,
 )
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
 from vllm.v1.kv_cache_interface import NULL_BLOCK_ID
@@ -130,6 +134,8 @@ class OffloadingConnectorScheduler:
 
         self._jobs = TransferJobTable(self.num_workers)
         self._metrics = OffloadingSchedulerMetrics()
+        # Turns the counters above, the manager's and the tiers' into per-step stats.
+        self.stats_collector = SchedulerStatsCollector(spec, self.manager, self._metrics)
         self._req_status: dict[ReqId, RequestOffloadState] = {}
         # Running requests whose latest prepare_store found no room: offered again at the next
         # step even when not scheduled in it (under async scheduling a request's last step is
@@ -454,8 +460,7 @@ class OffloadingConnectorScheduler:
         self._current_batch_load_jobs = {}
         self._current_batch_allocated_blocks = []
 
-        self._metrics.timed(self.manager.on_schedule_end)
-        self._metrics.schedule_ends += 1
+        self._metrics.timed_schedule_end(self.manager.on_schedule_end)
         return metadata
 
     # -----------------------------------------------------------------------------------------
@@ -464,6 +469,8 @@ class OffloadingConnectorScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Account the workers' reports; complete every job all workers have reported."""
+        if connector_output.kv_connector_stats is not None:
+            self.stats_collector.add_worker_stats(connector_output.kv_connector_stats)
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -486,12 +493,16 @@ class OffloadingConnectorScheduler:
             if not success:
                 metrics.failed_store_jobs += 1
                 metrics.failed_store_blocks += len(job.keys)
+            else:
+                metrics.stored_blocks += len(job.keys)
         else:
             metrics.timed(self.manager.complete_load, job.keys, state.req_context)
             self._load_results.append(state.finish_load(job, self.offloaded_block_size))
             if not success:
                 metrics.failed_load_jobs += 1
                 metrics.failed_load_blocks += len(job.keys)
+            else:
+                metrics.loaded_blocks += len(job.keys)
         state.transfer_jobs.discard(job.job_id)
         if state.finished and not state.transfer_jobs:
             del self._req_status[job.req_id]
@@ -576,6 +587,10 @@ class OffloadingConnectorScheduler:
         two ranks counts twice; bytes are the total moved).
         """
         return self._metrics.as_dict(len(self._jobs), self.manager.get_stats())
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """Stats since the last call, the workers' included (see ``stats_collector``)."""
+        return self.stats_collector.collect(len(self._jobs))
 
     def shutdown(self) -> None:
         """Shut the manager down."""
