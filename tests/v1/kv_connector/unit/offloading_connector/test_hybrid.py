@@ -1,4 +1,5 @@
-"""Hybrid models: a full-attention group plus a sliding-window (SWA) group, through the connector.
+"""Hybrid models (a full-attention group plus a sliding-window (SWA) group, or two groups of
+different block sizes) through the connector.
 
 Engine tests run the real engine (which frees SWA blocks that fell out of the window) with the
 real connector and CPU tier; the lookup tests drive ``groups.lookup_hit_end`` with a scripted
@@ -55,9 +56,15 @@ def _load_keys_per_group(engine: EngineCore, metas: list[Any]) -> list[tuple[int
     [
         dict(HYBRID),
         dict(gpu_block_sizes=(8, 16), sliding_windows=(None, 40)),
+        dict(gpu_block_sizes=(16, 8), sliding_windows=(None, 40)),
         dict(gpu_block_sizes=(16, 16), sliding_windows=(None, 16), extra_block_size=32),
     ],
-    ids=["window_2_blocks", "swa_own_block_size", "window_under_one_offloaded_block"],
+    ids=[
+        "window_2_blocks",
+        "swa_own_block_size",
+        "swa_smaller_block_size",
+        "window_under_one_offloaded_block",
+    ],
 )
 def test_hybrid_multi_turn_is_bit_exact_and_loads_only_the_window(
     tmp_path: Path, geometry: dict[str, Any]
@@ -91,6 +98,35 @@ def test_hybrid_multi_turn_is_bit_exact_and_loads_only_the_window(
             swa * geometry["gpu_block_sizes"][1] < full * geometry["gpu_block_sizes"][0]
             for full, swa in loads
         )
+        assert not engine.has_pending_work()
+
+
+@pytest.mark.parametrize(
+    "gpu_block_sizes", [(8, 16), (16, 8), (32, 16)], ids=["8_16", "16_8", "32_16"]
+)
+def test_full_attention_groups_of_different_block_sizes_are_bit_exact(
+    tmp_path: Path, gpu_block_sizes: tuple[int, int]
+) -> None:
+    # Two full-attention groups, in either order of block size: the CPU views of a worker's slot
+    # hold pages of different sizes, the larger first or last (the larger first was refused at
+    # construction as "CPU views 0 and 7 overlap"). Every loaded block is verified against
+    # recomputation.
+    geometry: dict[str, Any] = dict(gpu_block_sizes=gpu_block_sizes, num_gpu_blocks=40)
+
+    def workload(engine: EngineCore) -> dict[str, list[int]]:
+        return run_multi_turn(engine, seed=5)
+
+    expected = baseline(tmp_path, workload, **geometry)
+    with EngineCore(make_config(tmp_path, cpu_blocks=128, **geometry)) as engine:
+        metas = capture_metadata(engine)
+        assert workload(engine) == expected
+        stats = engine.stats
+        assert stats.tokens_from_cpu > 0 and stats.blocks_loaded_verified > 0
+        assert stats.verification_failures == 0
+        # Both groups were loaded, with as many tokens each (full attention).
+        loads = _load_keys_per_group(engine, metas)
+        assert loads
+        assert all(full * gpu_block_sizes[0] == other * gpu_block_sizes[1] for full, other in loads)
         assert not engine.has_pending_work()
 
 
