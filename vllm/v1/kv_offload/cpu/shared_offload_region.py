@@ -42,11 +42,12 @@ import re
 import stat
 import sys
 import time
-from types import TracebackType
 
 import numpy as np
 import torch
-from typing_extensions import Self, override
+from typing_extensions import override
+
+from vllm.utils.closing import ClosingContextManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def _positive_int(name: str, value: int) -> int:
     raise ValueError(f"{name} must be an integer > 0, got {value!r}")
 
 
-class SharedOffloadRegion:
+class SharedOffloadRegion(ClosingContextManager):
     """A ``MAP_SHARED`` file mapping holding ``num_blocks`` rows of offloaded KV data.
 
     Every process of an engine instance constructs one over the same file: the scheduler with
@@ -529,15 +530,8 @@ class SharedOffloadRegion:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    @override
+    def _release(self) -> None:
         self.cleanup()
 
     def __del__(self) -> None:
