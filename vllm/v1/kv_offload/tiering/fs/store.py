@@ -27,6 +27,7 @@ import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.fs.block_file import MAX_KEY_BYTES, BlockFileCorrupt, file_size
@@ -153,15 +154,13 @@ class BlockStore:
             return self._failed("store_failures")
         path = self._mapper.block_path(key)
         ticket = self._index.ticket()
-        try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=True)
-        except OSError as e:
-            self._log_os_error("store", key, e)
-            return self._failed("store_failures")
-        try:
-            return self._store_in(leaf_fd, path, key, row, ticket)
-        finally:
-            os.close(leaf_fd)
+        return self._in_leaf_dir(
+            "store",
+            key,
+            path,
+            ticket,
+            lambda fd: self._store_in(fd, path, key, row, ticket),
+        )
 
     def _store_in(
         self, leaf_fd: int, path: BlockPath, key: OffloadKey, row: memoryview, ticket: int
@@ -322,18 +321,13 @@ class BlockStore:
     def _load(self, key: OffloadKey, row: memoryview) -> bool:
         path = self._mapper.block_path(key)
         ticket = self._index.ticket()
-        try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=False)
-        except FileNotFoundError:
-            self._index.observe(key, None, ticket, hot=False)
-            return self._failed("load_failures")
-        except OSError as e:
-            self._log_os_error("load", key, e)
-            return self._failed("load_failures")
-        try:
-            return self._load_in(leaf_fd, key, path, row, ticket)
-        finally:
-            os.close(leaf_fd)
+        return self._in_leaf_dir(
+            "load",
+            key,
+            path,
+            ticket,
+            lambda fd: self._load_in(fd, key, path, row, ticket),
+        )
 
     def _load_in(
         self, leaf_fd: int, key: OffloadKey, path: BlockPath, row: memoryview, ticket: int
@@ -567,6 +561,30 @@ class BlockStore:
 
     def _count(self, name: str) -> None:
         self.count(name)
+
+    def _in_leaf_dir(
+        self,
+        op: Literal["store", "load"],
+        key: OffloadKey,
+        path: BlockPath,
+        ticket: int,
+        body: Callable[[int], bool],
+    ) -> bool:
+        """Return ``body(leaf_fd)`` run on ``path``'s leaf directory, opened (by a store also
+        created) for it and closed after; False, counted as a failure of ``op``, if it cannot be
+        opened. A load finding no directory observes the block as absent instead of logging."""
+        try:
+            leaf_fd = open_block_dir(self._rank_fd, path, create=op == "store")
+        except OSError as e:
+            if op == "load" and isinstance(e, FileNotFoundError):
+                self._index.observe(key, None, ticket, hot=False)
+            else:
+                self._log_os_error(op, key, e)
+            return self._failed(f"{op}_failures")
+        try:
+            return body(leaf_fd)
+        finally:
+            os.close(leaf_fd)
 
     def _failed(self, counter: str) -> bool:
         self._count(counter)
