@@ -41,7 +41,6 @@ import contextlib
 import logging
 import os
 import stat
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,7 +48,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
-    is_stale_tmp,
+    is_stale_tmp_file,
     open_block_dir,
     open_dir,
     read_header_key,
@@ -535,13 +534,7 @@ class CapacitySlots:
 
     def _recover_leftover(self, sub_fd: int, name: str, stats: SlotWalkStats) -> None:
         """A grab name left by a releaser that died (or a stale one of a live releaser)."""
-        try:
-            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode):
-            return
-        if not is_stale_tmp(name, time.time() - st.st_mtime, self._stale_tmp_age_s):
+        if not is_stale_tmp_file(sub_fd, name, self._stale_tmp_age_s):
             return
         # Its inode is garbage (unlinked), or still live (its block name exists): rehome it.
         self._settle_grab(sub_fd, name, None, None)
