@@ -152,18 +152,10 @@ class BlockStore:
         if len(key) > MAX_KEY_BYTES:
             self._log(logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key))
             return self._failed("store_failures")
-        path = self._mapper.block_path(key)
-        ticket = self._index.ticket()
-        return self._in_leaf_dir(
-            "store",
-            key,
-            path,
-            ticket,
-            lambda fd: self._store_in(fd, path, key, row, ticket),
-        )
+        return self._in_leaf_dir("store", key, functools.partial(self._store_in, key, row))
 
     def _store_in(
-        self, leaf_fd: int, path: BlockPath, key: OffloadKey, row: memoryview, ticket: int
+        self, key: OffloadKey, row: memoryview, leaf_fd: int, path: BlockPath, ticket: int
     ) -> bool:
         try:
             st = regular_file_stat(leaf_fd, path.name)
@@ -319,18 +311,10 @@ class BlockStore:
             return self._load(key, row)
 
     def _load(self, key: OffloadKey, row: memoryview) -> bool:
-        path = self._mapper.block_path(key)
-        ticket = self._index.ticket()
-        return self._in_leaf_dir(
-            "load",
-            key,
-            path,
-            ticket,
-            lambda fd: self._load_in(fd, key, path, row, ticket),
-        )
+        return self._in_leaf_dir("load", key, functools.partial(self._load_in, key, row))
 
     def _load_in(
-        self, leaf_fd: int, key: OffloadKey, path: BlockPath, row: memoryview, ticket: int
+        self, key: OffloadKey, row: memoryview, leaf_fd: int, path: BlockPath, ticket: int
     ) -> bool:
         try:
             read_block_file(
@@ -566,13 +550,14 @@ class BlockStore:
         self,
         op: Literal["store", "load"],
         key: OffloadKey,
-        path: BlockPath,
-        ticket: int,
-        body: Callable[[int], bool],
+        body: Callable[[int, BlockPath, int], bool],
     ) -> bool:
-        """Return ``body(leaf_fd)`` run on ``path``'s leaf directory, opened (by a store also
-        created) for it and closed after; False, counted as a failure of ``op``, if it cannot be
-        opened. A load finding no directory observes the block as absent instead of logging."""
+        """Return ``body(leaf_fd, path, ticket)``: ``key``'s block path, an index ticket taken
+        before any I/O, and ``path``'s leaf directory, opened (by a store also created) for it and
+        closed after; False, counted as a failure of ``op``, if it cannot be opened. A load
+        finding no directory observes the block as absent instead of logging."""
+        path = self._mapper.block_path(key)
+        ticket = self._index.ticket()
         try:
             leaf_fd = open_block_dir(self._rank_fd, path, create=op == "store")
         except OSError as e:
@@ -582,7 +567,7 @@ class BlockStore:
                 self._log_os_error(op, key, e)
             return self._failed(f"{op}_failures")
         try:
-            return body(leaf_fd)
+            return body(leaf_fd, path, ticket)
         finally:
             os.close(leaf_fd)
 
