@@ -22,43 +22,20 @@ from vllm.entrypoints.cli.options import build_run_options
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
 
+from .workload_args import TINY_WORKLOAD
+
 # One client sends its sessions one after another, so the GPU pool's contents, and thus the
-# baseline's figures, are deterministic. Documents of 12-20 blocks and a 24-block GPU pool: a
-# document asked for again after another one was read is no longer on the GPU; the CPU tier (32
-# rows) holds about two documents, so it serves some of those and the fs tier the others.
+# baseline's figures, are deterministic.
 TINY = [
-    "--workload",
-    "documents",
+    *TINY_WORKLOAD,
     "--num-clients",
     "1",
     "--num-sessions",
     "10",
-    "--turns",
-    "2",
-    "--document-tokens",
-    "256",
-    "--num-documents",
-    "4",
-    "--turn-tokens",
-    "16",
-    "--output-tokens",
-    "3",
     "--think-time",
     "0.001",
-    "--num-layers",
-    "2",
-    "--head-size",
-    "16",
     "--block-size",
     "16",
-    "--gpu-blocks",
-    "24",
-    "--max-num-seqs",
-    "3",
-    "--max-num-batched-tokens",
-    "64",
-    "--cpu-bytes",
-    "128KiB",
     "--no-progress",
     "--timeout",
     "120",
