@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
-from typing_extensions import Self
+from typing_extensions import override
 
 from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch, KVEventEncoder
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -50,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.utils.closing import ClosingContextManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
@@ -105,7 +105,7 @@ class KVOutputAggregator:
         return out
 
 
-class EngineCore:
+class EngineCore(ClosingContextManager):
     """The engine: scheduler, GPU block pool, worker ranks and the offloading connector.
 
     Args:
@@ -419,15 +419,8 @@ class EngineCore:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    @override
+    def _release(self) -> None:
         self.shutdown()
 
     def iter_requests(self) -> Iterable[Request]:
