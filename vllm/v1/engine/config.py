@@ -56,6 +56,9 @@ class EngineConfig:
         instance_id: names the engine's shared host region; unique per live engine.
         device: where the "GPU" KV cache lives (``"cpu"`` without a GPU).
         record_steps: keep one ``StepRecord`` per step in the stats.
+        record_block_origins: track which offloaded blocks this engine stored itself, and count
+            promoted tokens of blocks it had not (``EngineStats.served_not_stored_here``); costs
+            memory per block stored, for reports of KV shared between instances.
     """
 
     gpu_block_sizes: tuple[int, ...] = (16,)
@@ -79,6 +82,7 @@ class EngineConfig:
     instance_id: str = field(default_factory=default_instance_id)
     device: str = "cpu"
     record_steps: bool = True
+    record_block_origins: bool = False
 
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):

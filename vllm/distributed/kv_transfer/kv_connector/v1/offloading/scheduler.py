@@ -128,6 +128,10 @@ class OffloadingConnectorScheduler:
 
         # Results of update_connector_output, drained by take_load_results().
         self._load_results: list[LoadResult] = []
+        # Keys this connector stored from the GPU, when tracked (None: not tracked; it grows
+        # with every block stored, so only reports that need it turn it on, e.g. a fleet run
+        # telling cross-instance reuse from an instance's own).
+        self.stored_keys: set[OffloadKey] | None = None
 
     # -----------------------------------------------------------------------------------------
     # Helpers
@@ -177,7 +181,7 @@ class OffloadingConnectorScheduler:
                 if result is None:
                     deferred = True
                     if not self._jobs.is_being_stored(key):
-                        state.promoted_keys.add(key)
+                        state.note_promoted(key, self.manager.promotion_source(key))
                 n += 1
         finally:
             # One clock read per scan rather than per lookup: this loop is the hot path.
@@ -458,12 +462,16 @@ class OffloadingConnectorScheduler:
         metrics = self._metrics
         if job.is_store:
             self._metrics.timed(self.manager.complete_store, job.keys, state.req_context, success)
+            if success and self.stored_keys is not None:
+                self.stored_keys.update(job.keys)
             if not success:
                 metrics.failed_store_jobs += 1
                 metrics.failed_store_blocks += len(job.keys)
         else:
             metrics.timed(self.manager.complete_load, job.keys, state.req_context)
-            self._load_results.append(state.finish_load(job, self.offloaded_block_size))
+            self._load_results.append(
+                state.finish_load(job, self.offloaded_block_size, self.stored_keys)
+            )
             if not success:
                 metrics.failed_load_jobs += 1
                 metrics.failed_load_blocks += len(job.keys)
