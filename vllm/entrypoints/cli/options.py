@@ -505,7 +505,7 @@ def _machine_problems(opts: RunOptions) -> list[str]:
     if opts.fs_root is not None:
         problems.append(checks.fs_root_problem(opts.fs_root))
     if opts.fs_max_bytes is not None:
-        from vllm.v1.kv_offload.tiering.fs.block_file import file_size
+        from vllm.v1.kv_offload.tiering.block_format import file_size
 
         problems.append(checks.fs_max_bytes_problem(opts.fs_max_bytes, file_size(row_bytes)))
     if opts.json_path is not None:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.tiering.fs.block_file import (
+from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
     decode_header,

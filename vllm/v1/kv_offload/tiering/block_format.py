@@ -1,6 +1,10 @@
-"""On-disk format of one block file: a fixed 4 KiB header followed by the payload.
+"""The block format shared by the secondary tiers: a fixed 4 KiB header followed by the payload.
 
-File layout (``HEADER_SIZE + payload_len`` bytes)::
+One format, one implementation: the fs tier writes it as a block file, the redis tier as the value
+of one key. Both bind a block to its key and run and check it the same way, so a value (or file)
+whose header, key, run or checksum does not match is always rejected as ``BlockFileCorrupt``.
+
+Layout (``HEADER_SIZE + payload_len`` bytes)::
 
     offset 0     header, HEADER_SIZE (4096) bytes, little-endian:
                    0  magic            8s   b"VLLMKVB\\0"
@@ -10,20 +14,23 @@ File layout (``HEADER_SIZE + payload_len`` bytes)::
                   16  payload_len      u64  bytes of the payload (one primary row)
                   24  checksum_kind    u32  1 = CRC-32 (zlib) of the payload
                   28  checksum         u32
-                  32  run_digest       32s  SHA-256 of the run's config.json text
+                  32  run_digest       32s  SHA-256 of the run's identity fields (canonical JSON)
                   64  key_len          u32
                   68  key              key_len bytes (the full OffloadKey)
           68+key_len  header_crc       u32  CRC-32 of bytes [0, 68 + key_len)
                       zero padding up to HEADER_SIZE
     offset 4096  payload, payload_len bytes: the primary row, verbatim
 
-The header is a whole page so that the payload starts page-aligned in the file: with O_DIRECT the
-payload is read straight into (and written straight from) the page-aligned primary row.
+The header is a whole page so that, in a file, the payload starts page-aligned: with O_DIRECT the
+payload is read straight into (and written straight from) the page-aligned primary row. In Redis
+the page costs nothing extra in memory for power-of-two rows: the allocator's size class above a
+2^k-byte value already has room for it (see docs/redis_tier.md).
 
-Validation on load (``decode_header`` + ``payload_checksum``) rejects, as ``BlockFileCorrupt``:
-a wrong magic, version or header size, a header CRC mismatch (bit flip in the header), a payload
-length, run digest or key other than expected (a foreign file), and a payload CRC mismatch (bit
-flip in the payload). A file of the wrong size (truncated or padded) is rejected before reading.
+Validation on load (``decode_header`` + ``payload_checksum``, or ``verify_block`` for a value held
+in memory) rejects, as ``BlockFileCorrupt``: a wrong magic, version or header size, a header CRC
+mismatch (bit flip in the header), a payload length, run digest or key other than expected (a
+foreign block), a payload CRC mismatch (bit flip in the payload), and a block of the wrong total
+size (truncated or padded).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ MAX_KEY_BYTES = HEADER_SIZE - _FIXED.size - _CRC.size
 
 
 class BlockFileCorrupt(Exception):
-    """The file is not a valid block file for the expected key: it must be deleted.
+    """The file (or value) is not a valid block for the expected key: it must be deleted.
 
     Attributes:
         reason: what was wrong, for the log.
@@ -146,3 +153,52 @@ def decode_header(
     if key is not None and file_key != key:
         raise BlockFileCorrupt(f"file holds key {file_key.hex()}, expected {key.hex()}")
     return file_key, checksum
+
+
+def encode_block_header(key: bytes, run_digest: bytes, payload: memoryview) -> bytes:
+    """Return the ``HEADER_SIZE``-byte header of ``payload`` stored under ``key``.
+
+    Computes the payload's CRC-32 (one pass over ``payload``; the GIL is released meanwhile).
+
+    Raises:
+        ValueError: as ``encode_header``.
+    """
+    header = bytearray(HEADER_SIZE)
+    encode_header(
+        memoryview(header),
+        key=key,
+        run_digest=run_digest,
+        payload_len=len(payload),
+        checksum=payload_checksum(payload),
+    )
+    return bytes(header)
+
+
+def verify_block(
+    block: bytes | memoryview, *, key: bytes, run_digest: bytes, payload_len: int
+) -> memoryview:
+    """Check a whole block held in memory (header and payload) and return its payload.
+
+    Args:
+        block: ``HEADER_SIZE + payload_len`` bytes as stored (e.g. a Redis value).
+        key: the key it must be bound to.
+        run_digest: the run it must belong to.
+        payload_len: the expected payload length.
+
+    Returns:
+        A read-only view of the payload inside ``block`` (no copy).
+
+    Raises:
+        BlockFileCorrupt: wrong total size, bad header, another key or run, or a payload checksum
+            mismatch.
+    """
+    view = memoryview(block).cast("B")
+    if len(view) != HEADER_SIZE + payload_len:
+        raise BlockFileCorrupt(f"{len(view)} bytes, expected {HEADER_SIZE + payload_len}")
+    _, checksum = decode_header(
+        view[:HEADER_SIZE], key=key, run_digest=run_digest, payload_len=payload_len
+    )
+    payload = view[HEADER_SIZE:]
+    if payload_checksum(payload) != checksum:
+        raise BlockFileCorrupt("payload checksum mismatch")
+    return payload

@@ -7,7 +7,7 @@ import mmap
 
 import pytest
 
-from vllm.v1.kv_offload.tiering.fs.block_file import (
+from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
     BlockFileCorrupt,

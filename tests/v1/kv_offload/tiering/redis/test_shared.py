@@ -1,0 +1,29 @@
+"""Two engines, each with its own CPU tier, share one redis tier on a real server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.v1.kv_offload.tiering.redis.conftest import Engine, key_of
+from tests.v1.kv_offload.tiering.redis.servers import RedisServer
+from vllm.v1.kv_offload.base import ReqContext
+
+
+def test_what_a_stored_b_finds_promotes_bit_exact(
+    tmp_path: Path, server: RedisServer, engines: list[Engine]
+) -> None:
+    a = Engine(tmp_path / "a", server.url)
+    b = Engine(tmp_path / "b", server.url)
+    engines += [a, b]
+    keys = [key_of(i) for i in range(6)]
+    writer, reader = ReqContext("writer"), ReqContext("reader")
+    a.manager.on_new_request(writer)
+    a.store(keys, writer)
+    assert a.tier.get_stats().counters["blocks_stored"] == 6
+    b.manager.on_new_request(reader)
+    assert b.promote(keys, reader) == [True] * 6
+    b.assert_cpu_holds(keys, reader)
+    stats = b.tier.get_stats().counters
+    assert stats["blocks_loaded"] == 6 and stats["server_misses"] == 0
+    # A second store of the same blocks by B sends nothing: they are there already.
+    assert a.tier.namespace == b.tier.namespace

@@ -1,0 +1,282 @@
+"""Moving blocks between primary rows and Redis: pipelined stores and verified loads.
+
+Runs on the tier's I/O thread only. Each job is split into rounds of at most
+``max_inflight_bytes`` of values, and each round is ONE pipelined round trip (the cluster client
+groups a round per master and writes to all of them before reading).
+
+* Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
+  bytes never sent), then ``SET key value [PX ttl]`` rounds. A value is the block format's header
+  followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
+* Load: ``GET`` rounds; every value is verified (size, header, key, run, CRC-32 of the payload,
+  ``block_format.verify_block``) before its payload is copied into the job's primary row. A
+  missing value (evicted or expired since the lookup) fails the job and is counted as a server
+  miss; an invalid one fails the job, is deleted, counted and logged.
+
+A job succeeds or fails as a whole. Nothing is retried here: a failed load is recomputed by the
+connector, a failed store only means the block is absent from Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import redis.exceptions as rexc
+
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.tiering.block_format import (
+    HEADER_SIZE,
+    BlockFileCorrupt,
+    encode_block_header,
+    verify_block,
+)
+from vllm.v1.kv_offload.tiering.redis.client import (
+    BlockValue,
+    RedisClient,
+    is_oom,
+    is_unreachable,
+    value_arg,
+)
+from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker
+
+logger = logging.getLogger(__name__)
+
+COUNTER_NAMES = (
+    "blocks_stored",
+    "blocks_skipped",
+    "bytes_stored",
+    "blocks_loaded",
+    "bytes_loaded",
+    "server_misses",
+    "corrupt_removed",
+    "store_failures",
+    "load_failures",
+    "stores_dropped",
+    "oom_refusals",
+    "breaker_trips",
+    "lookups",
+    "lookup_hits",
+)
+"""The tier's cumulative counters (``get_stats().counters``); see docs/redis_tier.md."""
+
+
+class Counters:
+    """Thread-safe cumulative counters (I/O and lookup threads add, the scheduler reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a job did: ``failed_keys`` are keys a load could not deliver (for ``mark_miss``)."""
+
+    success: bool
+    failed_keys: list[OffloadKey] = field(default_factory=list)
+
+
+class BlockTransfer:
+    """Stores and loads whole jobs. Owned by the tier; used by its I/O thread only.
+
+    Ownership: ``flat`` is the primary region as one flat byte view, borrowed from the tier; a
+    job touches only rows ``[b * row_bytes, (b + 1) * row_bytes)`` of its own block ids, which the
+    tiering manager keeps pinned (store) or reserved (load) until the job is reported.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        flat: memoryview,
+        *,
+        row_bytes: int,
+        run_digest: bytes,
+        key_prefix: bytes,
+        ttl_ms: int | None,
+        max_round_bytes: int,
+        breaker: CircuitBreaker,
+        counters: Counters,
+        name: str,
+    ) -> None:
+        self._client = client
+        self._flat = flat
+        self._row_bytes = row_bytes
+        self._run_digest = run_digest
+        self._prefix = key_prefix
+        self._ttl_ms = ttl_ms
+        self._value_bytes = HEADER_SIZE + row_bytes
+        self._per_round = max(1, max_round_bytes // self._value_bytes)
+        self._breaker = breaker
+        self._counters = counters
+        self._name = name
+        self._logged_kinds: set[str] = set()
+
+    def redis_key(self, key: OffloadKey) -> bytes:
+        """The Redis key of block ``key``: ``<prefix><hex of the key>``."""
+        return self._prefix + key.hex().encode()
+
+    # -----------------------------------------------------------------------------------------
+    # Store
+    # -----------------------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> Outcome:
+        """Write the blocks Redis does not hold yet; True if every block is there afterwards."""
+        blocks = dict(zip(keys, block_ids, strict=True))  # a key may repeat within a job
+        try:
+            present = self._exists(list(blocks))
+            todo = [
+                (k, b) for (k, b), there in zip(blocks.items(), present, strict=True) if not there
+            ]
+            self._counters.add(blocks_skipped=len(blocks) - len(todo))
+            for chunk in self._rounds(todo):
+                self._set_round(chunk)
+        except Exception as e:
+            self._failed("store", len(blocks), e)
+            self._counters.add(store_failures=1)
+            return Outcome(False)
+        return Outcome(True)
+
+    def _exists(self, keys: list[OffloadKey]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.redis_key(key))
+        replies = pipe.execute(raise_on_error=False)
+        # A failed EXISTS (e.g. its master is down) is "absent": the SET then decides.
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
+
+    def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        rb = self._row_bytes
+        for key, block_id in chunk:
+            row = self._flat[block_id * rb : (block_id + 1) * rb]
+            header = encode_block_header(key, self._run_digest, row)
+            value = value_arg(self._client, BlockValue(header, row))
+            if self._ttl_ms is None:
+                pipe.set(self.redis_key(key), value)  # type: ignore[arg-type]
+            else:
+                pipe.set(self.redis_key(key), value, px=self._ttl_ms)  # type: ignore[arg-type]
+        replies = pipe.execute(raise_on_error=False)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        stored = len(replies) - len(errors)
+        self._counters.add(blocks_stored=stored, bytes_stored=stored * self._value_bytes)
+        if errors:
+            if any(is_oom(e) for e in errors):
+                self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
+            raise errors[0]
+
+    # -----------------------------------------------------------------------------------------
+    # Load
+    # -----------------------------------------------------------------------------------------
+
+    def load(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> Outcome:
+        """Fill the job's rows from Redis; every value is verified before its row is written."""
+        failed: list[OffloadKey] = []
+        pairs = list(zip(keys, block_ids, strict=True))
+        try:
+            for chunk in self._rounds(pairs):
+                failed.extend(self._get_round(chunk))
+                if failed:
+                    break  # the job fails as a whole: skip the rest of its bytes
+        except Exception as e:
+            self._failed("load", len(pairs), e)
+            self._counters.add(load_failures=1)
+            return Outcome(False, [k for k, _ in pairs])
+        if failed:
+            self._counters.add(load_failures=1)
+            return Outcome(False, failed)
+        return Outcome(True)
+
+    def _get_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
+        pipe = self._client.pipeline(transaction=False)
+        for key, _ in chunk:
+            pipe.get(self.redis_key(key))
+        replies = pipe.execute(raise_on_error=False)
+        rb = self._row_bytes
+        failed: list[OffloadKey] = []
+        corrupt: list[bytes] = []
+        loaded = 0
+        for (key, block_id), value in zip(chunk, replies, strict=True):
+            if isinstance(value, Exception):
+                raise value
+            if value is None:
+                # Evicted or expired between the lookup and now: normal under allkeys-lru.
+                self._counters.add(server_misses=1)
+                failed.append(key)
+                continue
+            try:
+                payload = verify_block(value, key=key, run_digest=self._run_digest, payload_len=rb)
+            except BlockFileCorrupt as e:
+                logger.warning(
+                    "redis tier %s: value of %s is invalid (%s); deleted, the load fails",
+                    self._name,
+                    self.redis_key(key).decode(),
+                    e.reason,
+                )
+                corrupt.append(self.redis_key(key))
+                failed.append(key)
+                continue
+            self._flat[block_id * rb : (block_id + 1) * rb] = payload
+            loaded += 1
+        self._counters.add(blocks_loaded=loaded, bytes_loaded=loaded * rb)
+        if corrupt:
+            self._delete(corrupt)
+        return failed
+
+    def _delete(self, redis_keys: list[bytes]) -> None:
+        """Delete invalid values so that no lookup finds them again (best effort)."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for rkey in redis_keys:
+                pipe.delete(rkey)
+            pipe.execute(raise_on_error=False)
+        except Exception as e:
+            self._failed("delete of invalid values", len(redis_keys), e)
+            return
+        self._counters.add(corrupt_removed=len(redis_keys))
+
+    # -----------------------------------------------------------------------------------------
+    # Helpers
+    # -----------------------------------------------------------------------------------------
+
+    def _rounds(
+        self, items: list[tuple[OffloadKey, int]]
+    ) -> Iterator[list[tuple[OffloadKey, int]]]:
+        n = self._per_round
+        for start in range(0, len(items), n):
+            yield items[start : start + n]
+
+    def _failed(self, what: str, num_blocks: int, exc: BaseException) -> None:
+        if is_unreachable(exc):
+            # The breaker logs the state change once; no line per failed job.
+            self._breaker.trip(exc)
+            return
+        if isinstance(exc, rexc.RedisError):
+            # Refusals (OOM at maxmemory, READONLY, MOVED during a resharding) can repeat for
+            # every job for a while: the first of each kind is a warning, the rest debug.
+            kind = str(exc).split(" ", 1)[0]
+            level = logging.DEBUG if kind in self._logged_kinds else logging.WARNING
+            self._logged_kinds.add(kind)
+            logger.log(
+                level,
+                "redis tier %s: %s of %d block(s) failed: %s: %s",
+                self._name,
+                what,
+                num_blocks,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            logger.exception(
+                "redis tier %s: %s of %d block(s) failed", self._name, what, num_blocks
+            )
