@@ -349,6 +349,8 @@ def _total_bound(opts: RunOptions) -> int | None:
 def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunResult:
     """The fleet's run: the instances' figures added up (samples merged on one time axis)."""
     total = RunResult(label=label, offload=offload)
+    # Untimed (None) until an instance's figures say otherwise.
+    total.transfers = {d: TransferFigures(busy_s=None) for d in Direction}
     total.wall_s = max((p.wall_s for p in parts), default=0.0)
     for p in parts:
         for name in (
@@ -374,7 +376,11 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             total.transfers[d] = TransferFigures(
                 blocks=a.blocks + b.blocks,
                 bytes=a.bytes + b.bytes,
-                busy_s=(a.busy_s or 0.0) + (b.busy_s or 0.0),
+                busy_s=(
+                    None
+                    if a.busy_s is None and b.busy_s is None
+                    else (a.busy_s or 0.0) + (b.busy_s or 0.0)
+                ),
                 failed_blocks=a.failed_blocks + b.failed_blocks,
                 skipped_blocks=a.skipped_blocks + b.skipped_blocks,
             )

@@ -7,7 +7,7 @@ the console script ``vllm-kv-offload = "vllm.entrypoints.cli.main:main"``; also 
 
 Exit codes: 0 success; 1 the run's verdict failed, a benchmark failed, or the run hit an error;
 2 bad options (argparse's convention: one line naming the option, and a hint to see --help);
-130 interrupted (Ctrl-C: one line, after the run shut down cleanly).
+130 interrupted (Ctrl-C: one line, after the run shut down cleanly); 143 the same after SIGTERM.
 """
 
 from __future__ import annotations

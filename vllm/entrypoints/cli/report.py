@@ -47,7 +47,7 @@ class Direction(str, enum.Enum):
             Direction.CPU_TO_FS: "CPU -> fs (store)",
             Direction.FS_TO_CPU: "fs -> CPU (promote)",
             Direction.CPU_TO_REDIS: "CPU -> redis (store)",
-            Direction.REDIS_TO_CPU: "redis -> CPU (promote)",
+            Direction.REDIS_TO_CPU: "redis->CPU (promote)",  # 20 columns: the table's
         }[self]
 
 
@@ -428,7 +428,8 @@ def no_savings_reason(report: Report) -> str | None:
             f"after it was evicted: {_suggest_smaller_pool(report.settings)}"
         )
     return (
-        f"the offloading tiers served {from_tiers:,} tokens, but the baseline's GPU prefix cache "
+        f"the {'CPU, fs and redis' if o.redis_url else 'CPU and fs'} tiers served "
+        f"{from_tiers:,} tokens, but the baseline's GPU prefix cache "
         f"served {b.served[Tier.GPU]:,} to this run's {o.served[Tier.GPU]:,} (the two runs "
         "interleave requests differently)"
     )

@@ -66,10 +66,11 @@ PROGRESS_TICK_S = 1.0
 """How often the progress line's timer looks at the clock (lines come every few seconds)."""
 
 _GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
-# Per secondary tier: its type name, its directions (store, promote) and its Tier.
+# Per secondary tier: its type name, its directions (store, promote) and the name of its
+# counter of blocks stored.
 _SECONDARY = (
-    (FS_TIER_TYPE, Direction.CPU_TO_FS, Direction.FS_TO_CPU, Tier.FS),
-    (REDIS_TIER_TYPE, Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU, Tier.REDIS),
+    (FS_TIER_TYPE, Direction.CPU_TO_FS, Direction.FS_TO_CPU, "blocks_written"),
+    (REDIS_TIER_TYPE, Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU, "blocks_stored"),
 )
 
 GenerateFn = Callable[[Session, int, list[int]], AsyncIterator[GenerateOutput]]
@@ -170,11 +171,11 @@ class StepSampler:
                 if direction is not None:
                     moved[direction.value] += n
         for tier in engine.tier_stats():  # their counters give the CPU <-> tier bytes
-            for tier_type, store, promote, _ in _SECONDARY:
+            for tier_type, store, promote, stored_counter in _SECONDARY:
                 if tier.tier_type != tier_type:
                     continue
                 c = tier.counters
-                written, loaded = c.get("blocks_written", 0), c.get("blocks_loaded", 0)
+                written, loaded = c.get(stored_counter, 0), c.get("blocks_loaded", 0)
                 last_written, last_loaded = self._tier_blocks.get(tier_type, (0, 0))
                 moved[store.value] = (written - last_written) * tier.block_bytes
                 moved[promote.value] = (loaded - last_loaded) * tier.block_bytes
@@ -466,23 +467,28 @@ def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
             busy_s=float(c.get(f"transfer.{name}.seconds", 0.0)),
             failed_blocks=int(c.get(failed_key, 0)),
         )
-    for tier_type, store, promote, _ in _SECONDARY:
+    for tier_type, store, promote, stored_counter in _SECONDARY:
         tier = snap.tiers.get(tier_type)
         if tier is None:
             continue
         tc = tier.counters
+        timed = "store_busy_us" in tc  # the redis tier does not time its I/O
         result.transfers[store] = TransferFigures(
-            blocks=tc.get("blocks_written", 0),
-            bytes=tc.get("blocks_written", 0) * tier.block_bytes,
-            busy_s=tc.get("store_busy_us", 0) / 1e6,
-            failed_blocks=tc.get("store_failures", 0),
+            blocks=tc.get(stored_counter, 0),
+            bytes=tc.get(stored_counter, 0) * tier.block_bytes,
+            busy_s=tc.get("store_busy_us", 0) / 1e6 if timed else None,
+            # Dropped: refused by the redis tier's back-pressure (not stored, not an error).
+            failed_blocks=tc.get("store_failures", 0) + tc.get("stores_dropped", 0),
             skipped_blocks=tc.get("blocks_skipped", 0),
         )
         result.transfers[promote] = TransferFigures(
             blocks=tc.get("blocks_loaded", 0),
             bytes=tc.get("blocks_loaded", 0) * tier.block_bytes,
-            busy_s=tc.get("load_busy_us", 0) / 1e6,
-            failed_blocks=tc.get("load_failures", 0) + tc.get("corrupt_removed", 0),
+            busy_s=tc.get("load_busy_us", 0) / 1e6 if timed else None,
+            # Server misses: the value was evicted between the lookup and the load.
+            failed_blocks=tc.get("load_failures", 0)
+            + tc.get("corrupt_removed", 0)
+            + tc.get("server_misses", 0),
         )
         result.corrupt_blocks_detected += tc.get("corrupt_removed", 0)
         if tier_type == FS_TIER_TYPE and result.fs is not None:
