@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -201,18 +202,12 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
-@pytest.mark.parametrize(
-    ("to_group", "signum", "exit_code"),
-    [(False, signal.SIGTERM, 143), (True, signal.SIGINT, 130)],
-    ids=["sigterm-to-command", "ctrl-c-to-process-group"],
-)
-def test_an_interrupt_ends_every_instance_cleanly(
-    tmp_path: Path, redis_server: RedisServer, to_group: bool, signum: int, exit_code: int
-) -> None:
+def _start_fleet(tmp_path: Path, url: str) -> tuple[subprocess.Popen[str], dict[int, str]]:
+    """The command in a session of its own, once its offloaded run started; and its children."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     # Interrupted as soon as the offloaded run starts: a workload longer than that is enough.
     args = [*FLEET, "--num-sessions", "40", "--think-time", "0.01", "--no-progress"]
-    args += ["--redis-url", redis_server.url, "--engines", "2"]
+    args += ["--redis-url", url, "--engines", "2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "run", *args],
         cwd=REPO,
@@ -233,22 +228,61 @@ def test_an_interrupt_ends_every_instance_cleanly(
             pytest.fail(f"the offloaded run never started: {proc.communicate()}")
         # The two instances, and multiprocessing's resource tracker.
         children = {pid: _cmdline(pid) for pid in _children(proc.pid)}
-        instances = [pid for pid, cmd in children.items() if "spawn_main" in cmd]
-        assert len(instances) == 2, children
+        assert len([c for c in children.values() if "spawn_main" in c]) == 2, children
         assert len(_fleet_regions(proc.pid)) == 2
+    except BaseException:
+        _kill(proc)
+        raise
+    return proc, children
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _assert_nothing_left(proc: subprocess.Popen[str], children: dict[int, str]) -> None:
+    # The instances were joined before the command ended; the tracker ends when its pipe closes
+    # (the command's exit), a moment later.
+    instances = [pid for pid, cmd in children.items() if "spawn_main" in cmd]
+    assert not [pid for pid in instances if _alive(pid)]
+    assert all(_ends_within(pid, 30) for pid in children)
+    assert not _fleet_regions(proc.pid)
+
+
+@pytest.mark.parametrize(
+    ("to_group", "signum", "exit_code"),
+    [(False, signal.SIGTERM, 143), (True, signal.SIGINT, 130)],
+    ids=["sigterm-to-command", "ctrl-c-to-process-group"],
+)
+def test_an_interrupt_ends_every_instance_cleanly(
+    tmp_path: Path, redis_server: RedisServer, to_group: bool, signum: int, exit_code: int
+) -> None:
+    proc, children = _start_fleet(tmp_path, redis_server.url)
+    try:
         if to_group:
             os.killpg(proc.pid, signum)
         else:
             proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill(proc)
     assert proc.returncode == exit_code, err
     assert [line for line in err.splitlines() if line.strip()] == ["vllm-kv-offload: interrupted"]
-    # The instances were joined before the command ended; the tracker ends when its pipe closes
-    # (the command's exit), a moment later.
-    assert not [pid for pid in instances if _alive(pid)]
-    assert all(_ends_within(pid, 30) for pid in children)
-    assert not _fleet_regions(proc.pid)
+    _assert_nothing_left(proc, children)
+
+
+def test_an_instance_killed_mid_run_fails_the_run_and_leaves_nothing(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    proc, children = _start_fleet(tmp_path, redis_server.url)
+    try:
+        victim = min(pid for pid, cmd in children.items() if "spawn_main" in cmd)
+        os.kill(victim, signal.SIGKILL)  # no chance to unlink its region
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 1, err
+    assert re.search(r"error: engine \d ended unexpectedly \(exit code -9\)", err), err
+    _assert_nothing_left(proc, children)

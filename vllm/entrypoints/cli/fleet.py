@@ -22,8 +22,10 @@ instance had not stored but another instance of the fleet did is KV another inst
 Shutdown: the instances are always stopped before ``serve_fleet`` returns or raises, cancelled
 (Ctrl-C, SIGTERM) included: each is told ``exit`` and shuts its engine down (unlinking its
 shared region); one that does not end within ``STOP_TIMEOUT_S`` gets SIGTERM, then SIGKILL, and
-every process is joined. A Ctrl-C reaches every process of the terminal's process group, so the
-instances are started with SIGINT ignored: only this process decides.
+every process is joined; the region of one that did not end cleanly (killed, crashed) is
+unlinked here. An instance that ends while it is needed fails the run with its exit code.
+A Ctrl-C reaches every process of the terminal's process group, so the instances are started
+with SIGINT ignored: only this process decides.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from vllm.entrypoints.cli.fleet_instance import Message, process_target
+from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
 from vllm.entrypoints.cli.options import RunOptions
 from vllm.entrypoints.cli.progress import Progress
 from vllm.entrypoints.cli.report import (
@@ -63,6 +65,7 @@ from vllm.entrypoints.cli.run import (
 )
 from vllm.entrypoints.cli.workloads import Session, Workload
 from vllm.v1.engine.async_llm import GenerateOutput
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 STOP_TIMEOUT_S = 60.0
 """How long an instance gets to shut down after ``exit`` (then SIGTERM) and after SIGTERM (then
@@ -110,6 +113,8 @@ class _Instance:
             raise InstanceGone(self.gone_message()) from None
 
     def gone_message(self) -> str:
+        # Its pipe closed: the process ended or is ending; reaped for its exit code (bounded).
+        self.process.join(timeout=5)
         code = self.process.exitcode
         how = "" if code is None else f" (exit code {code})"
         return f"engine {self.index} ended unexpectedly{how}; see its messages above"
@@ -207,6 +212,12 @@ class Fleet:
         process.join()
         asyncio.get_running_loop().remove_reader(instance.conn.fileno())
         instance.conn.close()
+        if process.exitcode != 0:
+            # Killed (or crashed) before it could unlink its shared region: this process knows
+            # the name, so nothing is left in /dev/shm either way.
+            path = SharedOffloadRegion.region_path(fleet_instance_id(os.getpid(), instance.index))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     async def generate(
         self, session: Session, t: int, prompt: list[int]
