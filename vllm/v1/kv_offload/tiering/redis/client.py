@@ -23,6 +23,7 @@ Client settings (measured on redis-py 8, see docs/redis_tier.md):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ RedisClient = redis.Redis | RedisCluster
 """A standalone or a cluster client (both thread-safe; their pipelines are not)."""
 
 SOCKET_READ_SIZE = 256 << 10
+_NODE_RETRY_S = 1.0
+"""How long a cluster master found unreachable is skipped before the next attempt."""
 _BUFFER_CUTOFF = 6000  # redis-py's: arguments above it are sent as separate chunks
 
 
@@ -172,6 +175,9 @@ class Router:
         self.zero_copy = not config.cluster
         self._stale_slots = False
         self._refresh_lock = threading.Lock()
+        # Cluster: masters found unreachable, by name, and when to try each again. Their keys
+        # fail at once meanwhile (no connect attempt per batch); replaced whole, never mutated.
+        self._down: dict[str, float] = {}
 
     def execute(self, rkeys: Sequence[bytes], add: Callable[[Pipeline, int], object]) -> list[Any]:
         """Run one command per key, ``add(pipe, i)`` queuing the command of ``rkeys[i]``.
@@ -181,7 +187,13 @@ class Router:
             failed as a whole: refused, reset, timed out) gives the exception instead.
         """
         replies: list[Any] = [None] * len(rkeys)
-        for client, indices in self._groups(rkeys):
+        for name, client, indices in self._groups(rkeys):
+            retry_at = self._down.get(name)
+            if retry_at is not None and time.monotonic() < retry_at:
+                down = rexc.ConnectionError(f"cluster master {name} is unreachable")
+                for i in indices:
+                    replies[i] = down
+                continue
             pipe = client.pipeline(transaction=False)
             for i in indices:
                 add(pipe, i)
@@ -195,7 +207,29 @@ class Router:
                 replies[i] = reply
                 if isinstance(reply, (rexc.MovedError, rexc.AskError)):
                     self._stale_slots = True
+            if name:
+                self._mark(name, down=all_unreachable(out) is not None)
         return replies
+
+    def all_down(self, replies: Sequence[Any]) -> BaseException | None:
+        """The error to open the circuit breaker with, if ``replies`` show the tier cut off: the
+        server is unreachable, or, in a cluster, every master is. None otherwise (a cluster with
+        a master down only misses that master's keys)."""
+        exc = all_unreachable(replies)
+        if exc is None or not isinstance(self.client, RedisCluster):
+            return exc
+        masters = {node.name for node in self.client.get_primaries()}
+        return exc if masters <= set(self._down) else None
+
+    def _mark(self, name: str, *, down: bool) -> None:
+        if down == (name in self._down):
+            return
+        marked = dict(self._down)
+        if down:
+            marked[name] = time.monotonic() + _NODE_RETRY_S
+        else:
+            del marked[name]
+        self._down = marked
 
     def value(self, value: BlockValue) -> BlockValue | bytes:
         """What to pass as a SET value: the two pieces where ``BlockPacker`` packs them, one
@@ -207,15 +241,17 @@ class Router:
         first) answers."""
         if isinstance(self.client, RedisCluster):
             self.client.nodes_manager.initialize()
+            self._down = {}
         self.client.ping()
 
     def close(self) -> None:
         close_client(self.client)
 
-    def _groups(self, rkeys: Sequence[bytes]) -> list[tuple[redis.Redis, list[int]]]:
+    def _groups(self, rkeys: Sequence[bytes]) -> list[tuple[str, redis.Redis, list[int]]]:
+        """``(master name, its client, indices of its keys)``; the name is "" standalone."""
         client = self.client
         if not isinstance(client, RedisCluster):
-            return [(client, list(range(len(rkeys))))]
+            return [("", client, list(range(len(rkeys))))]
         if self._stale_slots:
             with self._refresh_lock:
                 if self._stale_slots:
@@ -225,14 +261,14 @@ class Router:
                     except Exception:
                         self._stale_slots = True  # retried before the next round trip
         nodes = client.nodes_manager
-        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        groups: dict[str, tuple[str, redis.Redis, list[int]]] = {}
         for i, rkey in enumerate(rkeys):
             node = nodes.get_node_from_slot(client.keyslot(rkey))
             group = groups.get(node.name)
             if group is None:
                 conn = node.redis_connection or client.get_redis_connection(node)
-                group = groups[node.name] = (conn, [])
-            group[1].append(i)
+                group = groups[node.name] = (node.name, conn, [])
+            group[2].append(i)
         return list(groups.values())
 
 

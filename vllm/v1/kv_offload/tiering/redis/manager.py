@@ -48,7 +48,6 @@ from vllm.v1.kv_offload.tiering.fs.file_mapper import (
 from vllm.v1.kv_offload.tiering.redis.client import (
     RedisClient,
     Router,
-    all_unreachable,
     is_unreachable,
 )
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
@@ -420,7 +419,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         except Exception as e:
             logger.warning("redis tier %s: lookup failed: %s", self._name, e)
             return misses
-        down = all_unreachable(replies)
+        down = self._router.all_down(replies)
         if down is not None:
             self._breaker.trip(down)
             return misses

@@ -36,7 +36,6 @@ from vllm.v1.kv_offload.tiering.block_format import (
 from vllm.v1.kv_offload.tiering.redis.client import (
     BlockValue,
     Router,
-    all_unreachable,
     is_oom,
     is_unreachable,
 )
@@ -253,11 +252,10 @@ class BlockTransfer:
         for start in range(0, len(items), n):
             yield items[start : start + n]
 
-    @staticmethod
-    def _raise_if_unreachable(replies: list[object]) -> None:
+    def _raise_if_unreachable(self, replies: list[object]) -> None:
         """Raise when the whole server (every master) is unreachable, so the breaker opens; a
         cluster whose other masters answered only fails (or misses) the keys of the dead one."""
-        exc = all_unreachable(replies)
+        exc = self._router.all_down(replies)
         if exc is not None:
             raise exc
 
