@@ -2,7 +2,7 @@
 
 Registered as tier type ``"redis"``. One key per block, ``kvo:<namespace>:<hex of the key>``, whose
 value is the shared block format (``tiering.block_format``: a 4 KiB header binding the value to
-its key and run, with a CRC-32 of the payload, then the primary row). Several engine instances
+its key and run, with a CRC-32C of the payload, then the primary row). Several engine instances
 pointed at the same server and namespace share their blocks: what one stored, the others find.
 
 Capacity belongs to the server (``maxmemory`` and its eviction policy, see docs/redis_tier.md):

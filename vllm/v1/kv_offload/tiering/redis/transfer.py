@@ -1,13 +1,13 @@
 """Moving blocks between primary rows and Redis: pipelined stores and verified loads.
 
 Runs on the tier's I/O thread only. Each job is split into rounds of at most
-``max_inflight_bytes`` of values, and each round is ONE pipelined round trip (the cluster client
-groups a round per master and writes to all of them before reading).
+``min(max_inflight_bytes, MAX_ROUND_BYTES)`` of values, and each round is ONE pipelined round trip
+per server (in a cluster, one per master that owns keys of the round: ``client.Router``).
 
 * Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
   bytes never sent), then ``SET key value [PX ttl]`` rounds. A value is the block format's header
   followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
-* Load: ``GET`` rounds; every value is verified (size, header, key, run, CRC-32 of the payload,
+* Load: ``GET`` rounds; every value is verified (size, header, key, run, checksum of the payload,
   ``block_format.verify_block``) before its payload is copied into the job's primary row. A
   missing value (evicted or expired since the lookup) fails the job and is counted as a server
   miss; an invalid one fails the job, is deleted, counted and logged.
@@ -42,6 +42,11 @@ from vllm.v1.kv_offload.tiering.redis.client import (
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker
 
 logger = logging.getLogger(__name__)
+
+MAX_ROUND_BYTES = 32 << 20
+"""Most value bytes in one pipelined round trip (also bounded by ``max_inflight_bytes``): the
+server holds a pipeline's replies in its output buffer until they are read, unbounded for normal
+clients, so a round is kept small; 16 values of 2 MiB already reach full speed."""
 
 COUNTER_NAMES = (
     "blocks_stored",
@@ -116,7 +121,7 @@ class BlockTransfer:
         self._prefix = key_prefix
         self._ttl_ms = ttl_ms
         self._value_bytes = HEADER_SIZE + row_bytes
-        self._per_round = max(1, max_round_bytes // self._value_bytes)
+        self._per_round = max(1, min(max_round_bytes, MAX_ROUND_BYTES) // self._value_bytes)
         self._breaker = breaker
         self._counters = counters
         self._name = name
