@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import mmap
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.v1.kv_offload.tiering.redis.servers import require_redis_server
 from tests.v1.kv_offload.utils import make_cpu_spec
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
@@ -108,18 +107,13 @@ def test_default_namespace_separates_models_and_geometries(view: memoryview) -> 
     assert tiers[4].redis_key(b"\x01\x02") == b"kvo:shared.ns:0102"
 
 
-def test_without_redis_server_tests_skip_with_a_hint_or_fail_under_ci(tmp_path: Path) -> None:
-    code = (
-        "from tests.v1.kv_offload.tiering.redis.servers import require_redis_server as r\n"
-        "def test_it():\n    r()\n"
-    )
-    (tmp_path / "test_probe.py").write_text(code)
-    base = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)]
-    repo = Path(__file__).resolve().parents[5]
-    env = {"PATH": str(tmp_path), "PYTHONPATH": str(repo)}
-    skipped = subprocess.run(base, capture_output=True, text=True, env=env, check=False)
-    assert skipped.returncode == 0 and "apt-get install redis-server" in skipped.stdout
-    failed = subprocess.run(
-        base, capture_output=True, text=True, env={**env, "CI": "true"}, check=False
-    )
-    assert failed.returncode == 1 and "CI=true" in failed.stdout
+def test_without_redis_server_tests_skip_with_a_hint_or_fail_under_ci(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on it
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install redis-server"):
+        require_redis_server()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_redis_server()
