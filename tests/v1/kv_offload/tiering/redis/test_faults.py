@@ -160,3 +160,46 @@ def test_maxmemory_noeviction_fails_stores_cleanly(tmp_path: Path, engines: list
         assert ROW_BYTES * len(stored) <= 4 << 20
     finally:
         server.stop()
+
+
+def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
+    tmp_path: Path, engines: list[Engine]
+) -> None:
+    server = RedisServer(
+        tmp_path / "lru", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"
+    )
+    try:
+        engine = Engine(tmp_path / "e", server.url)
+        engines.append(engine)
+        tier, rows = engine.tier, engine.rows
+        assert rows is not None
+        first = [key_of(i) for i in range(4)]
+        for i, key in enumerate(first):
+            rows[i] = pattern(key)
+        tier.submit_store(_job(1, first, [0, 1, 2, 3], load=False))
+        assert _collect(engine, {1}) == {1: True}
+        ctx = ReqContext("r")
+        assert [tier.lookup(k, ctx) for k in first] == [None] * 4
+        tier.on_schedule_end()
+        assert tier.wait_lookups_idle(10)
+        assert [tier.lookup(k, ctx) for k in first] == [True] * 4
+        # Later blocks push the first ones out (allkeys-lru): normal operation, not an error.
+        later = [key_of(100 + i) for i in range(8)]
+        for n, start in enumerate(range(0, 8, 4)):
+            for i, key in enumerate(later[start : start + 4]):
+                rows[4 + i] = pattern(key)
+            tier.submit_store(_job(10 + n, later[start : start + 4], [4, 5, 6, 7], load=False))
+            _collect(engine, {10 + n})
+        client = server.client()
+        gone = [k for k in first if not client.exists(tier.redis_key(k))]
+        client.close()
+        assert gone, "the server evicted some of the first blocks"
+        rows[4] = 0
+        tier.submit_load(_job(20, gone[:1], [4], load=True))
+        assert _collect(engine, {20}) == {20: False}
+        assert not rows[4].any(), "nothing was written for a missing value"
+        counters = tier.get_stats().counters
+        assert counters["server_misses"] == 1 and counters["load_failures"] == 1
+        assert not tier.breaker_open
+    finally:
+        server.stop()
