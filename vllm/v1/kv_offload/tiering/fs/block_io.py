@@ -366,7 +366,7 @@ def read_block_file(
             )
         except BlockFileCorrupt as e:
             raise BlockFileCorrupt(e.reason, file_id) from None
-        if payload_checksum(payload) != checksum:
+        if not checksum.matches(payload):
             raise BlockFileCorrupt("payload checksum mismatch", file_id)
     finally:
         os.close(fd)

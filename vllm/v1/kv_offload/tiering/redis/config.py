@@ -77,9 +77,10 @@ class RedisTierConfig:
             (then only the server's ``maxmemory`` policy removes them).
         timeout_s: socket connect and read/write timeout of every command; a command that takes
             longer fails its job (and opens the circuit breaker).
-        max_inflight_bytes: client-side back-pressure: the most value bytes one pipelined round
-            trip carries, and the most bytes of store jobs queued or running; a store submitted
-            above it fails at once (the block is just not in Redis). At least one block value.
+        max_inflight_bytes: client-side back-pressure: the most bytes of store jobs queued or
+            running (a store submitted above it fails at once: the block is just not in Redis),
+            and of values in one pipelined round trip (also capped at 32 MiB, see
+            ``transfer.MAX_ROUND_BYTES``). At least one block value.
     """
 
     url: str

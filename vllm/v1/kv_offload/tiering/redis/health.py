@@ -44,6 +44,9 @@ class CircuitBreaker:
         self._opened_at = 0.0
         # Set when the breaker opens, so the health thread starts probing at once.
         self.changed = threading.Event()
+        # Set while closed (for callers that wait for the server to come back).
+        self.closed = threading.Event()
+        self.closed.set()
 
     def trip(self, exc: BaseException) -> None:
         """Open the breaker (no-op if open already); ``exc`` is what showed the server is down."""
@@ -53,6 +56,7 @@ class CircuitBreaker:
             self.is_open = True
             self.trips += 1
             self._opened_at = time.monotonic()
+            self.closed.clear()
         logger.warning(
             "redis tier %s: server unreachable (%s: %s); lookups miss and jobs fail until it "
             "answers again",
@@ -68,6 +72,7 @@ class CircuitBreaker:
             if not self.is_open:
                 return
             self.is_open = False
+            self.closed.set()
             down_s = time.monotonic() - self._opened_at
         logger.warning("redis tier %s: server reachable again after %.1f s", self.name, down_s)
 

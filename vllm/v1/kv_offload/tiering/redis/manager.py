@@ -2,7 +2,7 @@
 
 Registered as tier type ``"redis"``. One key per block, ``kvo:<namespace>:<hex of the key>``, whose
 value is the shared block format (``tiering.block_format``: a 4 KiB header binding the value to
-its key and run, with a CRC-32 of the payload, then the primary row). Several engine instances
+its key and run, with a CRC-32C of the payload, then the primary row). Several engine instances
 pointed at the same server and namespace share their blocks: what one stored, the others find.
 
 Capacity belongs to the server (``maxmemory`` and its eviction policy, see docs/redis_tier.md):
@@ -47,9 +47,8 @@ from vllm.v1.kv_offload.tiering.fs.file_mapper import (
 )
 from vllm.v1.kv_offload.tiering.redis.client import (
     RedisClient,
-    close_client,
+    Router,
     is_unreachable,
-    make_client,
 )
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, HealthThread
@@ -155,12 +154,13 @@ class RedisSecondaryTier(SecondaryTierManager):
             f"{sanitize_model_name(fields['model_name'])}_{digest.hexdigest()[:DIGEST_HEX_CHARS]}"
         )
         self._name = f"{tier_type}@{config.url}"
-        self._client: RedisClient = make_client(config)
+        self._router = Router(config)
+        self._client: RedisClient = self._router.client
         self._counters = Counters()
         self._breaker = CircuitBreaker(self._name)
         self._flat: memoryview = view.cast("B")
         self.transfer = BlockTransfer(
-            self._client,
+            self._router,
             self._flat,
             row_bytes=self._row_bytes,
             run_digest=self.run_digest,
@@ -221,6 +221,10 @@ class RedisSecondaryTier(SecondaryTierManager):
     def breaker_open(self) -> bool:
         """Whether the server is considered unreachable now."""
         return self._breaker.is_open
+
+    def wait_reachable(self, timeout: float | None = None) -> bool:
+        """Block until the circuit breaker is closed (tests, tools); False on timeout."""
+        return self._breaker.closed.wait(timeout)
 
     def redis_key(self, key: OffloadKey) -> bytes:
         """The Redis key that holds block ``key``."""
@@ -349,7 +353,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._io_thread.join()
         self._health.stop(limit)
         self._flat.release()
-        close_client(self._client)
+        self._router.close()
 
     # -----------------------------------------------------------------------------------------
     # Internals
@@ -409,21 +413,20 @@ class RedisSecondaryTier(SecondaryTierManager):
         misses = [[False] * len(keys) for keys, _ in groups]
         if self._breaker.is_open:
             return misses
-        pipe = self._client.pipeline(transaction=False)
-        for keys, _ in groups:
-            for key in keys:
-                pipe.exists(self.transfer.redis_key(key))
+        rkeys = [self.transfer.redis_key(key) for keys, _ in groups for key in keys]
         try:
-            replies = iter(pipe.execute(raise_on_error=False))
+            replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
         except Exception as e:
-            if is_unreachable(e):
-                self._breaker.trip(e)
-            else:
-                logger.warning("redis tier %s: lookup failed: %s", self._name, e)
+            logger.warning("redis tier %s: lookup failed: %s", self._name, e)
             return misses
+        down = self._router.all_down(replies)
+        if down is not None:
+            self._breaker.trip(down)
+            return misses
+        it = iter(replies)
         # A failed EXISTS (e.g. its master is down or the slot moved) is a miss.
         answers = [
-            [not isinstance(r, Exception) and bool(r) for _, r in zip(keys, replies, strict=False)]
+            [not isinstance(r, Exception) and bool(r) for _, r in zip(keys, it, strict=False)]
             for keys, _ in groups
         ]
         found = sum(map(sum, answers))
@@ -432,7 +435,7 @@ class RedisSecondaryTier(SecondaryTierManager):
 
     def _ping(self) -> None:
         """Health thread: raises unless the server answers."""
-        self._client.ping()
+        self._router.ping()
 
     def _refresh_stats(self) -> None:
         """Health thread: the server's key count and memory, for ``get_stats``."""

@@ -1,13 +1,13 @@
 """Moving blocks between primary rows and Redis: pipelined stores and verified loads.
 
 Runs on the tier's I/O thread only. Each job is split into rounds of at most
-``max_inflight_bytes`` of values, and each round is ONE pipelined round trip (the cluster client
-groups a round per master and writes to all of them before reading).
+``min(max_inflight_bytes, MAX_ROUND_BYTES)`` of values, and each round is ONE pipelined round trip
+per server (in a cluster, one per master that owns keys of the round: ``client.Router``).
 
 * Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
   bytes never sent), then ``SET key value [PX ttl]`` rounds. A value is the block format's header
   followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
-* Load: ``GET`` rounds; every value is verified (size, header, key, run, CRC-32 of the payload,
+* Load: ``GET`` rounds; every value is verified (size, header, key, run, checksum of the payload,
   ``block_format.verify_block``) before its payload is copied into the job's primary row. A
   missing value (evicted or expired since the lookup) fails the job and is counted as a server
   miss; an invalid one fails the job, is deleted, counted and logged.
@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.exceptions as rexc
+from redis.client import Pipeline
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import (
@@ -34,14 +35,18 @@ from vllm.v1.kv_offload.tiering.block_format import (
 )
 from vllm.v1.kv_offload.tiering.redis.client import (
     BlockValue,
-    RedisClient,
+    Router,
     is_oom,
     is_unreachable,
-    value_arg,
 )
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker
 
 logger = logging.getLogger(__name__)
+
+MAX_ROUND_BYTES = 32 << 20
+"""Most value bytes in one pipelined round trip (also bounded by ``max_inflight_bytes``): the
+server holds a pipeline's replies in its output buffer until they are read, unbounded for normal
+clients, so a round is kept small; 16 values of 2 MiB already reach full speed."""
 
 COUNTER_NAMES = (
     "blocks_stored",
@@ -97,7 +102,7 @@ class BlockTransfer:
 
     def __init__(
         self,
-        client: RedisClient,
+        router: Router,
         flat: memoryview,
         *,
         row_bytes: int,
@@ -109,14 +114,14 @@ class BlockTransfer:
         counters: Counters,
         name: str,
     ) -> None:
-        self._client = client
+        self._router = router
         self._flat = flat
         self._row_bytes = row_bytes
         self._run_digest = run_digest
         self._prefix = key_prefix
         self._ttl_ms = ttl_ms
         self._value_bytes = HEADER_SIZE + row_bytes
-        self._per_round = max(1, max_round_bytes // self._value_bytes)
+        self._per_round = max(1, min(max_round_bytes, MAX_ROUND_BYTES) // self._value_bytes)
         self._breaker = breaker
         self._counters = counters
         self._name = name
@@ -148,31 +153,31 @@ class BlockTransfer:
         return Outcome(True)
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool]:
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.redis_key(key))
-        replies = pipe.execute(raise_on_error=False)
+        rkeys = [self.redis_key(key) for key in keys]
+        replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+        self._raise_if_unreachable(replies)
         # A failed EXISTS (e.g. its master is down) is "absent": the SET then decides.
         return [not isinstance(r, Exception) and bool(r) for r in replies]
 
     def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> None:
-        pipe = self._client.pipeline(transaction=False)
         rb = self._row_bytes
-        for key, block_id in chunk:
+        rkeys = [self.redis_key(key) for key, _ in chunk]
+        px = self._ttl_ms
+
+        def add(pipe: Pipeline, i: int) -> None:
+            key, block_id = chunk[i]
             row = self._flat[block_id * rb : (block_id + 1) * rb]
             header = encode_block_header(key, self._run_digest, row)
-            value = value_arg(self._client, BlockValue(header, row))
-            if self._ttl_ms is None:
-                pipe.set(self.redis_key(key), value)  # type: ignore[arg-type]
-            else:
-                pipe.set(self.redis_key(key), value, px=self._ttl_ms)  # type: ignore[arg-type]
-        replies = pipe.execute(raise_on_error=False)
+            value = self._router.value(BlockValue(header, row))
+            pipe.set(rkeys[i], value, px=px)  # type: ignore[arg-type]
+
+        replies = self._router.execute(rkeys, add)
         errors = [r for r in replies if isinstance(r, Exception)]
         stored = len(replies) - len(errors)
         self._counters.add(blocks_stored=stored, bytes_stored=stored * self._value_bytes)
         if errors:
-            if any(is_oom(e) for e in errors):
-                self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
+            self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
+            self._raise_if_unreachable(replies)
             raise errors[0]
 
     # -----------------------------------------------------------------------------------------
@@ -198,10 +203,9 @@ class BlockTransfer:
         return Outcome(True)
 
     def _get_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
-        pipe = self._client.pipeline(transaction=False)
-        for key, _ in chunk:
-            pipe.get(self.redis_key(key))
-        replies = pipe.execute(raise_on_error=False)
+        rkeys = [self.redis_key(key) for key, _ in chunk]
+        replies = self._router.execute(rkeys, lambda pipe, i: pipe.get(rkeys[i]))
+        self._raise_if_unreachable(replies)
         rb = self._row_bytes
         failed: list[OffloadKey] = []
         corrupt: list[bytes] = []
@@ -236,10 +240,7 @@ class BlockTransfer:
     def _delete(self, redis_keys: list[bytes]) -> None:
         """Delete invalid values so that no lookup finds them again (best effort)."""
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for rkey in redis_keys:
-                pipe.delete(rkey)
-            pipe.execute(raise_on_error=False)
+            self._router.execute(redis_keys, lambda pipe, i: pipe.delete(redis_keys[i]))
         except Exception as e:
             self._failed("delete of invalid values", len(redis_keys), e)
             return
@@ -255,6 +256,13 @@ class BlockTransfer:
         n = self._per_round
         for start in range(0, len(items), n):
             yield items[start : start + n]
+
+    def _raise_if_unreachable(self, replies: list[object]) -> None:
+        """Raise when the whole server (every master) is unreachable, so the breaker opens; a
+        cluster whose other masters answered only fails (or misses) the keys of the dead one."""
+        exc = self._router.all_down(replies)
+        if exc is not None:
+            raise exc
 
     def _failed(self, what: str, num_blocks: int, exc: BaseException) -> None:
         if is_unreachable(exc):
