@@ -51,6 +51,34 @@ class Direction(str, enum.Enum):
         }[self]
 
 
+def secondary_tokens(total: int, by_tier: Mapping[str, int]) -> dict[str, int]:
+    """Promoted tokens by ``Tier`` value: the redis tier's, and the fs tier's (the rest).
+
+    Args:
+        total: ``EngineStats.tokens_from_secondary``.
+        by_tier: ``EngineStats.tokens_from_tier`` (by registered tier type).
+
+    Tokens whose tier the manager did not name count as the fs tier's, so that the two add up
+    to ``total`` (the accounting invariant).
+    """
+    redis = by_tier.get("redis", 0)
+    return {Tier.FS.value: total - redis, Tier.REDIS.value: redis}
+
+
+def token_shares(tokens: Mapping[str, int]) -> dict[str, float]:
+    """The progress line's shares (computed, GPU, CPU, fs, redis) of cumulative ``tokens``."""
+    total = sum(tokens.values())
+    if not total:
+        return {}
+    counts = {"computed": tokens.get("computed", 0)} | {
+        name: tokens.get(t.value, 0)
+        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
+    }
+    if tokens.get(Tier.REDIS.value):
+        counts["redis"] = tokens[Tier.REDIS.value]
+    return {name: n / total for name, n in counts.items()}
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values`` by linear interpolation; 0.0 when empty."""
     if not values:

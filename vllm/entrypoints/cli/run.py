@@ -39,6 +39,8 @@ from vllm.entrypoints.cli.report import (
     StepSample,
     Tier,
     TransferFigures,
+    secondary_tokens,
+    token_shares,
 )
 from vllm.entrypoints.cli.report_text import (
     format_bytes,
@@ -66,11 +68,26 @@ PROGRESS_TICK_S = 1.0
 """How often the progress line's timer looks at the clock (lines come every few seconds)."""
 
 _GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
-# Per secondary tier: its type name, its directions (store, promote) and the name of its
-# counter of blocks stored.
+# Per secondary tier: its type name, its directions (store, promote), the name of its counter
+# of blocks stored, and those of its failed blocks per direction (the redis tier counts failed
+# jobs apart: blocks it dropped at once, or found gone or invalid, are its per-block figures).
 _SECONDARY = (
-    (FS_TIER_TYPE, Direction.CPU_TO_FS, Direction.FS_TO_CPU, "blocks_written"),
-    (REDIS_TIER_TYPE, Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU, "blocks_stored"),
+    (
+        FS_TIER_TYPE,
+        Direction.CPU_TO_FS,
+        Direction.FS_TO_CPU,
+        "blocks_written",
+        ("store_failures",),
+        ("load_failures", "corrupt_removed"),
+    ),
+    (
+        REDIS_TIER_TYPE,
+        Direction.CPU_TO_REDIS,
+        Direction.REDIS_TO_CPU,
+        "blocks_stored",
+        ("stores_dropped",),
+        ("server_misses", "corrupt_removed"),
+    ),
 )
 
 GenerateFn = Callable[[Session, int, list[int]], AsyncIterator[GenerateOutput]]
@@ -171,7 +188,7 @@ class StepSampler:
                 if direction is not None:
                     moved[direction.value] += n
         for tier in engine.tier_stats():  # their counters give the CPU <-> tier bytes
-            for tier_type, store, promote, stored_counter in _SECONDARY:
+            for tier_type, store, promote, stored_counter, _, _ in _SECONDARY:
                 if tier.tier_type != tier_type:
                     continue
                 c = tier.counters
@@ -198,30 +215,6 @@ class StepSampler:
                 bytes_moved=moved,
             )
         )
-
-
-def secondary_tokens(total: int, by_tier: dict[str, int]) -> dict[str, int]:
-    """Promoted tokens by ``Tier`` value: the redis tier's, and the fs tier's (the rest).
-
-    Tokens whose tier the manager did not name count as the fs tier's, so that the two add up
-    to ``total`` (the accounting invariant).
-    """
-    redis = by_tier.get(REDIS_TIER_TYPE, 0)
-    return {Tier.FS.value: total - redis, Tier.REDIS.value: redis}
-
-
-def token_shares(tokens: dict[str, int]) -> dict[str, float]:
-    """The progress line's shares (computed, GPU, CPU, fs, redis) of cumulative ``tokens``."""
-    total = sum(tokens.values())
-    if not total:
-        return {}
-    counts = {"computed": tokens.get("computed", 0)} | {
-        name: tokens.get(t.value, 0)
-        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
-    }
-    if tokens.get(Tier.REDIS.value):
-        counts["redis"] = tokens[Tier.REDIS.value]
-    return {name: n / total for name, n in counts.items()}
 
 
 def _token_shares(sampler: StepSampler) -> dict[str, float]:
@@ -467,7 +460,7 @@ def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
             busy_s=float(c.get(f"transfer.{name}.seconds", 0.0)),
             failed_blocks=int(c.get(failed_key, 0)),
         )
-    for tier_type, store, promote, stored_counter in _SECONDARY:
+    for tier_type, store, promote, stored_counter, store_failed, load_failed in _SECONDARY:
         tier = snap.tiers.get(tier_type)
         if tier is None:
             continue
@@ -477,18 +470,14 @@ def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
             blocks=tc.get(stored_counter, 0),
             bytes=tc.get(stored_counter, 0) * tier.block_bytes,
             busy_s=tc.get("store_busy_us", 0) / 1e6 if timed else None,
-            # Dropped: refused by the redis tier's back-pressure (not stored, not an error).
-            failed_blocks=tc.get("store_failures", 0) + tc.get("stores_dropped", 0),
+            failed_blocks=sum(tc.get(name, 0) for name in store_failed),
             skipped_blocks=tc.get("blocks_skipped", 0),
         )
         result.transfers[promote] = TransferFigures(
             blocks=tc.get("blocks_loaded", 0),
             bytes=tc.get("blocks_loaded", 0) * tier.block_bytes,
             busy_s=tc.get("load_busy_us", 0) / 1e6 if timed else None,
-            # Server misses: the value was evicted between the lookup and the load.
-            failed_blocks=tc.get("load_failures", 0)
-            + tc.get("corrupt_removed", 0)
-            + tc.get("server_misses", 0),
+            failed_blocks=sum(tc.get(name, 0) for name in load_failed),
         )
         result.corrupt_blocks_detected += tc.get("corrupt_removed", 0)
         if tier_type == FS_TIER_TYPE and result.fs is not None:
