@@ -166,6 +166,25 @@ def test_fleet_with_redis_passes_and_serves_kv_another_instance_computed(
     assert list(fs_root.iterdir()) == []
 
 
+def test_one_engine_with_the_redis_tier_instead_of_the_fs_tier(
+    tmp_path: Path, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --no-fs --redis-url: the redis tier is the only secondary tier; one engine, no fleet.
+    out = tmp_path / "report.json"
+    args = [*FLEET, "--no-progress", "--no-fs", "--redis-url", redis_server.url]
+    code = main([*args, "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    doc = json.loads(out.read_text())
+    off = doc["runs"]["offload"]
+    assert doc["fleet"] is None and off["cross_instance_tokens"] is None
+    assert off["fs_tier"] is None and off["prompt_tokens"]["fs_tier"] == 0
+    assert off["transfers"]["cpu_to_redis"]["blocks"] > 0
+    assert off["transfers"]["cpu_to_fs"]["blocks"] == 0
+    assert "served from redis tier" in text and "computed by another instance" not in text
+    assert "per engine instance" not in text
+
+
 def _children(pid: int) -> list[int]:
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
