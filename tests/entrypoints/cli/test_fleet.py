@@ -26,6 +26,7 @@ import pytest
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
 from vllm.entrypoints.cli.fleet import cross_instance_tokens, route
 from vllm.entrypoints.cli.main import main
+from vllm.entrypoints.cli.report import redact_url
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -164,6 +165,13 @@ def test_fleet_with_redis_passes_and_serves_kv_another_instance_computed(
     assert main(["--fs-root", str(fs_root), "--fs-clear"]) == 0
     assert "removed 2 run directories" in capsys.readouterr().out
     assert list(fs_root.iterdir()) == []
+
+
+def test_a_redis_password_never_reaches_the_report() -> None:
+    assert redact_url("redis://:s3cret@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
+    assert redact_url("rediss://app:s3cret@h:6380") == "rediss://app:***@h:6380"
+    assert redact_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+    assert redact_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
 
 
 def test_one_engine_with_the_redis_tier_instead_of_the_fs_tier(

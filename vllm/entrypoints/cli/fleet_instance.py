@@ -38,7 +38,7 @@ from typing import Any
 
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
 from vllm.entrypoints.cli.options import RunOptions
-from vllm.entrypoints.cli.report import FsTierState, RunResult
+from vllm.entrypoints.cli.report import FsTierState, RunResult, redact_url
 from vllm.entrypoints.cli.run import (
     IDLE_TIMEOUT_S,
     StepSampler,
@@ -113,7 +113,7 @@ class _Instance:
         engine = EngineCore(engine_config(opts, offload, self.instance_id if offload else None))
         result = RunResult(label="offload" if offload else "baseline", offload=offload)
         if offload:
-            result.redis_url = opts.redis_url
+            result.redis_url = None if opts.redis_url is None else redact_url(opts.redis_url)
             if opts.fs_root is not None:
                 result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
         sampler = StepSampler(t0=time.monotonic())

@@ -51,6 +51,18 @@ class Direction(str, enum.Enum):
         }[self]
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (reports are printed and shared)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def secondary_tokens(total: int, by_tier: Mapping[str, int]) -> dict[str, int]:
     """Promoted tokens by ``Tier`` value: the redis tier's, and the fs tier's (the rest).
 

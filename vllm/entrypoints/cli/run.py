@@ -39,6 +39,7 @@ from vllm.entrypoints.cli.report import (
     StepSample,
     Tier,
     TransferFigures,
+    redact_url,
     secondary_tokens,
     token_shares,
 )
@@ -334,8 +335,8 @@ async def serve(
     label = "offload" if offload else "baseline"
     engine = EngineCore(engine_config(opts, offload))
     result = RunResult(label=label, offload=offload, num_requests=workload.num_requests)
-    if offload:
-        result.redis_url = opts.redis_url
+    if offload and opts.redis_url is not None:
+        result.redis_url = redact_url(opts.redis_url)
     if offload and opts.fs_root is not None:
         result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
     sampler = StepSampler(t0=time.monotonic())
@@ -515,7 +516,7 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
         "eviction_policy": opts.eviction_policy,
         "fs_root": None if opts.fs_root is None else str(opts.fs_root),
         "fs_max_bytes": opts.fs_max_bytes,
-        "redis_url": opts.redis_url,
+        "redis_url": None if opts.redis_url is None else redact_url(opts.redis_url),
         "engines": opts.engines,
         "device": opts.device,
         "timeout_s": opts.timeout_s,
