@@ -27,3 +27,23 @@ def test_what_a_stored_b_finds_promotes_bit_exact(
     assert stats["blocks_loaded"] == 6 and stats["server_misses"] == 0
     # A second store of the same blocks by B sends nothing: they are there already.
     assert a.tier.namespace == b.tier.namespace
+
+
+def test_ttl_and_namespace_reach_the_server(
+    tmp_path: Path, server: RedisServer, engines: list[Engine]
+) -> None:
+    a = Engine(tmp_path / "a", server.url, ttl_s=60, namespace="deploy-a")
+    b = Engine(tmp_path / "b", server.url, namespace="deploy-b")
+    engines += [a, b]
+    keys = [key_of(i) for i in range(2)]
+    ctx = ReqContext("w")
+    a.manager.on_new_request(ctx)
+    a.store(keys, ctx)
+    client = server.client()
+    assert a.tier.redis_key(keys[0]).startswith(b"kvo:deploy-a:")
+    assert 0 < client.pttl(a.tier.redis_key(keys[0])) <= 60_000
+    client.close()
+    # Another namespace on the same server sees none of it.
+    reader = ReqContext("r")
+    b.manager.on_new_request(reader)
+    assert b.probe(keys, reader) == [False, False]
