@@ -264,9 +264,12 @@ def _start_fleet(tmp_path: Path, url: str) -> tuple[subprocess.Popen[str], dict[
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
+    # A failed test's cleanup: SIGKILL leaves the instances no chance to unlink their regions.
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        for path in _fleet_regions(proc.pid):
+            path.unlink(missing_ok=True)
 
 
 def _assert_nothing_left(proc: subprocess.Popen[str], children: dict[int, str]) -> None:
@@ -312,4 +315,5 @@ def test_an_instance_killed_mid_run_fails_the_run_and_leaves_nothing(
         _kill(proc)
     assert proc.returncode == 1, err
     assert re.search(r"error: engine \d ended unexpectedly \(exit code -9\)", err), err
+    assert re.search(r"engine \d ended with exit code -9; removed its shared region", err), err
     _assert_nothing_left(proc, children)

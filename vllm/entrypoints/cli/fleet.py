@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import os
 import signal
@@ -61,6 +62,8 @@ from vllm.entrypoints.cli.run import REDIS_TIER_TYPE, ClientLog, serve_clients, 
 from vllm.entrypoints.cli.workloads import Session, Workload
 from vllm.v1.engine.async_llm import GenerateOutput
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0
 """How long an instance gets to shut down after ``exit`` (then SIGTERM) and after SIGTERM (then
@@ -213,6 +216,12 @@ class Fleet:
             path = SharedOffloadRegion.region_path(fleet_instance_id(os.getpid(), instance.index))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+                logger.warning(
+                    "engine %d ended with exit code %s; removed its shared region %s",
+                    instance.index,
+                    process.exitcode,
+                    path,
+                )
 
     async def generate(
         self, session: Session, t: int, prompt: list[int]
