@@ -7,12 +7,12 @@ after round, so that a noisy neighbour slows all of them alike:
 * raw store: pipelined ``SET key row`` of every row, as many per pipeline as a tier job has
   blocks (``--blocks-per-job``), the row passed as a memoryview;
 * tier store: ``RedisSecondaryTier.submit_store`` of every block (jobs of ``--blocks-per-job``),
-  then ``drain_jobs()``; per job one ``EXISTS`` round trip, then ``SET`` rounds of header + row,
-  each with the CRC-32 of the row computed;
+  then ``drain_jobs()``; the queued jobs run in batches, each with one ``EXISTS`` round trip, then
+  ``SET`` rounds of header + row, with the CRC-32C of each row computed;
 * raw load: pipelined ``GET`` of every raw key, pipelines as above (the reply bytes are only
   received);
 * tier load: ``submit_load`` + ``drain_jobs()``: ``GET`` rounds, every value verified (size,
-  header, key, CRC-32) and copied into its primary row; the rows are then compared with what was
+  header, key, CRC-32C) and copied into its primary row; the rows are then compared with what was
   stored.
 
 The server is flushed before each store, so that the tier writes every block. Throughput counts

@@ -203,3 +203,27 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         assert not tier.breaker_open
     finally:
         server.stop()
+
+
+def test_queued_stores_run_as_one_batch_with_outcomes_per_job(
+    tmp_path: Path, server: RedisServer, engines: list[Engine]
+) -> None:
+    engine = Engine(tmp_path / "e", server.url)
+    engines.append(engine)
+    tier, rows = engine.tier, engine.rows
+    assert rows is not None
+    keys = [key_of(i) for i in range(6)]
+    for i, key in enumerate(keys):
+        rows[i] = pattern(key)
+    # Three jobs queued together; one key is in two of them (rows 1 and 6 hold the same block).
+    rows[6] = pattern(keys[1])
+    tier.submit_store(_job(1, keys[:2], [0, 1], load=False))
+    tier.submit_store(_job(2, [keys[2], keys[1]], [2, 6], load=False))
+    tier.submit_store(_job(3, keys[3:6], [3, 4, 5], load=False))
+    assert _collect(engine, {1, 2, 3}) == {1: True, 2: True, 3: True}
+    counters = tier.get_stats().counters
+    assert counters["blocks_stored"] == 6 and counters["store_failures"] == 0
+    rows[7] = 0
+    tier.submit_load(_job(4, keys[1:2], [7], load=True))
+    assert _collect(engine, {4}) == {4: True}
+    assert np.array_equal(rows[7], pattern(keys[1]))

@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "kvo"
 """First component of every key the tier writes."""
 
+STORE_BATCH_BYTES = 64 << 20
+"""Most bytes of queued store jobs the I/O thread takes as one batch (``store_many``)."""
+
 
 class _RedisLookups(AsyncLookupManager):
     """Answers a whole step's lookups with one pipelined round trip of ``EXISTS``.
@@ -372,7 +375,8 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._jobs[job.job_id] = job
 
     def _io_loop(self) -> None:
-        """I/O thread: run queued jobs, loads first; on shutdown fail what is still queued."""
+        """I/O thread: run queued jobs, loads first; queued stores run together (one batch, up
+        to ``STORE_BATCH_BYTES``); on shutdown fail what is still queued."""
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._loads or self._stores or self._stopping)
@@ -383,30 +387,44 @@ class RedisSecondaryTier(SecondaryTierManager):
                     self._stores.clear()
                     self._cond.notify_all()
                     return
-                job = self._loads.popleft() if self._loads else self._stores.popleft()
-                self._running += 1
-            outcome = self._run_job(job)
+                if self._loads:
+                    batch = [self._loads.popleft()]
+                else:
+                    batch = [self._stores.popleft()]
+                    nbytes = len(batch[0].keys) * self.value_bytes
+                    while self._stores:
+                        more = len(self._stores[0].keys) * self.value_bytes
+                        if nbytes + more > STORE_BATCH_BYTES:
+                            break
+                        nbytes += more
+                        batch.append(self._stores.popleft())
+                self._running += len(batch)
+            outcomes = self._run_jobs(batch)
             with self._cond:
-                self._running -= 1
-                if not job.is_promotion:
-                    self._store_bytes_queued -= len(job.keys) * self.value_bytes
-                self._results.append((job, outcome))
+                self._running -= len(batch)
+                for job, outcome in zip(batch, outcomes, strict=True):
+                    if not job.is_promotion:
+                        self._store_bytes_queued -= len(job.keys) * self.value_bytes
+                    self._results.append((job, outcome))
                 self._cond.notify_all()
 
-    def _run_job(self, job: JobMetadata) -> Outcome:
+    def _run_jobs(self, batch: list[JobMetadata]) -> list[Outcome]:
+        """One load job, or a batch of store jobs."""
         if self._breaker.is_open:
-            if not job.is_promotion:
-                self._counters.add(stores_dropped=len(job.keys))
-            return Outcome(False, list(job.keys))
-        block_ids = job.block_ids.tolist()
-        keys = list(job.keys)
+            for job in batch:
+                if not job.is_promotion:
+                    self._counters.add(stores_dropped=len(job.keys))
+            return [Outcome(False, list(job.keys)) for job in batch]
         try:
-            if job.is_promotion:
-                return self.transfer.load(keys, block_ids)
-            return self.transfer.store(keys, block_ids)
+            if batch[0].is_promotion:
+                (job,) = batch
+                return [self.transfer.load(list(job.keys), job.block_ids.tolist())]
+            return self.transfer.store_many([(list(j.keys), j.block_ids.tolist()) for j in batch])
         except Exception:
-            logger.exception("redis tier %s: job %d failed", self._name, job.job_id)
-            return Outcome(False, keys)
+            logger.exception(
+                "redis tier %s: jobs %s failed", self._name, [job.job_id for job in batch]
+            )
+            return [Outcome(False, list(job.keys)) for job in batch]
 
     def _probe(self, groups: list[tuple[list[OffloadKey], ReqContext]]) -> list[list[bool]]:
         """Lookup thread: presence of every key of the step, in one pipelined round trip."""

@@ -136,21 +136,44 @@ class BlockTransfer:
     # -----------------------------------------------------------------------------------------
 
     def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> Outcome:
-        """Write the blocks Redis does not hold yet; True if every block is there afterwards."""
-        blocks = dict(zip(keys, block_ids, strict=True))  # a key may repeat within a job
+        """Write the blocks Redis does not hold yet; success if every block is there afterwards."""
+        return self.store_many([(keys, block_ids)])[0]
+
+    def store_many(
+        self, jobs: Sequence[tuple[Sequence[OffloadKey], Sequence[int]]]
+    ) -> list[Outcome]:
+        """Store several jobs together: one ``EXISTS`` round trip for all their keys, then
+        ``SET`` rounds that may span jobs. Each job still succeeds or fails on its own keys.
+
+        Why together: under load every round trip waits for the server to be scheduled, and
+        stores queue up exactly then; one presence check per batch instead of per job keeps
+        small-block stores close to the raw pipeline's speed.
+        """
+        blocks: dict[OffloadKey, int] = {}  # a key may repeat within and across jobs
+        for keys, block_ids in jobs:
+            for key, block_id in zip(keys, block_ids, strict=True):
+                blocks.setdefault(key, block_id)
+        failed: set[OffloadKey] = set()
         try:
             present = self._exists(list(blocks))
             todo = [
                 (k, b) for (k, b), there in zip(blocks.items(), present, strict=True) if not there
             ]
             self._counters.add(blocks_skipped=len(blocks) - len(todo))
-            for chunk in self._rounds(todo):
-                self._set_round(chunk)
+            rounds = list(self._rounds(todo))
+            for n, chunk in enumerate(rounds):
+                try:
+                    failed.update(self._set_round(chunk))
+                except Exception:
+                    # The server went away: nothing after this round is attempted.
+                    failed.update(k for later in rounds[n:] for k, _ in later)
+                    raise
         except Exception as e:
             self._failed("store", len(blocks), e)
-            self._counters.add(store_failures=1)
-            return Outcome(False)
-        return Outcome(True)
+            failed = set(blocks)
+        outcomes = [Outcome(not any(key in failed for key in keys)) for keys, _ in jobs]
+        self._counters.add(store_failures=sum(not o.success for o in outcomes))
+        return outcomes
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool]:
         rkeys = [self.redis_key(key) for key in keys]
@@ -159,7 +182,9 @@ class BlockTransfer:
         # A failed EXISTS (e.g. its master is down) is "absent": the SET then decides.
         return [not isinstance(r, Exception) and bool(r) for r in replies]
 
-    def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> None:
+    def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
+        """One pipelined round of SETs; returns the keys whose SET failed (OOM, READONLY, a dead
+        master); raises when the whole server is unreachable."""
         rb = self._row_bytes
         rkeys = [self.redis_key(key) for key, _ in chunk]
         px = self._ttl_ms
@@ -175,10 +200,12 @@ class BlockTransfer:
         errors = [r for r in replies if isinstance(r, Exception)]
         stored = len(replies) - len(errors)
         self._counters.add(blocks_stored=stored, bytes_stored=stored * self._value_bytes)
-        if errors:
-            self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
-            self._raise_if_unreachable(replies)
-            raise errors[0]
+        if not errors:
+            return []
+        self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
+        self._raise_if_unreachable(replies)
+        self._failed("store", len(errors), errors[0])
+        return [key for (key, _), r in zip(chunk, replies, strict=True) if isinstance(r, Exception)]
 
     # -----------------------------------------------------------------------------------------
     # Load
