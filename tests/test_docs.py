@@ -12,6 +12,7 @@ from vllm.entrypoints.cli.main import build_parser
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
+from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
@@ -45,6 +46,7 @@ def test_every_config_key_is_in_the_configuration_table() -> None:
     documented = _configuration_keys()
     top = set(OffloadingConfig.allowed_keys())
     fs = set(inspect.signature(FsTierConfig.from_kwargs).parameters)
+    fs |= set(inspect.signature(RedisTierConfig.from_kwargs).parameters)
     example = set(inspect.signature(ExampleSecondaryTierManager.__init__).parameters) - {
         "self",
         "offloading_spec",

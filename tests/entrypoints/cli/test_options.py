@@ -71,6 +71,9 @@ def test_parse_size_rejects(text: str) -> None:
             ["--json", "/nonexistent-dir/x.json"],
             "--json /nonexistent-dir/x.json: directory /nonexistent-dir does not exist: create it",
         ),
+        (["--redis-url", "http://127.0.0.1:6379"], "--redis-url: 'http://127.0.0.1:6379' is not a"),
+        (["--engines", "0"], "--engines: must be >= 1, got 0"),
+        (["--engines", "65"], "--engines: must be <= 64, got 65"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["bench", "--only", "gpu"], "invalid choice: 'gpu'"),
         (["bench", "--timeout", "0"], "--timeout: must be a finite number > 0"),
@@ -262,6 +265,8 @@ _RUN_DEFAULTS: dict[str, object] = {
     "no_progress": False,
     "metrics_port": None,
     "verbose": 0,
+    "redis_url": None,
+    "engines": 1,
 }
 
 
@@ -312,7 +317,14 @@ def test_run_help_lists_every_option_with_its_default(
     ):
         assert note in out
     assert f"(default: {default_fs_root()})" in out
-    for group in ("workload:", "model stand-in and engine:", "CPU tier:", "fs tier:", "output:"):
+    for group in (
+        "workload:",
+        "model stand-in and engine:",
+        "CPU tier:",
+        "fs tier:",
+        "redis tier and fleet:",
+        "output:",
+    ):
         assert f"\n{group}\n" in out
 
 

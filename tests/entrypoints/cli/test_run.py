@@ -94,17 +94,26 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "transfers",
         "verification",
         "fs_tier",
+        "redis_url",
+        "cross_instance_tokens",
         "samples",
     }
     assert run["offload"] is offload
-    tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier"}
+    tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier", "redis_tier"}
     assert set(run["prompt_tokens"]) == {"total", "computed"} | tiers
     assert set(run["hit_rate"]) == tiers
     assert set(run["share"]) == {"computed"} | tiers
     assert all(0.0 <= v <= 1.0 for v in run["hit_rate"].values())
     for name in ("overhead_us_per_step", "worker_overhead_us_per_step", "ttft_ms", "latency_ms"):
         _check_dist(run[name])
-    assert set(run["transfers"]) == {"gpu_to_cpu", "cpu_to_gpu", "cpu_to_fs", "fs_to_cpu"}
+    assert set(run["transfers"]) == {
+        "gpu_to_cpu",
+        "cpu_to_gpu",
+        "cpu_to_fs",
+        "fs_to_cpu",
+        "cpu_to_redis",
+        "redis_to_cpu",
+    }
     for t in run["transfers"].values():
         assert set(t) == {
             "blocks",
@@ -120,6 +129,7 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "blocks_mismatched",
         "corrupt_blocks_detected",
         "failed_loads",
+        "blocks_verified_from_redis",
     }
     for s in run["samples"]:
         assert set(s) == {"t_s", "tokens", "bytes_moved"}
@@ -152,7 +162,8 @@ def test_run_end_to_end_report_json_and_plot(
         assert line in text.out
 
     assert doc["schema_version"] == 1
-    assert set(doc) == {"schema_version", "settings", "runs", "comparison", "verdict"}
+    assert set(doc) == {"schema_version", "settings", "runs", "comparison", "verdict", "fleet"}
+    assert doc["fleet"] is None  # one engine, in this process
     base, off = doc["runs"]["baseline"], doc["runs"]["offload"]
     _check_run_schema(base, offload=False)
     _check_run_schema(off, offload=True)

@@ -34,6 +34,8 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
 
 EVICTION_POLICIES = ("lru", "arc")
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+MAX_ENGINES = 64
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -145,6 +147,8 @@ class RunOptions:
         sliding_window: the hybrid stand-in's window in tokens.
         metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
             (None: no server).
+        redis_url: the redis server of the redis tier (after the fs tier); None: no redis tier.
+        engines: engine instances, each in its own process; > 1 is a fleet (``cli/fleet.py``).
     """
 
     workload: WorkloadConfig
@@ -173,11 +177,18 @@ class RunOptions:
     model_stand_in: str = "standard"
     sliding_window: int = 64
     metrics_port: int | None = None
+    redis_url: str | None = None
+    engines: int = 1
 
     @property
     def num_kv_groups(self) -> int:
         """KV-cache groups of the model stand-in (each block holds one per group)."""
         return 2 if self.model_stand_in == "hybrid" else 1
+
+    @property
+    def fleet(self) -> bool:
+        """Whether the engines run in their own processes (``--engines`` > 1)."""
+        return self.engines > 1
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -406,6 +417,37 @@ def _fs_tier_options() -> tuple[_Option, ...]:
     )
 
 
+def _redis_url(text: str) -> str:
+    scheme = text.partition("://")[0] if "://" in text else ""
+    if scheme not in REDIS_URL_SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
+            "unix:///PATH"
+        )
+    return text
+
+
+def _fleet_options() -> tuple[_Option, ...]:
+    """The shared redis tier and the engine instances that share it."""
+    return (
+        _Option(
+            "--redis-url",
+            "add the redis tier after the fs tier (or instead of it with --no-fs), on this "
+            "server, shared by every engine instance",
+            type=_redis_url,
+            default_text=None,
+            metavar="URL",
+        ),
+        _count(
+            "--engines",
+            1,
+            "engine instances, each in its own process with its own CPU tier, fs directory "
+            "under --fs-root and GPU pool; requests are routed round-robin per turn",
+            maximum=MAX_ENGINES,
+        ),
+    )
+
+
 def _output_options() -> tuple[_Option, ...]:
     """Where the report and plot go, and whether progress bars are drawn."""
     return (
@@ -441,6 +483,7 @@ _RUN_OPTION_GROUPS: tuple[tuple[str, Callable[[], tuple[_Option, ...]]], ...] = 
     ("model stand-in and engine", _engine_options),
     ("CPU tier", _cpu_tier_options),
     ("fs tier", _fs_tier_options),
+    ("redis tier and fleet", _fleet_options),
     ("output", _output_options),
 )
 """The options of ``run``, one argparse group per concern, in ``--help`` order."""
@@ -501,11 +544,14 @@ def _machine_problems(opts: RunOptions) -> list[str]:
         )
     elif not opts.fs_clear:
         # The shared region holds whole rows only.
-        problems.append(checks.shm_problem(opts.cpu_bytes // row_bytes * row_bytes))
+        # Every engine instance has its own region.
+        problems.append(
+            checks.shm_problem(opts.engines * (opts.cpu_bytes // row_bytes * row_bytes))
+        )
     if opts.fs_root is not None:
         problems.append(checks.fs_root_problem(opts.fs_root))
     if opts.fs_max_bytes is not None:
-        from vllm.v1.kv_offload.tiering.fs.block_file import file_size
+        from vllm.v1.kv_offload.tiering.block_format import file_size
 
         problems.append(checks.fs_max_bytes_problem(opts.fs_max_bytes, file_size(row_bytes)))
     if opts.json_path is not None:
@@ -548,6 +594,11 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
+    if args.redis_url is not None:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+        if "redis" not in SecondaryTierFactory.known_tier_types():
+            parser.error("--redis-url: this installation has no redis tier")
     workload = _workload_config(args)
     longest = max_request_tokens(workload)
     blocks_needed = -(-longest // args.block_size)
@@ -584,6 +635,8 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         model_stand_in=args.model_stand_in,
         sliding_window=args.sliding_window,
         metrics_port=args.metrics_port,
+        redis_url=args.redis_url,
+        engines=args.engines,
     )
     problems = _machine_problems(opts)
     if problems:

@@ -58,8 +58,15 @@ def write_plot(path: str | Path, offload: RunResult, baseline: RunResult | None 
     fig, (ax_hit, ax_bytes) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     try:
         times = [s.t_s for s in offload.samples]
-        names = {Tier.GPU: "GPU prefix cache", Tier.CPU: "CPU tier", Tier.FS: "fs tier"}
+        names = {
+            Tier.GPU: "GPU prefix cache",
+            Tier.CPU: "CPU tier",
+            Tier.FS: "fs tier",
+            Tier.REDIS: "redis tier",
+        }
         for tier, series in _cumulative_hit_rates(offload).items():
+            if tier is Tier.REDIS and offload.redis_url is None:
+                continue
             ax_hit.plot(times, [100 * v for v in series], label=f"{names[tier]} (offload)")
         if baseline is not None and baseline.samples:
             base_rates = _cumulative_hit_rates(baseline)[Tier.GPU]
@@ -75,7 +82,10 @@ def write_plot(path: str | Path, offload: RunResult, baseline: RunResult | None 
         ax_hit.legend(loc="best", fontsize="small")
         ax_hit.grid(alpha=0.3)
 
+        redis = (Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU)
         for d in Direction:
+            if d in redis and offload.redis_url is None:
+                continue
             ax_bytes.plot(
                 times,
                 [s.bytes_moved.get(d.value, 0) / 2**20 for s in offload.samples],

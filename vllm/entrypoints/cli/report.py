@@ -25,6 +25,7 @@ class Tier(str, enum.Enum):
     GPU = "gpu_prefix_cache"
     CPU = "cpu_tier"
     FS = "fs_tier"
+    REDIS = "redis_tier"
 
 
 class Direction(str, enum.Enum):
@@ -34,6 +35,8 @@ class Direction(str, enum.Enum):
     CPU_TO_GPU = "cpu_to_gpu"
     CPU_TO_FS = "cpu_to_fs"
     FS_TO_CPU = "fs_to_cpu"
+    CPU_TO_REDIS = "cpu_to_redis"
+    REDIS_TO_CPU = "redis_to_cpu"
 
     @property
     def label(self) -> str:
@@ -43,7 +46,49 @@ class Direction(str, enum.Enum):
             Direction.CPU_TO_GPU: "CPU -> GPU (load)",
             Direction.CPU_TO_FS: "CPU -> fs (store)",
             Direction.FS_TO_CPU: "fs -> CPU (promote)",
+            Direction.CPU_TO_REDIS: "CPU -> redis (store)",
+            Direction.REDIS_TO_CPU: "redis->CPU (promote)",  # 20 columns: the table's
         }[self]
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (reports are printed and shared)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def secondary_tokens(total: int, by_tier: Mapping[str, int]) -> dict[str, int]:
+    """Promoted tokens by ``Tier`` value: the redis tier's, and the fs tier's (the rest).
+
+    Args:
+        total: ``EngineStats.tokens_from_secondary``.
+        by_tier: ``EngineStats.tokens_from_tier`` (by registered tier type).
+
+    Tokens whose tier the manager did not name count as the fs tier's, so that the two add up
+    to ``total`` (the accounting invariant).
+    """
+    redis = by_tier.get("redis", 0)
+    return {Tier.FS.value: total - redis, Tier.REDIS.value: redis}
+
+
+def token_shares(tokens: Mapping[str, int]) -> dict[str, float]:
+    """The progress line's shares (computed, GPU, CPU, fs, redis) of cumulative ``tokens``."""
+    total = sum(tokens.values())
+    if not total:
+        return {}
+    counts = {"computed": tokens.get("computed", 0)} | {
+        name: tokens.get(t.value, 0)
+        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
+    }
+    if tokens.get(Tier.REDIS.value):
+        counts["redis"] = tokens[Tier.REDIS.value]
+    return {name: n / total for name, n in counts.items()}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -196,7 +241,7 @@ class RunResult:
 
     Token accounting: every prompt token the scheduler placed (counted again when a preempted
     request is scheduled anew) is either computed by the model or served from exactly one of the
-    GPU prefix cache, the CPU tier or the fs tier, so
+    GPU prefix cache, the CPU tier, the fs tier or the redis tier, so
     ``computed + sum(served.values()) == prompt_tokens``.
 
     Attributes:
@@ -224,7 +269,13 @@ class RunResult:
         blocks_mismatched: such blocks whose bytes differed (never served: recomputed).
         corrupt_blocks_detected: blocks the fs tier found corrupt on disk (discarded, recomputed).
         failed_loads: blocks of load or promotion jobs that failed for any reason.
+        blocks_verified_from_redis: of ``blocks_verified``, GPU blocks of blocks promoted from
+            the redis tier.
         fs: the fs tier's state (None without an fs tier).
+        redis_url: the redis tier's server (None without a redis tier).
+        cross_instance_tokens: in a fleet, prompt tokens served from KV that another instance
+            of the fleet computed and stored in the shared (redis) tier during this run; None
+            outside a fleet.
         outputs: output token ids per request id, to compare runs.
         samples: one sample per engine step, for the plot.
     """
@@ -252,7 +303,10 @@ class RunResult:
     blocks_mismatched: int = 0
     corrupt_blocks_detected: int = 0
     failed_loads: int = 0
+    blocks_verified_from_redis: int = 0
     fs: FsTierState | None = None
+    redis_url: str | None = None
+    cross_instance_tokens: int | None = None
     outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     samples: list[StepSample] = field(default_factory=list)
 
@@ -307,8 +361,11 @@ class RunResult:
                 "blocks_mismatched": self.blocks_mismatched,
                 "corrupt_blocks_detected": self.corrupt_blocks_detected,
                 "failed_loads": self.failed_loads,
+                "blocks_verified_from_redis": self.blocks_verified_from_redis,
             },
             "fs_tier": None if self.fs is None else self.fs.to_json(),
+            "redis_url": self.redis_url,
+            "cross_instance_tokens": self.cross_instance_tokens,
             "samples": [s.to_json() for s in self.samples],
         }
 
@@ -365,8 +422,9 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
         )
     served_correctly = not reasons
     if offload.corrupt_blocks_detected:
+        where = "on disk or in redis" if offload.redis_url is not None else "on disk"
         reasons.append(
-            f"{offload.corrupt_blocks_detected} corrupt block(s) detected on disk "
+            f"{offload.corrupt_blocks_detected} corrupt block(s) detected {where} "
             "(discarded and recomputed, never served)"
         )
     storage_intact = offload.corrupt_blocks_detected == 0
@@ -397,7 +455,7 @@ def no_savings_reason(report: Report) -> str | None:
     if report.prefill_tokens_saved > 0:
         return None
     b, o = report.baseline, report.offload
-    from_tiers = o.served[Tier.CPU] + o.served[Tier.FS]
+    from_tiers = o.served[Tier.CPU] + o.served[Tier.FS] + o.served[Tier.REDIS]
     if o.transfers[Direction.GPU_TO_CPU].blocks == 0:
         block = report.settings.get("offload_block_size")
         return (
@@ -410,25 +468,60 @@ def no_savings_reason(report: Report) -> str | None:
             f"after it was evicted: {_suggest_smaller_pool(report.settings)}"
         )
     return (
-        f"the CPU and fs tiers served {from_tiers:,} tokens, but the baseline's GPU prefix cache "
+        f"the {'CPU, fs and redis' if o.redis_url else 'CPU and fs'} tiers served "
+        f"{from_tiers:,} tokens, but the baseline's GPU prefix cache "
         f"served {b.served[Tier.GPU]:,} to this run's {o.served[Tier.GPU]:,} (the two runs "
         "interleave requests differently)"
     )
 
 
 @dataclass
+class InstanceResult:
+    """One engine instance of a fleet: its share of both runs (same requests, same router).
+
+    Attributes:
+        index: the instance's number (0-based).
+        baseline: what it measured in the no-offload run.
+        offload: what it measured in the offloaded run.
+    """
+
+    index: int
+    baseline: RunResult
+    offload: RunResult
+
+    @property
+    def verdict(self) -> Verdict:
+        """The instance's own verdict (its loaded blocks, its outputs against its baseline)."""
+        return judge(self.baseline, self.offload)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the instance (its runs' figures, without samples, and verdict)."""
+        runs = {}
+        for run in (self.baseline, self.offload):
+            doc = run.to_json()
+            del doc["samples"]
+            runs[run.label] = doc
+        return {"index": self.index, "runs": runs, "verdict": self.verdict.to_json()}
+
+
+@dataclass
 class Report:
     """Both runs of one invocation, with the settings that produced them.
+
+    In a fleet (``--engines`` > 1) ``baseline`` and ``offload`` are the sums over the instances
+    and ``instances`` holds each one's figures.
 
     Attributes:
         settings: the options of the run (JSON-serialisable values), echoed in the report.
         baseline: the no-offload run.
         offload: the offloaded run.
+        instances: the fleet's instances (empty with one engine in this process).
     """
 
     settings: dict[str, Any]
     baseline: RunResult
     offload: RunResult
+    instances: list[InstanceResult] = field(default_factory=list)
 
     @property
     def prefill_tokens_saved(self) -> int:
@@ -437,8 +530,19 @@ class Report:
 
     @property
     def verdict(self) -> Verdict:
-        """The verdict of the offloaded run."""
-        return judge(self.baseline, self.offload)
+        """The verdict of the offloaded run (in a fleet: of every instance, and of the whole)."""
+        verdict = judge(self.baseline, self.offload)
+        failed = [i for i in self.instances if not i.verdict.passed]
+        if not failed:
+            return verdict
+        names = ", ".join(str(i.index) for i in failed)
+        return Verdict(
+            passed=False,
+            served_correctly=verdict.served_correctly
+            and all(i.verdict.served_correctly for i in failed),
+            storage_intact=verdict.storage_intact and all(i.verdict.storage_intact for i in failed),
+            reasons=(*verdict.reasons, f"instance(s) {names} failed their own verdict"),
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document of the report."""
@@ -459,6 +563,15 @@ class Report:
                 "no_savings_reason": self.no_savings_reason,
             },
             "verdict": self.verdict.to_json(),
+            "fleet": (
+                {
+                    "engines": len(self.instances),
+                    "router": "round-robin per turn",
+                    "instances": [i.to_json() for i in self.instances],
+                }
+                if self.instances
+                else None
+            ),
         }
 
     @property

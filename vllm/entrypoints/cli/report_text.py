@@ -33,7 +33,13 @@ PROG = "vllm-kv-offload"
 
 _LABEL = 32
 _CELL = 22
-_TIER_LABELS = {Tier.GPU: "GPU prefix cache", Tier.CPU: "CPU tier", Tier.FS: "fs tier"}
+_TIER_LABELS = {
+    Tier.GPU: "GPU prefix cache",
+    Tier.CPU: "CPU tier",
+    Tier.FS: "fs tier",
+    Tier.REDIS: "redis tier",
+}
+_REDIS_DIRECTIONS = (Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU)
 
 
 def format_bytes(n: float) -> str:
@@ -114,11 +120,26 @@ def render_header(
     else:
         max_bytes = s.get("fs_max_bytes")
         bound = f"up to {format_bytes(max_bytes)}" if max_bytes is not None else "unbounded"
+        engines = s.get("engines", 1)
+        if isinstance(engines, int) and engines > 1:
+            # Each instance has its own directory, and the bound is each one's.
+            bound, root = f"{bound} each", os.path.join(root, "engine-<i>")
         line = f"  fs tier:  {bound} in {show_path(root, home)}"
         if len(line) > WIDTH:  # a long path goes whole on its own line
             lines += [f"  fs tier:  {bound} in", f"    {show_path(root, home)}"]
         else:
             lines.append(line)
+    url = s.get("redis_url")
+    if url is not None:
+        lines += _wrap(f"redis tier: {url}, shared by every engine instance", hanging=4)
+    engines = s.get("engines", 1)
+    if isinstance(engines, int) and engines > 1:
+        lines += _wrap(
+            f"fleet: {engines} engine instances, one process each, each with its own GPU "
+            "pool, CPU tier and fs directory; requests routed round-robin per turn (a "
+            "session moves between instances)",
+            hanging=4,
+        )
     return lines
 
 
@@ -158,6 +179,7 @@ def render_body(report: Report, home: str | None = None) -> Iterator[str]:
     yield ""
     yield from _transfers(report.offload)
     yield from _disk(report, home)
+    yield from _instances(report)
     yield ""
     yield from _verdict(report)
 
@@ -173,7 +195,8 @@ def _side_by_side(report: Report) -> Iterable[str]:
     )
     yield _row("prompt tokens", f"{b.prompt_tokens:,}", f"{o.prompt_tokens:,}")
     yield _row("  computed", _tokens_cell(b, b.computed_tokens), _tokens_cell(o, o.computed_tokens))
-    for tier in Tier:
+    tiers = [t for t in Tier if t is not Tier.REDIS or o.redis_url is not None]
+    for tier in tiers:
         yield _row(
             f"  served from {_TIER_LABELS[tier]}",
             _tokens_cell(b, b.served[tier], b.offload or tier is Tier.GPU),
@@ -181,13 +204,25 @@ def _side_by_side(report: Report) -> Iterable[str]:
                 o, o.served[tier], o.offload and (tier is not Tier.FS or o.fs is not None)
             ),
         )
-    for tier in Tier:
+        if tier is Tier.REDIS and o.cross_instance_tokens is not None:
+            # A part of the redis tier's tokens: the fleet's point (see the note below).
+            yield _row(
+                "    computed by another instance", "-", _tokens_cell(o, o.cross_instance_tokens)
+            )
+    for tier in tiers:
         yield _row(
             f"hit rate, {_TIER_LABELS[tier]}",
             _pct(b.hit_rate(tier)) if (b.offload or tier is Tier.GPU) else "-",
             _pct(o.hit_rate(tier)) if (tier is not Tier.FS or o.fs is not None) else "-",
         )
     yield "    (hit rate: served / reached the tier, i.e. missed the faster tiers)"
+    if o.cross_instance_tokens is not None and o.redis_url is not None:
+        yield from _wrap(
+            "(computed by another instance: served from KV another instance of the fleet "
+            "computed and stored in the redis tier during this run: cross-instance reuse)",
+            indent=4,
+            hanging=1,
+        )
     yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
     yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
     yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
@@ -232,6 +267,8 @@ def _transfers(o: RunResult) -> Iterable[str]:
     yield _transfer_row("", "blocks", "bytes", "busy", "throughput", "average")
     notes: list[str] = []
     for d in Direction:
+        if d in _REDIS_DIRECTIONS and o.redis_url is None:
+            continue
         t = o.transfers[d]
         tp = t.throughput()
         avg = t.bytes / o.wall_s if o.wall_s > 0 else 0.0
@@ -270,14 +307,50 @@ def _disk(report: Report, home: str | None) -> Iterable[str]:
     )
 
 
+# engine, requests, prompt tokens, computed, redis tier, another's, verdict:
+# 2 + 6 + 12 + 14 + 13 + 13 + 12 + 8 = 80 columns.
+_INSTANCE_COLUMNS = (6, 12, 14, 13, 13, 12, 8)
+
+
+def _instance_row(*cells: str) -> str:
+    return "  " + "".join(f"{c:>{w}}" for c, w in zip(cells, _INSTANCE_COLUMNS, strict=True))
+
+
+def _instances(report: Report) -> Iterable[str]:
+    if not report.instances:
+        return
+    yield ""
+    yield "  per engine instance (offload run; verdict: its own checks and outputs)"
+    yield _instance_row(
+        "engine", "requests", "prompt tokens", "computed", "redis tier", "another's", "verdict"
+    )
+    for inst in report.instances:
+        o = inst.offload
+        yield _instance_row(
+            str(inst.index),
+            f"{o.num_finished:,}/{o.num_requests:,}",
+            f"{o.prompt_tokens:,}",
+            f"{o.computed_tokens:,}",
+            f"{o.served[Tier.REDIS]:,}" if o.redis_url is not None else "-",
+            f"{o.cross_instance_tokens or 0:,}" if o.redis_url is not None else "-",
+            "PASS" if inst.verdict.passed else "FAIL",
+        )
+    yield "    (another's: tokens served from KV another instance computed)"
+
+
 def _verdict(report: Report) -> Iterable[str]:
     b, o = report.baseline, report.offload
     verdict = report.verdict
     differing = compare_outputs(b.outputs, o.outputs)
     yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
+    from_redis = (
+        f" ({o.blocks_verified_from_redis:,} of them promoted from the redis tier)"
+        if o.redis_url is not None
+        else ""
+    )
     yield from _wrap(
-        f"{o.blocks_verified:,} loaded blocks checked bit-exact against recomputation, "
-        f"{o.blocks_mismatched:,} differed",
+        f"{o.blocks_verified:,} loaded blocks checked bit-exact against recomputation"
+        f"{from_redis}, {o.blocks_mismatched:,} differed",
         indent=4,
     )
     yield from _wrap(
@@ -288,7 +361,8 @@ def _verdict(report: Report) -> Iterable[str]:
     )
     yield from _wrap(
         f"storage integrity: {'PASS' if verdict.storage_intact else 'FAIL'} - "
-        f"{o.corrupt_blocks_detected:,} corrupt block(s) detected on disk"
+        f"{o.corrupt_blocks_detected:,} corrupt block(s) detected "
+        + ("on disk or in redis" if o.redis_url is not None else "on disk")
         + (" (discarded and recomputed, never served)" if o.corrupt_blocks_detected else "")
     )
     for reason in verdict.reasons:

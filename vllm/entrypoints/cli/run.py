@@ -8,8 +8,12 @@ engine's counters after every step for the plot. Once the last output arrived, t
 until every transfer (including cascades to the fs tier) finished, so the next invocation over
 the same fs root starts warm with everything this one stored.
 
-Both runs share one event loop, run by ``interrupt.run_interruptible``: a Ctrl-C cancels the main
-task, whose ``async with`` blocks shut the engines down, and the command ends with one line.
+Both runs share one event loop, run by ``interrupt.run_interruptible``: a Ctrl-C (or SIGTERM)
+cancels the main task, whose ``async with`` blocks shut the engines down, and the command ends
+with one line.
+
+With ``--engines N`` > 1 the engines run in N processes of their own and the clients' requests
+are routed to them; ``cli/fleet.py`` does that, with this module's pieces.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -35,6 +39,9 @@ from vllm.entrypoints.cli.report import (
     StepSample,
     Tier,
     TransferFigures,
+    redact_url,
+    secondary_tokens,
+    token_shares,
 )
 from vllm.entrypoints.cli.report_text import (
     format_bytes,
@@ -43,7 +50,7 @@ from vllm.entrypoints.cli.report_text import (
     render_header,
 )
 from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload, max_request_tokens
-from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.async_llm import AsyncLLM, GenerateOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.model import ModelStandIn, hybrid_stand_in
@@ -57,10 +64,37 @@ SCAN_TIMEOUT_S = 120.0
 """Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
 FS_TIER_TYPE = "fs"
 """Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
+REDIS_TIER_TYPE = "redis"
+"""Registered type name of the redis tier."""
 PROGRESS_TICK_S = 1.0
 """How often the progress line's timer looks at the clock (lines come every few seconds)."""
 
 _GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
+# Per secondary tier: its type name, its directions (store, promote), the name of its counter
+# of blocks stored, and those of its failed blocks per direction (the redis tier counts failed
+# jobs apart: blocks it dropped at once, or found gone or invalid, are its per-block figures).
+_SECONDARY = (
+    (
+        FS_TIER_TYPE,
+        Direction.CPU_TO_FS,
+        Direction.FS_TO_CPU,
+        "blocks_written",
+        ("store_failures",),
+        ("load_failures", "corrupt_removed"),
+    ),
+    (
+        REDIS_TIER_TYPE,
+        Direction.CPU_TO_REDIS,
+        Direction.REDIS_TO_CPU,
+        "blocks_stored",
+        ("stores_dropped",),
+        ("server_misses", "corrupt_removed"),
+    ),
+)
+
+GenerateFn = Callable[[Session, int, list[int]], AsyncIterator[GenerateOutput]]
+"""Sends turn ``t`` of a session with its prompt and streams the outputs (an engine, or a
+fleet's router)."""
 
 
 def extra_config(opts: RunOptions) -> dict[str, Any]:
@@ -70,24 +104,37 @@ def extra_config(opts: RunOptions) -> dict[str, Any]:
         "eviction_policy": opts.eviction_policy,
         "block_size": opts.offload_block_size,
     }
-    if opts.fs_root is None:
+    if opts.fs_root is None and opts.redis_url is None:
         cfg["spec_name"] = "CPUOffloadingSpec"
         return cfg
     cfg["spec_name"] = "TieringOffloadingSpec"
-    tier: dict[str, Any] = {
-        "type": FS_TIER_TYPE,
-        "root_dir": str(opts.fs_root),
-        "n_read_threads": opts.fs_read_threads,
-        "n_write_threads": opts.fs_write_threads,
-    }
-    if opts.fs_max_bytes is not None:
-        tier["max_bytes"] = opts.fs_max_bytes
-    cfg["secondary_tiers"] = [tier]
+    tiers: list[dict[str, Any]] = []
+    if opts.fs_root is not None:
+        tier: dict[str, Any] = {
+            "type": FS_TIER_TYPE,
+            "root_dir": str(opts.fs_root),
+            "n_read_threads": opts.fs_read_threads,
+            "n_write_threads": opts.fs_write_threads,
+        }
+        if opts.fs_max_bytes is not None:
+            tier["max_bytes"] = opts.fs_max_bytes
+        tiers.append(tier)
+    if opts.redis_url is not None:
+        # After the fs tier: lookups ask the local disk before the network.
+        tiers.append({"type": REDIS_TIER_TYPE, "url": opts.redis_url})
+    cfg["secondary_tiers"] = tiers
     return cfg
 
 
-def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
-    """The engine settings of one run (identical for both runs but for the connector)."""
+def engine_config(opts: RunOptions, offload: bool, instance_id: str | None = None) -> EngineConfig:
+    """The engine settings of one run (identical for both runs but for the connector).
+
+    Args:
+        opts: the run's options.
+        offload: with the offloading connector.
+        instance_id: names the CPU tier's shared region (default: unique per process).
+    """
+    extra: dict[str, Any] = {} if instance_id is None else {"instance_id": instance_id}
     block_sizes: tuple[int, ...] = (opts.block_size,)
     windows: tuple[int | None, ...] = ()
     if ModelStandIn(opts.model_stand_in) is ModelStandIn.HYBRID:
@@ -107,12 +154,15 @@ def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
         kv_connector_extra_config=extra_config(opts) if offload else None,
         device=opts.device,
         async_scheduling=opts.async_scheduling,
+        # A fleet tells KV another instance computed from an instance's own.
+        record_block_origins=opts.fleet,
+        **extra,
     )
 
 
-def fs_tier_stats(engine: EngineCore) -> TierStats | None:
-    """The engine's fs tier's report (``EngineCore.tier_stats``), if its connector has one."""
-    return next((s for s in engine.tier_stats() if s.tier_type == FS_TIER_TYPE), None)
+def fs_tier_stats(engine: EngineCore, tier_type: str = FS_TIER_TYPE) -> TierStats | None:
+    """The report of the engine's tier ``tier_type`` (``EngineCore.tier_stats``), if any."""
+    return next((s for s in engine.tier_stats() if s.tier_type == tier_type), None)
 
 
 @dataclass
@@ -133,8 +183,8 @@ class StepSampler:
     samples: list[StepSample] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     worker_overhead_us: list[float] = field(default_factory=list)
-    _fs_written: int = 0
-    _fs_loaded: int = 0
+    # Per secondary tier type: (blocks written, blocks loaded) at the previous sample.
+    _tier_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __call__(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
         stats = engine.stats
@@ -145,14 +195,16 @@ class StepSampler:
                 direction = _GPU_DIRECTIONS.get(name)
                 if direction is not None:
                     moved[direction.value] += n
-        fs = fs_tier_stats(engine)  # its counters give the CPU <-> fs bytes
-        if fs is not None:
-            counters = fs.counters
-            row_bytes = fs.block_bytes
-            written, loaded = counters.get("blocks_written", 0), counters.get("blocks_loaded", 0)
-            moved[Direction.CPU_TO_FS.value] = (written - self._fs_written) * row_bytes
-            moved[Direction.FS_TO_CPU.value] = (loaded - self._fs_loaded) * row_bytes
-            self._fs_written, self._fs_loaded = written, loaded
+        for tier in engine.tier_stats():  # their counters give the CPU <-> tier bytes
+            for tier_type, store, promote, stored_counter, _, _ in _SECONDARY:
+                if tier.tier_type != tier_type:
+                    continue
+                c = tier.counters
+                written, loaded = c.get(stored_counter, 0), c.get("blocks_loaded", 0)
+                last_written, last_loaded = self._tier_blocks.get(tier_type, (0, 0))
+                moved[store.value] = (written - last_written) * tier.block_bytes
+                moved[promote.value] = (loaded - last_loaded) * tier.block_bytes
+                self._tier_blocks[tier_type] = (written, loaded)
         busy = record is not None and record.num_scheduled_tokens > 0
         if not busy and not any(moved.values()) and not outputs:
             return
@@ -166,7 +218,7 @@ class StepSampler:
                     "computed": stats.prompt_tokens_computed,
                     Tier.GPU.value: stats.tokens_from_gpu_cache,
                     Tier.CPU.value: stats.tokens_from_cpu,
-                    Tier.FS.value: stats.tokens_from_secondary,
+                    **secondary_tokens(stats.tokens_from_secondary, stats.tokens_from_tier),
                 },
                 bytes_moved=moved,
             )
@@ -177,27 +229,31 @@ def _token_shares(sampler: StepSampler) -> dict[str, float]:
     # The engine thread appends samples; reading the last one from the loop is a snapshot.
     if not sampler.samples:
         return {}
-    tokens = sampler.samples[-1].tokens
-    total = sum(tokens.values())
-    if not total:
-        return {}
-    counts = {"computed": tokens.get("computed", 0)} | {
-        name: tokens.get(t.value, 0)
-        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
-    }
-    return {name: n / total for name, n in counts.items()}
+    return token_shares(sampler.samples[-1].tokens)
 
 
 @dataclass
-class _ClientLog:
+class ClientLog:
+    """What the clients saw: outputs and timings per request (ms), the time of the last output."""
+
     outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     last_output_time: float = 0.0
+    timings_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def engine_generate(llm: AsyncLLM) -> GenerateFn:
+    """The ``GenerateFn`` of one engine in this process."""
+
+    def generate(session: Session, t: int, prompt: list[int]) -> AsyncIterator[GenerateOutput]:
+        return llm.generate(session.request_id(t), prompt, session.turns[t].max_tokens)
+
+    return generate
 
 
 async def _run_session(
-    llm: AsyncLLM, session: Session, log: _ClientLog, on_done: Callable[[], None]
+    generate: GenerateFn, session: Session, log: ClientLog, on_done: Callable[[], None]
 ) -> None:
     history: list[int] = list(session.prefix)
     for t, turn in enumerate(session.turns):
@@ -208,7 +264,7 @@ async def _run_session(
         start = time.monotonic()
         first: float | None = None
         output: tuple[int, ...] = ()
-        async for out in llm.generate(req_id, prompt, turn.max_tokens):
+        async for out in generate(session, t, prompt):
             if first is None and out.new_token_ids:
                 first = time.monotonic()
             output = out.output_token_ids
@@ -216,6 +272,7 @@ async def _run_session(
         log.outputs[req_id] = output
         log.ttft_ms.append(((first or end) - start) * 1e3)
         log.latency_ms.append((end - start) * 1e3)
+        log.timings_ms[req_id] = (log.ttft_ms[-1], log.latency_ms[-1])
         log.last_output_time = max(log.last_output_time, end)
         if session.keeps_history:
             history = [*prompt, *output]
@@ -223,23 +280,24 @@ async def _run_session(
 
 
 async def _run_client(
-    llm: AsyncLLM, sessions: list[Session], log: _ClientLog, on_done: Callable[[], None]
+    generate: GenerateFn, sessions: list[Session], log: ClientLog, on_done: Callable[[], None]
 ) -> None:
     for session in sessions:
-        await _run_session(llm, session, log, on_done)
+        await _run_session(generate, session, log, on_done)
 
 
-async def _tick(progress: Progress) -> None:
+async def tick(progress: Progress) -> None:
+    """Let the progress line come while no request finishes (cancelled by the caller)."""
     # A timer, not a synchronisation: lets the progress line come while no request finishes.
     while True:
         await asyncio.sleep(PROGRESS_TICK_S)
         progress.tick()
 
 
-async def _serve_clients(
-    llm: AsyncLLM,
+async def serve_clients(
+    generate: GenerateFn,
     workload: Workload,
-    log: _ClientLog,
+    log: ClientLog,
     on_done: Callable[[], None],
     timeout_s: float | None,
 ) -> bool:
@@ -250,7 +308,7 @@ async def _serve_clients(
     goes unretrieved.
     """
     clients = [
-        asyncio.ensure_future(_run_client(llm, workload.sessions_of_client(c), log, on_done))
+        asyncio.ensure_future(_run_client(generate, workload.sessions_of_client(c), log, on_done))
         for c in sorted({s.client for s in workload.sessions})
     ]
     try:
@@ -286,10 +344,12 @@ async def serve(
     label = "offload" if offload else "baseline"
     engine = EngineCore(engine_config(opts, offload))
     result = RunResult(label=label, offload=offload, num_requests=workload.num_requests)
+    if offload and opts.redis_url is not None:
+        result.redis_url = redact_url(opts.redis_url)
     if offload and opts.fs_root is not None:
         result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
     sampler = StepSampler(t0=time.monotonic())
-    log = _ClientLog()
+    log = ClientLog()
     done = 0
 
     callback = sampler if exporter is None else exporter.attach(engine, label, sampler)
@@ -308,10 +368,12 @@ async def serve(
                 done += 1
                 progress.update(done, _token_shares(sampler))
 
-            ticker = asyncio.ensure_future(_tick(progress))
+            ticker = asyncio.ensure_future(tick(progress))
             try:
                 t0 = sampler.t0 = time.monotonic()
-                if not await _serve_clients(llm, workload, log, on_done, opts.timeout_s):
+                if not await serve_clients(
+                    engine_generate(llm), workload, log, on_done, opts.timeout_s
+                ):
                     raise RuntimeError(
                         f"{label} run: {done} of {workload.num_requests} requests finished within "
                         f"the --timeout of {opts.timeout_s:g} s"
@@ -355,22 +417,18 @@ def _fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
 class _Snapshot:
     engine_stats: Any
     connector: dict[str, int | float]
-    fs_counters: dict[str, int]
-    fs_blocks: int
-    fs_bytes: int
-    fs_file_bytes: int
+    tiers: dict[str, TierStats]
+    stored_keys: frozenset[bytes]
 
 
 def _snapshot(engine: EngineCore) -> _Snapshot:
     # Engine thread: copy everything the report needs before the engine shuts down.
-    fs = fs_tier_stats(engine)
+    stored = engine.connector.connector_scheduler.stored_keys if engine.connector else None
     return _Snapshot(
         engine_stats=engine.stats,
         connector=dict(engine.connector_stats()),
-        fs_counters=dict(fs.counters) if fs is not None else {},
-        fs_blocks=fs.num_blocks if fs is not None else 0,
-        fs_bytes=fs.used_bytes if fs is not None else 0,
-        fs_file_bytes=fs.block_bytes if fs is not None else 0,
+        tiers={t.tier_type: t for t in engine.tier_stats()},
+        stored_keys=frozenset(stored or ()),
     )
 
 
@@ -379,21 +437,26 @@ def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
     result.num_finished = s.requests_finished - s.requests_aborted
     result.prompt_tokens = s.prompt_tokens
     result.computed_tokens = s.prompt_tokens_computed
+    secondary = secondary_tokens(s.tokens_from_secondary, s.tokens_from_tier)
     result.served = {
         Tier.GPU: s.tokens_from_gpu_cache,
         Tier.CPU: s.tokens_from_cpu,
-        Tier.FS: s.tokens_from_secondary,
+        **{t: secondary[t.value] for t in (Tier.FS, Tier.REDIS)},
     }
     # Tiers are consulted in order: a tier only sees the tokens every faster tier missed.
+    past_cpu = s.prompt_tokens - s.tokens_from_gpu_cache - s.tokens_from_cpu
+    has_fs = result.offload and opts.fs_root is not None
     result.lookup_tokens = {
         Tier.GPU: s.prompt_tokens,
         Tier.CPU: s.prompt_tokens - s.tokens_from_gpu_cache if result.offload else 0,
-        Tier.FS: (
-            s.prompt_tokens - s.tokens_from_gpu_cache - s.tokens_from_cpu
-            if result.offload and opts.fs_root is not None
+        Tier.FS: past_cpu if has_fs else 0,
+        Tier.REDIS: (
+            past_cpu - result.served[Tier.FS]
+            if result.offload and opts.redis_url is not None
             else 0
         ),
     }
+    result.blocks_verified_from_redis = s.blocks_verified_by_tier.get(REDIS_TIER_TYPE, 0)
     result.output_tokens = s.output_tokens
     result.steps = s.steps - s.idle_steps
     result.preemptions = s.preemptions
@@ -410,24 +473,29 @@ def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
             busy_s=float(c.get(f"transfer.{name}.seconds", 0.0)),
             failed_blocks=int(c.get(failed_key, 0)),
         )
-    fs = snap.fs_counters
-    if result.fs is not None:
-        result.transfers[Direction.CPU_TO_FS] = TransferFigures(
-            blocks=fs.get("blocks_written", 0),
-            bytes=fs.get("blocks_written", 0) * snap.fs_file_bytes,
-            busy_s=fs.get("store_busy_us", 0) / 1e6,
-            failed_blocks=fs.get("store_failures", 0),
-            skipped_blocks=fs.get("blocks_skipped", 0),
+    for tier_type, store, promote, stored_counter, store_failed, load_failed in _SECONDARY:
+        tier = snap.tiers.get(tier_type)
+        if tier is None:
+            continue
+        tc = tier.counters
+        timed = "store_busy_us" in tc  # the redis tier does not time its I/O
+        result.transfers[store] = TransferFigures(
+            blocks=tc.get(stored_counter, 0),
+            bytes=tc.get(stored_counter, 0) * tier.block_bytes,
+            busy_s=tc.get("store_busy_us", 0) / 1e6 if timed else None,
+            failed_blocks=sum(tc.get(name, 0) for name in store_failed),
+            skipped_blocks=tc.get("blocks_skipped", 0),
         )
-        result.transfers[Direction.FS_TO_CPU] = TransferFigures(
-            blocks=fs.get("blocks_loaded", 0),
-            bytes=fs.get("blocks_loaded", 0) * snap.fs_file_bytes,
-            busy_s=fs.get("load_busy_us", 0) / 1e6,
-            failed_blocks=fs.get("load_failures", 0) + fs.get("corrupt_removed", 0),
+        result.transfers[promote] = TransferFigures(
+            blocks=tc.get("blocks_loaded", 0),
+            bytes=tc.get("blocks_loaded", 0) * tier.block_bytes,
+            busy_s=tc.get("load_busy_us", 0) / 1e6 if timed else None,
+            failed_blocks=sum(tc.get(name, 0) for name in load_failed),
         )
-        result.corrupt_blocks_detected = fs.get("corrupt_removed", 0)
-        result.fs.files_at_end = snap.fs_blocks
-        result.fs.bytes_at_end = snap.fs_bytes
+        result.corrupt_blocks_detected += tc.get("corrupt_removed", 0)
+        if tier_type == FS_TIER_TYPE and result.fs is not None:
+            result.fs.files_at_end = tier.num_blocks
+            result.fs.bytes_at_end = tier.used_bytes
 
 
 def settings_of(opts: RunOptions) -> dict[str, Any]:
@@ -460,6 +528,8 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
         "eviction_policy": opts.eviction_policy,
         "fs_root": None if opts.fs_root is None else str(opts.fs_root),
         "fs_max_bytes": opts.fs_max_bytes,
+        "redis_url": None if opts.redis_url is None else redact_url(opts.redis_url),
+        "engines": opts.engines,
         "device": opts.device,
         "timeout_s": opts.timeout_s,
         "async_scheduling": opts.async_scheduling,
@@ -478,6 +548,12 @@ def _write(stream: TextIO, lines: list[str]) -> None:
 async def _serve_both(
     opts: RunOptions, workload: Workload, out: TextIO, exporter: MetricsExporter | None = None
 ) -> Report:
+    if opts.fleet:
+        from vllm.entrypoints.cli.fleet import serve_fleet
+
+        return await serve_fleet(
+            opts, workload, settings_of(opts), lambda fs: _write(out, render_fs_start(fs))
+        )
     baseline = await serve(opts, workload, offload=False, exporter=exporter)
     offload = await serve(
         opts,
@@ -527,6 +603,8 @@ def run_command(opts: RunOptions) -> int:
     try:
         if opts.metrics_port is not None:
             exporter = MetricsExporter(opts.metrics_port)
+        # SIGINT and SIGTERM (INTERRUPT_SIGNALS): a fleet's processes, shared regions and fs files
+        # are cleaned up alike.
         report = run_interruptible(_serve_both(opts, workload, out, exporter))
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")

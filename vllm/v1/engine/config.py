@@ -62,6 +62,9 @@ class EngineConfig:
         async_scheduling: schedule step N+1 before step N's output is applied, with one step
             in flight (vLLM's async scheduling); outputs are identical, completions arrive one
             step later.
+        record_block_origins: track which offloaded blocks this engine stored itself, and count
+            promoted tokens of blocks it had not (``EngineStats.served_not_stored_here``); costs
+            memory per block stored, for reports of KV shared between instances.
     """
 
     gpu_block_sizes: tuple[int, ...] = (16,)
@@ -87,6 +90,7 @@ class EngineConfig:
     record_steps: bool = True
     async_scheduling: bool = False
     sliding_windows: tuple[int | None, ...] = ()
+    record_block_origins: bool = False
 
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):

@@ -148,6 +148,9 @@ class EngineCore(ClosingContextManager):
                     KVConnectorRole.SCHEDULER,
                     hash_block_size=self._hash_block_size,
                 )
+                if config.record_block_origins:
+                    self.connector.connector_scheduler.stored_keys = set()
+                    self.stats.served_not_stored_here = {}
             for rank in range(config.tensor_parallel_size):
                 self.workers.append(Worker(config, rank, self.spec))
         except BaseException:

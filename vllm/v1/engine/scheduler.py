@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -36,10 +36,11 @@ from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import PromotedBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
-from vllm.v1.engine.stats import EngineStats
+from vllm.v1.engine.stats import SECONDARY, EngineStats
 from vllm.v1.request import Request, RequestStatus
 
 __all__ = ["BlockVerifier", "ModelRunnerOutput", "RequestOutput", "Scheduler"]
@@ -113,8 +114,8 @@ class Scheduler:
         # GPU blocks (per group) whose load failed on some rank, until their request's load is
         # reported by every rank.
         self._invalid_blocks: dict[int, set[int]] = {}
-        # Tokens of a finished load that were promoted from a secondary tier, by request.
-        self._promoted_tokens: dict[str, int] = {}
+        # Blocks of a finished load that were promoted from a secondary tier, by request.
+        self._promoted: dict[str, tuple[PromotedBlock, ...]] = {}
         # Scheduler-side connector time of the current step.
         self.step_connector_seconds = 0.0
 
@@ -460,7 +461,7 @@ class Scheduler:
     def _account_loads(self) -> None:
         assert self.connector is not None
         for result in self.connector.take_load_results():
-            self._promoted_tokens[result.req_id] = result.num_promoted_tokens
+            self._promoted[result.req_id] = result.promoted_blocks
             self.stats.load_jobs_finished += 1
             if not result.success:
                 self.stats.load_jobs_failed += 1
@@ -469,7 +470,7 @@ class Scheduler:
         """A request's load was reported by every worker: make it schedulable (or free it)."""
         pending = self._pending_loads.pop(req_id, None)
         aborted = self._free_after_load.pop(req_id, None)
-        promoted = self._promoted_tokens.pop(req_id, 0)
+        promoted = self._promoted.pop(req_id, ())
         kv = self.kv_cache_manager
         holder = aborted or self.requests.get(req_id)
         assert holder is not None and pending is not None, f"unexpected finished load of {req_id}"
@@ -504,6 +505,7 @@ class Scheduler:
                 },
                 min(valid_tokens, request.num_tokens - 1),
             )
+            self._count_verified_promoted(promoted, valid_tokens)
             mismatched = self.block_verifier(request, checkable, valid_tokens)
             num_checked = sum(len(p) for p in checkable.values())
             self.stats.blocks_loaded_verified += num_checked
@@ -527,9 +529,45 @@ class Scheduler:
         self._loaded.add(req_id)
         self.stats.tokens_load_failed += end - valid_tokens
         served = max(num_computed - num_local, 0)
-        from_secondary = min(promoted, served)
+        from_secondary = self._account_promoted(promoted, num_local, num_computed)
         self.stats.tokens_from_secondary += from_secondary
         self.stats.tokens_from_cpu += served - from_secondary
+
+    def _account_promoted(
+        self, promoted: Sequence[PromotedBlock], num_local: int, num_computed: int
+    ) -> int:
+        """Attribute the served tokens of promoted blocks to their tiers; return their sum.
+
+        Only tokens in ``[num_local, num_computed)`` were served (the rest failed, did not
+        verify, or is the last prompt token, which is always recomputed).
+        """
+        stats = self.stats
+        total = 0
+        for block in promoted:
+            n = max(0, min(block.end_token, num_computed) - max(block.start_token, num_local))
+            if not n:
+                continue
+            total += n
+            tier = block.tier or SECONDARY
+            stats.tokens_from_tier[tier] = stats.tokens_from_tier.get(tier, 0) + n
+            origins = stats.served_not_stored_here
+            if origins is not None and block.stored_here is False:
+                origins[(tier, block.key)] = origins.get((tier, block.key), 0) + n
+        return total
+
+    def _count_verified_promoted(self, promoted: Sequence[PromotedBlock], end: int) -> None:
+        # The GPU blocks of promoted offloaded blocks below ``end`` are checked with the rest
+        # of the load: count them per tier, so a report can show that they were.
+        by_tier = self.stats.blocks_verified_by_tier
+        for block in promoted:
+            hi = min(block.end_token, end)
+            n = sum(
+                len(range(-(-block.start_token // bs) * bs, hi, bs))
+                for bs in self.kv_cache_manager.block_sizes
+            )
+            if n:
+                tier = block.tier or SECONDARY
+                by_tier[tier] = by_tier.get(tier, 0) + n
 
     def _free_request(self, request: Request, delay_free: bool = False) -> None:
         """Tell the connector, then free the request's GPU blocks (unless a load writes them)."""

@@ -497,6 +497,15 @@ class OffloadingManager(ABC):
     def reset_cache(self) -> None:  # noqa: B027
         """Drop every offloaded block and reset internal state. Default: no-op."""
 
+    def promotion_source(self, key: OffloadKey) -> str | None:
+        """The type name of the tier ``key`` is being promoted from, while it is.
+
+        Asked by the connector when ``lookup`` answered None for a key it is not storing, so
+        that served tokens can be attributed to the tier they came from. Default: None (the
+        manager has no secondary tiers, or does not tell).
+        """
+        return None
+
     def get_stats(self) -> Mapping[str, int | float] | None:
         """Return a snapshot of the manager's counters, or None if it keeps none. Default: None.
 

@@ -128,6 +128,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._request_level_tiers: dict[str, tuple[int, ...]] = {}
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
+        # key -> index of the tier it is being promoted from, from lookup until the tier reports
+        # the load (for promotion_source).
+        self._promoting: dict[OffloadKey, int] = {}
         # Counters for get_stats().
         self._cascades_submitted = 0
         self._promotions_submitted = 0
@@ -207,6 +210,8 @@ class TieringOffloadingManager(OffloadingManager):
         if not success:
             self._jobs_failed += 1
         if job.is_promotion:
+            for key in job.keys:
+                self._promoting.pop(key, None)
             # Success makes the rows readable; failure frees them (never serve a partial row).
             self._primary.complete_write(job.keys, job.req_context, success)
         else:
@@ -276,6 +281,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._get_req_state(req_id).queued_promotions += 1
         entry.keys.append(key)
         entry.block_ids.append(int(output.store_spec.block_ids[0]))
+        self._promoting[key] = tier_idx
         return True
 
     def _flush_pending_promotions(self) -> None:
@@ -357,6 +363,11 @@ class TieringOffloadingManager(OffloadingManager):
             if tier_result is None:
                 any_pending = True
         return None if any_pending else False
+
+    @override
+    def promotion_source(self, key: OffloadKey) -> str | None:
+        tier_idx = self._promoting.get(key)
+        return None if tier_idx is None else self._tiers[tier_idx].tier_type
 
     @override
     def prepare_load(
@@ -494,6 +505,7 @@ class TieringOffloadingManager(OffloadingManager):
         for tier_idx in range(len(self._tiers)):
             self._pending_promotions[tier_idx] = {}
         self._num_queued_promotion_batches = 0
+        self._promoting.clear()
         req_states, self._req_state = self._req_state, {}
         for req_id, state in req_states.items():
             if state.finished_req_context is not None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import block_io
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
 
 from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, resolve_lookups, store
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, BlockFileCorrupt
 from vllm.v1.kv_offload.tiering.fs import block_io
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE, BlockFileCorrupt
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     HOST_TAG,
     HeaderBuffers,

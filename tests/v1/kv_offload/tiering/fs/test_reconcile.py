@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import slots as slots_module
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory

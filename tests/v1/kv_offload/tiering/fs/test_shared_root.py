@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 
 from .conftest import make_spec
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.tiering.fs.block_file import (
+from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
     decode_header,
@@ -377,7 +377,7 @@ def read_block_file(
             )
         except BlockFileCorrupt as e:
             raise BlockFileCorrupt(e.reason, file_id) from None
-        if payload_checksum(payload) != checksum:
+        if not checksum.matches(payload):
             raise BlockFileCorrupt("payload checksum mismatch", file_id)
     finally:
         os.close(fd)

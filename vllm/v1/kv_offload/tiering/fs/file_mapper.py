@@ -44,7 +44,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
     make_offload_key,
 )
-from vllm.v1.kv_offload.tiering.fs.block_file import FORMAT_VERSION
+from vllm.v1.kv_offload.tiering.block_format import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec

@@ -56,7 +56,7 @@ from vllm.v1.kv_offload.base import (
     TierStats,
 )
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
-from vllm.v1.kv_offload.tiering.fs.block_file import file_size
+from vllm.v1.kv_offload.tiering.block_format import file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper, run_fields_from_spec

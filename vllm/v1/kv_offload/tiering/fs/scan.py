@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileCorrupt, file_size
+from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
     is_stale_tmp_file,

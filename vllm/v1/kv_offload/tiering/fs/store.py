@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.fs.block_file import MAX_KEY_BYTES, BlockFileCorrupt, file_size
+from vllm.v1.kv_offload.tiering.block_format import MAX_KEY_BYTES, BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     HeaderBuffers,
     open_block_dir,
@@ -139,7 +139,7 @@ class BlockStore:
 
         Layout: ``row`` is one primary row, a 1-D C-contiguous byte view of ``row_bytes`` bytes
         (page-aligned when O_DIRECT is on), read only. The file is ``HEADER_SIZE`` header bytes
-        followed by ``row`` verbatim (``block_file``).
+        followed by ``row`` verbatim (``tiering.block_format``).
 
         Returns:
             True if the file exists afterwards (written, already present, or being written by

@@ -32,6 +32,27 @@ from vllm.v1.request import Request
 
 
 @dataclass(frozen=True, slots=True)
+class PromotedBlock:
+    """An offloaded block of a finished load that was promoted from a secondary tier for it.
+
+    Attributes:
+        start_token, end_token: the tokens of the load that the block holds.
+        tier: type name of the tier it was promoted from (e.g. ``"redis"``); None when the
+            manager could not tell.
+        key: the key that was promoted (of the first KV-cache group that was).
+        stored_here: whether this connector had stored the key itself (from the GPU) before the
+            load finished; None when the connector does not track its stores
+            (``OffloadingConnectorScheduler.stored_keys``).
+    """
+
+    start_token: int
+    end_token: int
+    tier: str | None
+    key: OffloadKey
+    stored_here: bool | None
+
+
+@dataclass(frozen=True, slots=True)
 class LoadResult:
     """Outcome of a finished load job, as reported by ``update_connector_output``.
 
@@ -42,6 +63,8 @@ class LoadResult:
         num_promoted_tokens: of those, tokens of blocks this request's lookups found being
             promoted from a secondary tier (rather than being stored by this connector).
         success: every worker loaded every block.
+        promoted_blocks: the promoted blocks, by which the engine attributes served tokens to
+            the tier they came from.
     """
 
     req_id: ReqId
@@ -49,6 +72,7 @@ class LoadResult:
     num_tokens: int
     num_promoted_tokens: int
     success: bool
+    promoted_blocks: tuple[PromotedBlock, ...] = ()
 
 
 @dataclass(eq=False)
@@ -71,7 +95,8 @@ class RequestOffloadState:
         expect_fresh_alloc: set by a lookup; the next ``update_state_after_alloc`` is a (re)start
             whose block list replaces the previous one.
         promoted_keys: keys whose lookup said "not readable yet" while no store job of this
-            connector was writing them: they were being promoted from a secondary tier.
+            connector was writing them: they were being promoted from a secondary tier, with
+            the tier's type name when the manager told it (``promotion_source``).
         transfer_jobs: ids of the request's jobs in flight.
         finished: ``request_finished`` was called.
     """
@@ -84,7 +109,7 @@ class RequestOffloadState:
     next_stored_block_idx: int = 0
     num_locally_computed_tokens: int = 0
     expect_fresh_alloc: bool = False
-    promoted_keys: set[OffloadKey] = field(default_factory=set)
+    promoted_keys: dict[OffloadKey, str | None] = field(default_factory=dict)
     transfer_jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
 
@@ -135,11 +160,30 @@ class RequestOffloadState:
             firsts.append(indices[0] if indices else 0)
         return GPULoadStoreSpec(flat, sizes, firsts), refs
 
-    def finish_load(self, job: TransferJobStatus, offloaded_block_size: int) -> LoadResult:
+    def note_promoted(self, key: OffloadKey, tier: str | None) -> None:
+        """Remember that ``key`` is being promoted for this request (from ``tier`` if known).
+
+        A lookup may answer "not readable yet" before the tier's probe came back (no tier
+        known yet) and again once the promotion started: a known tier is never forgotten.
+        """
+        if tier is not None or key not in self.promoted_keys:
+            self.promoted_keys[key] = tier
+
+    def finish_load(
+        self,
+        job: TransferJobStatus,
+        offloaded_block_size: int,
+        stored_keys: set[OffloadKey] | None = None,
+    ) -> LoadResult:
         """The outcome of the request's load ``job``, every worker having reported it.
 
         Forgets ``promoted_keys``: they concern this load only (a request loads at most once
         per (re)start).
+
+        Args:
+            job: the finished load job.
+            offloaded_block_size: tokens per offloaded block.
+            stored_keys: the keys this connector stored so far, when it tracks them.
         """
         block_size = offloaded_block_size
         start_tok, end_tok = job.token_range
@@ -148,10 +192,22 @@ class RequestOffloadState:
         num_blocks = -(-end_tok // block_size) - first
         promoted = self.promoted_keys
         promoted_tokens = 0
+        blocks: list[PromotedBlock] = []
         for i in range(first, first + num_blocks):
-            if any(keys[i] in promoted for keys in self.offload_keys):
-                promoted_tokens += min((i + 1) * block_size, end_tok) - max(
-                    i * block_size, start_tok
-                )
+            # The first group whose key of block i was promoted (an SWA group may not be).
+            key = next((keys[i] for keys in self.offload_keys if keys[i] in promoted), None)
+            if key is None:
+                continue
+            lo, hi = max(i * block_size, start_tok), min((i + 1) * block_size, end_tok)
+            promoted_tokens += hi - lo
+            stored_here = None if stored_keys is None else key in stored_keys
+            blocks.append(PromotedBlock(lo, hi, promoted[key], key, stored_here))
         promoted.clear()
-        return LoadResult(job.req_id, num_blocks, end_tok - start_tok, promoted_tokens, job.success)
+        return LoadResult(
+            job.req_id,
+            num_blocks,
+            end_tok - start_tok,
+            promoted_tokens,
+            job.success,
+            tuple(blocks),
+        )

@@ -148,6 +148,10 @@ class OffloadingConnectorScheduler:
 
         # Results of update_connector_output, drained by take_load_results().
         self._load_results: list[LoadResult] = []
+        # Keys this connector stored from the GPU, when tracked (None: not tracked; it grows
+        # with every block stored, so only reports that need it turn it on, e.g. a fleet run
+        # telling cross-instance reuse from an instance's own).
+        self.stored_keys: set[OffloadKey] | None = None
 
     # -----------------------------------------------------------------------------------------
     # Helpers
@@ -179,12 +183,13 @@ class OffloadingConnectorScheduler:
         ctx = state.req_context
         lookup = self.manager.lookup
         is_being_stored = self._jobs.is_being_stored
-        promoted = state.promoted_keys
+        note_promoted = state.note_promoted
+        promotion_source = self.manager.promotion_source
 
         def lookup_key(key: OffloadKey) -> bool | None:
             result = lookup(key, ctx)
             if result is None and not is_being_stored(key):
-                promoted.add(key)
+                note_promoted(key, promotion_source(key))
             return result
 
         return lookup_key
@@ -490,6 +495,8 @@ class OffloadingConnectorScheduler:
         metrics = self._metrics
         if job.is_store:
             self._metrics.timed(self.manager.complete_store, job.keys, state.req_context, success)
+            if success and self.stored_keys is not None:
+                self.stored_keys.update(job.keys)
             if not success:
                 metrics.failed_store_jobs += 1
                 metrics.failed_store_blocks += len(job.keys)
@@ -497,7 +504,9 @@ class OffloadingConnectorScheduler:
                 metrics.stored_blocks += len(job.keys)
         else:
             metrics.timed(self.manager.complete_load, job.keys, state.req_context)
-            self._load_results.append(state.finish_load(job, self.offloaded_block_size))
+            self._load_results.append(
+                state.finish_load(job, self.offloaded_block_size, self.stored_keys)
+            )
             if not success:
                 metrics.failed_load_jobs += 1
                 metrics.failed_load_blocks += len(job.keys)
