@@ -256,7 +256,9 @@ def _start_fleet(tmp_path: Path, url: str) -> tuple[subprocess.Popen[str], dict[
         # The two instances, and multiprocessing's resource tracker.
         children = {pid: _cmdline(pid) for pid in _children(proc.pid)}
         assert len([c for c in children.values() if "spawn_main" in c]) == 2, children
-        assert len(_fleet_regions(proc.pid)) == 2
+        # Each instance's scheduler side and worker joined its region while the engine was
+        # built, so the names are already gone: even a SIGKILL from here on leaves nothing.
+        assert not _fleet_regions(proc.pid)
     except BaseException:
         _kill(proc)
         raise
@@ -299,7 +301,8 @@ def test_an_interrupt_ends_every_instance_cleanly(
     finally:
         _kill(proc)
     assert proc.returncode == exit_code, err
-    assert [line for line in err.splitlines() if line.strip()] == ["vllm-kv-offload: interrupted"]
+    word = "terminated" if signum == signal.SIGTERM else "interrupted"
+    assert [line for line in err.splitlines() if line.strip()] == [f"vllm-kv-offload: {word}"]
     _assert_nothing_left(proc, children)
 
 
@@ -315,5 +318,4 @@ def test_an_instance_killed_mid_run_fails_the_run_and_leaves_nothing(
         _kill(proc)
     assert proc.returncode == 1, err
     assert re.search(r"error: engine \d ended unexpectedly \(exit code -9\)", err), err
-    assert re.search(r"engine \d ended with exit code -9; removed its shared region", err), err
     _assert_nothing_left(proc, children)

@@ -211,7 +211,8 @@ class Fleet:
         asyncio.get_running_loop().remove_reader(instance.conn.fileno())
         instance.conn.close()
         if process.exitcode != 0:
-            # Killed (or crashed) before it could unlink its shared region: this process knows
+            # The region's name is normally gone already (removed once its scheduler side and
+            # worker joined); this covers an instance killed before that: this process knows
             # the name, so nothing is left in /dev/shm either way.
             path = SharedOffloadRegion.region_path(fleet_instance_id(os.getpid(), instance.index))
             with contextlib.suppress(FileNotFoundError):
