@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import gc
 import logging
 import mmap
@@ -20,6 +21,13 @@ import numpy as np
 import pytest
 import torch
 
+from vllm.v1.kv_offload.cpu import (
+    process_identity,
+    region_prefault,
+    region_publish,
+    region_sweep,
+    region_trailer,
+)
 from vllm.v1.kv_offload.cpu import shared_offload_region as sor
 from vllm.v1.kv_offload.cpu.shared_offload_region import (
     ProcessIdentity,
@@ -204,13 +212,13 @@ def test_creator_publishes_only_a_complete_file(
     def link(src: str, dst: str) -> None:
         with open(src, "rb") as f:
             data = f.read()
-        seen.append((os.path.exists(dst), len(data), data[-sor._TRAILER.size :][:8]))
+        seen.append((os.path.exists(dst), len(data), data[-region_trailer.TRAILER.size :][:8]))
         real_link(src, dst)
 
-    monkeypatch.setattr(sor.os, "link", link)
+    monkeypatch.setattr(region_publish.os, "link", link)
     with _region(tmp_path) as region:
         assert region.is_creator
-        assert seen == [(False, region.file_bytes, sor._MAGIC)]
+        assert seen == [(False, region.file_bytes, region_trailer.MAGIC)]
         # The temporary name is gone; only the region's name is left.
         assert _files(tmp_path) == ["vllm_offload_inst.mmap"]
 
@@ -221,17 +229,17 @@ def test_joiner_recreates_after_creator_gave_up(
     """A joiner that opened the name just before the creator removed it starts over."""
     creator = _region(tmp_path)
     joiner_locking = threading.Event()
-    real_flock = sor.fcntl.flock
+    real_flock = region_publish.fcntl.flock
 
     def flock(fd: int, operation: int) -> None:
-        if threading.current_thread().name == "joiner" and operation == sor.fcntl.LOCK_EX:
+        if threading.current_thread().name == "joiner" and operation == fcntl.LOCK_EX:
             joiner_locking.set()
         real_flock(fd, operation)
 
-    monkeypatch.setattr(sor.fcntl, "flock", flock)
+    monkeypatch.setattr(region_publish.fcntl, "flock", flock)
     # Hold the file's lock as a creator does while it removes the name in cleanup().
     fd = os.open(creator.path, os.O_RDONLY)
-    real_flock(fd, sor.fcntl.LOCK_EX)
+    real_flock(fd, fcntl.LOCK_EX)
     result: dict[str, Any] = {}
 
     def join() -> None:
@@ -341,7 +349,7 @@ def _dead_pid() -> int:
 
 def _identity(kind: str) -> ProcessIdentity:
     """A creator identity: alive (this process), or dead in one of the ways a creator can be."""
-    me = sor.current_identity()
+    me = process_identity.current_identity()
     if kind == "alive":
         return me
     if kind == "dead pid":
@@ -360,7 +368,7 @@ def _plant(
 ) -> str:
     """Leave a region behind as its creator would if killed before every participant joined."""
     with monkeypatch.context() as m:
-        m.setattr(sor, "current_identity", lambda: creator)
+        m.setattr(region_publish, "current_identity", lambda: creator)
         region = _region(tmp_path, **kwargs)
     assert region.is_creator
     region._owner_pid = -1  # as if SIGKILLed: the mapping goes, the file stays
@@ -375,7 +383,7 @@ def test_region_of_a_dead_creator_is_swept_at_the_next_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
 ) -> None:
     path = _plant(tmp_path, monkeypatch, _identity(kind), instance_id="crashed")
-    with caplog.at_level(logging.WARNING, logger=sor.__name__), _region(tmp_path):
+    with caplog.at_level(logging.WARNING, logger=region_sweep.__name__), _region(tmp_path):
         assert not os.path.exists(path)
         assert _files(tmp_path) == ["vllm_offload_inst.mmap"]
     assert "removed 1 shared region file(s) of dead processes" in caplog.text
@@ -403,7 +411,7 @@ def test_a_joiner_of_a_stale_region_gets_a_clear_error(
     creator = _identity("dead pid")
     path = _plant(tmp_path, monkeypatch, creator, rank=None)
     # The creator died after this joiner's sweep: the joiner finds the stale region itself.
-    monkeypatch.setattr(sor, "sweep_stale_regions", lambda directory: [])
+    monkeypatch.setattr(region_publish, "sweep_stale_regions", lambda directory: [])
     with pytest.raises(
         SharedRegionError,
         match=rf"{path!r} is stale: its creator \(pid {creator.pid}, started at tick "
@@ -421,7 +429,7 @@ def test_sweep_leaves_what_it_cannot_judge(tmp_path: Path, monkeypatch: pytest.M
     # A live process holds the lock of the dead creator's file (it is joining it right now).
     fd = os.open(locked, os.O_RDONLY)
     try:
-        sor.fcntl.flock(fd, sor.fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         with _region(tmp_path, instance_id="live", rank=0):  # sweeps, finds nothing to remove
             assert sorted(_files(tmp_path)) == sorted(
                 [
@@ -435,7 +443,7 @@ def test_sweep_leaves_what_it_cannot_judge(tmp_path: Path, monkeypatch: pytest.M
     finally:
         os.close(fd)
     # Unlocked, the dead creator's file goes; the rest stays.
-    assert sor.sweep_stale_regions(tmp_path) == [locked]
+    assert region_sweep.sweep_stale_regions(tmp_path) == [locked]
     assert sorted(_files(tmp_path)) == sorted(
         [os.path.basename(foreign), "vllm_offload_legacy.mmap", "unrelated.mmap"]
     )
@@ -443,25 +451,25 @@ def test_sweep_leaves_what_it_cannot_judge(tmp_path: Path, monkeypatch: pytest.M
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 def test_sweep_removes_unpublished_files_of_dead_creators(tmp_path: Path) -> None:
-    me = sor.current_identity()
+    me = process_identity.current_identity()
     dead = tmp_path / f"vllm_offload_creating-{_dead_pid()}-1-0a1b.tmp"
     reused = tmp_path / f"vllm_offload_creating-{me.pid}-{me.start_ticks + 1}-0a1b.tmp"
     ours = tmp_path / f"vllm_offload_creating-{me.pid}-{me.start_ticks}-0a1b.tmp"
     for path in (dead, reused, ours):
         path.write_bytes(b"")
-    assert sorted(sor.sweep_stale_regions(tmp_path)) == sorted([str(dead), str(reused)])
+    assert sorted(region_sweep.sweep_stale_regions(tmp_path)) == sorted([str(dead), str(reused)])
     assert _files(tmp_path) == [ours.name]
 
 
 def test_process_identity_of_this_process() -> None:
-    me = sor.current_identity()
+    me = process_identity.current_identity()
     assert me.pid == os.getpid()
-    assert sor.process_is_alive(me) is True
+    assert process_identity.process_is_alive(me) is True
     if os.path.isdir("/proc/self"):
         assert me.start_ticks > 0 and me.pidns > 0
-        assert sor.process_is_alive(_identity("pid reused")) is False
-        assert sor.process_is_alive(_identity("dead pid")) is False
-        assert sor.process_is_alive(_identity("other pid namespace")) is None
+        assert process_identity.process_is_alive(_identity("pid reused")) is False
+        assert process_identity.process_is_alive(_identity("dead pid")) is False
+        assert process_identity.process_is_alive(_identity("other pid namespace")) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,7 +478,10 @@ def test_process_identity_of_this_process() -> None:
 
 
 def test_insufficient_space_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sor.os, "statvfs", lambda _path: SimpleNamespace(f_bavail=3, f_frsize=PAGE))
+    def statvfs(_path: str) -> SimpleNamespace:
+        return SimpleNamespace(f_bavail=3, f_frsize=PAGE)
+
+    monkeypatch.setattr(region_publish.os, "statvfs", statvfs)
     with pytest.raises(OSError) as info:
         _region(tmp_path)
     assert info.value.errno == errno.ENOSPC
@@ -485,17 +496,17 @@ def test_ftruncate_failure_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Mo
     def failing_ftruncate(fd: int, length: int) -> None:
         raise OSError(errno.EFBIG, "simulated ftruncate failure")
 
-    monkeypatch.setattr(sor.os, "ftruncate", failing_ftruncate)
+    monkeypatch.setattr(region_publish.os, "ftruncate", failing_ftruncate)
     with pytest.raises(OSError, match="simulated ftruncate failure"):
         _region(tmp_path)
     assert _files(tmp_path) == []
 
 
 def test_prefault_failure_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_prefault(self: SharedOffloadRegion) -> None:
+    def failing_prefault(*args: Any) -> None:
         raise OSError(errno.EFAULT, "simulated pre-fault failure")
 
-    monkeypatch.setattr(SharedOffloadRegion, "_prefault", failing_prefault)
+    monkeypatch.setattr(region_prefault, "prefault", failing_prefault)
     with pytest.raises(OSError, match="simulated pre-fault failure"):
         _region(tmp_path)
     assert _files(tmp_path) == []
@@ -553,9 +564,9 @@ def test_prefault_preserves_peer_bytes(
         expected = rows.copy()
         if madvise == "unsupported":
             # An advice value the kernel rejects with EINVAL: the fallback must take over.
-            monkeypatch.setattr(sor, "_MADV_POPULATE_WRITE", 0x7FFF)
+            monkeypatch.setattr(region_prefault, "MADV_POPULATE_WRITE", 0x7FFF)
         elif madvise == "absent":
-            monkeypatch.setattr(sor, "_MADV_POPULATE_WRITE", None)
+            monkeypatch.setattr(region_prefault, "MADV_POPULATE_WRITE", None)
         with _region(tmp_path, num_blocks=5, rank=rank, prefault=True) as peer:
             assert not peer.is_creator
         assert np.array_equal(rows, expected)
@@ -571,13 +582,11 @@ class _MadviseFails:
 
 def test_prefault_other_madvise_errors_raise(tmp_path: Path) -> None:
     with _region(tmp_path, prefault=False) as region:
-        real = region._mm
-        region._mm = _MadviseFails()  # type: ignore[assignment]
-        try:
-            with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
-                region._madvise_populate(0, region.row_bytes)
-        finally:
-            region._mm = real
+        mm: Any = _MadviseFails()
+        with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
+            region_prefault._madvise_populate(
+                mm, region._geometry, 0, region.row_bytes, region.path, str(tmp_path)
+            )
 
 
 # ---------------------------------------------------------------------------------------------

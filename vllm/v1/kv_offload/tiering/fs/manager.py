@@ -42,8 +42,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -58,10 +57,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.block_format import file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
+from vllm.v1.kv_offload.tiering.fs.block_jobs import JobRecord, block_tasks
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper, run_fields_from_spec
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, IndexSnapshot
-from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool, IoTask
+from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
 from vllm.v1.kv_offload.tiering.fs.lookup import FsLookupManager
 from vllm.v1.kv_offload.tiering.fs.reconcile import Reconciler
 from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
@@ -76,46 +76,6 @@ logger = logging.getLogger(__name__)
 
 STORAGE_MEDIUM = "STORAGE"
 """Medium name of the filesystem tier in ``OffloadingEvent.medium``."""
-
-
-@dataclass(slots=True)
-class _JobRecord:
-    """A submitted job until reported; ``failed_keys`` is appended to by I/O threads."""
-
-    is_promotion: bool
-    failed_keys: list[OffloadKey] = field(default_factory=list)
-
-
-class _BlockTask(IoTask):
-    """Moves one block between primary row ``block_id`` and ``key``'s file."""
-
-    __slots__ = ("_block_id", "_key", "_record", "_tier")
-
-    def __init__(
-        self, tier: FileSystemSecondaryTier, record: _JobRecord, key: OffloadKey, block_id: int
-    ) -> None:
-        self._tier = tier
-        self._record = record
-        self._key = key
-        self._block_id = block_id
-
-    @override
-    def run(self) -> bool:
-        ok = False
-        try:
-            ok = self._tier._run_block(self._key, self._block_id, self._record.is_promotion)
-        finally:
-            if self._record.is_promotion:
-                self._tier._index.unpin((self._key,))
-            if not ok:
-                self._record.failed_keys.append(self._key)
-        return ok
-
-    @override
-    def cancel(self) -> None:
-        if self._record.is_promotion:
-            self._tier._index.unpin((self._key,))
-        self._record.failed_keys.append(self._key)
 
 
 class FileSystemSecondaryTier(SecondaryTierManager):
@@ -244,7 +204,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             slots=self._slots,
         )
         # Scheduler thread only.
-        self._jobs: dict[int, _JobRecord] = {}
+        self._jobs: dict[int, JobRecord] = {}
         self._closed = False
         self._pool = DualQueueThreadPool(
             config.n_read_threads, config.n_write_threads, f"vllm_fs_tier_{tier_type}"
@@ -510,7 +470,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
     # Internals
     # -----------------------------------------------------------------------------------------
 
-    def _new_record(self, job: JobMetadata) -> _JobRecord:
+    def _new_record(self, job: JobMetadata) -> JobRecord:
         assert job.job_id not in self._jobs, f"fs tier: job {job.job_id} submitted twice"
         if len(job.block_ids):
             lo, hi = int(job.block_ids.min()), int(job.block_ids.max())
@@ -518,13 +478,10 @@ class FileSystemSecondaryTier(SecondaryTierManager):
                 f"fs tier: job {job.job_id} names primary rows [{lo}, {hi}] outside "
                 f"[0, {self._num_rows})"
             )
-        return _JobRecord(is_promotion=job.is_promotion)
+        return JobRecord(is_promotion=job.is_promotion)
 
-    def _submit(self, job: JobMetadata, record: _JobRecord, *, is_load: bool) -> None:
-        tasks: Sequence[IoTask] = [
-            _BlockTask(self, record, key, block_id)
-            for key, block_id in zip(job.keys, job.block_ids.tolist(), strict=True)
-        ]
+    def _submit(self, job: JobMetadata, record: JobRecord, *, is_load: bool) -> None:
+        tasks = block_tasks(job, record, self._run_block, self._index)
         self._jobs[job.job_id] = record
         try:
             self._pool.submit(job.job_id, tasks, is_load=is_load)

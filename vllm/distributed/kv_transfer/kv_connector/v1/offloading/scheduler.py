@@ -26,7 +26,8 @@ reported, even if the request is aborted.
 
 The books of the jobs in flight (ids, worker reports, the fence index, the jobs issued before a
 ``reset_cache``) are kept by a ``jobs.TransferJobTable``, the statistics by a
-``metrics.OffloadingSchedulerMetrics``.
+``metrics.OffloadingSchedulerMetrics``; which requests and GPU blocks a step's store jobs cover is
+computed by ``store_jobs``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state impor
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.stats_collector import (
     SchedulerStatsCollector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.store_jobs import (
+    offloadable_end,
+    store_candidates,
+    store_gpu_indices,
 )
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
 from vllm.v1.kv_cache_interface import NULL_BLOCK_ID
@@ -365,30 +371,21 @@ class OffloadingConnectorScheduler:
         return jobs_to_flush
 
     def _build_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[JobId, TransferJob]:
+        """Offer the step's requests' newly full blocks to ``prepare_store``; a store job per
+        request with keys to store (see ``store_jobs``)."""
         store_jobs: dict[JobId, TransferJob] = {}
-        block_size = self.offloaded_block_size
-        scheduled: list[tuple[str, int]] = [
-            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
-        ]
-        cached = scheduler_output.scheduled_cached_reqs
-        scheduled.extend(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id in self._deferred_store_reqs - scheduler_output.num_scheduled_tokens.keys():
-            retry = self._req_status.get(req_id)
-            if retry is not None and not retry.finished and any(retry.block_ids):
-                scheduled.append((req_id, retry.req.num_computed_tokens))
+        candidates = store_candidates(scheduler_output, self._deferred_store_reqs, self._req_status)
         self._deferred_store_reqs.clear()
-        for req_id, num_computed in scheduled:
+        for req_id, num_computed in candidates:
             state = self._req_status[req_id]
-            req = state.req
-            num_offloadable = min(
-                num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                req.num_tokens,
-            )
-            if self.offload_prompt_only:
-                num_offloadable = min(num_offloadable, req.num_prompt_tokens)
             start = state.next_stored_block_idx
-            end = min(
-                num_offloadable // block_size, state.extend_offload_keys(self.hashes_per_block)
+            end = offloadable_end(
+                state,
+                num_computed,
+                scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                self.offloaded_block_size,
+                self.hashes_per_block,
+                self.offload_prompt_only,
             )
             if end <= start:
                 continue
@@ -408,23 +405,9 @@ class OffloadingConnectorScheduler:
                     f"request {req_id}: a store can only be issued when no load is pending "
                     f"(load job {job_id})"
                 )
-            # Position of each requested key: (group, offloaded block index).
-            position = {
-                key: (g, i)
-                for g, group_keys in enumerate(state.offload_keys)
-                for i, key in enumerate(group_keys[start:end], start)
-            }
-            gpu_indices: list[list[int]] = [[] for _ in range(self.num_groups)]
-            last_group = 0
-            for key in keys_to_store:
-                g, i = position[key]
-                assert g >= last_group, (
-                    f"request {req_id}: prepare_store returned keys out of group order "
-                    f"(key {key.hex()} of group {g} after group {last_group})"
-                )
-                last_group = g
-                factor = self.block_size_factors[g]
-                gpu_indices[g].extend(range(i * factor, (i + 1) * factor))
+            gpu_indices = store_gpu_indices(
+                req_id, state, keys_to_store, start, end, self.block_size_factors
+            )
             src_spec, gpu_refs = state.gpu_spec(gpu_indices)
             job_id = self._jobs.add_store(req_id, keys_to_store, gpu_refs)
             if self.layout.has_sliding_window and any(
