@@ -60,11 +60,11 @@ import mmap
 import operator
 import os
 import sys
-from types import TracebackType
 
 import torch
-from typing_extensions import Self, override
+from typing_extensions import override
 
+from vllm.utils.closing import ClosingContextManager
 from vllm.v1.kv_offload.cpu import region_prefault
 from vllm.v1.kv_offload.cpu.process_identity import (
     ProcessIdentity,
@@ -101,7 +101,7 @@ def _positive_int(name: str, value: int) -> int:
     raise ValueError(f"{name} must be an integer > 0, got {value!r}")
 
 
-class SharedOffloadRegion:
+class SharedOffloadRegion(ClosingContextManager):
     """A ``MAP_SHARED`` file mapping holding ``num_blocks`` rows of offloaded KV data.
 
     Every process of an engine instance constructs one over the same file: the scheduler with
@@ -412,15 +412,8 @@ class SharedOffloadRegion:
                     logger.warning("could not remove shared region %s: %s", self._path, e)
             os.close(fd)  # also drops the lock
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    @override
+    def _release(self) -> None:
         self.cleanup()
 
     def __del__(self) -> None:
