@@ -246,6 +246,9 @@ _RUN_DEFAULTS: dict[str, object] = {
     "max_num_batched_tokens": 512,
     "device": "auto",
     "timeout": 1800.0,
+    "async_scheduling": False,
+    "model_stand_in": "standard",
+    "sliding_window": 64,
     "cpu_bytes": 20 * 2**20,
     "eviction_policy": "lru",
     "fs_root": None,
@@ -257,6 +260,7 @@ _RUN_DEFAULTS: dict[str, object] = {
     "json": None,
     "plot": None,
     "no_progress": False,
+    "metrics_port": None,
     "verbose": 0,
 }
 
@@ -310,3 +314,10 @@ def test_run_help_lists_every_option_with_its_default(
     assert f"(default: {default_fs_root()})" in out
     for group in ("workload:", "model stand-in and engine:", "CPU tier:", "fs tier:", "output:"):
         assert f"\n{group}\n" in out
+
+
+def test_model_stand_in_choices_are_the_engines() -> None:
+    from vllm.entrypoints.cli.options import MODEL_STAND_INS
+    from vllm.v1.engine.model import ModelStandIn
+
+    assert tuple(m.value for m in ModelStandIn) == MODEL_STAND_INS

@@ -7,6 +7,7 @@ second (warm) run over the same fs root, and against a block deliberately corrup
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,43 +22,20 @@ from vllm.entrypoints.cli.options import build_run_options
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
 
+from .workload_args import TINY_WORKLOAD
+
 # One client sends its sessions one after another, so the GPU pool's contents, and thus the
-# baseline's figures, are deterministic. Documents of 12-20 blocks and a 24-block GPU pool: a
-# document asked for again after another one was read is no longer on the GPU; the CPU tier (32
-# rows) holds about two documents, so it serves some of those and the fs tier the others.
+# baseline's figures, are deterministic.
 TINY = [
-    "--workload",
-    "documents",
+    *TINY_WORKLOAD,
     "--num-clients",
     "1",
     "--num-sessions",
     "10",
-    "--turns",
-    "2",
-    "--document-tokens",
-    "256",
-    "--num-documents",
-    "4",
-    "--turn-tokens",
-    "16",
-    "--output-tokens",
-    "3",
     "--think-time",
     "0.001",
-    "--num-layers",
-    "2",
-    "--head-size",
-    "16",
     "--block-size",
     "16",
-    "--gpu-blocks",
-    "24",
-    "--max-num-seqs",
-    "3",
-    "--max-num-batched-tokens",
-    "64",
-    "--cpu-bytes",
-    "128KiB",
     "--no-progress",
     "--timeout",
     "120",
@@ -394,3 +372,50 @@ def test_every_workload_exercises_offloading_with_its_defaults(
     assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
     assert doc["comparison"]["prefill_tokens_saved_fraction"] > 0.1
     assert doc["comparison"]["no_savings_reason"] is None
+
+
+def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm.entrypoints.cli.run import serve
+
+    out = tmp_path / "async.json"
+    argv = [*TINY_MIX, "--fs-root", str(tmp_path / "fs")]
+    assert main([*argv, "--async-scheduling", "--json", str(out)]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["async_scheduling"] is True
+    assert doc["runs"]["offload"]["verification"]["blocks_mismatched"] == 0
+    # The asynchronously scheduled offloaded run produced exactly the synchronous baseline's
+    # tokens (the verdict above compared it with an asynchronous baseline only).
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    sync_opts = build_run_options(args.command_parser, args)
+    workload = generate_workload(sync_opts.workload)
+    sync_baseline = asyncio.run(serve(sync_opts, workload, offload=False))
+    async_args = parser.parse_args(["run", *argv, "--async-scheduling"])
+    async_opts = build_run_options(async_args.command_parser, async_args)
+    assert async_opts.async_scheduling and not sync_opts.async_scheduling
+    async_offload = asyncio.run(serve(async_opts, workload, offload=True))
+    assert len(sync_baseline.outputs) == workload.num_requests
+    assert async_offload.outputs == sync_baseline.outputs
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-scheduling"]], ids=["sync", "async"])
+def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    out = tmp_path / "hybrid.json"
+    argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    # Hybrid blocks hold two groups: twice the CPU tier keeps the CPU / fs split of TINY.
+    argv += ["--model-stand-in", "hybrid", "--sliding-window", "24", "--cpu-bytes", "256KiB"]
+    assert main([*argv, *mode]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["model_stand_in"] == "hybrid"
+    assert doc["settings"]["sliding_window"] == 24
+    off = doc["runs"]["offload"]
+    assert off["verification"]["blocks_verified"] > 0
+    assert off["verification"]["blocks_mismatched"] == 0
+    assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
+    assert doc["comparison"]["outputs_identical"] is True

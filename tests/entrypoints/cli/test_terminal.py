@@ -24,41 +24,20 @@ pexpect = pytest.importorskip("pexpect", reason="pexpect (test extra) is not ins
 pyte = pytest.importorskip("pyte", reason="pyte (test extra) is not installed")
 from wcwidth import wcswidth  # noqa: E402  (pyte's dependency)
 
+from .workload_args import TINY_WORKLOAD  # noqa: E402
+
 COLUMNS = 80
 REPO = Path(__file__).resolve().parents[3]
 
 # A small workload (a few seconds per run on a 2-core CPU) that still uses both tiers.
 SMALL = [
-    "--workload",
-    "documents",
+    *TINY_WORKLOAD,
     "--num-clients",
     "2",
     "--num-sessions",
     "12",
-    "--turns",
-    "2",
-    "--document-tokens",
-    "256",
-    "--num-documents",
-    "4",
-    "--turn-tokens",
-    "16",
-    "--output-tokens",
-    "3",
     "--think-time",
     "0.01",
-    "--num-layers",
-    "2",
-    "--head-size",
-    "16",
-    "--gpu-blocks",
-    "24",
-    "--max-num-seqs",
-    "3",
-    "--max-num-batched-tokens",
-    "64",
-    "--cpu-bytes",
-    "128KiB",
     "--timeout",
     "300",
 ]

@@ -527,6 +527,33 @@ class TestTieringOffloadingManager:
         self._simulate_on_schedule_end()
         assert [self._ref_cnt(k) for k in [*existing, *new]] == [0, 0, 0]
 
+    def test_request_level_membership_survives_reset_cache(self) -> None:
+        # Issue #17 part 3: a running request stays request-level across a reset; only
+        # finished requests lose their membership.
+        self.tiers[1]._request_level = True
+        ctx = ReqContext(req_id="rl")
+        assert self.manager.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
+        finished_ctx = ReqContext(req_id="done")
+        self.manager.on_new_request(finished_ctx)
+        assert self.manager.prepare_store(to_keys([9]), finished_ctx) is not None
+        self.manager.on_request_finished(finished_ctx)  # delayed: a store is pending
+        self.manager.reset_cache()
+        assert self.manager._request_level_tiers == {"rl": (1,)}
+
+        keys = to_keys([1, 2])
+        self._store(keys, ReqContext(req_id="other"))
+        self._simulate_on_schedule_end()
+        self._simulate_on_schedule_end()
+        self.log.clear()
+        output = self.manager.prepare_store(keys, ctx)
+        assert output is not None and output.keys_to_store == []
+        assert self.tiers[0].calls("submit_store") == []
+        assert self.tiers[1].calls("submit_store") == [(tuple(keys), ctx)]
+        self._simulate_on_schedule_end()
+        self._simulate_on_schedule_end()
+        self.manager.on_request_finished(ctx)
+        assert self.manager._request_level_tiers == {}
+
     def test_on_request_finished_delays_secondary_until_store_submitted(self) -> None:
         ctx = ReqContext(req_id="r")
         self.manager.on_new_request(ctx)

@@ -14,8 +14,8 @@ A second signal of the same kind while the cleanup runs is no longer caught: SIG
 ``KeyboardInterrupt`` that reaches the loop some other way (a handler installed elsewhere that
 raises it) is treated like a caught SIGINT: cancel, clean up, ``Interrupted``.
 
-The signals are a parameter (``INTERRUPT_SIGNALS`` by default), so SIGTERM is handled the same
-way by adding it there.
+The signals are a parameter; by default (``INTERRUPT_SIGNALS``) SIGINT and SIGTERM, so a terminated
+run cleans up exactly as an interrupted one (``Interrupted.exit_code`` 130 or 143).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
-INTERRUPT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT,)
+INTERRUPT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 """Signals that end a run cleanly (see the module docstring)."""
 
 

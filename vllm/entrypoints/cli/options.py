@@ -111,6 +111,11 @@ def default_fs_root() -> Path:
     return Path(cache) / "vllm-kv-offload"
 
 
+MODEL_STAND_INS = ("standard", "hybrid")
+"""Values of ``--model-stand-in`` (those of ``vllm.v1.engine.model.ModelStandIn``; not imported
+here so that parsing options does not load torch)."""
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Validated settings of one ``run`` invocation.
@@ -134,6 +139,12 @@ class RunOptions:
         plot_path: where to write the plot, if anywhere.
         progress: whether to draw progress bars (on a terminal only).
         timeout_s: longest time one run may take (None: no limit).
+        async_scheduling: run the engine with one step in flight (vLLM's async scheduling).
+        model_stand_in: ``"standard"`` (one full-attention KV-cache group) or ``"hybrid"`` (a
+            full-attention group and a sliding-window group; ``vllm.v1.engine.model``).
+        sliding_window: the hybrid stand-in's window in tokens.
+        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
+            (None: no server).
     """
 
     workload: WorkloadConfig
@@ -158,11 +169,21 @@ class RunOptions:
     plot_path: Path | None
     progress: bool
     timeout_s: float | None
+    async_scheduling: bool = False
+    model_stand_in: str = "standard"
+    sliding_window: int = 64
+    metrics_port: int | None = None
+
+    @property
+    def num_kv_groups(self) -> int:
+        """KV-cache groups of the model stand-in (each block holds one per group)."""
+        return 2 if self.model_stand_in == "hybrid" else 1
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token occupies in the KV cache (K and V of every layer and head)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        per_group = 2 * self.num_layers * self.num_kv_heads * self.head_size
+        return per_group * DTYPE_BYTES[self.dtype] * self.num_kv_groups
 
     @property
     def gpu_block_bytes(self) -> int:
@@ -326,6 +347,23 @@ def _engine_options() -> tuple[_Option, ...]:
         _seconds(
             "--timeout", 1800.0, "give up (exit code 1) when one run takes longer; 0 waits forever"
         ),
+        _choice(
+            "--model-stand-in",
+            MODEL_STAND_INS,
+            "standard",
+            "the model's KV-cache groups: one full-attention group, or (hybrid) a full-attention "
+            "and a sliding-window group, as in Gemma-3-style models",
+        ),
+        _count(
+            "--sliding-window",
+            64,
+            "window in tokens of the hybrid stand-in's sliding-window group",
+        ),
+        _switch(
+            "--async-scheduling",
+            "schedule each step before the previous step's output arrived (one step in flight), "
+            "as vLLM's async scheduling does; both runs use it",
+        ),
     )
 
 
@@ -386,6 +424,14 @@ def _output_options() -> tuple[_Option, ...]:
         _switch(
             "--no-progress",
             "no progress on stderr (a bar on a terminal, else a line every few seconds)",
+        ),
+        _Option(
+            "--metrics-port",
+            "serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the runs "
+            "(docs/metrics.md)",
+            type=_int_at_least(1, 65535),
+            default_text=None,
+            metavar="PORT",
         ),
     )
 
@@ -534,6 +580,10 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         plot_path=args.plot,
         progress=not args.no_progress,
         timeout_s=args.timeout or None,
+        async_scheduling=args.async_scheduling,
+        model_stand_in=args.model_stand_in,
+        sliding_window=args.sliding_window,
+        metrics_port=args.metrics_port,
     )
     problems = _machine_problems(opts)
     if problems:

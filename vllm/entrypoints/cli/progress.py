@@ -18,11 +18,12 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from types import TracebackType
 from typing import Any, TextIO
 
 from tqdm import tqdm
-from typing_extensions import Self
+from typing_extensions import override
+
+from vllm.utils.closing import ClosingContextManager
 
 LINE_INTERVAL_S = 5.0
 """Seconds between two progress lines when stderr is not a terminal."""
@@ -41,7 +42,7 @@ def format_shares(shares: Mapping[str, float]) -> str:
     return " ".join(f"{name} {100 * value:.0f}%" for name, value in shares.items())
 
 
-class Progress:
+class Progress(ClosingContextManager):
     """How far one run got: ``done`` of ``total`` requests, and where prompt tokens came from.
 
     Args:
@@ -153,13 +154,6 @@ class Progress:
         elif self.enabled:
             self._write_line(self._clock())
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    @override
+    def _release(self) -> None:
         self.close()

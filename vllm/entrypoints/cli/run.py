@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from vllm.entrypoints.cli.checks import STDOUT, clear_fs_root
 from vllm.entrypoints.cli.interrupt import run_interruptible
+from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.options import RunOptions
 from vllm.entrypoints.cli.progress import Progress
 from vllm.entrypoints.cli.report import (
@@ -45,6 +46,7 @@ from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload,
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.model import ModelStandIn, hybrid_stand_in
 from vllm.v1.engine.scheduler import RequestOutput
 from vllm.v1.kv_offload.base import TierStats
 
@@ -86,8 +88,13 @@ def extra_config(opts: RunOptions) -> dict[str, Any]:
 
 def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
     """The engine settings of one run (identical for both runs but for the connector)."""
+    block_sizes: tuple[int, ...] = (opts.block_size,)
+    windows: tuple[int | None, ...] = ()
+    if ModelStandIn(opts.model_stand_in) is ModelStandIn.HYBRID:
+        block_sizes, windows = hybrid_stand_in(opts.block_size, opts.sliding_window)
     return EngineConfig(
-        gpu_block_sizes=(opts.block_size,),
+        gpu_block_sizes=block_sizes,
+        sliding_windows=windows,
         num_gpu_blocks=opts.gpu_blocks,
         num_layers=opts.num_layers,
         num_kv_heads=opts.num_kv_heads,
@@ -99,6 +106,7 @@ def engine_config(opts: RunOptions, offload: bool) -> EngineConfig:
         verify_kv=True,
         kv_connector_extra_config=extra_config(opts) if offload else None,
         device=opts.device,
+        async_scheduling=opts.async_scheduling,
     )
 
 
@@ -263,6 +271,7 @@ async def serve(
     workload: Workload,
     offload: bool,
     on_fs_start: Callable[[FsTierState], None] | None = None,
+    exporter: MetricsExporter | None = None,
 ) -> RunResult:
     """Serve ``workload`` on a fresh engine and return what the run measured.
 
@@ -272,6 +281,7 @@ async def serve(
         offload: with the offloading connector and its tiers (else the baseline).
         on_fs_start: called with the fs tier's state once its start-up scan counted what is on
             disk, before the first request (the command prints it at once).
+        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
     """
     label = "offload" if offload else "baseline"
     engine = EngineCore(engine_config(opts, offload))
@@ -282,8 +292,9 @@ async def serve(
     log = _ClientLog()
     done = 0
 
+    callback = sampler if exporter is None else exporter.attach(engine, label, sampler)
     # From here on the engine belongs to the front end's thread (and is shut down by it).
-    async with AsyncLLM(engine, step_callback=sampler) as llm:
+    async with AsyncLLM(engine, step_callback=callback) as llm:
         if result.fs is not None:
             # Only to report what was on disk before the run: the tier serves during its scan.
             files, size = await llm.call(_fs_usage_after_scan)
@@ -315,6 +326,8 @@ async def serve(
             finally:
                 ticker.cancel()
                 await asyncio.gather(ticker, return_exceptions=True)
+        if exporter is not None:
+            await llm.call(lambda e: exporter.flush(e, label))
         snapshot = await llm.call(_snapshot)
     result.wall_s = max(log.last_output_time - t0, 0.0)
     result.outputs = log.outputs
@@ -449,6 +462,9 @@ def settings_of(opts: RunOptions) -> dict[str, Any]:
         "fs_max_bytes": opts.fs_max_bytes,
         "device": opts.device,
         "timeout_s": opts.timeout_s,
+        "async_scheduling": opts.async_scheduling,
+        "model_stand_in": opts.model_stand_in,
+        "sliding_window": opts.sliding_window if opts.model_stand_in == "hybrid" else None,
     }
 
 
@@ -459,10 +475,16 @@ def _write(stream: TextIO, lines: list[str]) -> None:
         stream.flush()
 
 
-async def _serve_both(opts: RunOptions, workload: Workload, out: TextIO) -> Report:
-    baseline = await serve(opts, workload, offload=False)
+async def _serve_both(
+    opts: RunOptions, workload: Workload, out: TextIO, exporter: MetricsExporter | None = None
+) -> Report:
+    baseline = await serve(opts, workload, offload=False, exporter=exporter)
     offload = await serve(
-        opts, workload, offload=True, on_fs_start=lambda fs: _write(out, render_fs_start(fs))
+        opts,
+        workload,
+        offload=True,
+        on_fs_start=lambda fs: _write(out, render_fs_start(fs)),
+        exporter=exporter,
     )
     return Report(settings=settings_of(opts), baseline=baseline, offload=offload)
 
@@ -501,15 +523,25 @@ def run_command(opts: RunOptions) -> int:
     out = sys.stderr if json_to_stdout else sys.stdout
     workload = generate_workload(opts.workload)
     _write(out, render_header(settings_of(opts), workload.num_requests))
+    exporter: MetricsExporter | None = None
     try:
-        report = run_interruptible(_serve_both(opts, workload, out))
+        if opts.metrics_port is not None:
+            exporter = MetricsExporter(opts.metrics_port)
+        report = run_interruptible(_serve_both(opts, workload, out, exporter))
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 1
+    finally:
+        if exporter is not None:
+            exporter.close()
     _write(out, list(render_body(report)))
     try:
         if opts.json_path is not None:
-            text = json.dumps(report.to_json(), indent=2) + "\n"
+            doc = report.to_json()
+            if exporter is not None:
+                # The metrics' final values, per run (docs/metrics.md).
+                doc["metrics"] = {r: exporter.final_values(r) for r in ("baseline", "offload")}
+            text = json.dumps(doc, indent=2) + "\n"
             if json_to_stdout:
                 sys.stdout.write(text)
                 sys.stdout.flush()

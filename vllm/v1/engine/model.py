@@ -326,3 +326,26 @@ def _int_view(tensor: torch.Tensor) -> torch.Tensor:
 def _indices(ids: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
     """``ids`` as an int64 index tensor on ``device`` (the indexed tensor's device)."""
     return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
+
+
+class ModelStandIn(str, enum.Enum):
+    """The model stand-ins the engine can serve (their KV-cache groups)."""
+
+    STANDARD = "standard"
+    """One KV-cache group with full attention."""
+    HYBRID = "hybrid"
+    """Two groups, as in Gemma-3- or Llama-4-style models: full attention (group 0) and
+    sliding-window attention (group 1)."""
+
+
+def hybrid_stand_in(
+    block_size: int, sliding_window: int, swa_block_size: int | None = None
+) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    """``(gpu_block_sizes, sliding_windows)`` of the hybrid stand-in's two KV-cache groups.
+
+    Args:
+        block_size: tokens per GPU block of the full-attention group.
+        sliding_window: the SWA group's window in tokens.
+        swa_block_size: tokens per GPU block of the SWA group (default: ``block_size``).
+    """
+    return (block_size, swa_block_size or block_size), (None, sliding_window)

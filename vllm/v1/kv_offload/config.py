@@ -231,7 +231,8 @@ class OffloadingConfig:
         spec_module_path: module to import ``spec_name`` from, for out-of-tree specs.
         secondary_tiers: ordered secondary tiers behind the CPU tier.
         shared_region_dir: directory of the shared host region's backing file.
-        shared_region_join_timeout_s: how long a process waits for the region's creator.
+        shared_region_join_timeout_s: how long a process keeps retrying when the region's file
+            vanishes under it (a creator that gave up) before it gives up too.
         offload_prompt_only: store only blocks made entirely of prompt tokens, not blocks that
             hold generated tokens (those are rarely shared by another request).
     """

@@ -65,12 +65,18 @@ LAYER_GAP = 256  # bytes between layer tensors, checked untouched like everythin
 
 @dataclass
 class Config:
-    """One group combination: per-group factors, layer sets and unpadded page sizes."""
+    """One group combination: per-group factors, layer sets and unpadded page sizes.
+
+    ``block_sizes`` gives each layer's tokens per GPU block (None: ``BLOCK_SIZE`` everywhere):
+    groups of different block sizes have canonical tensors of different page sizes, as a hybrid
+    model's do. Per-layer tensors only (not ``CROSS_LAYER``, one tensor for every layer).
+    """
 
     name: str
     factors: tuple[int, ...]
     layer_groups: list[list[int]] | None
     unpadded: tuple[int | None, ...] | None  # bytes less than the full page, per group
+    block_sizes: tuple[int, ...] | None = None
 
 
 CONFIGS = [
@@ -78,15 +84,19 @@ CONFIGS = [
     Config("1group-k4", (4,), None, None),
     Config("2groups-disjoint-k1k2", (1, 2), [[0, 1], [2]], None),
     Config("2groups-shared-k2k4-unpadded", (2, 4), [[0, 1, 2], [0, 1, 2]], (None, 40)),
+    # GPU block sizes (16, 8) and (8, 16): the group with the larger pages first, then last.
+    # 32 tokens of every layer per GPU block id: a worker's page is exactly one region row.
+    Config("2groups-blocks16-8-k1k2", (1, 2), [[0], [1, 2]], None, (16, 8, 8)),
+    Config("2groups-blocks8-16-k2k1", (2, 1), [[0, 1], [2]], None, (8, 8, 16)),
 ]
 
 
-def _layer_shape(layout: KVCacheLayout) -> tuple[int, ...]:
+def _layer_shape(layout: KVCacheLayout, block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
     if layout is KVCacheLayout.KV_FIRST:
-        return (2, NUM_GPU_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+        return (2, NUM_GPU_BLOCKS, block_size, HEADS, HEAD_DIM)
     if layout is KVCacheLayout.BLOCKS_FIRST:
-        return (NUM_GPU_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
-    return (NUM_GPU_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
+        return (NUM_GPU_BLOCKS, 2, block_size, HEADS, HEAD_DIM)
+    return (NUM_GPU_BLOCKS, NUM_LAYERS, 2, block_size, HEADS, HEAD_DIM)
 
 
 class Setup:
@@ -103,15 +113,18 @@ class Setup:
     ) -> None:
         self.layout, self.config, self.path = layout, config, path
         gen = torch.Generator().manual_seed(seed)
-        shape = _layer_shape(layout)
-        nbytes = math.prod(shape) * 2  # float16
         count = 1 if layout is KVCacheLayout.CROSS_LAYER else NUM_LAYERS
-        total = count * (nbytes + LAYER_GAP) + LAYER_GAP
+        if config.block_sizes is not None:
+            assert layout is not KVCacheLayout.CROSS_LAYER and len(config.block_sizes) == count
+        shapes = [_layer_shape(layout, bs) for bs in config.block_sizes or (BLOCK_SIZE,) * count]
+        sizes = [math.prod(shape) * 2 for shape in shapes]  # float16
+        total = sum(sizes) + (count + 1) * LAYER_GAP
         self.gpu_host = torch.randint(-128, 128, (total,), dtype=torch.int8, generator=gen)
         layers = []
-        for i in range(count):
-            off = LAYER_GAP + i * (nbytes + LAYER_GAP)
+        off = LAYER_GAP
+        for shape, nbytes in zip(shapes, sizes, strict=True):
             layers.append(self.gpu_host[off : off + nbytes].view(torch.float16).view(shape))
+            off += nbytes + LAYER_GAP
         layer_groups = config.layer_groups
         if layout is KVCacheLayout.CROSS_LAYER and layer_groups is not None:
             layer_groups = [[0] for _ in layer_groups]
@@ -278,8 +291,52 @@ def setups() -> Iterator[list[Setup]]:
 def test_round_trip_is_bit_exact(
     layout: KVCacheLayout, config: Config, path: str, setups: list[Setup]
 ) -> None:
+    if config.block_sizes is not None and layout is KVCacheLayout.CROSS_LAYER:
+        pytest.skip("one cross-layer tensor cannot hold groups of different block sizes")
     s = Setup(layout, config, path)
     setups.append(s)
+    _check_round_trip(s)
+
+
+PER_LAYER_LAYOUTS = [KVCacheLayout.KV_FIRST, KVCacheLayout.BLOCKS_FIRST]
+MIXED_BLOCK_SIZES = [c for c in CONFIGS if c.block_sizes is not None]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("config", MIXED_BLOCK_SIZES, ids=[c.name for c in MIXED_BLOCK_SIZES])
+@pytest.mark.parametrize("layout", PER_LAYER_LAYOUTS, ids=[x.value for x in PER_LAYER_LAYOUTS])
+def test_round_trip_through_a_shared_region_with_groups_of_different_block_sizes(
+    layout: KVCacheLayout, config: Config, path: str, tmp_path: Path, setups: list[Setup]
+) -> None:
+    # The engine's path with one worker: every tensor's view is taken in turn from the worker's
+    # slot of the shared region, sized like OffloadingSpec.worker_page_bytes (every layer's K and
+    # V pages, times the largest factor), here exactly one row. With the larger pages first, the
+    # views were refused as overlapping ("CPU views 0 and <last> overlap"), though disjoint.
+    assert config.block_sizes is not None
+    kv_bytes = sum(2 * bs * HEADS * HEAD_DIM * 2 for bs in config.block_sizes)
+    worker_page = kv_bytes * max(config.factors)
+    region = SharedOffloadRegion(
+        "kvo-test-mixed-blocks", 16, worker_page, num_workers=1, rank=0, directory=tmp_path
+    )
+    try:
+        assert region.row_bytes == worker_page  # no padding: the views tile every row
+        s = Setup(layout, config, path, region=region)
+        setups.append(s)
+        views = s.handlers.cpu_views
+        assert views[0].data_ptr() == s.cpu_base
+        assert views[-1].data_ptr() + views[-1].shape[1] - s.cpu_base == worker_page
+        _check_round_trip(s)
+    finally:
+        for made in setups:
+            made.close()
+        setups.clear()
+        region.cleanup()
+
+
+def _check_round_trip(s: Setup) -> None:
+    """Store two offloaded blocks per group, load them back (partly) into other GPU blocks, and
+    compare every byte of GPU and CPU memory against the reference after each job."""
+    config = s.config
     rng = np.random.default_rng(7)
     groups = len(config.factors)
     gpu_pool = [int(x) for x in rng.permutation(NUM_GPU_BLOCKS)]
@@ -612,6 +669,30 @@ def test_cpu_views_are_validated() -> None:
     h = CpuGpuOffloadingHandlers(two, 1, cpu_views=interleaved)
     assert h.num_cpu_blocks == 4
     h.shutdown()
+    # Views of different lengths tiling a row, the longer first (a group of larger pages before
+    # one of smaller pages) are disjoint; one byte more and the second runs into the next row.
+    mixed = build_canonical_kv_caches(
+        [
+            torch.zeros(_layer_shape(KVCacheLayout.BLOCKS_FIRST, bs), dtype=torch.float16)
+            for bs in (2 * BLOCK_SIZE, BLOCK_SIZE)
+        ],
+        KVCacheLayout.BLOCKS_FIRST,
+        [[0], [1]],
+    )
+    big, small = (t.page_size_bytes for t in mixed.tensors)
+    assert big == 2 * small
+    mem = torch.zeros(4 * (big + small), dtype=torch.int8)
+
+    def views(row: int) -> list[torch.Tensor]:
+        return [
+            torch.as_strided(mem, (4, big), (row, 1), 0),
+            torch.as_strided(mem, (4, small), (row, 1), big),
+        ]
+
+    h = CpuGpuOffloadingHandlers(mixed, 1, cpu_views=views(big + small))
+    h.shutdown()
+    with pytest.raises(ValueError, match="CPU views 0 and 1 overlap"):
+        CpuGpuOffloadingHandlers(mixed, 1, cpu_views=views(big + small - 1))
     with pytest.raises(ValueError, match="factor"):
         CpuGpuOffloadingHandlers(two, [1, 2], 4)
     with pytest.raises(ValueError, match="num_cpu_blocks"):

@@ -277,8 +277,14 @@ def _check_cpu_views(
         if num_cpu_blocks > 1 and v.stride(0) < page:
             raise ValueError(f"CPU view {i}: row stride {v.stride(0)} < page {page} bytes")
         spans.append((v.data_ptr(), int(v.stride(0)), page))
-    # Views sharing a row stride (as the shared region's do) must use disjoint byte ranges of a
-    # row; views with other strides must not overlap at all.
+    # Views whose extents intersect must interleave: share a row stride (as the shared region's
+    # do) and each take a fixed byte range of every row. With the earlier view at ``p0`` (``l0``
+    # bytes) and the later at ``p1`` (``l1``), rows stay disjoint iff the later starts after the
+    # earlier ends and itself ends before the earlier's next row starts: ``p0 + l0 <= p1`` and
+    # ``p1 + l1 <= p0 + stride``. It is the later view's length that must fit before the next
+    # row, not the longer one's: views of different lengths (groups of different page sizes)
+    # packed in a row, the longer first, are disjoint. (Conservative for views more than a row
+    # apart, which no layout here produces.)
     for a in range(len(spans)):
         for b in range(a + 1, len(spans)):
             pa, sa, la = spans[a]
@@ -287,5 +293,6 @@ def _check_cpu_views(
             end_b = pb + (num_cpu_blocks - 1) * sb + lb
             if pa >= end_b or pb >= end_a:
                 continue
-            if sa != sb or not (pa + la <= pb or pb + lb <= pa) or abs(pa - pb) + max(la, lb) > sa:
+            (p0, l0), (p1, l1) = sorted(((pa, la), (pb, lb)))
+            if sa != sb or p0 + l0 > p1 or p1 + l1 > p0 + sa:
                 raise ValueError(f"CPU views {a} and {b} overlap")

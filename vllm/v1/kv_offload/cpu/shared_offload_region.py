@@ -12,10 +12,35 @@ Layout (``M = num_workers``, ``S = worker_page_bytes``, ``A = BLOCK_SIZE_ALIGNME
     | S bytes         | S bytes         |     | S bytes             |     |
     +-----------------+-----------------+-----+---------------------+-----+
 
-    total_bytes = num_blocks * row_bytes
+    total_bytes = num_blocks * row_bytes (what is mapped), then a metadata area of whole pages:
+    +---------------------------------+-----------------------+-------------------+
+    | join marks: 1 byte per          | zeros                 | trailer (the last |
+    | participant (scheduler, 0..M-1) |                       | _TRAILER.size B)  |
+    +---------------------------------+-----------------------+-------------------+
 
 Within a worker's slot, the per-block pages of the worker's KV tensors follow one another in the
-order of ``create_next_worker_view`` calls.
+order of ``create_next_worker_view`` calls. The trailer holds a magic, the format version, the
+geometry, whether the scheduler side takes part, and the creator's identity: pid, start time
+(``/proc/<pid>/stat``), pid namespace and boot id, which together survive pid reuse.
+
+Lifetime: nothing of a dead process may stay in the directory (the region is the whole CPU tier,
+gigabytes of RAM on a tmpfs that no reboot-less process frees).
+
+* The creator builds the whole file under a temporary name (``vllm_offload_creating-<pid>-
+  <start>-<nonce>.tmp``), sizes it, writes the trailer and its own join mark, and only then
+  ``link`` s it to the region's name. Joiners therefore never see a half-made file, and whoever
+  links first is the creator.
+* Each participant (the scheduler side, if ``expect_scheduler``, and every worker rank) marks its
+  byte when it joins. The one that completes the set unlinks the name: from then on the file
+  lives only as long as some participant holds it open or mapped, so even ``SIGKILL`` of every
+  process leaves nothing behind.
+* Before joining or creating, every process sweeps the directory: a region file whose creator is
+  dead (or whose pid now belongs to another process, or which dates from an earlier boot) and a
+  temporary file of a dead creator are removed. This covers a crash in the short window before
+  every participant joined.
+* A joiner that still finds a region of a dead creator (it died after the sweep), a region of
+  another geometry, a file that is not a region of this format, or its own participant slot
+  already taken gets a clear error and never maps it.
 
 Ownership and protection:
 
@@ -24,24 +49,31 @@ Ownership and protection:
 * Secondary tiers read or write *whole rows* (every worker's slot of a block at once), and only the
   rows named by a job the scheduler-side manager issued; the manager guarantees that no worker is
   storing into, and no tier is writing, a row that someone else reads or writes at the same time.
-* The creator (the first process to arrive) owns the file: it sizes it and unlinks it in
-  ``cleanup()``. Joiners only map it. Unlinking does not invalidate mappings still held by peers.
-* Nothing here locks: the region is plain shared memory and the scheduler's block bookkeeping is
-  the only synchronisation.
+* Metadata (join marks) is read and written only under an exclusive ``flock`` of the file, and the
+  region's name is only ever unlinked under that lock after checking that it still names the
+  same file (so nobody removes a successor's region). The kernel drops the lock of a dead holder.
+* The creator also unlinks the name in ``cleanup()`` if it is still there. Unlinking does not
+  invalidate mappings still held by peers.
+* Nothing locks the rows: the region is plain shared memory and the scheduler's block bookkeeping
+  is the only synchronisation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import operator
 import os
 import re
+import secrets
 import stat
+import struct
 import sys
 import time
+from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
@@ -53,11 +85,25 @@ logger = logging.getLogger(__name__)
 _INSTANCE_ID_RE = re.compile(r"[A-Za-z0-9_.-]+")
 _FILE_PREFIX = "vllm_offload_"
 _FILE_SUFFIX = ".mmap"
+_TMP_PREFIX = _FILE_PREFIX + "creating-"
+_TMP_SUFFIX = ".tmp"
+_TMP_NAME_RE = re.compile(
+    re.escape(_TMP_PREFIX) + r"(\d+)-(\d+)-[0-9a-f]+" + re.escape(_TMP_SUFFIX)
+)
 # Longest name most filesystems accept (NAME_MAX).
 _MAX_FILE_NAME = 255
 _MAX_INSTANCE_ID_LEN = _MAX_FILE_NAME - len(_FILE_PREFIX) - len(_FILE_SUFFIX)
 
-_JOIN_POLL_INTERVAL_S = 0.005
+_MAGIC = b"VLLMKVR\x00"
+_FORMAT_VERSION = 1
+# magic, version, flags (bit 0: the scheduler side joins), num_workers, num_blocks, row_bytes,
+# worker_page_bytes, creator pid, creator start time (clock ticks after boot), creator pid
+# namespace (inode), creator boot id, nonce.
+_TRAILER = struct.Struct("<8sIIIQQQQQQ16s16s")
+_FLAG_EXPECT_SCHEDULER = 1
+_JOINED = b"\x01"
+
+_RETRY_INTERVAL_S = 0.005
 
 # MADV_POPULATE_WRITE (Linux >= 5.14) faults pages in writable without writing to them, so it is
 # race-free against peers that already store into the region. Older Pythons do not expose the
@@ -86,12 +132,237 @@ def _positive_int(name: str, value: int) -> int:
     raise ValueError(f"{name} must be an integer > 0, got {value!r}")
 
 
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """Who a process is, in a way that survives pid reuse and reboots.
+
+    Attributes:
+        pid: the process id (in ``pidns``).
+        start_ticks: its start time in clock ticks after boot (``/proc/<pid>/stat`` field 22);
+            0 where ``/proc`` is unavailable.
+        pidns: the inode of its pid namespace (``/proc/self/ns/pid``); 0 if unknown.
+        boot_id: the kernel's boot id (16 bytes); zeros if unknown.
+    """
+
+    pid: int
+    start_ticks: int
+    pidns: int
+    boot_id: bytes
+
+
+def _read_start_ticks(pid: int) -> tuple[str, int] | None:
+    """``(state, start_ticks)`` of process ``pid`` from ``/proc``; None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last
+    # ")"; state is field 3 and starttime field 22 of the whole line.
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def _current_identity_uncached() -> ProcessIdentity:
+    pid = os.getpid()
+    start_ticks = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        found = _read_start_ticks(pid)
+        if found is not None:
+            start_ticks = found[1]
+    pidns = 0
+    with contextlib.suppress(OSError):
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    boot_id = bytes(16)
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot_id = bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
+    return ProcessIdentity(pid, start_ticks, pidns, boot_id)
+
+
+_identity_cache: ProcessIdentity | None = None
+
+
+def current_identity() -> ProcessIdentity:
+    """This process's identity (recomputed after a fork)."""
+    global _identity_cache
+    identity = _identity_cache
+    if identity is None or identity.pid != os.getpid():
+        identity = _identity_cache = _current_identity_uncached()
+    return identity
+
+
+def process_is_alive(identity: ProcessIdentity) -> bool | None:
+    """Whether the process ``identity`` still runs: True, False, or None when this process
+    cannot tell (it lives in another pid namespace, or its ``/proc`` entry is unreadable)."""
+    me = current_identity()
+    no_boot_id = bytes(16)
+    if no_boot_id not in (identity.boot_id, me.boot_id) and identity.boot_id != me.boot_id:
+        return False  # from an earlier boot
+    if identity.pidns and me.pidns and identity.pidns != me.pidns:
+        return None
+    if identity.pid <= 0:
+        return False
+    if not os.path.isdir("/proc/self"):
+        # No procfs: only whether the pid exists.
+        try:
+            os.kill(identity.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        found = _read_start_ticks(identity.pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    if found is None:
+        return False
+    state, start_ticks = found
+    if state in ("Z", "X"):
+        return False  # exited, not reaped yet
+    # A different start time: the pid now belongs to another process.
+    return not identity.start_ticks or start_ticks == identity.start_ticks
+
+
+def _names_file(path: str, st: os.stat_result) -> bool:
+    """Whether ``path`` (not following a symlink) is still the file ``st`` describes."""
+    try:
+        current = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _unlink_if_names(path: str, st: os.stat_result) -> bool:
+    """Unlink ``path`` if it still names the file ``st``; whether it did.
+
+    Callers hold the file's ``flock``, and every removal of a region's name happens under it, so
+    nobody can remove the name and publish a successor between the check and the unlink.
+    """
+    if not _names_file(path, st):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+_TrailerInfo = tuple[int, int, int, int, int, int, ProcessIdentity]
+
+
+def _read_trailer(fd: int, size: int) -> _TrailerInfo | None:
+    """``(version, flags, num_workers, num_blocks, row_bytes, worker_page_bytes, creator)`` from
+    the trailer of the file ``fd`` of ``size`` bytes; None if it has no valid trailer."""
+    if size < _TRAILER.size:
+        return None
+    data = os.pread(fd, _TRAILER.size, size - _TRAILER.size)
+    if len(data) != _TRAILER.size:
+        return None
+    (
+        magic,
+        version,
+        flags,
+        num_workers,
+        num_blocks,
+        row_bytes,
+        worker_page_bytes,
+        pid,
+        start_ticks,
+        pidns,
+        boot_id,
+        _nonce,
+    ) = _TRAILER.unpack(data)
+    if magic != _MAGIC:
+        return None
+    creator = ProcessIdentity(pid, start_ticks, pidns, boot_id)
+    return version, flags, num_workers, num_blocks, row_bytes, worker_page_bytes, creator
+
+
+def _remove_if_stale(path: str) -> bool:
+    """Remove region file ``path`` if its trailer names a creator that is certainly dead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False  # gone, a symlink, or not ours to read
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live process is joining or removing it right now
+        info = _read_trailer(fd, st.st_size)
+        if info is None or process_is_alive(info[-1]) is not False:
+            return False  # not a region of ours, or its creator may be alive
+        return _unlink_if_names(path, st)
+    finally:
+        os.close(fd)  # also drops the lock
+
+
+def sweep_stale_regions(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove from ``directory`` every region file and temporary file of a dead creator.
+
+    A region file is judged by its trailer's creator identity (pid, start time, pid namespace,
+    boot id): it is removed only if that process certainly no longer runs. Files without a valid
+    trailer (other programs, older versions), of creators in another pid namespace, or that a
+    live process holds locked are left alone. Called by every ``SharedOffloadRegion`` before it
+    creates or joins, so a crashed engine's region does not outlive the next start. Best effort:
+    errors are logged, never raised.
+
+    Returns:
+        The removed paths.
+    """
+    directory = os.fspath(directory)
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError as e:
+        logger.debug("cannot list %s to sweep stale shared regions: %s", directory, e)
+        return removed
+    for name in names:
+        if not name.startswith(_FILE_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            match = _TMP_NAME_RE.fullmatch(name)
+            if match is not None:
+                # A creator's unpublished file: the name carries its pid and start time.
+                creator = ProcessIdentity(int(match[1]), int(match[2]), 0, bytes(16))
+                if process_is_alive(creator) is False:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                        removed.append(path)
+            elif name.endswith(_FILE_SUFFIX) and _remove_if_stale(path):
+                removed.append(path)
+        except OSError as e:
+            logger.debug("cannot sweep %s: %s", path, e)
+    if removed:
+        logger.warning(
+            "removed %d shared region file(s) of dead processes from %s: %s",
+            len(removed),
+            directory,
+            ", ".join(os.path.basename(p) for p in removed),
+        )
+    return removed
+
+
+class SharedRegionError(ValueError):
+    """A region file cannot be joined: stale (its creator is dead), foreign, or mismatched.
+
+    Nothing was mapped; the file was left alone unless the message says it was removed.
+    """
+
+
 class SharedOffloadRegion:
     """A ``MAP_SHARED`` file mapping holding ``num_blocks`` rows of offloaded KV data.
 
     Every process of an engine instance constructs one over the same file: the scheduler with
-    ``rank=None`` and each worker with its rank. Whoever creates the file first (``O_EXCL``) is the
-    creator; the others join and wait until the creator has sized it.
+    ``rank=None`` (if ``expect_scheduler``) and each worker with its rank. Whoever publishes the
+    file first is the creator; the others join it. Once every participant joined, the file's
+    name is removed (see the module docstring), so the region's memory is freed when the last
+    participant unmaps it, however the processes end.
 
     Args:
         instance_id: engine-instance id (unique per DP replica); only ``[A-Za-z0-9_.-]`` so the
@@ -101,14 +372,21 @@ class SharedOffloadRegion:
         num_workers: number of worker slots per row (the TP/PP world size), > 0.
         rank: the worker's rank in ``[0, num_workers)``, or None for the scheduler side.
         directory: where the backing file lives; a tmpfs such as ``/dev/shm`` keeps it in RAM.
-        join_timeout_s: how long a joiner waits for the creator to size the file.
+        join_timeout_s: how long to keep retrying when the file vanishes under a joiner (its
+            creator gave up) before giving up too.
+        expect_scheduler: whether the scheduler side (``rank=None``) maps the region too, besides
+            every worker rank; the same for every participant (it is recorded by the creator and
+            checked by joiners). The name is removed once all expected participants joined.
         prefault: fault the pages in up front (a worker its own slot of every row, the scheduler
             the whole region) so the first transfers do not pay for page faults.
 
     Raises:
-        ValueError: invalid arguments, or an existing file larger than this geometry.
+        ValueError: invalid arguments.
+        SharedRegionError: the file under the region's name belongs to a dead creator, was made
+            for another geometry or participant set, is not a region of this format, or already
+            has a participant of this rank.
         OSError: the directory lacks free space (``ENOSPC``) or any system call failed.
-        TimeoutError: a joiner waited ``join_timeout_s`` without the file reaching its size.
+        TimeoutError: the file kept vanishing under this joiner for ``join_timeout_s``.
 
     Not thread-safe: one owner per object. Code that registered ``base_ptr`` with the CUDA driver
     (``cudaHostRegister``) must unregister it before calling ``cleanup()``.
@@ -127,6 +405,7 @@ class SharedOffloadRegion:
         directory: str | os.PathLike[str] = "/dev/shm",
         join_timeout_s: float = 30.0,
         *,
+        expect_scheduler: bool = True,
         prefault: bool = True,
     ) -> None:
         # Set first so cleanup()/__del__ work whatever fails below.
@@ -153,6 +432,8 @@ class SharedOffloadRegion:
             rank = int(rank)
         if not join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0, got {join_timeout_s!r}")
+        if rank is None and not expect_scheduler:
+            raise ValueError("the scheduler side (rank=None) needs expect_scheduler=True")
 
         self._path = self.region_path(instance_id, directory)
         self._directory = os.fspath(directory)
@@ -162,6 +443,10 @@ class SharedOffloadRegion:
         self._rank = rank
         self._row_bytes = _round_up(num_workers * worker_page_bytes, self.BLOCK_SIZE_ALIGNMENT)
         self._total_bytes = num_blocks * self._row_bytes
+        self._expect_scheduler = bool(expect_scheduler)
+        # Join marks (one byte per participant: the scheduler, then ranks 0..M-1) and the trailer.
+        self._meta_bytes = _round_up(num_workers + 1 + _TRAILER.size, self.BLOCK_SIZE_ALIGNMENT)
+        self._file_bytes = self._total_bytes + self._meta_bytes
 
         try:
             self._open(join_timeout_s)
@@ -212,75 +497,174 @@ class SharedOffloadRegion:
                 errno.ENOENT,
                 f"shared region directory {self._directory!r} does not exist or is not a directory",
             )
+        sweep_stale_regions(self._directory)
         deadline = time.monotonic() + join_timeout_s
         while True:
             try:
-                self._fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                pass
-            else:
-                self._is_creator = True
-                self._size_as_creator()
-                return
-            try:
-                self._fd = os.open(self._path, os.O_RDWR)
+                fd = os.open(self._path, os.O_RDWR | os.O_NOFOLLOW)
             except FileNotFoundError:
-                # A failed creator unlinked the file between our two opens: race to create it.
-                self._check_deadline(deadline, join_timeout_s, size=None)
-                continue
-            if self._wait_for_size(deadline, join_timeout_s):
-                return
-            # The creator failed and unlinked the file we opened: start over on a fresh one.
-            os.close(self._fd)
-            self._fd = None
+                if self._create():
+                    return
+                # Another process published the region first: join it.
+            else:
+                try:
+                    joined = self._join(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if joined:
+                    self._fd = fd
+                    return
+                # The name was removed while we opened it (a creator that gave up): start over.
+                os.close(fd)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"timed out after {join_timeout_s} s trying to create or join shared region "
+                    f"{self._path!r}: it kept vanishing (a creator failing over and over?)"
+                )
+            # Another process is mid-way through publishing or removing the name: no event to
+            # wait on across processes, so retry shortly.
+            time.sleep(_RETRY_INTERVAL_S)
 
-    def _check_deadline(self, deadline: float, join_timeout_s: float, size: int | None) -> None:
-        if time.monotonic() < deadline:
-            return
-        seen = "it never appeared" if size is None else f"its size is {size}"
-        raise TimeoutError(
-            f"timed out after {join_timeout_s} s waiting for the creator of shared region "
-            f"{self._path!r} to size it to {self._total_bytes} bytes ({seen}); the creator may "
-            "have died, or a stale file is in the way"
+    def _slot(self) -> int:
+        """This participant's join-mark index: 0 for the scheduler, 1 + rank for a worker."""
+        return 0 if self._rank is None else 1 + self._rank
+
+    def _trailer(self) -> bytes:
+        me = current_identity()
+        return _TRAILER.pack(
+            _MAGIC,
+            _FORMAT_VERSION,
+            _FLAG_EXPECT_SCHEDULER if self._expect_scheduler else 0,
+            self._num_workers,
+            self._num_blocks,
+            self._row_bytes,
+            self._worker_page_bytes,
+            me.pid,
+            me.start_ticks,
+            me.pidns,
+            me.boot_id,
+            secrets.token_bytes(16),
         )
 
-    def _size_as_creator(self) -> None:
-        assert self._fd is not None
-        st = os.statvfs(self._directory)
-        available = st.f_bavail * st.f_frsize
-        if available < self._total_bytes:
-            raise OSError(
-                errno.ENOSPC,
-                f"not enough free space in {self._directory!r} for shared region "
-                f"{self._path!r}: needed {self._total_bytes} bytes, available {available} bytes",
-            )
-        os.ftruncate(self._fd, self._total_bytes)
-
-    def _wait_for_size(self, deadline: float, join_timeout_s: float) -> bool:
-        """Wait until the creator sized the file; False if it unlinked the file instead."""
-        assert self._fd is not None
-        while True:
-            st = os.fstat(self._fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"shared region {self._path!r} is not a regular file")
-            if st.st_size == self._total_bytes:
-                return True
-            if st.st_size > self._total_bytes:
-                raise ValueError(
-                    f"shared region {self._path!r} has {st.st_size} bytes but this geometry "
-                    f"needs {self._total_bytes} (num_blocks={self._num_blocks}, "
-                    f"row_bytes={self._row_bytes}): a stale or foreign file; remove it or use "
-                    "another instance id"
+    def _create(self) -> bool:
+        """Build the region under a temporary name and publish it; False if another process
+        published one first (nothing of ours is left then)."""
+        me = current_identity()
+        tmp_path = os.path.join(
+            self._directory,
+            f"{_TMP_PREFIX}{me.pid}-{me.start_ticks}-{secrets.token_hex(8)}{_TMP_SUFFIX}",
+        )
+        fd = os.open(tmp_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            st = os.statvfs(self._directory)
+            available = st.f_bavail * st.f_frsize
+            if available < self._file_bytes:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"not enough free space in {self._directory!r} for shared region "
+                    f"{self._path!r}: needed {self._file_bytes} bytes, available {available} "
+                    "bytes",
                 )
+            os.ftruncate(fd, self._file_bytes)
+            os.pwrite(fd, self._trailer(), self._file_bytes - _TRAILER.size)
+            os.pwrite(fd, _JOINED, self._total_bytes + self._slot())
             try:
-                current = os.stat(self._path)
+                os.link(tmp_path, self._path)
+            except FileExistsError:
+                os.close(fd)
+                return False
             except FileNotFoundError:
+                # A sweeper that cannot see us (another pid namespace) took our temporary file.
+                os.close(fd)
                 return False
-            if (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_path)
+        self._fd = fd
+        self._is_creator = True
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            self._unlink_name_if_complete(fd)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+
+    def _join(self, fd: int) -> bool:
+        """Validate the region ``fd`` and mark this participant in it; False if its name was
+        removed meanwhile (then nothing was marked)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SharedRegionError(f"shared region {self._path!r} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if not _names_file(self._path, st):
                 return False
-            self._check_deadline(deadline, join_timeout_s, size=st.st_size)
-            # Another process sizes the file: no event to wait on across processes, so poll.
-            time.sleep(_JOIN_POLL_INTERVAL_S)
+            info = _read_trailer(fd, st.st_size)
+            if info is None:
+                raise SharedRegionError(
+                    f"{self._path!r} is not a shared region of this version (no valid trailer): "
+                    "a file of an older version or of another program; remove it or use another "
+                    "instance id"
+                )
+            version, flags, num_workers, num_blocks, row_bytes, worker_page_bytes, creator = info
+            if version != _FORMAT_VERSION:
+                raise SharedRegionError(
+                    f"shared region {self._path!r} has format version {version}, this process "
+                    f"speaks {_FORMAT_VERSION}: remove it or use another instance id"
+                )
+            theirs = (num_blocks, row_bytes, worker_page_bytes, num_workers)
+            ours = (self._num_blocks, self._row_bytes, self._worker_page_bytes, self._num_workers)
+            if theirs != ours or st.st_size != self._file_bytes:
+                raise SharedRegionError(
+                    f"shared region {self._path!r} was made for num_blocks={num_blocks}, "
+                    f"row_bytes={row_bytes}, worker_page_bytes={worker_page_bytes}, "
+                    f"num_workers={num_workers} ({st.st_size} bytes) but this process needs "
+                    f"num_blocks={self._num_blocks}, row_bytes={self._row_bytes}, "
+                    f"worker_page_bytes={self._worker_page_bytes}, "
+                    f"num_workers={self._num_workers} ({self._file_bytes} bytes): another "
+                    "engine's region under the same instance id"
+                )
+            if bool(flags & _FLAG_EXPECT_SCHEDULER) != self._expect_scheduler:
+                raise SharedRegionError(
+                    f"shared region {self._path!r} was made with expect_scheduler="
+                    f"{bool(flags & _FLAG_EXPECT_SCHEDULER)}, this process passes "
+                    f"{self._expect_scheduler}: every participant must agree"
+                )
+            alive = process_is_alive(creator)
+            if alive is False:
+                _unlink_if_names(self._path, st)
+                raise SharedRegionError(
+                    f"shared region {self._path!r} is stale: its creator (pid {creator.pid}, "
+                    f"started at tick {creator.start_ticks}) is gone, so its engine is gone "
+                    "too; the file was removed. Restart the engine instance."
+                )
+            slot = self._slot()
+            mark = os.pread(fd, 1, self._total_bytes + slot)
+            if mark == _JOINED:
+                who = "the scheduler side" if self._rank is None else f"worker rank {self._rank}"
+                raise SharedRegionError(
+                    f"{who} already joined shared region {self._path!r} (created by pid "
+                    f"{creator.pid}): two processes with the same rank, or an instance id "
+                    "reused while its engine still runs"
+                )
+            os.pwrite(fd, _JOINED, self._total_bytes + slot)
+            self._unlink_name_if_complete(fd)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+
+    def _unlink_name_if_complete(self, fd: int) -> None:
+        """Remove the region's name once every expected participant has joined (holding the
+        file's lock): from then on only open descriptors and mappings keep it alive."""
+        marks = os.pread(fd, self._num_workers + 1, self._total_bytes)
+        expected = marks if self._expect_scheduler else marks[1:]
+        if expected.count(_JOINED) == len(expected):
+            _unlink_if_names(self._path, os.fstat(fd))
+            logger.debug("every participant joined %s: its name is removed", self._path)
 
     # -----------------------------------------------------------------------------------------
     # Pre-faulting
@@ -466,6 +850,16 @@ class SharedOffloadRegion:
         return self._total_bytes
 
     @property
+    def file_bytes(self) -> int:
+        """Size of the backing file: ``total_bytes`` plus the metadata pages (not mapped)."""
+        return self._file_bytes
+
+    @property
+    def expect_scheduler(self) -> bool:
+        """Whether the scheduler side is one of the region's participants."""
+        return self._expect_scheduler
+
+    @property
     def is_creator(self) -> bool:
         """Whether this object created (and so will unlink) the backing file."""
         return self._is_creator
@@ -524,10 +918,15 @@ class SharedOffloadRegion:
             del mm
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
-        if self._is_creator and os.getpid() == self._owner_pid:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
+            if self._is_creator and os.getpid() == self._owner_pid:
+                # Under the lock, and only if the name is still ours (it is gone already once
+                # every participant joined).
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    _unlink_if_names(self._path, os.fstat(fd))
+                except OSError as e:
+                    logger.warning("could not remove shared region %s: %s", self._path, e)
+            os.close(fd)  # also drops the lock
 
     def __enter__(self) -> Self:
         return self

@@ -53,6 +53,7 @@ def open_shared_region(spec: OffloadingSpec, rank: int | None) -> SharedOffloadR
         rank=rank,
         directory=spec.config.shared_region_dir,
         join_timeout_s=spec.config.shared_region_join_timeout_s,
+        expect_scheduler=spec.SCHEDULER_MAPS_REGION,
     )
     if region.row_bytes != spec.row_bytes:
         region.cleanup()

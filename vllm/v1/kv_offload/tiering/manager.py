@@ -24,6 +24,7 @@ and report through ``get_finished_jobs()``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -40,11 +41,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.metrics import MetricsRecorder
 from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
 
 # Re-exported: the primary tier lived here before it got its own module, and callers still
 # import it from here.
 from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.stats import TieringStats
 
 __all__ = ["CPUPrimaryTierOffloadingManager", "TieringOffloadingManager"]
 
@@ -81,6 +84,7 @@ class _RequestState:
 class _InFlightJob:
     tier_idx: int
     job: JobMetadata
+    submitted_at: float = 0.0  # perf_counter() at submit, for the job's latency sample
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -128,6 +132,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._cascades_submitted = 0
         self._promotions_submitted = 0
         self._jobs_failed = 0
+        # Per-tier counters and job samples for monitoring (``tiering_stats``).
+        self._tiering_stats = TieringStats(len(self._tiers))
 
     # -----------------------------------------------------------------------------------------
     # Introspection
@@ -142,6 +148,11 @@ class TieringOffloadingManager(OffloadingManager):
     def secondary_tiers(self) -> tuple[SecondaryTierManager, ...]:
         """The secondary tiers, in lookup order."""
         return self._tiers
+
+    @property
+    def tiering_stats(self) -> TieringStats:
+        """Per-tier lookup, hit and job counters and finished-job samples (monitoring)."""
+        return self._tiering_stats
 
     @property
     def num_jobs_in_flight(self) -> int:
@@ -171,6 +182,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _process_finished_jobs(self) -> None:
         """Apply every result the tiers report now (unconditionally; O(results))."""
+        now = time.perf_counter()  # one clock read per poll, not per job
         for tier_idx, tier in enumerate(self._tiers):
             for result in tier.get_finished_jobs():
                 entry = self._jobs.pop(result.job_id, None)
@@ -183,6 +195,13 @@ class TieringOffloadingManager(OffloadingManager):
                     f"submitted to tier #{entry.tier_idx}"
                 )
                 self._finish_job(entry.job, result.success)
+                self._tiering_stats.on_finish(
+                    tier_idx,
+                    entry.job.is_promotion,
+                    len(entry.job.keys),
+                    now - entry.submitted_at,
+                    result.success,
+                )
 
     def _finish_job(self, job: JobMetadata, success: bool) -> None:
         if not success:
@@ -197,7 +216,8 @@ class TieringOffloadingManager(OffloadingManager):
     def _submit(self, tier_idx: int, job: JobMetadata) -> None:
         """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
         tier = self._tiers[tier_idx]
-        self._jobs[job.job_id] = _InFlightJob(tier_idx, job)
+        self._jobs[job.job_id] = _InFlightJob(tier_idx, job, time.perf_counter())
+        self._tiering_stats.on_submit(tier_idx, job.is_promotion)
         try:
             if job.is_promotion:
                 tier.submit_load(job)
@@ -215,6 +235,7 @@ class TieringOffloadingManager(OffloadingManager):
             )
             del self._jobs[job.job_id]
             self._finish_job(job, success=False)
+            self._tiering_stats.on_finish(tier_idx, job.is_promotion, len(job.keys), 0.0, False)
 
     def _cascade(
         self, keys: tuple[OffloadKey, ...], req_context: ReqContext, tier_indices: Iterable[int]
@@ -329,6 +350,9 @@ class TieringOffloadingManager(OffloadingManager):
         for tier_idx, tier in enumerate(self._tiers):
             tier_result = tier.lookup(key, req_context)
             if tier_result is True:
+                # Only hits are counted here: how many lookups reached each tier follows from
+                # the primary's misses and the faster tiers' hits (TieringStats.report).
+                self._tiering_stats.hits[tier_idx] += 1
                 return None if self._initiate_promotion(tier_idx, key, req_context) else False
             if tier_result is None:
                 any_pending = True
@@ -453,7 +477,8 @@ class TieringOffloadingManager(OffloadingManager):
         """Drain every tier, drop unsubmitted promotions and reset the primary.
 
         Blocks until every tier job has finished (``drain_jobs``). Secondary tiers keep their
-        data. Requests that already finished get their delayed ``on_request_finished``.
+        data. Requests that already finished get their delayed ``on_request_finished`` and are
+        forgotten; running requests keep their REQUEST_LEVEL tiers.
         """
         for tier in self._tiers:
             tier.drain_jobs()
@@ -475,8 +500,12 @@ class TieringOffloadingManager(OffloadingManager):
                 self._request_level_tiers.pop(req_id, None)
                 for tier in self._tiers:
                     tier.on_request_finished(state.finished_req_context)
+        # The primary zeroes its counters; the tiers' lookup counts derive from its misses.
+        self._tiering_stats.primary_misses_before_reset += int(self._primary.get_stats()["misses"])
         self._primary.reset_cache()
-        self._request_level_tiers.clear()
+        # Running requests keep their REQUEST_LEVEL tiers: their later prepare_store calls must
+        # still cascade what is in the primary (finished ones were dropped above). Their
+        # counters restart at zero: pre-reset jobs are never completed.
         self._processed_jobs_this_step = False
 
     @override
@@ -488,6 +517,17 @@ class TieringOffloadingManager(OffloadingManager):
         stats["tiering_promotions_submitted"] = self._promotions_submitted
         stats["tiering_jobs_failed"] = self._jobs_failed
         return stats
+
+    @override
+    def report_metrics(self, recorder: MetricsRecorder) -> None:
+        """Per-tier lookups, jobs and job samples, and each tier's ``get_stats()`` (the primary's
+        counters come from ``get_stats()``)."""
+        row_bytes = 0
+        if not self._shut_down:
+            view = self._primary.get_kv_memoryview()  # (num_blocks, row_bytes)
+            row_bytes = view.nbytes // max(len(view), 1)
+        misses = int(self._primary.get_stats()["misses"])
+        self._tiering_stats.report(recorder, self._tiers, row_bytes, misses)
 
     @override
     def shutdown(self) -> None:

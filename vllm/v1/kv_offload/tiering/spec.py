@@ -45,6 +45,7 @@ class TieringOffloadingSpec(SharedRegionOffloadingSpec):
     """
 
     _manager: TieringOffloadingManager | None = None
+    SCHEDULER_MAPS_REGION = True  # the secondary tiers copy whole rows through it
 
     @override
     def get_manager(self) -> TieringOffloadingManager:

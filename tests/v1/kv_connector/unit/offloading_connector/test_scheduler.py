@@ -301,10 +301,15 @@ def _preempting_workload(engine: EngineCore) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("flush", [True, False], ids=["flush", "no_flush_control"])
-def test_preemption_flushes_pending_stores(tmp_path: Path, flush: bool) -> None:
+def test_preemption_flushes_pending_stores(
+    tmp_path: Path, flush: bool, scheduling_mode: str
+) -> None:
     log = TransferLog()
-    factory = chaos_factory(min_delay_polls=2, max_delay_polls=2, log=log)
-    config = make_config(tmp_path, num_gpu_blocks=24, cpu_blocks=256)
+    # Under async scheduling fewer preempted requests have a store pending (a request's blocks
+    # fill a step later): a smaller pool and later stores make the negative control bite.
+    delay, gpu_blocks = (8, 20) if scheduling_mode == "async" else (2, 24)
+    factory = chaos_factory(min_delay_polls=delay, max_delay_polls=delay, log=log)
+    config = make_config(tmp_path, num_gpu_blocks=gpu_blocks, cpu_blocks=256)
     with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
         mark_forward(engine, log)

@@ -29,6 +29,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -124,6 +125,16 @@ def is_stale_tmp(name: str, age_s: float, max_age_s: float) -> bool:
         elif not _pid_alive(pid):
             return True
     return age_s >= max_age_s
+
+
+def is_stale_tmp_file(dir_fd: int, name: str, max_age_s: float) -> bool:
+    """Whether ``name`` in ``dir_fd`` is a regular file (not followed if a link) that
+    ``is_stale_tmp`` calls a leftover, its age taken from its mtime; False if it is gone."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and is_stale_tmp(name, time.time() - st.st_mtime, max_age_s)
 
 
 # ---------------------------------------------------------------------------------------------

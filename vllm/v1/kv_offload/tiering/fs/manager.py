@@ -364,6 +364,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             used_bytes=usage.used_bytes,
             block_bytes=self.block_file_size,
             counters=self.stats(),
+            capacity_bytes=usage.max_bytes,
         )
 
     @override

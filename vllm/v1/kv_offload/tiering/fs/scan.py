@@ -38,7 +38,6 @@ import logging
 import os
 import stat
 import threading
-import time
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -47,7 +46,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
-    is_stale_tmp,
+    is_stale_tmp_file,
     open_dir,
     read_header_key,
     unlink_block,
@@ -322,13 +321,7 @@ class RankDirWalker:
                 self._slots.release_inode(removed.st_ino)
 
     def _maybe_remove_tmp(self, dir_fd: int, name: str, stats: ScanStats) -> None:
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode):
-            return
-        if is_stale_tmp(name, time.time() - st.st_mtime, self._stale_tmp_age_s):
+        if is_stale_tmp_file(dir_fd, name, self._stale_tmp_age_s):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dir_fd)
                 stats.tmp_removed += 1

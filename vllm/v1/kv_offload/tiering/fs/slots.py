@@ -41,7 +41,6 @@ import contextlib
 import logging
 import os
 import stat
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,7 +48,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
-    is_stale_tmp,
+    is_stale_tmp_file,
     open_block_dir,
     open_dir,
     read_header_key,
@@ -296,20 +295,15 @@ class CapacitySlots:
         try:
             # Look before grabbing: stale knowledge (an inode number the filesystem reused, a
             # slot freed and claimed again since) must not even briefly take a live slot away.
-            try:
-                st = os.stat(slot_name, dir_fd=sub_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                self._hints.note_free(n)
+            st = self._stat_slot(sub_fd, slot_name, n)
+            if st is None:
                 return False
             if (st.st_ino != ino) if ino is not None else (st.st_nlink > 1):
                 if ino is not None:
                     self._hints.note_taken(n, st.st_ino, seq=self._hints.seq())
                 return False
-            grab = tmp_name(f"g{n:x}", self._writer)
-            try:
-                os.rename(slot_name, grab, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
-            except FileNotFoundError:
-                self._hints.note_free(n)
+            grab = self._grab_slot(sub_fd, slot_name, n)
+            if grab is None:
                 return False
             # From here on this call alone holds the grabbed inode's slot name. It is almost
             # always the inode just looked at; if not (freed and claimed again in between), the
@@ -317,6 +311,25 @@ class CapacitySlots:
             return self._settle_grab(sub_fd, grab, n, ino)
         finally:
             os.close(sub_fd)
+
+    def _stat_slot(self, sub_fd: int, slot_name: str, n: int) -> os.stat_result | None:
+        """``lstat`` of slot ``n``'s name; None, noted free, if it has none."""
+        try:
+            return os.stat(slot_name, dir_fd=sub_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            self._hints.note_free(n)
+            return None
+
+    def _grab_slot(self, sub_fd: int, slot_name: str, n: int) -> str | None:
+        """Rename slot ``n``'s name to a fresh grab name, returned; None, noted free, if it has
+        none (someone else freed it)."""
+        grab = tmp_name(f"g{n:x}", self._writer)
+        try:
+            os.rename(slot_name, grab, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
+        except FileNotFoundError:
+            self._hints.note_free(n)
+            return None
+        return grab
 
     def _settle_grab(self, sub_fd: int, grab: str, n: int | None, ino: int | None) -> bool:
         """Unlink grabbed name ``grab`` (taken from slot ``n``) if it holds ``ino`` (or, ``ino``
@@ -395,18 +408,13 @@ class CapacitySlots:
         except FileNotFoundError:
             return False
         try:
-            try:
-                seen = os.stat(slot_name, dir_fd=sub_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                self._hints.note_free(n)
+            seen = self._stat_slot(sub_fd, slot_name, n)
+            if seen is None:
                 return True  # free already
             if seen.st_nlink > 1 and seen.st_size != self._file_size:
                 return False  # a file still being written: not a victim
-            grab = tmp_name(f"g{n:x}", self._writer)
-            try:
-                os.rename(slot_name, grab, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
-            except FileNotFoundError:
-                self._hints.note_free(n)
+            grab = self._grab_slot(sub_fd, slot_name, n)
+            if grab is None:
                 return True  # free already
             try:
                 st = _fresh_stat(sub_fd, grab)
@@ -535,13 +543,7 @@ class CapacitySlots:
 
     def _recover_leftover(self, sub_fd: int, name: str, stats: SlotWalkStats) -> None:
         """A grab name left by a releaser that died (or a stale one of a live releaser)."""
-        try:
-            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode):
-            return
-        if not is_stale_tmp(name, time.time() - st.st_mtime, self._stale_tmp_age_s):
+        if not is_stale_tmp_file(sub_fd, name, self._stale_tmp_age_s):
             return
         # Its inode is garbage (unlinked), or still live (its block name exists): rehome it.
         self._settle_grab(sub_fd, name, None, None)

@@ -27,6 +27,7 @@ import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import MAX_KEY_BYTES, BlockFileCorrupt, file_size
@@ -151,20 +152,10 @@ class BlockStore:
         if len(key) > MAX_KEY_BYTES:
             self._log(logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key))
             return self._failed("store_failures")
-        path = self._mapper.block_path(key)
-        ticket = self._index.ticket()
-        try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=True)
-        except OSError as e:
-            self._log_os_error("store", key, e)
-            return self._failed("store_failures")
-        try:
-            return self._store_in(leaf_fd, path, key, row, ticket)
-        finally:
-            os.close(leaf_fd)
+        return self._in_leaf_dir("store", key, functools.partial(self._store_in, key, row))
 
     def _store_in(
-        self, leaf_fd: int, path: BlockPath, key: OffloadKey, row: memoryview, ticket: int
+        self, key: OffloadKey, row: memoryview, leaf_fd: int, path: BlockPath, ticket: int
     ) -> bool:
         try:
             st = regular_file_stat(leaf_fd, path.name)
@@ -320,23 +311,10 @@ class BlockStore:
             return self._load(key, row)
 
     def _load(self, key: OffloadKey, row: memoryview) -> bool:
-        path = self._mapper.block_path(key)
-        ticket = self._index.ticket()
-        try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=False)
-        except FileNotFoundError:
-            self._index.observe(key, None, ticket, hot=False)
-            return self._failed("load_failures")
-        except OSError as e:
-            self._log_os_error("load", key, e)
-            return self._failed("load_failures")
-        try:
-            return self._load_in(leaf_fd, key, path, row, ticket)
-        finally:
-            os.close(leaf_fd)
+        return self._in_leaf_dir("load", key, functools.partial(self._load_in, key, row))
 
     def _load_in(
-        self, leaf_fd: int, key: OffloadKey, path: BlockPath, row: memoryview, ticket: int
+        self, key: OffloadKey, row: memoryview, leaf_fd: int, path: BlockPath, ticket: int
     ) -> bool:
         try:
             read_block_file(
@@ -567,6 +545,31 @@ class BlockStore:
 
     def _count(self, name: str) -> None:
         self.count(name)
+
+    def _in_leaf_dir(
+        self,
+        op: Literal["store", "load"],
+        key: OffloadKey,
+        body: Callable[[int, BlockPath, int], bool],
+    ) -> bool:
+        """Return ``body(leaf_fd, path, ticket)``: ``key``'s block path, an index ticket taken
+        before any I/O, and ``path``'s leaf directory, opened (by a store also created) for it and
+        closed after; False, counted as a failure of ``op``, if it cannot be opened. A load
+        finding no directory observes the block as absent instead of logging."""
+        path = self._mapper.block_path(key)
+        ticket = self._index.ticket()
+        try:
+            leaf_fd = open_block_dir(self._rank_fd, path, create=op == "store")
+        except OSError as e:
+            if op == "load" and isinstance(e, FileNotFoundError):
+                self._index.observe(key, None, ticket, hot=False)
+            else:
+                self._log_os_error(op, key, e)
+            return self._failed(f"{op}_failures")
+        try:
+            return body(leaf_fd, path, ticket)
+        finally:
+            os.close(leaf_fd)
 
     def _failed(self, counter: str) -> bool:
         self._count(counter)

@@ -37,7 +37,7 @@ class LoadResult:
 
     Attributes:
         req_id: the request that loaded.
-        num_blocks: offloaded blocks loaded (per group: keys // groups).
+        num_blocks: offloaded blocks the load spans (an SWA group loads only some of them).
         num_tokens: tokens loaded.
         num_promoted_tokens: of those, tokens of blocks this request's lookups found being
             promoted from a secondary tier (rather than being stored by this connector).
@@ -142,15 +142,14 @@ class RequestOffloadState:
         per (re)start).
         """
         block_size = offloaded_block_size
-        num_groups = len(self.offload_keys)
         start_tok, end_tok = job.token_range
         first = start_tok // block_size
-        num_blocks = len(job.keys) // num_groups
+        # Every group's keys of a block, not job.keys: an SWA group loads only its window.
+        num_blocks = -(-end_tok // block_size) - first
         promoted = self.promoted_keys
         promoted_tokens = 0
-        for j in range(num_blocks):
-            if any(job.keys[g * num_blocks + j] in promoted for g in range(num_groups)):
-                i = first + j
+        for i in range(first, first + num_blocks):
+            if any(keys[i] in promoted for keys in self.offload_keys):
                 promoted_tokens += min((i + 1) * block_size, end_tok) - max(
                     i * block_size, start_tok
                 )

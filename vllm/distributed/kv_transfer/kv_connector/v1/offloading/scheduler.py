@@ -13,7 +13,8 @@ It turns the scheduler's decisions into transfer jobs and drives the ``Offloadin
 Nothing else drives the manager's step lifecycle: ``take_events()`` only drains events.
 
 Block geometry (offloaded blocks, their keys, their GPU blocks) is described in
-``request_state``, whose ``RequestOffloadState`` holds what is tracked per request.
+``request_state``, whose ``RequestOffloadState`` holds what is tracked per request; what lookups,
+loads, stores and fences need of full-attention and sliding-window groups, in ``groups``.
 
 Protection of GPU blocks (fencing): ``request_finished`` always returns ``(False, None)``, so the
 engine frees a finished request's GPU blocks at once, even while a store job still reads them.
@@ -33,10 +34,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     JobId,
     OffloadingConnectorMetadata,
@@ -45,26 +46,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferJob,
     TransferSpec,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv_events
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
+    GroupLayout,
+    LookupFn,
+    lookup_hit_end,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
     GPUBlockRef,
     TransferJobStatus,
     TransferJobTable,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
     OffloadingSchedulerMetrics,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
     LoadResult,
     RequestOffloadState,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.stats_collector import (
+    SchedulerStatsCollector,
+)
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
+from vllm.v1.kv_cache_interface import NULL_BLOCK_ID
 from vllm.v1.kv_offload.base import (
     OffloadingManager,
     OffloadKey,
     OffloadPolicy,
     ReqContext,
-    get_offload_block_hash,
-    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
@@ -114,13 +124,23 @@ class OffloadingConnectorScheduler:
                 f"{self.offloaded_block_size}"
             )
         self.hashes_per_block = self.offloaded_block_size // self.hash_block_size
+        # Full-attention and sliding-window groups: what lookups, loads and stores need of each.
+        self.layout = GroupLayout(
+            self.gpu_block_sizes, self.offloaded_block_size, spec.run.sliding_windows
+        )
         self.num_workers: int = spec.run.world_size
         # Blocks holding generated tokens are stored too unless the config says otherwise.
         self.offload_prompt_only: bool = spec.config.offload_prompt_only
 
         self._jobs = TransferJobTable(self.num_workers)
         self._metrics = OffloadingSchedulerMetrics()
+        # Turns the counters above, the manager's and the tiers' into per-step stats.
+        self.stats_collector = SchedulerStatsCollector(spec, self.manager, self._metrics)
         self._req_status: dict[ReqId, RequestOffloadState] = {}
+        # Running requests whose latest prepare_store found no room: offered again at the next
+        # step even when not scheduled in it (under async scheduling a request's last step is
+        # scheduled before the completions that free the room arrive).
+        self._deferred_store_reqs: set[ReqId] = set()
 
         # Per-step buffers, consumed by build_connector_meta.
         self._current_batch_load_jobs: dict[JobId, TransferJob] = {}
@@ -154,35 +174,20 @@ class OffloadingConnectorScheduler:
     # Lookups
     # -----------------------------------------------------------------------------------------
 
-    def _prefix_scan(
-        self, state: RequestOffloadState, keys: Sequence[OffloadKey]
-    ) -> tuple[int, bool]:
-        """Look keys up in order until the first miss.
-
-        Returns:
-            ``(n, deferred)``: ``n`` keys before the first miss answered True or None, and whether
-            any of them answered None (not readable yet). Scanning goes on past a None so that
-            the manager starts promotions and probes for every key that could hit.
-        """
+    def _lookup_fn(self, state: RequestOffloadState) -> LookupFn:
+        """``manager.lookup`` for the request, noting keys found being promoted."""
         ctx = state.req_context
         lookup = self.manager.lookup
-        deferred = False
-        n = 0
-        start = time.perf_counter()
-        try:
-            for key in keys:
-                result = lookup(key, ctx)
-                if result is False:
-                    break
-                if result is None:
-                    deferred = True
-                    if not self._jobs.is_being_stored(key):
-                        state.promoted_keys.add(key)
-                n += 1
-        finally:
-            # One clock read per scan rather than per lookup: this loop is the hot path.
-            self._metrics.manager_seconds += time.perf_counter() - start
-        return n, deferred
+        is_being_stored = self._jobs.is_being_stored
+        promoted = state.promoted_keys
+
+        def lookup_key(key: OffloadKey) -> bool | None:
+            result = lookup(key, ctx)
+            if result is None and not is_being_stored(key):
+                promoted.add(key)
+            return result
+
+        return lookup_key
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -203,6 +208,7 @@ class OffloadingConnectorScheduler:
         state.num_locally_computed_tokens = num_computed_tokens
         state.next_stored_block_idx = 0
         state.expect_fresh_alloc = True
+        self._deferred_store_reqs.discard(request.request_id)  # a restart offers all blocks anew
         block_size = self.offloaded_block_size
         num_blocks = state.extend_offload_keys(self.hashes_per_block)
         if num_blocks * block_size - num_computed_tokens < block_size:
@@ -213,18 +219,26 @@ class OffloadingConnectorScheduler:
             self._metrics.lookups_skipped_after_reset += 1
             return 0, False
 
-        # Blocks served from the GPU prefix cache are used too: keep them warm in every tier.
-        self._metrics.timed(self.manager.touch, state.keys_of(0, num_blocks), state.req_context)
+        # Blocks served from the GPU prefix cache are used too: keep them warm in every tier (an
+        # SWA group only the window's).
+        layout = self.layout
+        touched = [
+            key
+            for g, keys in enumerate(state.offload_keys)
+            for key in keys[layout.touch_start(g, num_blocks) : num_blocks]
+        ]
+        self._metrics.timed(self.manager.touch, touched, state.req_context)
 
         start = num_computed_tokens // block_size
-        limit = num_blocks - start
-        deferred = False
-        for g in range(self.num_groups):
-            n, group_deferred = self._prefix_scan(
-                state, state.offload_keys[g][start : start + limit]
+        t0 = time.perf_counter()
+        try:
+            end, deferred = lookup_hit_end(
+                layout, self._lookup_fn(state), state.offload_keys, start, num_blocks
             )
-            deferred |= group_deferred
-            limit = n
+        finally:
+            # One clock read per lookup rather than per key: this loop is the hot path.
+            self._metrics.manager_seconds += time.perf_counter() - t0
+        limit = end - start
         if deferred:
             self._metrics.deferred_lookups += 1
             return None, False
@@ -233,7 +247,7 @@ class OffloadingConnectorScheduler:
         num_hit_tokens = (start + limit) * block_size - num_computed_tokens
         if num_hit_tokens < block_size:
             return 0, False
-        if self._jobs.any_being_loaded(state.keys_of(start, start + limit)):
+        if self._jobs.any_being_loaded(self.layout.load_keys(state.offload_keys, start, end)):
             # A second request hitting keys being loaded waits for that load to finish.
             self._metrics.deferred_lookups += 1
             return None, False
@@ -267,9 +281,11 @@ class OffloadingConnectorScheduler:
                 first_new = num_local // self.gpu_block_sizes[g]
             else:
                 first_new = len(state.block_ids[g])
-                assert group_blocks[:first_new] == state.block_ids[g], (
-                    f"request {request.request_id}: group {g} blocks changed without a restart"
-                )
+                # The engine may have freed SWA blocks meanwhile (NULL_BLOCK_ID in their place).
+                assert all(
+                    new in (old, NULL_BLOCK_ID)
+                    for new, old in zip(group_blocks[:first_new], state.block_ids[g], strict=True)
+                ), f"request {request.request_id}: group {g} blocks changed without a restart"
             self._current_batch_allocated_blocks.extend((g, b) for b in group_blocks[first_new:])
             state.block_ids[g] = list(group_blocks)
         fresh = state.expect_fresh_alloc
@@ -285,10 +301,8 @@ class OffloadingConnectorScheduler:
             f"block boundary ({block_size})"
         )
         start, end = num_local // block_size, end_tokens // block_size
-        keys = state.keys_of(start, end)
-        gpu_indices = [
-            list(range(num_local // bs, end_tokens // bs)) for bs in self.gpu_block_sizes
-        ]
+        keys = self.layout.load_keys(state.offload_keys, start, end)
+        gpu_indices = self.layout.load_gpu_indices(num_local, end_tokens)
         dst_spec, gpu_refs = state.gpu_spec(gpu_indices)
         src_spec = self._metrics.timed(self.manager.prepare_load, keys, state.req_context)
 
@@ -321,10 +335,14 @@ class OffloadingConnectorScheduler:
                 list(ids) == state.block_ids[g] for g, ids in enumerate(new_req.block_ids)
             ), f"request {new_req.req_id}: scheduled blocks differ from the allocated ones"
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self._req_status[req_id]
+            if self.layout.has_sliding_window:
+                self.layout.skip_freed_blocks(state.block_ids, num_computed)
             if new_block_ids is None:
                 continue
-            state = self._req_status[req_id]
             for g, ids in enumerate(new_block_ids):
                 state.block_ids[g].extend(ids)
                 self._current_batch_allocated_blocks.extend((g, b) for b in ids)
@@ -349,6 +367,11 @@ class OffloadingConnectorScheduler:
         ]
         cached = scheduler_output.scheduled_cached_reqs
         scheduled.extend(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id in self._deferred_store_reqs - scheduler_output.num_scheduled_tokens.keys():
+            retry = self._req_status.get(req_id)
+            if retry is not None and not retry.finished and any(retry.block_ids):
+                scheduled.append((req_id, retry.req.num_computed_tokens))
+        self._deferred_store_reqs.clear()
         for req_id, num_computed in scheduled:
             state = self._req_status[req_id]
             req = state.req
@@ -364,11 +387,12 @@ class OffloadingConnectorScheduler:
             )
             if end <= start:
                 continue
-            keys = state.keys_of(start, end)
+            keys = self.layout.store_keys(state.offload_keys, state.block_ids, start, end)
             output = self._metrics.timed(self.manager.prepare_store, keys, state.req_context)
             if output is None:
                 # Not enough evictable room now; these blocks are offered again next step.
                 self._metrics.deferred_stores += 1
+                self._deferred_store_reqs.add(req_id)
                 continue
             state.next_stored_block_idx = end
             keys_to_store = output.keys_to_store
@@ -398,6 +422,13 @@ class OffloadingConnectorScheduler:
                 gpu_indices[g].extend(range(i * factor, (i + 1) * factor))
             src_spec, gpu_refs = state.gpu_spec(gpu_indices)
             job_id = self._jobs.add_store(req_id, keys_to_store, gpu_refs)
+            if self.layout.has_sliding_window and any(
+                gpu_indices[g] for g in self.layout.swa_groups
+            ):
+                # The engine frees SWA blocks while the request runs: fence them from the start
+                # (the job's full-attention blocks cannot be reallocated before the request
+                # finishes, so fencing them early costs nothing).
+                self._jobs.fence([job_id])
             state.transfer_jobs.add(job_id)
             store_jobs[job_id] = TransferJob(
                 req_id=req_id, transfer_spec=TransferSpec(src_spec, output.store_spec)
@@ -429,8 +460,7 @@ class OffloadingConnectorScheduler:
         self._current_batch_load_jobs = {}
         self._current_batch_allocated_blocks = []
 
-        self._metrics.timed(self.manager.on_schedule_end)
-        self._metrics.schedule_ends += 1
+        self._metrics.timed_schedule_end(self.manager.on_schedule_end)
         return metadata
 
     # -----------------------------------------------------------------------------------------
@@ -439,6 +469,8 @@ class OffloadingConnectorScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Account the workers' reports; complete every job all workers have reported."""
+        if connector_output.kv_connector_stats is not None:
+            self.stats_collector.add_worker_stats(connector_output.kv_connector_stats)
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -461,12 +493,16 @@ class OffloadingConnectorScheduler:
             if not success:
                 metrics.failed_store_jobs += 1
                 metrics.failed_store_blocks += len(job.keys)
+            else:
+                metrics.stored_blocks += len(job.keys)
         else:
             metrics.timed(self.manager.complete_load, job.keys, state.req_context)
             self._load_results.append(state.finish_load(job, self.offloaded_block_size))
             if not success:
                 metrics.failed_load_jobs += 1
                 metrics.failed_load_blocks += len(job.keys)
+            else:
+                metrics.loaded_blocks += len(job.keys)
         state.transfer_jobs.discard(job.job_id)
         if state.finished and not state.transfer_jobs:
             del self._req_status[job.req_id]
@@ -508,31 +544,7 @@ class OffloadingConnectorScheduler:
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Convert the manager's events to KV events. Only drains: no other effect."""
-        events: list[KVCacheEvent] = []
-        for event in self.manager.take_events():
-            by_group: dict[int, list[bytes]] = {}
-            for key in event.keys:
-                by_group.setdefault(get_offload_group_idx(key), []).append(
-                    get_offload_block_hash(key)
-                )
-            for group_idx, hashes in by_group.items():
-                if event.removed:
-                    events.append(
-                        BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group_idx)
-                    )
-                else:
-                    events.append(
-                        BlockStored(
-                            block_hashes=hashes,
-                            parent_block_hash=None,
-                            token_ids=[],
-                            block_size=self.offloaded_block_size,
-                            lora_id=None,
-                            medium=event.medium,
-                            group_idx=group_idx,
-                        )
-                    )
-        return events
+        return to_kv_events(self.manager.take_events(), self.offloaded_block_size)
 
     def reset_cache(self) -> None:
         """Drop everything offloaded; jobs in flight are flushed and their completions ignored.
@@ -575,6 +587,10 @@ class OffloadingConnectorScheduler:
         two ranks counts twice; bytes are the total moved).
         """
         return self._metrics.as_dict(len(self._jobs), self.manager.get_stats())
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """Stats since the last call, the workers' included (see ``stats_collector``)."""
+        return self.stats_collector.collect(len(self._jobs))
 
     def shutdown(self) -> None:
         """Shut the manager down."""
