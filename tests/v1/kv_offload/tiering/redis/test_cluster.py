@@ -25,7 +25,7 @@ def test_blocks_spread_over_masters_and_a_dead_master_only_loses_its_slots(
     writer.manager.on_new_request(ctx)
     for start in range(0, NUM_KEYS, 6):  # the CPU tier holds 8 blocks
         writer.store(keys[start : start + 6], ctx)
-    assert writer.tier.get_stats().counters["blocks_stored"] == NUM_KEYS
+    assert writer.tier.get_stats().counters["blocks_written"] == NUM_KEYS
     # Where each block lives: every master holds some.
     owner: dict[bytes, int] = {}
     for n, node in enumerate(cluster.nodes):

@@ -222,7 +222,7 @@ def test_queued_stores_run_as_one_batch_with_outcomes_per_job(
     tier.submit_store(_job(3, keys[3:6], [3, 4, 5], load=False))
     assert _collect(engine, {1, 2, 3}) == {1: True, 2: True, 3: True}
     counters = tier.get_stats().counters
-    assert counters["blocks_stored"] == 6 and counters["store_failures"] == 0
+    assert counters["blocks_written"] == 6 and counters["store_failures"] == 0
     rows[7] = 0
     tier.submit_load(_job(4, keys[1:2], [7], load=True))
     assert _collect(engine, {4}) == {4: True}

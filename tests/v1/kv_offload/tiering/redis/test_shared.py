@@ -19,7 +19,7 @@ def test_what_a_stored_b_finds_promotes_bit_exact(
     writer, reader = ReqContext("writer"), ReqContext("reader")
     a.manager.on_new_request(writer)
     a.store(keys, writer)
-    assert a.tier.get_stats().counters["blocks_stored"] == 6
+    assert a.tier.get_stats().counters["blocks_written"] == 6
     b.manager.on_new_request(reader)
     assert b.promote(keys, reader) == [True] * 6
     b.assert_cpu_holds(keys, reader)

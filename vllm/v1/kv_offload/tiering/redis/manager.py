@@ -174,8 +174,9 @@ class RedisSecondaryTier(SecondaryTierManager):
             counters=self._counters,
             name=self._name,
         )
-        # Server figures for get_stats, replaced whole by the health thread.
-        self._server_figures = (0, 0)
+        # Server figures for get_stats (keys, used memory, maxmemory or 0), replaced whole by
+        # the health thread.
+        self._server_figures = (0, 0, 0)
         # Scheduler thread only: jobs submitted and not yet reported.
         self._jobs: dict[int, JobMetadata] = {}
         self._closed = False
@@ -245,15 +246,17 @@ class RedisSecondaryTier(SecondaryTierManager):
 
     @override
     def get_stats(self) -> TierStats:
-        """Keys and memory of the server (refreshed every few seconds in the background; on a
-        dedicated server, the blocks), one value's size, and ``stats()``."""
-        num_keys, used_memory = self._server_figures
+        """Keys, used memory and ``maxmemory`` (None if unlimited) of the server, refreshed every
+        few seconds in the background (on a dedicated server the keys are the blocks), one
+        value's size, and ``stats()``."""
+        num_keys, used_memory, maxmemory = self._server_figures
         return TierStats(
             tier_type=self.tier_type,
             num_blocks=num_keys,
             used_bytes=used_memory,
             block_bytes=self.value_bytes,
             counters=self.stats(),
+            capacity_bytes=maxmemory or None,
         )
 
     @override
@@ -464,8 +467,9 @@ class RedisSecondaryTier(SecondaryTierManager):
             if is_unreachable(e):
                 raise
             return
-        if "used_memory" in info:
-            used = int(info["used_memory"])
-        else:  # the cluster client answers per node
-            used = sum(int(node.get("used_memory", 0)) for node in info.values())
-        self._server_figures = (num_keys, used)
+        nodes = [info] if "used_memory" in info else list(info.values())  # cluster: per node
+        used = sum(int(node.get("used_memory", 0)) for node in nodes)
+        maxmemory = sum(int(node.get("maxmemory", 0)) for node in nodes)
+        if any(int(node.get("maxmemory", 0)) == 0 for node in nodes):
+            maxmemory = 0  # a node without a limit: the tier is unbounded
+        self._server_figures = (num_keys, used, maxmemory)

@@ -49,9 +49,9 @@ server holds a pipeline's replies in its output buffer until they are read, unbo
 clients, so a round is kept small; 16 values of 2 MiB already reach full speed."""
 
 COUNTER_NAMES = (
-    "blocks_stored",
+    "blocks_written",
     "blocks_skipped",
-    "bytes_stored",
+    "bytes_written",
     "blocks_loaded",
     "bytes_loaded",
     "server_misses",
@@ -64,7 +64,9 @@ COUNTER_NAMES = (
     "lookups",
     "lookup_hits",
 )
-"""The tier's cumulative counters (``get_stats().counters``); see docs/redis_tier.md."""
+"""The tier's cumulative counters (``get_stats().counters``); see docs/redis_tier.md. Those the fs
+tier also keeps have its names (``blocks_written``, ``blocks_loaded``, ...), which the metrics
+(``metrics.report_tier_stats``) and the run report read."""
 
 
 class Counters:
@@ -199,7 +201,7 @@ class BlockTransfer:
         replies = self._router.execute(rkeys, add)
         errors = [r for r in replies if isinstance(r, Exception)]
         stored = len(replies) - len(errors)
-        self._counters.add(blocks_stored=stored, bytes_stored=stored * self._value_bytes)
+        self._counters.add(blocks_written=stored, bytes_written=stored * self._value_bytes)
         if not errors:
             return []
         self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
