@@ -86,7 +86,7 @@ _SECONDARY = (
         REDIS_TIER_TYPE,
         Direction.CPU_TO_REDIS,
         Direction.REDIS_TO_CPU,
-        "blocks_stored",
+        "blocks_written",
         ("stores_dropped",),
         ("server_misses", "corrupt_removed"),
     ),
