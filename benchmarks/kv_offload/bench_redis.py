@@ -31,7 +31,6 @@ loopback port and stops it at the end.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import shutil
@@ -47,12 +46,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import redis
+from _common import bench_keys, bench_spec
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.sizes import parse_size
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
@@ -112,27 +109,6 @@ def own_server() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _spec(block_bytes: int, num_blocks: int) -> CPUOffloadingSpec:
-    run = KVCacheRunInfo(
-        model_name="bench/model",
-        dtype="float16",
-        kv_layout="cross_layer",
-        num_layers=32,
-        num_kv_heads=8,
-        head_size=128,
-        gpu_block_sizes=(16,),
-        gpu_kv_bytes_per_block=block_bytes,
-    )
-    return CPUOffloadingSpec(OffloadingConfig(cpu_bytes_to_use=num_blocks * block_bytes), run)
-
-
-def _keys(num_blocks: int, salt: str) -> list[OffloadKey]:
-    return [
-        make_offload_key(hashlib.sha256(f"{salt}:{i}".encode()).digest(), 0)
-        for i in range(num_blocks)
-    ]
-
-
 def _jobs(
     keys: list[OffloadKey], per_job: int, first_id: int, *, load: bool, row_offset: int = 0
 ) -> list[JobMetadata]:
@@ -169,12 +145,16 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
     rows = np.frombuffer(mm, dtype=np.uint8).reshape(2 * n, block_bytes)
     rows[:n] = np.random.default_rng(0).integers(0, 256, (n, block_bytes), dtype=np.uint8)
     tier = RedisSecondaryTier(
-        _spec(block_bytes, 2 * n), view, "redis", url=url, max_inflight_bytes=2 * n * block_bytes
+        bench_spec(block_bytes, 2 * n),
+        view,
+        "redis",
+        url=url,
+        max_inflight_bytes=2 * n * block_bytes,
     )
     client = tier.client
     assert isinstance(client, redis.Redis)
     flat = view.cast("B")
-    keys = _keys(n, "tier")
+    keys = bench_keys(n, "tier")
     raw_keys = [f"raw:{i}".encode() for i in range(n)]
     # The raw pipelines carry what one tier job carries (a job is one round trip when it fits).
     per_round = max(1, min(per_job, MAX_ROUND_BYTES // (HEADER_SIZE + block_bytes)))

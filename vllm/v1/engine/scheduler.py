@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -39,17 +39,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connecto
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import PromotedBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.load_accounting import (
+    BlockVerifier,
+    account_promoted,
+    count_verified_promoted,
+    verify_finished,
+)
 from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
-from vllm.v1.engine.stats import SECONDARY, EngineStats
+from vllm.v1.engine.stats import EngineStats
 from vllm.v1.request import Request, RequestStatus
 
 __all__ = ["BlockVerifier", "ModelRunnerOutput", "RequestOutput", "Scheduler"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-
-BlockVerifier = Callable[[Request, Mapping[int, list[tuple[int, int]]], int], dict[int, set[int]]]
-"""``(request, {group: [(logical_idx, gpu_block_id)]}, num_tokens) -> {group: bad block ids}``."""
 
 
 @dataclass
@@ -505,7 +508,7 @@ class Scheduler:
                 },
                 min(valid_tokens, request.num_tokens - 1),
             )
-            self._count_verified_promoted(promoted, valid_tokens)
+            count_verified_promoted(self.stats, kv.block_sizes, promoted, valid_tokens)
             mismatched = self.block_verifier(request, checkable, valid_tokens)
             num_checked = sum(len(p) for p in checkable.values())
             self.stats.blocks_loaded_verified += num_checked
@@ -529,51 +532,15 @@ class Scheduler:
         self._loaded.add(req_id)
         self.stats.tokens_load_failed += end - valid_tokens
         served = max(num_computed - num_local, 0)
-        from_secondary = self._account_promoted(promoted, num_local, num_computed)
+        from_secondary = account_promoted(self.stats, promoted, num_local, num_computed)
         self.stats.tokens_from_secondary += from_secondary
         self.stats.tokens_from_cpu += served - from_secondary
-
-    def _account_promoted(
-        self, promoted: Sequence[PromotedBlock], num_local: int, num_computed: int
-    ) -> int:
-        """Attribute the served tokens of promoted blocks to their tiers; return their sum.
-
-        Only tokens in ``[num_local, num_computed)`` were served (the rest failed, did not
-        verify, or is the last prompt token, which is always recomputed).
-        """
-        stats = self.stats
-        total = 0
-        for block in promoted:
-            n = max(0, min(block.end_token, num_computed) - max(block.start_token, num_local))
-            if not n:
-                continue
-            total += n
-            tier = block.tier or SECONDARY
-            stats.tokens_from_tier[tier] = stats.tokens_from_tier.get(tier, 0) + n
-            origins = stats.served_not_stored_here
-            if origins is not None and block.stored_here is False:
-                origins[(tier, block.key)] = origins.get((tier, block.key), 0) + n
-        return total
-
-    def _count_verified_promoted(self, promoted: Sequence[PromotedBlock], end: int) -> None:
-        # The GPU blocks of promoted offloaded blocks below ``end`` are checked with the rest
-        # of the load: count them per tier, so a report can show that they were.
-        by_tier = self.stats.blocks_verified_by_tier
-        for block in promoted:
-            hi = min(block.end_token, end)
-            n = sum(
-                len(range(-(-block.start_token // bs) * bs, hi, bs))
-                for bs in self.kv_cache_manager.block_sizes
-            )
-            if n:
-                tier = block.tier or SECONDARY
-                by_tier[tier] = by_tier.get(tier, 0) + n
 
     def _free_request(self, request: Request, delay_free: bool = False) -> None:
         """Tell the connector, then free the request's GPU blocks (unless a load writes them)."""
         req_id = request.request_id
         if self.block_verifier is not None and not delay_free:
-            self._verify_finished(request)
+            verify_finished(self.block_verifier, self.kv_cache_manager, self.stats, request)
         if self.connector is not None:
             self._timed(self.connector.request_finished, request)
         if delay_free:
@@ -585,22 +552,6 @@ class Scheduler:
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
         self.stats.requests_finished += 1
-
-    def _verify_finished(self, request: Request) -> None:
-        assert self.block_verifier is not None
-        kv = self.kv_cache_manager
-        blocks = kv.get_block_ids(request.request_id)
-        num_tokens = request.num_computed_tokens
-        pairs = kv.window_pairs(
-            {
-                g: [(i, b) for i, b in enumerate(blocks[g]) if i * bs < num_tokens]
-                for g, bs in enumerate(kv.block_sizes)
-            },
-            0,
-        )
-        mismatched = self.block_verifier(request, pairs, num_tokens)
-        self.stats.blocks_verified += sum(len(p) for p in pairs.values())
-        self.stats.verification_failures += sum(len(b) for b in mismatched.values())
 
     def drain_events(self) -> None:
         """Drain the connector's KV events into the event sink (no other effect)."""

@@ -5,14 +5,16 @@ the server, the tier recovers by itself, and shutdown never hangs."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from tests.v1.kv_offload.tiering.redis.conftest import ROW_BYTES, Engine, key_of, pattern
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 
 SCHEDULER_CALL_LIMIT_S = 0.05
@@ -20,7 +22,7 @@ SCHEDULER_CALL_LIMIT_S = 0.05
 2-core box)."""
 
 
-def _job(job_id: int, keys: list[bytes], rows: list[int], *, load: bool) -> JobMetadata:
+def _job(job_id: int, keys: Sequence[bytes], rows: list[int], *, load: bool) -> JobMetadata:
     return JobMetadata(job_id, keys, np.array(rows, dtype=np.int64), load, ReqContext("t"))  # type: ignore[arg-type]
 
 
@@ -33,17 +35,27 @@ def _collect(engine: Engine, ids: set[int], timeout_s: float = 20.0) -> dict[int
     return {r.job_id: r.success for r in results}
 
 
+def _seeded_engine(
+    tmp_path: Path, url: str, engines: list[Engine], num_keys: int
+) -> tuple[Engine, npt.NDArray[np.uint8], list[OffloadKey]]:
+    """An engine (shut down by the ``engines`` fixture) whose rows ``i`` hold ``key_of(i)``'s
+    pattern for ``i < num_keys``; returns it, its rows and those keys."""
+    engine = Engine(tmp_path / "e", url)
+    engines.append(engine)
+    rows = engine.rows
+    assert rows is not None
+    keys = [key_of(i) for i in range(num_keys)]
+    for i, key in enumerate(keys):
+        rows[i] = pattern(key)
+    return engine, rows, keys
+
+
 @pytest.mark.slow
 def test_server_killed_mid_run_and_restarted(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine = Engine(tmp_path / "e", server.url)
-    engines.append(engine)
-    tier, rows = engine.tier, engine.rows
-    assert rows is not None
-    keys = [key_of(i) for i in range(8)]
-    for i, key in enumerate(keys):
-        rows[i] = pattern(key)
+    engine, rows, keys = _seeded_engine(tmp_path, server.url, engines, 8)
+    tier = engine.tier
     tier.submit_store(_job(1, keys[:4], [0, 1, 2, 3], load=False))
     assert _collect(engine, {1}) == {1: True}
     # Jobs in flight when the server dies: a big store and a load.
@@ -81,13 +93,8 @@ def test_server_killed_mid_run_and_restarted(
 def test_client_pause_never_blocks_the_scheduler_thread(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine = Engine(tmp_path / "e", server.url)
-    engines.append(engine)
-    tier, rows = engine.tier, engine.rows
-    assert rows is not None
-    keys = [key_of(i) for i in range(4)]
-    for i, key in enumerate(keys):
-        rows[i] = pattern(key)
+    engine, _, keys = _seeded_engine(tmp_path, server.url, engines, 4)
+    tier = engine.tier
     admin = server.client()
     admin.client_pause(3000)  # every other client's commands wait 3 s
     t_pause = time.monotonic()
@@ -139,13 +146,7 @@ def test_maxmemory_noeviction_fails_stores_cleanly(tmp_path: Path, engines: list
         tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
     )
     try:
-        engine = Engine(tmp_path / "e", server.url)
-        engines.append(engine)
-        rows = engine.rows
-        assert rows is not None
-        keys = [key_of(i) for i in range(8)]
-        for i, key in enumerate(keys):
-            rows[i] = pattern(key)
+        engine, rows, keys = _seeded_engine(tmp_path, server.url, engines, 8)
         engine.tier.submit_store(_job(1, keys, list(range(8)), load=False))
         assert _collect(engine, {1}) == {1: False}
         counters = engine.tier.get_stats().counters
@@ -169,13 +170,8 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         tmp_path / "lru", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"
     )
     try:
-        engine = Engine(tmp_path / "e", server.url)
-        engines.append(engine)
-        tier, rows = engine.tier, engine.rows
-        assert rows is not None
-        first = [key_of(i) for i in range(4)]
-        for i, key in enumerate(first):
-            rows[i] = pattern(key)
+        engine, rows, first = _seeded_engine(tmp_path, server.url, engines, 4)
+        tier = engine.tier
         tier.submit_store(_job(1, first, [0, 1, 2, 3], load=False))
         assert _collect(engine, {1}) == {1: True}
         ctx = ReqContext("r")
@@ -208,13 +204,8 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
 def test_queued_stores_run_as_one_batch_with_outcomes_per_job(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine = Engine(tmp_path / "e", server.url)
-    engines.append(engine)
-    tier, rows = engine.tier, engine.rows
-    assert rows is not None
-    keys = [key_of(i) for i in range(6)]
-    for i, key in enumerate(keys):
-        rows[i] = pattern(key)
+    engine, rows, keys = _seeded_engine(tmp_path, server.url, engines, 6)
+    tier = engine.tier
     # Three jobs queued together; one key is in two of them (rows 1 and 6 hold the same block).
     rows[6] = pattern(keys[1])
     tier.submit_store(_job(1, keys[:2], [0, 1], load=False))

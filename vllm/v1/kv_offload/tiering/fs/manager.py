@@ -51,10 +51,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
     ReqContext,
-    RequestOffloadingContext,
     TierStats,
 )
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
 from vllm.v1.kv_offload.tiering.fs.block_jobs import JobRecord, block_tasks
@@ -68,6 +67,11 @@ from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket, scan_rank_dir
 from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
 from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+from vllm.v1.kv_offload.tiering.tier_plumbing import (
+    AsyncLookupTier,
+    check_job_rows,
+    primary_view_rows,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
@@ -78,7 +82,7 @@ STORAGE_MEDIUM = "STORAGE"
 """Medium name of the filesystem tier in ``OffloadingEvent.medium``."""
 
 
-class FileSystemSecondaryTier(SecondaryTierManager):
+class FileSystemSecondaryTier(AsyncLookupTier):
     """A secondary tier that keeps each block in a file under ``root_dir``.
 
     Ownership: the tier borrows the primary view until ``shutdown()``; it reads a row only while
@@ -150,13 +154,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             max_read_failures=max_read_failures,
         )
         view = primary_kv_view
-        shape = view.shape or ()
-        if view.format != "B" or len(shape) != 2 or not view.c_contiguous or shape[1] <= 0:
-            raise ValueError(
-                "fs tier: the primary view must be a C-contiguous memoryview of format 'B' and "
-                f"shape (num_blocks, row_bytes), got format {view.format!r}, shape {shape}"
-            )
-        self._num_rows, self._row_bytes = shape
+        self._num_rows, self._row_bytes = primary_view_rows(view, "fs")
         if config.max_bytes is not None and config.max_bytes < file_size(self._row_bytes):
             raise ValueError(
                 f"fs tier: max_bytes={config.max_bytes} is smaller than one block file "
@@ -333,10 +331,6 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         file already on disk."""
         return self.wait_for_scan(timeout_s) is not None
 
-    def wait_lookups_idle(self, timeout: float | None = None) -> bool:
-        """Block until the lookup thread processed every flushed batch (tests)."""
-        return self._lookups.wait_idle(timeout)
-
     @override
     def __repr__(self) -> str:
         return f"FileSystemSecondaryTier({self._run_dir.rank_dir!r}, o_direct={self._o_direct})"
@@ -391,21 +385,8 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         self._pool.wait_idle()
 
     @override
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
-    @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._index.touch(keys)
-
-    @override
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookups.cleanup(req_context.req_id)
-
-    @override
-    def on_schedule_end(self) -> None:
-        """Post this step's lookups to the lookup thread as one batch."""
-        self._lookups.flush()
 
     @override
     def has_pending_work(self) -> bool:
@@ -472,12 +453,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
 
     def _new_record(self, job: JobMetadata) -> JobRecord:
         assert job.job_id not in self._jobs, f"fs tier: job {job.job_id} submitted twice"
-        if len(job.block_ids):
-            lo, hi = int(job.block_ids.min()), int(job.block_ids.max())
-            assert lo >= 0 and hi < self._num_rows, (
-                f"fs tier: job {job.job_id} names primary rows [{lo}, {hi}] outside "
-                f"[0, {self._num_rows})"
-            )
+        check_job_rows(job, self._num_rows, "fs")
         return JobRecord(is_promotion=job.is_promotion)
 
     def _submit(self, job: JobMetadata, record: JobRecord, *, is_load: bool) -> None:

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, RequestOffloadingContext, TierStats
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, TierStats
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs.file_mapper import (
     DIGEST_HEX_CHARS,
@@ -53,6 +53,11 @@ from vllm.v1.kv_offload.tiering.redis.client import (
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, HealthThread
 from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
+from vllm.v1.kv_offload.tiering.tier_plumbing import (
+    AsyncLookupTier,
+    check_job_rows,
+    primary_view_rows,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
@@ -86,7 +91,7 @@ class _RedisLookups(AsyncLookupManager):
         return self._tier._probe(groups)
 
 
-class RedisSecondaryTier(SecondaryTierManager):
+class RedisSecondaryTier(AsyncLookupTier):
     """A secondary tier that keeps each block as one Redis value.
 
     Ownership: the tier borrows the primary view until ``shutdown()``; its I/O thread reads a row
@@ -136,13 +141,7 @@ class RedisSecondaryTier(SecondaryTierManager):
             max_inflight_bytes=max_inflight_bytes,
         )
         view = primary_kv_view
-        shape = view.shape or ()
-        if view.format != "B" or len(shape) != 2 or not view.c_contiguous or shape[1] <= 0:
-            raise ValueError(
-                "redis tier: the primary view must be a C-contiguous memoryview of format 'B' "
-                f"and shape (num_blocks, row_bytes), got format {view.format!r}, shape {shape}"
-            )
-        self._num_rows, self._row_bytes = shape
+        self._num_rows, self._row_bytes = primary_view_rows(view, "redis")
         self.value_bytes = HEADER_SIZE + self._row_bytes
         if config.max_inflight_bytes < self.value_bytes:
             raise ValueError(
@@ -240,10 +239,6 @@ class RedisSecondaryTier(SecondaryTierManager):
         counters["breaker_trips"] = self._breaker.trips
         return counters
 
-    def wait_lookups_idle(self, timeout: float | None = None) -> bool:
-        """Block until the lookup thread processed every flushed batch (tests)."""
-        return self._lookups.wait_idle(timeout)
-
     @override
     def get_stats(self) -> TierStats:
         """Keys, used memory and ``maxmemory`` (None if unlimited) of the server, refreshed every
@@ -323,19 +318,6 @@ class RedisSecondaryTier(SecondaryTierManager):
             self._cond.wait_for(lambda: not (self._loads or self._stores or self._running))
 
     @override
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
-    @override
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookups.cleanup(req_context.req_id)
-
-    @override
-    def on_schedule_end(self) -> None:
-        """Post this step's lookups to the lookup thread as one batch."""
-        self._lookups.flush()
-
-    @override
     def has_pending_work(self) -> bool:
         with self._cond:
             return bool(self._loads or self._stores or self._running)
@@ -369,12 +351,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         assert job.job_id not in self._jobs, f"redis tier: job {job.job_id} submitted twice"
         if self._closed:
             raise RuntimeError("redis tier: submit after shutdown")
-        if len(job.block_ids):
-            lo, hi = int(job.block_ids.min()), int(job.block_ids.max())
-            assert lo >= 0 and hi < self._num_rows, (
-                f"redis tier: job {job.job_id} names primary rows [{lo}, {hi}] outside "
-                f"[0, {self._num_rows})"
-            )
+        check_job_rows(job, self._num_rows, "redis")
         self._jobs[job.job_id] = job
 
     def _io_loop(self) -> None:

@@ -27,7 +27,7 @@ reported, even if the request is aborted.
 The books of the jobs in flight (ids, worker reports, the fence index, the jobs issued before a
 ``reset_cache``) are kept by a ``jobs.TransferJobTable``, the statistics by a
 ``metrics.OffloadingSchedulerMetrics``; which requests and GPU blocks a step's store jobs cover is
-computed by ``store_jobs``.
+computed by ``store_jobs``; completing a reported job, by ``completions``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferJob,
     TransferSpec,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.completions import complete_job
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
@@ -474,28 +475,11 @@ class OffloadingConnectorScheduler:
     def _finish_job(self, job: TransferJobStatus) -> None:
         """Complete a job every worker reported (the table returns each exactly once)."""
         state = self._req_status[job.req_id]
-        success = job.success
-        metrics = self._metrics
-        if job.is_store:
-            self._metrics.timed(self.manager.complete_store, job.keys, state.req_context, success)
-            if success and self.stored_keys is not None:
-                self.stored_keys.update(job.keys)
-            if not success:
-                metrics.failed_store_jobs += 1
-                metrics.failed_store_blocks += len(job.keys)
-            else:
-                metrics.stored_blocks += len(job.keys)
-        else:
-            metrics.timed(self.manager.complete_load, job.keys, state.req_context)
-            self._load_results.append(
-                state.finish_load(job, self.offloaded_block_size, self.stored_keys)
-            )
-            if not success:
-                metrics.failed_load_jobs += 1
-                metrics.failed_load_blocks += len(job.keys)
-            else:
-                metrics.loaded_blocks += len(job.keys)
-        state.transfer_jobs.discard(job.job_id)
+        result = complete_job(
+            job, state, self.manager, self._metrics, self.offloaded_block_size, self.stored_keys
+        )
+        if result is not None:
+            self._load_results.append(result)
         if state.finished and not state.transfer_jobs:
             del self._req_status[job.req_id]
 
