@@ -28,44 +28,11 @@ from vllm.entrypoints.cli.fleet import cross_instance_tokens, route
 from vllm.entrypoints.cli.main import main
 from vllm.entrypoints.cli.report import redact_url
 
-REPO = Path(__file__).resolve().parents[3]
+from .workload_args import REPO, command_env, workload_args
 
 # Documents asked for by several sessions: with turns routed round-robin, an instance often gets
 # a document another instance read (and stored in redis) before.
-FLEET = [
-    "--workload",
-    "documents",
-    "--num-clients",
-    "2",
-    "--num-sessions",
-    "10",
-    "--turns",
-    "3",
-    "--document-tokens",
-    "256",
-    "--num-documents",
-    "4",
-    "--turn-tokens",
-    "16",
-    "--output-tokens",
-    "3",
-    "--think-time",
-    "0.001",
-    "--num-layers",
-    "2",
-    "--head-size",
-    "16",
-    "--gpu-blocks",
-    "24",
-    "--max-num-seqs",
-    "3",
-    "--max-num-batched-tokens",
-    "64",
-    "--cpu-bytes",
-    "128KiB",
-    "--timeout",
-    "300",
-]
+FLEET = workload_args(clients=2, sessions=10, think_time=0.001, timeout=300, turns=3)
 
 
 @pytest.fixture
@@ -231,7 +198,7 @@ def _cmdline(pid: int) -> str:
 
 def _start_fleet(tmp_path: Path, url: str) -> tuple[subprocess.Popen[str], dict[int, str]]:
     """The command in a session of its own, once its offloaded run started; and its children."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = command_env(tmp_path)
     # Interrupted as soon as the offloaded run starts: a workload longer than that is enough.
     args = [*FLEET, "--num-sessions", "40", "--think-time", "0.01", "--no-progress"]
     args += ["--redis-url", url, "--engines", "2"]

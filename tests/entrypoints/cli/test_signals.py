@@ -16,7 +16,6 @@ exactly as ``SIGINT`` does.
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
@@ -27,51 +26,18 @@ from pathlib import Path
 
 import pytest
 
-import vllm
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-REPO_ROOT = Path(vllm.__file__).resolve().parents[1]
+from .workload_args import command_env, workload_args
+
 MARKER_TIMEOUT_S = 120.0
 
 # A small run; --think-time keeps the offload run going for a few seconds, so a signal sent
 # right after its regions exist arrives mid-run.
 ARGS = [
     "run",
-    "--workload",
-    "documents",
-    "--num-clients",
-    "1",
-    "--num-sessions",
-    "8",
-    "--turns",
-    "2",
-    "--document-tokens",
-    "256",
-    "--num-documents",
-    "2",
-    "--turn-tokens",
-    "16",
-    "--output-tokens",
-    "3",
-    "--think-time",
-    "0.2",
-    "--num-layers",
-    "2",
-    "--head-size",
-    "16",
-    "--block-size",
-    "16",
-    "--gpu-blocks",
-    "24",
-    "--max-num-seqs",
-    "3",
-    "--max-num-batched-tokens",
-    "64",
-    "--cpu-bytes",
-    "128KiB",
+    *workload_args(clients=1, sessions=8, think_time=0.2, timeout=120, documents=2),
     "--no-progress",
-    "--timeout",
-    "120",
 ]
 
 # Runs the command with the region directory redirected and the reporting/stopping hooks.
@@ -154,12 +120,9 @@ class Child:
     def __init__(self, tmp_path: Path, stop_at: str, *extra: str) -> None:
         self.region_dir = tmp_path / "shm"
         self.region_dir.mkdir()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-            "KVO_TEST_REGION_DIR": str(self.region_dir),
-            "KVO_TEST_STOP_AT": stop_at,
-        }
+        env = command_env(
+            tmp_path, KVO_TEST_REGION_DIR=str(self.region_dir), KVO_TEST_STOP_AT=stop_at
+        )
         tiers = list(extra) if "--no-fs" in extra else ["--fs-root", str(tmp_path / "fs"), *extra]
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WRAPPER, *ARGS, *tiers],

@@ -9,7 +9,6 @@ would wrap and leave its first part behind, which is exactly what a user saw bef
 from __future__ import annotations
 
 import io
-import os
 import re
 import shutil
 import subprocess
@@ -24,23 +23,11 @@ pexpect = pytest.importorskip("pexpect", reason="pexpect (test extra) is not ins
 pyte = pytest.importorskip("pyte", reason="pyte (test extra) is not installed")
 from wcwidth import wcswidth  # noqa: E402  (pyte's dependency)
 
-from .workload_args import TINY_WORKLOAD  # noqa: E402
+from .workload_args import command_env, workload_args  # noqa: E402
 
 COLUMNS = 80
-REPO = Path(__file__).resolve().parents[3]
-
 # A small workload (a few seconds per run on a 2-core CPU) that still uses both tiers.
-SMALL = [
-    *TINY_WORKLOAD,
-    "--num-clients",
-    "2",
-    "--num-sessions",
-    "12",
-    "--think-time",
-    "0.01",
-    "--timeout",
-    "300",
-]
+SMALL = workload_args(clients=2, sessions=12, think_time=0.01, timeout=300)
 # Long enough to be interrupted in the middle of the offloaded run.
 LONG = [*SMALL, "--num-sessions", "150", "--think-time", "0.05"]
 
@@ -55,9 +42,9 @@ def tmp_path() -> Iterator[Path]:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = command_env(tmp_path)
+    for name in ("COLUMNS", "LINES"):
+        env.pop(name, None)
     return env
 
 

@@ -58,7 +58,8 @@ from vllm.entrypoints.cli.report import (
     TransferFigures,
     token_shares,
 )
-from vllm.entrypoints.cli.run import REDIS_TIER_TYPE, ClientLog, serve_clients, tick
+from vllm.entrypoints.cli.run import ClientLog, serve_clients, tick
+from vllm.entrypoints.cli.run_figures import REDIS_TIER_TYPE
 from vllm.entrypoints.cli.workloads import Session, Workload
 from vllm.v1.engine.async_llm import GenerateOutput
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion

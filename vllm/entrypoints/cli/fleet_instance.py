@@ -39,13 +39,12 @@ from typing import Any
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
 from vllm.entrypoints.cli.options import RunOptions
 from vllm.entrypoints.cli.report import FsTierState, RunResult, redact_url
-from vllm.entrypoints.cli.run import (
-    IDLE_TIMEOUT_S,
+from vllm.entrypoints.cli.run import IDLE_TIMEOUT_S, engine_config
+from vllm.entrypoints.cli.run_figures import (
     StepSampler,
-    _fill,
-    _fs_usage_after_scan,
-    _snapshot,
-    engine_config,
+    fill_result,
+    fs_usage_after_scan,
+    snapshot_engine,
 )
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineCore
@@ -121,7 +120,7 @@ class _Instance:
         async with AsyncLLM(engine, step_callback=sampler) as llm:
             try:
                 if result.fs is not None:
-                    files, size = await llm.call(_fs_usage_after_scan)
+                    files, size = await llm.call(fs_usage_after_scan)
                     result.fs.files_at_start, result.fs.bytes_at_start = files, size
                 self.send(
                     (
@@ -155,7 +154,7 @@ class _Instance:
                     raise RuntimeError(
                         f"transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the last output"
                     ) from None
-                snapshot = await llm.call(_snapshot)
+                snapshot = await llm.call(snapshot_engine)
             finally:
                 for task in requests.values():
                     task.cancel()
@@ -164,7 +163,7 @@ class _Instance:
         result.samples = sampler.samples
         result.overhead_us = sampler.overhead_us
         result.worker_overhead_us = sampler.worker_overhead_us
-        _fill(result, snapshot, opts)
+        fill_result(result, snapshot, opts)
         result.check_accounting()
         origins = snapshot.engine_stats.served_not_stored_here or {}
         self.send(("result", result, snapshot.stored_keys, origins))

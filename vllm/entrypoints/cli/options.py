@@ -1,8 +1,9 @@
-"""Options of ``vllm-kv-offload run``: argparse definitions, value parsers and validation.
+"""Options of ``vllm-kv-offload run``: argparse definitions and validation.
 
 The options are declared as a table: one ``_Option`` row per flag, one function per concern
 (workload, model stand-in and engine, CPU tier, fs tier, output), each becoming an argparse
-argument group of ``--help``.
+argument group of ``--help``. The values' parsers are in ``option_values.py`` (``parse_size``
+and ``default_fs_root`` are re-exported here).
 
 Every option is checked before anything runs; a bad value ends the command with argparse's
 usage line, a message that names the option, the value and what is allowed, and exit code 2.
@@ -11,7 +12,6 @@ usage line, a message that names the option, the value and what is allowed, and 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,36 +21,28 @@ from typing import Any, NoReturn
 from typing_extensions import override
 
 from vllm.entrypoints.cli import checks
+from vllm.entrypoints.cli.option_values import (
+    default_fs_root,
+    int_at_least,
+    non_negative_float,
+    parse_directory,
+    parse_output_file,
+    parse_redis_url,
+    parse_size,
+)
 from vllm.entrypoints.cli.workloads import (
     WORKLOAD_DEFAULTS,
     WorkloadConfig,
     WorkloadKind,
     max_request_tokens,
 )
-from vllm.v1.kv_offload.sizes import SizeError
-from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
 
 EVICTION_POLICIES = ("lru", "arc")
-REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
 MAX_ENGINES = 64
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def parse_size(text: str) -> int:
-    """Parse a size flag (``4096``, ``64MiB``, ``1.5GB``, ``4e9``) with the one size parser.
-
-    The forms are those of the config keys (``vllm.v1.kv_offload.sizes.SIZE_FORMS``).
-
-    Raises:
-        argparse.ArgumentTypeError: not a size of at least one byte.
-    """
-    try:
-        return parse_size_value(text)
-    except SizeError as e:
-        raise argparse.ArgumentTypeError(f"invalid size {e}") from None
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -63,54 +55,6 @@ class CommandParser(argparse.ArgumentParser):
     @override
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
-
-
-def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    # argparse prefixes an ArgumentTypeError's message with the option's name.
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
-        return value
-
-    return parse
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _directory(text: str) -> Path:
-    # Path("") is Path("."): an empty --fs-root would silently mean the current directory.
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is empty, which would mean the current directory: name a directory "
-            f"(default {default_fs_root()}) or pass --no-fs"
-        )
-    return Path(text)
-
-
-def _output_file(text: str) -> Path:
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is empty: name a file")
-    return Path(text)
-
-
-def default_fs_root() -> Path:
-    """``$XDG_CACHE_HOME/vllm-kv-offload`` (``~/.cache/vllm-kv-offload`` when unset)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "vllm-kv-offload"
 
 
 MODEL_STAND_INS = ("standard", "hybrid")
@@ -248,7 +192,7 @@ def _count(
     flag: str, default: int, help: str = "", minimum: int = 1, maximum: int | None = None
 ) -> _Option:
     """An integer option in ``[minimum, maximum]``: the common shape (counts, token lengths)."""
-    return _Option(flag, help, type=_int_at_least(minimum, maximum), default=default)
+    return _Option(flag, help, type=int_at_least(minimum, maximum), default=default)
 
 
 def _choice(flag: str, choices: Sequence[str], default: str, help: str = "") -> _Option:
@@ -256,7 +200,7 @@ def _choice(flag: str, choices: Sequence[str], default: str, help: str = "") -> 
 
 
 def _seconds(flag: str, default: float, help: str) -> _Option:
-    return _Option(flag, help, type=_non_negative_float, default=default, metavar="SECONDS")
+    return _Option(flag, help, type=non_negative_float, default=default, metavar="SECONDS")
 
 
 def _size(flag: str, default: str, help: str) -> _Option:
@@ -278,7 +222,7 @@ def _switch(flag: str, help: str) -> _Option:
 
 def _output_path(flag: str, metavar: str, help: str) -> _Option:
     """A file to write (none by default, so the help needs no default note)."""
-    return _Option(flag, help, type=_output_file, default_text=None, metavar=metavar)
+    return _Option(flag, help, type=parse_output_file, default_text=None, metavar=metavar)
 
 
 def _workload_count(flag: str, field_name: str, help: str = "") -> _Option:
@@ -293,7 +237,7 @@ def _workload_count(flag: str, field_name: str, help: str = "") -> _Option:
         if field_name in fields
     ]
     text = "; ".join([str(base), *by_kind])
-    return _Option(flag, help, type=_int_at_least(1), default=None, default_text=text)
+    return _Option(flag, help, type=int_at_least(1), default=None, default_text=text)
 
 
 def _workload_options() -> tuple[_Option, ...]:
@@ -336,7 +280,7 @@ def _engine_options() -> tuple[_Option, ...]:
         _Option(
             "--offload-block-size",
             "tokens per offloaded block, a multiple of --block-size",
-            type=_int_at_least(1),
+            type=int_at_least(1),
             default=None,
             default_text="--block-size",
         ),
@@ -397,7 +341,7 @@ def _fs_tier_options() -> tuple[_Option, ...]:
         _Option(
             "--fs-root",
             "root of the fs tier; a second run over the same root starts warm",
-            type=_directory,
+            type=parse_directory,
             # Resolved when the parser is built, so the help shows this user's cache directory.
             default_text=str(default_fs_root()),
             metavar="DIR",
@@ -417,16 +361,6 @@ def _fs_tier_options() -> tuple[_Option, ...]:
     )
 
 
-def _redis_url(text: str) -> str:
-    scheme = text.partition("://")[0] if "://" in text else ""
-    if scheme not in REDIS_URL_SCHEMES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
-            "unix:///PATH"
-        )
-    return text
-
-
 def _fleet_options() -> tuple[_Option, ...]:
     """The shared redis tier and the engine instances that share it."""
     return (
@@ -434,7 +368,7 @@ def _fleet_options() -> tuple[_Option, ...]:
             "--redis-url",
             "add the redis tier after the fs tier (or instead of it with --no-fs), on this "
             "server, shared by every engine instance",
-            type=_redis_url,
+            type=parse_redis_url,
             default_text=None,
             metavar="URL",
         ),
@@ -471,7 +405,7 @@ def _output_options() -> tuple[_Option, ...]:
             "--metrics-port",
             "serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the runs "
             "(docs/metrics.md)",
-            type=_int_at_least(1, 65535),
+            type=int_at_least(1, 65535),
             default_text=None,
             metavar="PORT",
         ),

@@ -296,7 +296,7 @@ def _disk(report: Report, home: str | None) -> Iterable[str]:
         return
     root = show_path(fs.root_dir, home)
     bound = f"up to {format_bytes(fs.max_bytes)}" if fs.max_bytes is not None else "unbounded"
-    from vllm.entrypoints.cli.options import default_fs_root
+    from vllm.entrypoints.cli.option_values import default_fs_root
 
     flag = "" if fs.root_dir == str(default_fs_root()) else f" --fs-root {root}"
     yield ""

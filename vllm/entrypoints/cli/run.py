@@ -14,6 +14,9 @@ with one line.
 
 With ``--engines N`` > 1 the engines run in N processes of their own and the clients' requests
 are routed to them; ``cli/fleet.py`` does that, with this module's pieces.
+
+What a run measured (the step sampler, the end-of-run snapshot and the ``RunResult`` filled from
+it) is read from the engine by ``run_figures.py``.
 """
 
 from __future__ import annotations
@@ -32,15 +35,10 @@ from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.options import RunOptions
 from vllm.entrypoints.cli.progress import Progress
 from vllm.entrypoints.cli.report import (
-    Direction,
     FsTierState,
     Report,
     RunResult,
-    StepSample,
-    Tier,
-    TransferFigures,
     redact_url,
-    secondary_tokens,
     token_shares,
 )
 from vllm.entrypoints.cli.report_text import (
@@ -49,48 +47,25 @@ from vllm.entrypoints.cli.report_text import (
     render_fs_start,
     render_header,
 )
+from vllm.entrypoints.cli.run_figures import (
+    FS_TIER_TYPE,
+    REDIS_TIER_TYPE,
+    StepSampler,
+    fill_result,
+    fs_usage_after_scan,
+    snapshot_engine,
+)
 from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload, max_request_tokens
 from vllm.v1.engine.async_llm import AsyncLLM, GenerateOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.model import ModelStandIn, hybrid_stand_in
-from vllm.v1.engine.scheduler import RequestOutput
-from vllm.v1.kv_offload.base import TierStats
 
 PROG = "vllm-kv-offload"
 IDLE_TIMEOUT_S = 600.0
 """Longest wait for in-flight transfers after the last output before the run gives up."""
-SCAN_TIMEOUT_S = 120.0
-"""Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
-FS_TIER_TYPE = "fs"
-"""Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
-REDIS_TIER_TYPE = "redis"
-"""Registered type name of the redis tier."""
 PROGRESS_TICK_S = 1.0
 """How often the progress line's timer looks at the clock (lines come every few seconds)."""
-
-_GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
-# Per secondary tier: its type name, its directions (store, promote), the name of its counter
-# of blocks stored, and those of its failed blocks per direction (the redis tier counts failed
-# jobs apart: blocks it dropped at once, or found gone or invalid, are its per-block figures).
-_SECONDARY = (
-    (
-        FS_TIER_TYPE,
-        Direction.CPU_TO_FS,
-        Direction.FS_TO_CPU,
-        "blocks_written",
-        ("store_failures",),
-        ("load_failures", "corrupt_removed"),
-    ),
-    (
-        REDIS_TIER_TYPE,
-        Direction.CPU_TO_REDIS,
-        Direction.REDIS_TO_CPU,
-        "blocks_written",
-        ("stores_dropped",),
-        ("server_misses", "corrupt_removed"),
-    ),
-)
 
 GenerateFn = Callable[[Session, int, list[int]], AsyncIterator[GenerateOutput]]
 """Sends turn ``t`` of a session with its prompt and streams the outputs (an engine, or a
@@ -158,71 +133,6 @@ def engine_config(opts: RunOptions, offload: bool, instance_id: str | None = Non
         record_block_origins=opts.fleet,
         **extra,
     )
-
-
-def fs_tier_stats(engine: EngineCore, tier_type: str = FS_TIER_TYPE) -> TierStats | None:
-    """The report of the engine's tier ``tier_type`` (``EngineCore.tier_stats``), if any."""
-    return next((s for s in engine.tier_stats() if s.tier_type == tier_type), None)
-
-
-@dataclass
-class StepSampler:
-    """Step callback (engine thread): one ``StepSample`` and overhead figures per busy step.
-
-    Steps that scheduled no token and moved nothing (the front end polling for transfers) are
-    not sampled, so they neither flood the plot nor dilute the per-step overhead.
-
-    Attributes:
-        t0: ``time.monotonic()`` at the start of the run.
-        samples: the samples so far.
-        overhead_us: scheduler-side connector + manager time per busy step (microseconds).
-        worker_overhead_us: worker-side connector time per busy step (microseconds).
-    """
-
-    t0: float
-    samples: list[StepSample] = field(default_factory=list)
-    overhead_us: list[float] = field(default_factory=list)
-    worker_overhead_us: list[float] = field(default_factory=list)
-    # Per secondary tier type: (blocks written, blocks loaded) at the previous sample.
-    _tier_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    def __call__(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
-        stats = engine.stats
-        record = stats.step_records[-1] if stats.step_records else None
-        moved = dict.fromkeys((d.value for d in Direction), 0)
-        if record is not None:
-            for name, n in record.bytes_moved.items():
-                direction = _GPU_DIRECTIONS.get(name)
-                if direction is not None:
-                    moved[direction.value] += n
-        for tier in engine.tier_stats():  # their counters give the CPU <-> tier bytes
-            for tier_type, store, promote, stored_counter, _, _ in _SECONDARY:
-                if tier.tier_type != tier_type:
-                    continue
-                c = tier.counters
-                written, loaded = c.get(stored_counter, 0), c.get("blocks_loaded", 0)
-                last_written, last_loaded = self._tier_blocks.get(tier_type, (0, 0))
-                moved[store.value] = (written - last_written) * tier.block_bytes
-                moved[promote.value] = (loaded - last_loaded) * tier.block_bytes
-                self._tier_blocks[tier_type] = (written, loaded)
-        busy = record is not None and record.num_scheduled_tokens > 0
-        if not busy and not any(moved.values()) and not outputs:
-            return
-        if busy and record is not None:
-            self.overhead_us.append(record.connector_seconds * 1e6)
-            self.worker_overhead_us.append(record.worker_connector_seconds * 1e6)
-        self.samples.append(
-            StepSample(
-                t_s=time.monotonic() - self.t0,
-                tokens={
-                    "computed": stats.prompt_tokens_computed,
-                    Tier.GPU.value: stats.tokens_from_gpu_cache,
-                    Tier.CPU.value: stats.tokens_from_cpu,
-                    **secondary_tokens(stats.tokens_from_secondary, stats.tokens_from_tier),
-                },
-                bytes_moved=moved,
-            )
-        )
 
 
 def _token_shares(sampler: StepSampler) -> dict[str, float]:
@@ -357,7 +267,7 @@ async def serve(
     async with AsyncLLM(engine, step_callback=callback) as llm:
         if result.fs is not None:
             # Only to report what was on disk before the run: the tier serves during its scan.
-            files, size = await llm.call(_fs_usage_after_scan)
+            files, size = await llm.call(fs_usage_after_scan)
             result.fs.files_at_start, result.fs.bytes_at_start = files, size
             if on_fs_start is not None:
                 on_fs_start(result.fs)
@@ -390,7 +300,7 @@ async def serve(
                 await asyncio.gather(ticker, return_exceptions=True)
         if exporter is not None:
             await llm.call(lambda e: exporter.flush(e, label))
-        snapshot = await llm.call(_snapshot)
+        snapshot = await llm.call(snapshot_engine)
     result.wall_s = max(log.last_output_time - t0, 0.0)
     result.outputs = log.outputs
     result.ttft_ms = log.ttft_ms
@@ -398,104 +308,9 @@ async def serve(
     result.samples = sampler.samples
     result.overhead_us = sampler.overhead_us
     result.worker_overhead_us = sampler.worker_overhead_us
-    _fill(result, snapshot, opts)
+    fill_result(result, snapshot, opts)
     result.check_accounting()
     return result
-
-
-def _fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
-    # Engine thread, before the first request: (blocks, bytes) the fs tier found on disk.
-    if not engine.wait_for_tiers_ready(SCAN_TIMEOUT_S):
-        return 0, 0
-    fs = fs_tier_stats(engine)
-    if fs is None:
-        return 0, 0
-    return fs.num_blocks, fs.used_bytes
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    engine_stats: Any
-    connector: dict[str, int | float]
-    tiers: dict[str, TierStats]
-    stored_keys: frozenset[bytes]
-
-
-def _snapshot(engine: EngineCore) -> _Snapshot:
-    # Engine thread: copy everything the report needs before the engine shuts down.
-    stored = engine.connector.connector_scheduler.stored_keys if engine.connector else None
-    return _Snapshot(
-        engine_stats=engine.stats,
-        connector=dict(engine.connector_stats()),
-        tiers={t.tier_type: t for t in engine.tier_stats()},
-        stored_keys=frozenset(stored or ()),
-    )
-
-
-def _fill(result: RunResult, snap: _Snapshot, opts: RunOptions) -> None:
-    s = snap.engine_stats
-    result.num_finished = s.requests_finished - s.requests_aborted
-    result.prompt_tokens = s.prompt_tokens
-    result.computed_tokens = s.prompt_tokens_computed
-    secondary = secondary_tokens(s.tokens_from_secondary, s.tokens_from_tier)
-    result.served = {
-        Tier.GPU: s.tokens_from_gpu_cache,
-        Tier.CPU: s.tokens_from_cpu,
-        **{t: secondary[t.value] for t in (Tier.FS, Tier.REDIS)},
-    }
-    # Tiers are consulted in order: a tier only sees the tokens every faster tier missed.
-    past_cpu = s.prompt_tokens - s.tokens_from_gpu_cache - s.tokens_from_cpu
-    has_fs = result.offload and opts.fs_root is not None
-    result.lookup_tokens = {
-        Tier.GPU: s.prompt_tokens,
-        Tier.CPU: s.prompt_tokens - s.tokens_from_gpu_cache if result.offload else 0,
-        Tier.FS: past_cpu if has_fs else 0,
-        Tier.REDIS: (
-            past_cpu - result.served[Tier.FS]
-            if result.offload and opts.redis_url is not None
-            else 0
-        ),
-    }
-    result.blocks_verified_from_redis = s.blocks_verified_by_tier.get(REDIS_TIER_TYPE, 0)
-    result.output_tokens = s.output_tokens
-    result.steps = s.steps - s.idle_steps
-    result.preemptions = s.preemptions
-    result.blocks_verified = s.blocks_loaded_verified
-    result.blocks_mismatched = s.verification_failures
-    result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
-    c = snap.connector
-    for name, direction in _GPU_DIRECTIONS.items():
-        blocks_key = "store_blocks" if direction is Direction.GPU_TO_CPU else "load_blocks"
-        failed_key = f"failed_{blocks_key}"
-        result.transfers[direction] = TransferFigures(
-            blocks=int(c.get(blocks_key, 0)) - int(c.get(failed_key, 0)),
-            bytes=int(c.get(f"transfer.{name}.bytes", 0)),
-            busy_s=float(c.get(f"transfer.{name}.seconds", 0.0)),
-            failed_blocks=int(c.get(failed_key, 0)),
-        )
-    for tier_type, store, promote, stored_counter, store_failed, load_failed in _SECONDARY:
-        tier = snap.tiers.get(tier_type)
-        if tier is None:
-            continue
-        tc = tier.counters
-        timed = "store_busy_us" in tc  # the redis tier does not time its I/O
-        result.transfers[store] = TransferFigures(
-            blocks=tc.get(stored_counter, 0),
-            bytes=tc.get(stored_counter, 0) * tier.block_bytes,
-            busy_s=tc.get("store_busy_us", 0) / 1e6 if timed else None,
-            failed_blocks=sum(tc.get(name, 0) for name in store_failed),
-            skipped_blocks=tc.get("blocks_skipped", 0),
-        )
-        result.transfers[promote] = TransferFigures(
-            blocks=tc.get("blocks_loaded", 0),
-            bytes=tc.get("blocks_loaded", 0) * tier.block_bytes,
-            busy_s=tc.get("load_busy_us", 0) / 1e6 if timed else None,
-            failed_blocks=sum(tc.get(name, 0) for name in load_failed),
-        )
-        result.corrupt_blocks_detected += tc.get("corrupt_removed", 0)
-        if tier_type == FS_TIER_TYPE and result.fs is not None:
-            result.fs.files_at_end = tier.num_blocks
-            result.fs.bytes_at_end = tier.used_bytes
 
 
 def settings_of(opts: RunOptions) -> dict[str, Any]:
