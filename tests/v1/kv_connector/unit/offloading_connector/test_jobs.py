@@ -45,7 +45,7 @@ def test_a_job_is_handed_back_once_every_worker_reported_it() -> None:
     assert store_job.keys == _keys(1, 2) and store_job.success
     assert load_job.keys == _keys(3) and load_job.token_range == (32, 48)
     assert len(table) == 0 and not table.has_pending_work()
-    with pytest.raises(AssertionError, match="unknown job 0"):
+    with pytest.raises(ValueError, match="unknown job 0"):
         _report(table, {store: 1})  # never handed back twice
 
 
@@ -60,8 +60,32 @@ def test_a_job_any_worker_failed_is_handed_back_failed() -> None:
 def test_more_reports_than_workers_is_an_error() -> None:
     table = TransferJobTable(num_workers=1)
     job_id = table.add_store("r", _keys(1), [(0, 1)])
-    with pytest.raises(AssertionError, match="more than 1 workers"):
+    with pytest.raises(ValueError, match=r"job 0 reported 2 more time\(s\), but only 1 of its 1"):
         _report(table, {job_id: 1}, {job_id: 1})
+
+
+@pytest.mark.parametrize(
+    ("done", "failed", "match"),
+    [
+        ({7: 1}, {}, "unknown job 7"),
+        ({0: 3}, {}, "only 2 of its 2"),
+        ({0: -1}, {}, "negative"),
+        ({}, {1: -1}, "negative"),
+    ],
+)
+def test_a_bad_report_is_refused_and_changes_nothing(
+    done: dict[int, int], failed: dict[int, int], match: str
+) -> None:
+    # A valid report of job 1 in the same call is not counted either: validate, then mutate.
+    table = TransferJobTable(num_workers=2)
+    store = table.add_store("r", _keys(1), [(0, 1)])
+    load = table.add_load("r", _keys(2), [(0, 2)], (0, 16))
+    with pytest.raises(ValueError, match=match):
+        table.account_reports({load: 1, **done}, failed)
+    assert len(table) == 2 and table.is_being_stored(_keys(1)[0])
+    # Both jobs still owe both workers' reports.
+    assert _report(table, {store: 1, load: 1}) == []
+    assert _report(table, {store: 1, load: 1}) == [store, load]
 
 
 # ---------------------------------------------------------------------------------------------

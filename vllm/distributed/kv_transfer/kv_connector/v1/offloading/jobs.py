@@ -234,10 +234,35 @@ class TransferJobTable:
         Args:
             completed: job id -> number of workers that finished it successfully.
             failed: job id -> number of workers on which it failed.
+
+        Raises:
+            ValueError: a report names a job that is not in flight (never issued, or already
+                handed back), counts a job more often than workers still owe it, or counts a
+                negative number. Every report of the call is checked before any is counted, so
+                a refused call changes nothing. Reports come from the handlers a spec builds,
+                which may be a third party's: hence exceptions, not assertions.
         """
+        job_ids = sorted(completed.keys() | failed.keys())
+        for job_id in job_ids:
+            num_ok, num_failed = completed.get(job_id, 0), failed.get(job_id, 0)
+            if num_ok < 0 or num_failed < 0:
+                raise ValueError(
+                    f"workers reported job {job_id} a negative number of times "
+                    f"({num_ok} completed, {num_failed} failed)"
+                )
+            if job_id < self._stale_job_threshold:
+                continue
+            job = self._jobs.get(job_id)
+            if job is None:
+                raise ValueError(f"workers reported unknown job {job_id} (not in flight)")
+            if num_ok + num_failed > job.pending_count:
+                raise ValueError(
+                    f"job {job_id} reported {num_ok + num_failed} more time(s), but only "
+                    f"{job.pending_count} of its {self.num_workers} worker report(s) are due"
+                )
         finished: list[TransferJobStatus] = []
         num_stale = 0
-        for job_id in sorted(completed.keys() | failed.keys()):
+        for job_id in job_ids:
             num_reports = completed.get(job_id, 0) + failed.get(job_id, 0)
             if job_id < self._stale_job_threshold:
                 num_stale += 1
@@ -248,13 +273,9 @@ class TransferJobTable:
                     else:
                         del self._unreported_pre_reset_jobs[job_id]
                 continue
-            job = self._jobs.get(job_id)
-            assert job is not None, f"workers reported unknown job {job_id}"
+            job = self._jobs[job_id]
             job.pending_count -= num_reports
             job.num_failed += failed.get(job_id, 0)
-            assert job.pending_count >= 0, (
-                f"job {job_id} reported by more than {self.num_workers} workers"
-            )
             if job.pending_count == 0:
                 self._remove(job)
                 finished.append(job)

@@ -463,9 +463,11 @@ class OffloadingConnectorScheduler:
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
-        assert isinstance(meta, OffloadingWorkerMetadata), (
-            f"unexpected worker metadata {type(meta).__name__}"
-        )
+        if not isinstance(meta, OffloadingWorkerMetadata):
+            raise TypeError(
+                f"update_connector_output: worker metadata is {type(meta).__name__}, "
+                "expected OffloadingWorkerMetadata"
+            )
         self._metrics.record_transfers(meta.transfer_stats)
         reported = self._jobs.account_reports(meta.completed_jobs, meta.failed_jobs)
         self._metrics.stale_completions += reported.num_stale
