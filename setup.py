@@ -1,12 +1,15 @@
 """Build script: the Python package, plus the CUDA copy library from ``csrc/`` when possible.
 
-The CUDA library is a plain C shared library (loaded with ctypes by ``vllm._custom_ops``), built
-with CMake and nvcc alone: it needs no CUDA build of torch. Environment variables:
+The CUDA library is a plain C shared library (loaded with ctypes by ``vllm.kv_copy.cuda_library``,
+behind ``vllm._custom_ops``), built with CMake and nvcc alone: it needs no CUDA build of torch.
+Environment variables:
 
 * ``VLLM_KV_OFFLOAD_CPU_ONLY=1``: never build it (the torch copy path is used at run time).
 * ``VLLM_KV_OFFLOAD_REQUIRE_CUDA=1``: fail the install if it cannot be built (used by CI).
 * ``VLLM_KV_OFFLOAD_CUDA_ARCHS``: CUDA architectures, CMake syntax (default ``80;90``).
-* ``CUDACXX`` / ``CUDA_HOME``: where to find nvcc.
+* ``CUDACXX`` (an nvcc) / ``CUDA_HOME`` (a toolkit directory): the toolkit to build with. Its CUDA
+  runtime is linked statically, so the driver must support that CUDA version (CUDA 13: R580 or
+  newer); for an older driver, point these at an older toolkit (README.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-// Block copies: argument checks, the DMA paths (cuMemcpyBatchAsync / cudaMemcpyAsync loop) and
-// the dispatch of kvo_copy_blocks.
+// Block copies: argument checks, the DMA paths (cuMemcpyBatchAsync, with its fallback to a
+// cudaMemcpyAsync loop) and the dispatch of kvo_copy_blocks.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #if CUDART_VERSION >= 12080
@@ -8,8 +8,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
 #include <vector>
 
+#include "batch_fallback.h"
 #include "kv_offload.h"
 #include "kvo_common.cuh"
 
@@ -119,44 +123,88 @@ bool is_legacy_stream(cudaStream_t stream) {
   return stream == nullptr || stream == cudaStreamLegacy;
 }
 
-// cuMemcpyBatchAsync, resolved once through the runtime (the library does not link libcuda).
-struct BatchFn {
-  void* v13000 = nullptr;  // CUDA 13 signature (no failIdx)
-  void* v12080 = nullptr;  // CUDA 12.8 signature (with failIdx)
-  bool available() const { return v13000 != nullptr || v12080 != nullptr; }
+static_assert(kCuErrorInvalidValue == CUDA_ERROR_INVALID_VALUE, "batch_fallback.h is stale");
+static_assert(kCuErrorNotSupported == CUDA_ERROR_NOT_SUPPORTED, "batch_fallback.h is stale");
+
+// Driver entry points, resolved once through the runtime (the library does not link libcuda).
+struct DriverApi {
+  void* batch_v13000 = nullptr;      // cuMemcpyBatchAsync, CUDA 13 signature (no failIdx)
+  void* batch_v12080 = nullptr;      // cuMemcpyBatchAsync, CUDA 12.8 signature (with failIdx)
+  void* get_error_name = nullptr;    // cuGetErrorName
+  void* get_error_string = nullptr;  // cuGetErrorString
+  int forced_batch_result = 0;       // VLLM_KV_OFFLOAD_TEST_BATCH_RESULT (see kv_offload.h)
+  bool batch_available() const { return batch_v13000 != nullptr || batch_v12080 != nullptr; }
 };
 
-BatchFn resolve_batch_fn() {
-  BatchFn fn;
 #if CUDART_VERSION >= 12080
-  auto query = [](unsigned int version) -> void* {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult result = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemcpyBatchAsync", &p, version,
-                                                             cudaEnableDefault, &result);
-#else
-    (void)version;
-    const cudaError_t err =
-        cudaGetDriverEntryPoint("cuMemcpyBatchAsync", &p, cudaEnableDefault, &result);
+void* entry_point(const char* symbol, unsigned int version) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult result = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &result);
+  if (err != cudaSuccess || result != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
 #endif
-    if (err != cudaSuccess || result != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    return p;
-  };
+
+DriverApi resolve_driver_api() {
+  DriverApi api;
+#if CUDART_VERSION >= 12080
 #if CUDART_VERSION >= 13000
-  fn.v13000 = query(13000);
+  api.batch_v13000 = entry_point("cuMemcpyBatchAsync", 13000);
 #endif
-  if (fn.v13000 == nullptr) fn.v12080 = query(12080);
+  if (api.batch_v13000 == nullptr) api.batch_v12080 = entry_point("cuMemcpyBatchAsync", 12080);
+  // Only used to name a failed batch call's CUresult, so only needed where the batch API is.
+  api.get_error_name = entry_point("cuGetErrorName", 6000);
+  api.get_error_string = entry_point("cuGetErrorString", 6000);
+  if (const char* forced = std::getenv("VLLM_KV_OFFLOAD_TEST_BATCH_RESULT")) {
+    api.forced_batch_result = std::atoi(forced);
+  }
 #endif
-  return fn;
+  return api;
 }
 
-const BatchFn& batch_fn() {
-  static const BatchFn fn = resolve_batch_fn();  // thread-safe one-time initialisation
-  return fn;
+const DriverApi& driver_api() {
+  static const DriverApi api = resolve_driver_api();  // thread-safe one-time initialisation
+  return api;
+}
+
+// "CUDA_ERROR_NOT_SUPPORTED: operation not supported (CUresult 801)", or "CUresult 801" when the
+// driver cannot name it.
+void describe_curesult(int result, char* out, size_t size) {
+  const DriverApi& api = driver_api();
+  const char* name = nullptr;
+  const char* text = nullptr;
+  using ErrorFn = CUresult(CUDAAPI*)(CUresult, const char**);
+  if (api.get_error_name != nullptr) {
+    reinterpret_cast<ErrorFn>(api.get_error_name)(static_cast<CUresult>(result), &name);
+  }
+  if (api.get_error_string != nullptr) {
+    reinterpret_cast<ErrorFn>(api.get_error_string)(static_cast<CUresult>(result), &text);
+  }
+  if (name != nullptr) {
+    std::snprintf(out, size, "%s: %s (CUresult %d)", name, text != nullptr ? text : "?", result);
+  } else {
+    std::snprintf(out, size, "CUresult %d", result);
+  }
+}
+
+// Batch calls refused and resubmitted as loops (kvo_dma_batch_fallbacks).
+std::mutex g_fallback_mu;
+uint64_t g_fallbacks = 0;
+char g_first_fallback[320] = "";
+
+void note_fallback(size_t count, const char* what) {
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  if (g_fallbacks++ == 0) {
+    std::snprintf(g_first_fallback, sizeof(g_first_fallback),
+                  "cuMemcpyBatchAsync of %zu copies refused with %s; resubmitted as a "
+                  "cudaMemcpyAsync loop",
+                  count, what);
+  }
 }
 
 int submit_loop(const CopyList& copies, cudaStream_t stream) {
@@ -168,23 +216,24 @@ int submit_loop(const CopyList& copies, cudaStream_t stream) {
     if (err != cudaSuccess) {
       cudaGetLastError();
       return fail(KVO_ERR_CUDA,
-                  "cudaMemcpyAsync failed at copy %zu of %zu (dst=%#llx src=%#llx bytes=%zu): %s; "
-                  "copies before it may already be enqueued",
+                  "cudaMemcpyAsync failed at copy %zu of %zu (dst=%#llx src=%#llx bytes=%zu): %s "
+                  "(%s); copies before it may already be enqueued",
                   i, n, (unsigned long long)copies.dst[i], (unsigned long long)copies.src[i],
-                  copies.size[i], cudaGetErrorString(err));
+                  copies.size[i], cudaGetErrorString(err), cudaGetErrorName(err));
     }
   }
   return KVO_OK;
 }
 
-// Submits the copies with one cuMemcpyBatchAsync; *used is false when the batch API cannot be
-// used here (no driver support, legacy stream), in which case nothing was enqueued.
-int submit_batch(CopyList& copies, cudaStream_t stream, bool* used) {
-  *used = false;
+// One cuMemcpyBatchAsync call over every copy (the batch API is available, the stream is not the
+// legacy default stream and there is at least one copy); *fail_idx receives the copy the driver
+// blamed, or kNoFailIndex.
+int call_batch(CopyList& copies, cudaStream_t stream, size_t* fail_idx) {
+  *fail_idx = kNoFailIndex;
+  const DriverApi& api = driver_api();
+  if (api.forced_batch_result != 0) return api.forced_batch_result;
+  CUresult res = CUDA_ERROR_NOT_SUPPORTED;
 #if CUDART_VERSION >= 12080
-  const BatchFn& fn = batch_fn();
-  if (!fn.available() || is_legacy_stream(stream) || copies.size.empty()) return KVO_OK;
-  if (int rc = ensure_context(); rc != KVO_OK) return rc;
   CUmemcpyAttributes attr{};
   attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;  // sources are written by prior work
 #if CUDA_VERSION >= 12090
@@ -195,46 +244,57 @@ int submit_batch(CopyList& copies, cudaStream_t stream, bool* used) {
   auto* dsts = reinterpret_cast<CUdeviceptr*>(copies.dst.data());
   auto* srcs = reinterpret_cast<CUdeviceptr*>(copies.src.data());
   const size_t count = copies.size.size();
-  CUresult res = CUDA_SUCCESS;
-  size_t fail_idx = SIZE_MAX;
-  if (fn.v13000 != nullptr) {
+  if (api.batch_v13000 != nullptr) {
 #if CUDART_VERSION >= 13000
-    res = reinterpret_cast<PFN_cuMemcpyBatchAsync_v13000>(fn.v13000)(
+    res = reinterpret_cast<PFN_cuMemcpyBatchAsync_v13000>(api.batch_v13000)(
         dsts, srcs, copies.size.data(), count, &attr, &attr_idx, 1,
         reinterpret_cast<CUstream>(stream));
 #endif
   } else {
-    res = reinterpret_cast<PFN_cuMemcpyBatchAsync_v12080>(fn.v12080)(
-        dsts, srcs, copies.size.data(), count, &attr, &attr_idx, 1, &fail_idx,
+    res = reinterpret_cast<PFN_cuMemcpyBatchAsync_v12080>(api.batch_v12080)(
+        dsts, srcs, copies.size.data(), count, &attr, &attr_idx, 1, fail_idx,
         reinterpret_cast<CUstream>(stream));
-  }
-  *used = true;
-  if (res != CUDA_SUCCESS) {
-    if (fail_idx != SIZE_MAX && fail_idx < count) {
-      return fail(KVO_ERR_CUDA,
-                  "cuMemcpyBatchAsync of %zu copies failed with CUresult %d at copy %zu "
-                  "(dst=%#llx src=%#llx bytes=%zu)",
-                  count, static_cast<int>(res), fail_idx,
-                  (unsigned long long)copies.dst[fail_idx],
-                  (unsigned long long)copies.src[fail_idx], copies.size[fail_idx]);
-    }
-    return fail(KVO_ERR_CUDA, "cuMemcpyBatchAsync of %zu copies failed with CUresult %d", count,
-                static_cast<int>(res));
   }
 #else
   (void)copies;
   (void)stream;
 #endif
-  return KVO_OK;
+  return static_cast<int>(res);
 }
 
+// Submits the copies: one batch call when possible (falling back to the loop when the batch API
+// refuses it, see batch_fallback.h), else the cudaMemcpyAsync loop.
 int submit_dma(CopyList& copies, cudaStream_t stream, bool allow_batch) {
-  if (allow_batch) {
-    bool used = false;
-    const int rc = submit_batch(copies, stream, &used);
-    if (used || rc != KVO_OK) return rc;
+  const size_t count = copies.size.size();
+  if (!allow_batch || count == 0 || is_legacy_stream(stream) ||
+      !driver_api().batch_available()) {
+    return submit_loop(copies, stream);
   }
-  return submit_loop(copies, stream);
+  size_t fail_idx = kNoFailIndex;
+  const int result = call_batch(copies, stream, &fail_idx);
+  if (result == 0) return KVO_OK;
+  char what[200];
+  describe_curesult(result, what, sizeof(what));
+  if (!batch_failure_falls_back(result, fail_idx)) {
+    if (fail_idx < count) {
+      return fail(KVO_ERR_CUDA,
+                  "cuMemcpyBatchAsync of %zu copies failed with %s at copy %zu (dst=%#llx "
+                  "src=%#llx bytes=%zu)",
+                  count, what, fail_idx, (unsigned long long)copies.dst[fail_idx],
+                  (unsigned long long)copies.src[fail_idx], copies.size[fail_idx]);
+    }
+    return fail(KVO_ERR_CUDA, "cuMemcpyBatchAsync of %zu copies failed with %s", count, what);
+  }
+  note_fallback(count, what);
+  const int rc = submit_loop(copies, stream);
+  if (rc != KVO_OK) {
+    char loop_error[384];
+    std::snprintf(loop_error, sizeof(loop_error), "%s", kvo_last_error());
+    return fail(rc, "cuMemcpyBatchAsync of %zu copies failed with %s, and the cudaMemcpyAsync loop "
+                "it fell back to failed too: %s",
+                count, what, loop_error);
+  }
+  return KVO_OK;
 }
 
 }  // namespace
@@ -324,7 +384,18 @@ extern "C" {
 int kvo_dma_batch_available(int* available) {
   clear_error();
   if (available == nullptr) return fail(KVO_ERR_INVALID_ARGUMENT, "available must be non-NULL");
-  *available = kvo::batch_fn().available() ? 1 : 0;
+  *available = kvo::driver_api().batch_available() ? 1 : 0;
+  return KVO_OK;
+}
+
+int kvo_dma_batch_fallbacks(uint64_t* count, char* reason, uint64_t reason_size) {
+  clear_error();
+  if (count == nullptr || (reason == nullptr && reason_size > 0)) {
+    return fail(KVO_ERR_INVALID_ARGUMENT, "count must be non-NULL, and reason when reason_size > 0");
+  }
+  std::lock_guard<std::mutex> lock(kvo::g_fallback_mu);
+  *count = kvo::g_fallbacks;
+  if (reason_size > 0) std::snprintf(reason, reason_size, "%s", kvo::g_first_fallback);
   return KVO_OK;
 }
 
@@ -334,10 +405,11 @@ int kvo_check_copy_blocks(const KvoCopyRegion* regions, int64_t num_regions,
   return kvo::check_copy_blocks(regions, num_regions, src_ids, dst_ids, num_pairs);
 }
 
-int kvo_copy_blocks(const KvoCopyRegion* regions, int64_t num_regions, const int64_t* src_ids,
-                    const int64_t* dst_ids, int64_t num_pairs, int method, int max_ctas,
-                    void* stream) {
+int kvo_copy_blocks(int device, const KvoCopyRegion* regions, int64_t num_regions,
+                    const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs, int method,
+                    int max_ctas, void* stream) {
   clear_error();
+  if (device < 0) return fail(KVO_ERR_INVALID_ARGUMENT, "device=%d must be >= 0", device);
   if (method != KVO_COPY_DMA && method != KVO_COPY_DMA_LOOP && method != KVO_COPY_KERNEL) {
     return fail(KVO_ERR_INVALID_ARGUMENT, "method=%d is not a KvoCopyMethod", method);
   }
@@ -349,42 +421,14 @@ int kvo_copy_blocks(const KvoCopyRegion* regions, int64_t num_regions, const int
       rc != KVO_OK) {
     return rc;
   }
+  if (int rc = kvo::bind_device(device); rc != KVO_OK) return rc;
   auto s = static_cast<cudaStream_t>(stream);
   if (method == KVO_COPY_KERNEL) {
-    return kvo::copy_blocks_kernel(regions, num_regions, src_ids, dst_ids, num_pairs,
+    return kvo::copy_blocks_kernel(device, regions, num_regions, src_ids, dst_ids, num_pairs,
                                    max_ctas == 0 ? kvo::kDefaultMaxCtas : max_ctas, s);
   }
   kvo::expand(regions, num_regions, src_ids, dst_ids, &kvo::t_copies);
   return kvo::submit_dma(kvo::t_copies, s, method == KVO_COPY_DMA);
-}
-
-int kvo_memcpy_batch(const uint64_t* dst_ptrs, const uint64_t* src_ptrs, const uint64_t* sizes,
-                     int64_t n, void* stream) {
-  clear_error();
-  if (n < 0) return fail(KVO_ERR_INVALID_ARGUMENT, "n=%lld must be >= 0", (long long)n);
-  if (n > 0 && (dst_ptrs == nullptr || src_ptrs == nullptr || sizes == nullptr)) {
-    return fail(KVO_ERR_INVALID_ARGUMENT,
-                "dst_ptrs, src_ptrs and sizes must be non-NULL when n=%lld", (long long)n);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t d = dst_ptrs[i], s = src_ptrs[i], len = sizes[i];
-    if (len == 0) return fail(KVO_ERR_INVALID_ARGUMENT, "sizes[%lld] is 0", (long long)i);
-    if (d == 0 || s == 0) {
-      return fail(KVO_ERR_INVALID_ARGUMENT, "copy %lld has a null pointer", (long long)i);
-    }
-    if (d > UINT64_MAX - len || s > UINT64_MAX - len) {
-      return fail(KVO_ERR_INVALID_ARGUMENT, "copy %lld wraps around the address space",
-                  (long long)i);
-    }
-    if (d < s + len && s < d + len) {
-      return fail(KVO_ERR_INVALID_ARGUMENT, "copy %lld: source and destination overlap",
-                  (long long)i);
-    }
-  }
-  kvo::CopyList& copies = kvo::t_copies;
-  copies.clear();
-  for (int64_t i = 0; i < n; ++i) copies.add(dst_ptrs[i], src_ptrs[i], sizes[i]);
-  return kvo::submit_dma(copies, static_cast<cudaStream_t>(stream), /*allow_batch=*/true);
 }
 
 }  // extern "C"

@@ -113,36 +113,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The device address through which a kernel reaches [addr, addr + extent): the address itself
-// for device or managed memory, the mapping for pinned+mapped host memory. Both ends are looked
-// up, so an extent that leaves its allocation or registration is rejected.
-int device_view(uint64_t addr, uint64_t extent, int64_t r, const char* which, uint64_t* out) {
-  uint64_t resolved[2] = {0, 0};
-  const uint64_t probes[2] = {addr, addr + extent - 1};
-  for (int k = 0; k < 2; ++k) {
-    cudaPointerAttributes attrs{};
-    const cudaError_t err =
-        cudaPointerGetAttributes(&attrs, reinterpret_cast<const void*>(probes[k]));
-    if (err != cudaSuccess) return fail_cuda(err, "cudaPointerGetAttributes");
-    if (attrs.type == cudaMemoryTypeUnregistered || attrs.devicePointer == nullptr) {
-      return fail(KVO_ERR_INVALID_ARGUMENT,
-                  "regions[%lld].%s: address %#llx (%s byte of its extent) is neither device "
-                  "memory nor host memory registered with KVO_HOST_REGISTER_MAPPED; the kernel "
-                  "path cannot reach it",
-                  (long long)r, which, (unsigned long long)probes[k], k == 0 ? "first" : "last");
-    }
-    resolved[k] = reinterpret_cast<uint64_t>(attrs.devicePointer);
-  }
-  if (resolved[1] - resolved[0] != extent - 1) {
-    return fail(KVO_ERR_INVALID_ARGUMENT,
-                "regions[%lld].%s: extent [%#llx, +%llu) is not one contiguous mapped range",
-                (long long)r, which, (unsigned long long)addr, (unsigned long long)extent);
-  }
-  *out = resolved[0];
-  return KVO_OK;
-}
-
 // Pinned host staging buffer + device copy of it, reusable once `done` has completed.
+//
+// Ownership: a slot is handed to one caller at a time (`in_use`, set and cleared under
+// g_slots_mu). Only its holder reads or writes its buffers, capacity and event, and only with the
+// mutex released: growing a slot frees its buffers (cudaFreeHost / cudaFree synchronise with the
+// device), which must not hold up other threads taking other slots. A slot is handed out only
+// once its event has completed (or its holder waits for it), so no kernel still reads the
+// buffers it frees or overwrites.
 struct Slot {
   int device = -1;
   size_t capacity = 0;
@@ -155,13 +133,13 @@ struct Slot {
 std::mutex g_slots_mu;
 std::vector<Slot*> g_slots;  // never freed: lives for the process, like the CUDA context
 
+// Replaces the idle slot's buffers with ones of at least `bytes` (the caller holds the slot).
 int grow(Slot* slot, size_t bytes) {
   size_t capacity = kMinSlotBytes;
   while (capacity < bytes) capacity *= 2;
-  // Only reached for an idle slot (its event completed), so no copy or kernel uses the buffers.
   if (slot->host != nullptr) KVO_CUDA_CHECK(cudaFreeHost(slot->host));
-  if (slot->dev != nullptr) KVO_CUDA_CHECK(cudaFree(slot->dev));
   slot->host = nullptr;
+  if (slot->dev != nullptr) KVO_CUDA_CHECK(cudaFree(slot->dev));
   slot->dev = nullptr;
   slot->capacity = 0;
   KVO_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&slot->host), capacity,
@@ -171,63 +149,85 @@ int grow(Slot* slot, size_t bytes) {
   return KVO_OK;
 }
 
-// Takes an idle slot of `device` with at least `bytes` of capacity (growing or creating one).
-int acquire_slot(int device, size_t bytes, Slot** out) {
-  std::lock_guard<std::mutex> lock(g_slots_mu);
-  Slot* idle_small = nullptr;
-  Slot* busy = nullptr;
-  for (Slot* s : g_slots) {
-    if (s->in_use || s->device != device) continue;
-    const cudaError_t err = cudaEventQuery(s->done);
-    if (err == cudaErrorNotReady) {
-      cudaGetLastError();
-      if (busy == nullptr) busy = s;
-      continue;
-    }
-    if (err != cudaSuccess) return fail_cuda(err, "cudaEventQuery(staging slot)");
-    if (s->capacity >= bytes) {
-      s->in_use = true;
-      *out = s;
-      return KVO_OK;
-    }
-    if (idle_small == nullptr) idle_small = s;
-  }
-  Slot* s = idle_small;
-  if (s == nullptr && g_slots.size() >= kMaxSlots && busy != nullptr) {
-    // Too many kernel jobs in flight: wait for one rather than growing without bound.
-    KVO_CUDA_CHECK(cudaEventSynchronize(busy->done));
-    s = busy;
-  }
-  if (s == nullptr) {
-    s = new Slot();
-    s->device = device;
-    const cudaError_t err = cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming);
-    if (err != cudaSuccess) {
-      delete s;
-      return fail_cuda(err, "cudaEventCreateWithFlags(staging slot)");
-    }
-    g_slots.push_back(s);
-  }
-  if (s->capacity < bytes) {
-    if (int rc = grow(s, bytes); rc != KVO_OK) return rc;
-  }
-  s->in_use = true;
-  *out = s;
-  return KVO_OK;
-}
-
 void release_slot(Slot* s) {
   std::lock_guard<std::mutex> lock(g_slots_mu);
   s->in_use = false;
+}
+
+// Takes a slot of `device` (current) with at least `bytes` of capacity and no work in flight
+// (growing, creating or waiting for one); the caller releases it with release_slot.
+int acquire_slot(int device, size_t bytes, Slot** out) {
+  Slot* s = nullptr;
+  bool wait = false;  // s still has work in flight: wait for its event before using it
+  bool fresh = false;
+  {
+    std::lock_guard<std::mutex> lock(g_slots_mu);
+    Slot* idle_small = nullptr;
+    Slot* busy = nullptr;
+    size_t count = 0;
+    for (Slot* c : g_slots) {
+      if (c->device != device) continue;
+      ++count;
+      if (c->in_use) continue;
+      // Non-blocking, so cheap enough under the mutex.
+      const cudaError_t err = cudaEventQuery(c->done);
+      if (err == cudaErrorNotReady) {
+        cudaGetLastError();
+        if (busy == nullptr) busy = c;
+        continue;
+      }
+      if (err != cudaSuccess) return fail_cuda(err, "cudaEventQuery(staging slot)");
+      if (c->capacity >= bytes) {
+        s = c;
+        break;
+      }
+      if (idle_small == nullptr) idle_small = c;
+    }
+    if (s == nullptr) s = idle_small;
+    if (s == nullptr && count >= kMaxSlots && busy != nullptr) {
+      // Too many kernel jobs in flight: wait for one rather than growing without bound.
+      s = busy;
+      wait = true;
+    }
+    if (s == nullptr) {
+      s = new Slot();
+      s->device = device;
+      g_slots.push_back(s);
+      fresh = true;
+    }
+    s->in_use = true;
+  }
+  int rc = KVO_OK;
+  if (fresh) {
+    const cudaError_t err = cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      rc = fail_cuda(err, "cudaEventCreateWithFlags(staging slot)");
+      std::lock_guard<std::mutex> lock(g_slots_mu);
+      g_slots.erase(std::find(g_slots.begin(), g_slots.end(), s));
+      delete s;
+      return rc;
+    }
+  }
+  if (wait) {
+    const cudaError_t err = cudaEventSynchronize(s->done);
+    if (err != cudaSuccess) rc = fail_cuda(err, "cudaEventSynchronize(staging slot)");
+  }
+  if (rc == KVO_OK && s->capacity < bytes) rc = grow(s, bytes);
+  if (rc != KVO_OK) {
+    release_slot(s);
+    return rc;
+  }
+  *out = s;
+  return KVO_OK;
 }
 
 size_t align8(size_t n) { return (n + 7) & ~size_t{7}; }
 
 }  // namespace
 
-int copy_blocks_kernel(const KvoCopyRegion* regions, int64_t num_regions, const int64_t* src_ids,
-                       const int64_t* dst_ids, int64_t num_pairs, int max_ctas,
-                       cudaStream_t stream) {
+int copy_blocks_kernel(int device, const KvoCopyRegion* regions, int64_t num_regions,
+                       const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
+                       int max_ctas, cudaStream_t stream) {
   thread_local std::vector<DevRegion> dev_regions;
   thread_local std::vector<int64_t> item_begin;
   dev_regions.clear();
@@ -237,11 +237,13 @@ int copy_blocks_kernel(const KvoCopyRegion* regions, int64_t num_regions, const 
     const KvoCopyRegion& rg = regions[r];
     if (rg.pair_count == 0) continue;  // keeps item_begin strictly increasing
     DevRegion d{};
-    if (int rc = device_view(rg.src.base, side_extent(rg.src, rg.bytes), r, "src", &d.src_base);
+    if (int rc = device_view(device, rg.src.base, side_extent(rg.src, rg.bytes), r, "src",
+                             &d.src_base);
         rc != KVO_OK) {
       return rc;
     }
-    if (int rc = device_view(rg.dst.base, side_extent(rg.dst, rg.bytes), r, "dst", &d.dst_base);
+    if (int rc = device_view(device, rg.dst.base, side_extent(rg.dst, rg.bytes), r, "dst",
+                             &d.dst_base);
         rc != KVO_OK) {
       return rc;
     }
@@ -268,8 +270,6 @@ int copy_blocks_kernel(const KvoCopyRegion* regions, int64_t num_regions, const 
   const size_t ids_bytes = static_cast<size_t>(num_pairs) * sizeof(int64_t);
   const size_t total = regions_bytes + begins_bytes + 2 * ids_bytes;
 
-  int device = 0;
-  KVO_CUDA_CHECK(cudaGetDevice(&device));
   Slot* slot = nullptr;
   if (int rc = acquire_slot(device, total, &slot); rc != KVO_OK) return rc;
   std::memcpy(slot->host, dev_regions.data(), dev_regions.size() * sizeof(DevRegion));

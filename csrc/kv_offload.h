@@ -1,19 +1,28 @@
 // C API of the vllm-kv-offload CUDA copy library.
 //
-// Loaded from Python with ctypes (vllm/_custom_ops.py): every argument is a plain integer, a raw
-// pointer or a pointer to a plain struct, and CUDA streams and events are passed as their handles
-// (cudaStream_t / cudaEvent_t cast to void*). Nothing here depends on Python or torch. The CUDA
-// runtime is linked statically and the driver API is resolved at run time, so the library loads on
-// a machine without a driver or GPU: argument checks (kvo_check_*) then still work, and every call
-// that needs CUDA returns KVO_ERR_CUDA.
+// Loaded from Python with ctypes (vllm/kv_copy/cuda_library.py): every argument is a plain
+// integer, a raw pointer or a pointer to a plain struct, and CUDA streams and events are passed as
+// their handles (cudaStream_t / cudaEvent_t cast to void*). Nothing here depends on Python or
+// torch. The CUDA runtime is linked statically and the driver API is resolved at run time, so the
+// library loads on a machine without a driver or GPU: argument checks (kvo_check_*) then still
+// work, and every call that needs CUDA returns KVO_ERR_CUDA.
+//
+// Driver requirement: the static runtime is the toolkit's, so the driver must support that CUDA
+// version (CUDA 13.x: R580 or newer). kvo_device_count reports an older driver as an error naming
+// both versions; build with an older toolkit to run on an older driver (see README.md).
 //
 // Error convention: every function returns a KvoStatus. On failure, kvo_last_error() returns a
 // NUL-terminated, thread-local message naming the offending argument or CUDA call; it stays valid
 // until the next call into the library from the same thread. An argument error
 // (KVO_ERR_INVALID_ARGUMENT) is always detected before anything is enqueued on a stream.
 //
-// Threading: every function may be called from any thread. The device used is the calling
-// thread's current CUDA device (kvo_set_device); streams and events must belong to it.
+// Devices: every entry point that uses CUDA takes `device`, the ordinal of the device it acts on
+// (as CUDA numbers them, after CUDA_VISIBLE_DEVICES), and makes it the calling thread's current
+// device (cudaSetDevice, which also makes its primary context current) before any other CUDA call.
+// So any thread may call any entry point whatever device it had current, and no context is ever
+// created on a device the caller did not name. The device stays current after the call: switching
+// back could create a context on the previous device. Streams and events passed to a call must
+// belong to `device`. Host memory registered with KVO_HOST_REGISTER_PORTABLE serves every device.
 #pragma once
 
 #include <stdint.h>
@@ -28,7 +37,11 @@ extern "C" {
 //   1: kvo_memcpy_batch only.
 //   2: block copies (KvoCopyRegion), DMA batch/loop and kernel paths, stream/event/host-register
 //      helpers.
-#define KVO_ABI_VERSION 2
+//   3: every entry point that uses CUDA takes its device (no implicit current device; the
+//      kvo_get_device / kvo_set_device pair is gone); kvo_device_count fails, naming the CUDA error,
+//      when CUDA is unusable (it used to report 0 devices); kvo_dma_batch_fallbacks added;
+//      kvo_memcpy_batch and kvo_host_get_device_pointer removed (no caller).
+#define KVO_ABI_VERSION 3
 
 typedef enum KvoStatus {
   KVO_OK = 0,
@@ -40,7 +53,10 @@ typedef enum KvoStatus {
 typedef enum KvoCopyMethod {
   // Copy engines (DMA). All copies of the call are submitted with one cuMemcpyBatchAsync when the
   // driver provides it (resolved at run time) and the stream is not the legacy default stream;
-  // otherwise one cudaMemcpyAsync per copy. Uses no SM; preferred for large pages.
+  // otherwise one cudaMemcpyAsync per copy. Uses no SM; preferred for large pages. A batch call
+  // that the driver refuses for reasons of the batch API itself (CUDA_ERROR_NOT_SUPPORTED, or
+  // CUDA_ERROR_INVALID_VALUE not tied to one copy) is resubmitted as the cudaMemcpyAsync loop and
+  // counted (kvo_dma_batch_fallbacks); any other failure fails the call, naming the CUresult.
   KVO_COPY_DMA = 0,
   // Copy engines, always one cudaMemcpyAsync per copy (the fallback of KVO_COPY_DMA, selectable
   // for testing and comparison).
@@ -107,7 +123,7 @@ typedef struct KvoCopyRegion {
 #define KVO_HOST_REGISTER_MAPPED 2u    // also mapped into the device address space (kernel path)
 
 // ---------------------------------------------------------------------------------------------
-// Library and device
+// Library and devices
 // ---------------------------------------------------------------------------------------------
 
 // Returns KVO_ABI_VERSION of the compiled library.
@@ -119,20 +135,30 @@ KVO_API int kvo_copy_region_size(void);
 // Message of the last failed call on this thread ("" if none).
 KVO_API const char* kvo_last_error(void);
 
-// Number of CUDA devices visible to the runtime, in *count (0 when there is no driver or GPU; the
-// call still returns KVO_OK in that case).
+// Number of CUDA devices visible to the runtime, in *count.
+//
+// Returns KVO_OK with *count == 0 when the driver works but reports no device
+// (cudaErrorNoDevice, e.g. CUDA_VISIBLE_DEVICES=""). Returns KVO_ERR_CUDA (and *count == 0) when
+// CUDA cannot be used at all: no driver, a driver older than the CUDA runtime this library was
+// built with (cudaErrorInsufficientDriver), and so on; kvo_last_error() then names the CUDA error
+// and the driver's and the library's CUDA versions.
 KVO_API int kvo_device_count(int* count);
-
-// The calling thread's current device, in *device.
-KVO_API int kvo_get_device(int* device);
-
-// Makes `device` the calling thread's current device (and its primary context current).
-KVO_API int kvo_set_device(int device);
 
 // Sets *available to 1 if the driver provides cuMemcpyBatchAsync (so KVO_COPY_DMA submits a job
 // as one batch), else 0. Resolved once, at the first call, through the runtime's driver entry
 // point query; the library never links libcuda. Returns KVO_OK even without a driver (then 0).
 KVO_API int kvo_dma_batch_available(int* available);
+
+// KVO_COPY_DMA jobs whose cuMemcpyBatchAsync call the driver refused for reasons of the batch API
+// and that were resubmitted as a cudaMemcpyAsync loop, since the library was loaded: the count in
+// *count, and the message of the first such refusal (naming its CUresult; "" if none) copied into
+// reason[0 .. reason_size) (NUL-terminated, truncated to fit; reason may be NULL when
+// reason_size == 0).
+//
+// Test hook: when the environment variable VLLM_KV_OFFLOAD_TEST_BATCH_RESULT holds a non-zero
+// CUresult at the first use of the batch API, every batch call is treated as having failed with it
+// (the driver is not called), so tests can drive the fallback and the error report on any GPU.
+KVO_API int kvo_dma_batch_fallbacks(uint64_t* count, char* reason, uint64_t reason_size);
 
 // ---------------------------------------------------------------------------------------------
 // Block copies
@@ -151,92 +177,86 @@ KVO_API int kvo_check_copy_blocks(const KvoCopyRegion* regions, int64_t num_regi
                                   const int64_t* src_ids, const int64_t* dst_ids,
                                   int64_t num_pairs);
 
-// Enqueues every copy of every region on `stream` (see KvoCopyRegion), with `method`.
+// Enqueues every copy of every region on `stream` of `device` (see KvoCopyRegion), with `method`.
 //
 // The call is asynchronous: the copies run in stream order and are complete once an event
 // recorded on `stream` after this call completes. The host arrays are consumed before the call
 // returns (the caller may free or reuse them at once); the memory the regions address must stay
 // valid, and must not be written by anyone else, until the copies are complete. Copies within a
-// call run in no particular order and may run concurrently.
+// call run in no particular order and may run concurrently; copies that a refused batch call had
+// already enqueued may run twice when it is resubmitted as a loop (see KVO_COPY_DMA), which writes
+// the same bytes as long as no destination of the call is also one of its sources.
 //
-// Arguments: as kvo_check_copy_blocks (which this function runs first), plus
+// Arguments: device (>= 0), then as kvo_check_copy_blocks (which this function runs first), then
 //   method: a KvoCopyMethod.
 //   max_ctas: kernel path only: the most thread blocks the kernel may use (1..65535), or 0 for
 //     the default (16). Bounds the SMs taken from concurrently running model kernels.
 //   stream: the cudaStream_t to enqueue on (NULL means the legacy default stream, which the batch
-//     API rejects; KVO_COPY_DMA then falls back to the cudaMemcpyAsync loop).
+//     API rejects; KVO_COPY_DMA then uses the cudaMemcpyAsync loop).
 // Host memory should be pinned (kvo_host_register) for the DMA path to be asynchronous; the
 // kernel path requires it to be pinned and mapped and reports KVO_ERR_INVALID_ARGUMENT otherwise.
-KVO_API int kvo_copy_blocks(const KvoCopyRegion* regions, int64_t num_regions,
+// The kernel path resolves each region side's device address once and remembers it: for host
+// memory registered by kvo_host_register until kvo_host_unregister, for device memory for the
+// life of the process (the library cannot see device memory being freed; a job must not address
+// freed memory anyway). Other host memory is resolved on every call.
+KVO_API int kvo_copy_blocks(int device, const KvoCopyRegion* regions, int64_t num_regions,
                             const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
                             int method, int max_ctas, void* stream);
-
-// Enqueues n independent copies on `stream`: copy i moves sizes[i] bytes from src_ptrs[i] to
-// dst_ptrs[i]. Pointers may be device or host addresses (the direction is inferred from them,
-// cudaMemcpyDefault). Submitted as one cuMemcpyBatchAsync when available and the stream is not
-// the legacy default stream, else as a cudaMemcpyAsync loop.
-//
-// Arguments:
-//   dst_ptrs, src_ptrs, sizes: host arrays of n entries (may be NULL only when n == 0).
-//   n: number of copies, n >= 0; n == 0 returns KVO_OK at once.
-//   stream: the cudaStream_t to enqueue on (NULL means the legacy default stream).
-// Requirements: every sizes[i] > 0, every pointer non-zero, no range wraps around the address
-// space, and no copy's source and destination ranges overlap. Violations return
-// KVO_ERR_INVALID_ARGUMENT before anything is enqueued.
-KVO_API int kvo_memcpy_batch(const uint64_t* dst_ptrs, const uint64_t* src_ptrs,
-                             const uint64_t* sizes, int64_t n, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Streams and events (for callers without a CUDA build of torch)
 // ---------------------------------------------------------------------------------------------
 
 // Creates a non-blocking stream (no implicit synchronisation with the legacy default stream) on
-// the current device, with `priority` (0 = default; lower numbers are higher priority and are
-// clamped to the device's range). *stream receives the handle.
-KVO_API int kvo_stream_create(void** stream, int priority);
-KVO_API int kvo_stream_destroy(void* stream);
+// `device`, with `priority` (0 = default; lower numbers are higher priority and are clamped to the
+// device's range). *stream receives the handle.
+KVO_API int kvo_stream_create(int device, void** stream, int priority);
+KVO_API int kvo_stream_destroy(int device, void* stream);
 // Blocks the calling thread until all work enqueued on `stream` is complete.
-KVO_API int kvo_stream_synchronize(void* stream);
+KVO_API int kvo_stream_synchronize(int device, void* stream);
 // Makes all future work on `stream` wait for the completion of `event`'s last record (NULL stream:
 // the legacy default stream).
-KVO_API int kvo_stream_wait_event(void* stream, void* event);
+KVO_API int kvo_stream_wait_event(int device, void* stream, void* event);
 
-// Creates an event; enable_timing != 0 allows kvo_event_elapsed_ms on it.
-KVO_API int kvo_event_create(void** event, int enable_timing);
-KVO_API int kvo_event_destroy(void* event);
+// Creates an event on `device`; enable_timing != 0 allows kvo_event_elapsed_ms on it.
+KVO_API int kvo_event_create(int device, void** event, int enable_timing);
+KVO_API int kvo_event_destroy(int device, void* event);
 // Records `event` on `stream` (NULL: the legacy default stream).
-KVO_API int kvo_event_record(void* event, void* stream);
+KVO_API int kvo_event_record(int device, void* event, void* stream);
 // *done = 1 if all work captured by the event's last record is complete (or it was never
 // recorded), 0 if not yet. A failure of that work returns KVO_ERR_CUDA.
-KVO_API int kvo_event_query(void* event, int* done);
+KVO_API int kvo_event_query(int device, void* event, int* done);
 // Blocks until the event's last record is complete.
-KVO_API int kvo_event_synchronize(void* event);
+KVO_API int kvo_event_synchronize(int device, void* event);
 // Milliseconds between two completed, timing-enabled events, in *ms.
-KVO_API int kvo_event_elapsed_ms(void* start, void* end, float* ms);
+KVO_API int kvo_event_elapsed_ms(int device, void* start, void* end, float* ms);
 
 // ---------------------------------------------------------------------------------------------
-// Memory
+// Host memory
 // ---------------------------------------------------------------------------------------------
 
 // Page-locks (pins) the host range [ptr, ptr + bytes) with cudaHostRegister and `flags`
-// (KVO_HOST_REGISTER_*). *already_registered (may be NULL) is set to 1, and KVO_OK returned, when
-// the range was registered before (by this process): the caller then does not own the
-// registration and must not unregister it.
-KVO_API int kvo_host_register(void* ptr, uint64_t bytes, unsigned int flags,
+// (KVO_HOST_REGISTER_*), from `device`'s context. *already_registered (may be NULL) is set to 1,
+// and KVO_OK returned, when the range was registered before (by this process): the caller then
+// does not own the registration and must not unregister it.
+KVO_API int kvo_host_register(int device, void* ptr, uint64_t bytes, unsigned int flags,
                               int* already_registered);
-// Unpins a range pinned by kvo_host_register; `ptr` must be the pointer that was registered.
-KVO_API int kvo_host_unregister(void* ptr);
-// The device address through which the kernel path reaches host address `host_ptr` (inside a
-// range registered with KVO_HOST_REGISTER_MAPPED), in *device_ptr.
-KVO_API int kvo_host_get_device_pointer(uint64_t host_ptr, uint64_t* device_ptr);
+// Unpins a range pinned by kvo_host_register; `ptr` must be the pointer that was registered. A
+// range registered here must be unregistered here (not with cudaHostUnregister), since the
+// kernel path remembers its mapping until then.
+KVO_API int kvo_host_unregister(int device, void* ptr);
 
-// Device memory, for tests and benchmarks run without a CUDA build of torch.
-KVO_API int kvo_device_malloc(uint64_t bytes, uint64_t* ptr);
-KVO_API int kvo_device_free(uint64_t ptr);
+// ---------------------------------------------------------------------------------------------
+// Test support: device memory for tests, the C self-test and benchmarks run without a CUDA build
+// of torch. Not used by the offload path.
+// ---------------------------------------------------------------------------------------------
+
+KVO_API int kvo_device_malloc(int device, uint64_t bytes, uint64_t* ptr);
+KVO_API int kvo_device_free(int device, uint64_t ptr);
 // Synchronous copy of `bytes` bytes between any two addresses (cudaMemcpyDefault).
-KVO_API int kvo_memcpy_sync(uint64_t dst, uint64_t src, uint64_t bytes);
+KVO_API int kvo_memcpy_sync(int device, uint64_t dst, uint64_t src, uint64_t bytes);
 // Synchronous memset of device memory.
-KVO_API int kvo_memset_sync(uint64_t ptr, int value, uint64_t bytes);
+KVO_API int kvo_memset_sync(int device, uint64_t ptr, int value, uint64_t bytes);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -19,9 +19,10 @@ int fail_cuda(cudaError_t err, const char* what);
 // Empties the last-error message; every entry point calls it first.
 void clear_error();
 
-// Makes the calling thread's current device's primary context current for the driver API (the
-// runtime does this lazily; a driver entry point such as cuMemcpyBatchAsync needs it up front).
-int ensure_context();
+// Checks `device` (>= 0) and makes it the calling thread's current device, primary context
+// included (see "Devices" in kv_offload.h). Every entry point that uses CUDA calls it after its
+// argument checks and before any other CUDA call.
+int bind_device(int device);
 
 // Checked addressing of one side of a region (see KvoBlockSide).
 inline uint64_t side_address(const KvoBlockSide& s, int64_t id) {
@@ -38,15 +39,32 @@ int check_copy_blocks(const KvoCopyRegion* regions, int64_t num_regions, const i
 // (valid only for a side that passed the checks).
 uint64_t side_extent(const KvoBlockSide& s, uint64_t bytes);
 
-// Enqueues the kernel path of kvo_copy_blocks; the arguments were checked already.
-int copy_blocks_kernel(const KvoCopyRegion* regions, int64_t num_regions, const int64_t* src_ids,
-                       const int64_t* dst_ids, int64_t num_pairs, int max_ctas,
-                       cudaStream_t stream);
+// Enqueues the kernel path of kvo_copy_blocks on `stream` of `device` (already current); the
+// arguments were checked already.
+int copy_blocks_kernel(int device, const KvoCopyRegion* regions, int64_t num_regions,
+                       const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
+                       int max_ctas, cudaStream_t stream);
+
+// Device views (device_views.cu): the address through which a kernel on `device` (current)
+// reaches [addr, addr + extent) of region r's side `which`: the address itself for device memory,
+// the mapping for pinned and mapped host memory. KVO_ERR_INVALID_ARGUMENT when a kernel cannot
+// reach the whole extent. Results for ranges this library registered, and for device memory, are
+// remembered (see kvo_copy_blocks).
+int device_view(int device, uint64_t addr, uint64_t extent, int64_t r, const char* which,
+                uint64_t* out);
+
+// Records a host range this library registered (kvo_host_register), so that device_view resolves
+// addresses inside it without a CUDA call.
+void note_host_registration(uint64_t base, uint64_t bytes, unsigned int flags);
+
+// Forgets the registration starting at `base` and every device view resolved through it; called
+// before the range is unregistered.
+void forget_host_registration(uint64_t base);
 
 }  // namespace kvo
 
-#define KVO_CUDA_CHECK(call)                                  \
-  do {                                                        \
-    cudaError_t kvo_err_ = (call);                            \
+#define KVO_CUDA_CHECK(call)                                             \
+  do {                                                                   \
+    cudaError_t kvo_err_ = (call);                                       \
     if (kvo_err_ != cudaSuccess) return kvo::fail_cuda(kvo_err_, #call); \
   } while (0)

@@ -1,14 +1,18 @@
 """Tests of vllm._custom_ops: block copies (torch backend always, CUDA when a GPU is present),
-argument checks of the C library (run on CPU against the built .so) and its build."""
+argument checks and error reports of the C library (run on CPU against the built .so), the C
+self-test's checks that need no GPU, and the library's build."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import mmap
 import os
 import shutil
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +22,22 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from tests.cuda_helpers import DeviceBuffer
 from vllm import _custom_ops as ops
+from vllm.kv_copy.cuda_library import TEST_BATCH_RESULT_ENV, default_library_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 LIB = ops.cuda_library()
-NUM_GPUS = LIB.device_count() if LIB is not None else 0
+DEVICES = ops.cuda_devices()
+NUM_GPUS = DEVICES.count
 needs_lib = pytest.mark.skipif(
     LIB is None, reason="the CUDA copy library is not built (pip install -e . with nvcc present)"
 )
 needs_gpu = pytest.mark.skipif(
-    NUM_GPUS == 0, reason="needs a CUDA GPU and the built CUDA copy library"
+    NUM_GPUS == 0, reason=f"needs a CUDA GPU usable by the copy library: {DEVICES.problem}"
 )
+DEV = 0  # the device every CUDA test runs on
 
 
 def _buffer(nbytes: int, seed: int) -> torch.Tensor:
@@ -181,44 +189,59 @@ def test_host_memmove_parallel_split_is_exact(monkeypatch: pytest.MonkeyPatch) -
     # Copies larger than a chunk (one of 5 MiB + 3 bytes, odd offsets) are cut into pieces.
     big = (5 << 20) + 3
     dst.zero_()
-    ops.swap_blocks_batch(
-        [src.data_ptr() + 1, src.data_ptr() + big + 7],
-        [dst.data_ptr() + 5, dst.data_ptr() + big + 9],
-        [big, 1000],
-        backend="torch",
+    ops.host_memmove(
+        np.array([dst.data_ptr() + 5, dst.data_ptr() + big + 9], dtype=np.uint64),
+        np.array([src.data_ptr() + 1, src.data_ptr() + big + 7], dtype=np.uint64),
+        np.array([big, 1000], dtype=np.uint64),
     )
     assert torch.equal(dst[5 : 5 + big], src[1 : 1 + big])
     assert torch.equal(dst[big + 9 : big + 1009], src[big + 7 : big + 1007])
     assert not dst[:5].any() and not dst[5 + big : big + 9].any() and not dst[big + 1009 :].any()
 
 
-def test_swap_blocks_batch_torch() -> None:
-    src, dst = _buffer(1024, 7), torch.zeros(1024, dtype=torch.int8)
-    s, d = src.data_ptr(), dst.data_ptr()
-    ops.swap_blocks_batch([s, s + 512], [d + 512, d], [100, 200], backend="torch")
-    assert torch.equal(dst[512:612], src[:100]) and torch.equal(dst[:200], src[512:712])
-    assert not dst[200:512].any() and not dst[612:].any()
-    with pytest.raises(ops.CopyArgumentError, match="overlap"):
-        ops.swap_blocks_batch([s], [s + 10], [20], backend="torch")
-    with pytest.raises(ops.CopyArgumentError, match="sizes"):
-        ops.swap_blocks_batch([s], [d], [0], backend="torch")
-
-
-def test_copy_backend_is_logged_and_overridable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copy_backend_is_logged_and_overridable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     try:
         monkeypatch.setenv(ops.BACKEND_ENV, "torch")
         ops._reset_backend_for_tests()
         assert ops.copy_backend() == "torch"
         monkeypatch.setenv(ops.BACKEND_ENV, "auto")
         ops._reset_backend_for_tests()
-        assert ops.copy_backend() == ("cuda" if NUM_GPUS else "torch")
+        with caplog.at_level("INFO", logger="vllm._custom_ops"):
+            assert ops.copy_backend() == ("cuda" if NUM_GPUS else "torch")
         if NUM_GPUS == 0:
+            # The reason names the real problem (e.g. the CUDA error of a too old driver).
+            assert DEVICES.problem and DEVICES.problem in caplog.text
             monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
             ops._reset_backend_for_tests()
-            with pytest.raises(RuntimeError, match="unusable"):
+            with pytest.raises(RuntimeError, match="unusable") as info:
                 ops.copy_backend()
+            assert DEVICES.problem in str(info.value)
+        monkeypatch.setenv(ops.BACKEND_ENV, "bogus")
+        ops._reset_backend_for_tests()
+        with pytest.raises(ValueError, match="bogus"):
+            ops.copy_backend()
     finally:
         ops._reset_backend_for_tests()
+
+
+def test_cuda_backend_needs_a_device() -> None:
+    regions, s, d = _valid_job()
+    with pytest.raises(ops.CopyArgumentError, match="device="):
+        ops.copy_blocks(ops.make_regions(regions), s, d, backend="cuda")
+
+
+def test_default_library_path_takes_a_library_built_for_another_python(
+    tmp_path: Path,
+) -> None:
+    assert default_library_path(tmp_path) is None
+    foreign = tmp_path / "_kv_offload_cuda.cpython-399-x86_64-linux-gnu.so"
+    foreign.touch()
+    assert default_library_path(tmp_path) == foreign
+    own = tmp_path / "_kv_offload_cuda.so"
+    own.touch()
+    assert default_library_path(tmp_path) == own  # the interpreter's own suffix wins
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +358,7 @@ def test_python_and_library_checks_agree(
 
 @needs_lib
 def test_library_entry_points_reject_null_and_bad_handles() -> None:
+    """Argument errors are found before CUDA is touched, so this runs without a GPU too."""
     assert LIB is not None
     raw = LIB.raw
     bad = ops.KVO_ERR_INVALID_ARGUMENT
@@ -349,57 +373,105 @@ def test_library_entry_points_reject_null_and_bad_handles() -> None:
     assert raw.kvo_check_copy_blocks(None, 0, None, None, 0) == ops.KVO_OK
     assert LIB.last_error() == ""
     args = (arr.ctypes.data, 1, si.ctypes.data, di.ctypes.data, 3)
-    assert raw.kvo_copy_blocks(*args, 7, 0, None) == bad  # unknown method
+    assert raw.kvo_copy_blocks(DEV, *args, 7, 0, None) == bad  # unknown method
     assert "method" in LIB.last_error()
-    assert raw.kvo_copy_blocks(*args, 2, -1, None) == bad
-    assert raw.kvo_copy_blocks(*args, 2, 70000, None) == bad
-    assert raw.kvo_copy_blocks(None, 1, si.ctypes.data, di.ctypes.data, 3, 0, 0, None) == bad
-    assert raw.kvo_memcpy_batch(None, None, None, -1, None) == bad
-    assert raw.kvo_memcpy_batch(None, None, None, 2, None) == bad
-    assert raw.kvo_memcpy_batch(None, None, None, 0, None) == ops.KVO_OK
+    assert raw.kvo_copy_blocks(DEV, *args, 2, -1, None) == bad
+    assert raw.kvo_copy_blocks(DEV, *args, 2, 70000, None) == bad
+    assert raw.kvo_copy_blocks(DEV, None, 1, si.ctypes.data, di.ctypes.data, 3, 0, 0, None) == bad
+    assert raw.kvo_copy_blocks(-1, *args, 0, 0, None) == bad
+    assert "device=-1" in LIB.last_error()
     assert raw.kvo_device_count(None) == bad
-    assert raw.kvo_get_device(None) == bad
-    assert raw.kvo_set_device(-1) == bad
     assert raw.kvo_dma_batch_available(None) == bad
-    assert raw.kvo_stream_create(None, 0) == bad
-    assert raw.kvo_stream_destroy(None) == bad
-    assert raw.kvo_stream_wait_event(None, None) == bad
-    assert raw.kvo_event_create(None, 1) == bad
-    assert raw.kvo_event_destroy(None) == bad
-    assert raw.kvo_event_record(None, None) == bad
-    assert raw.kvo_event_query(None, None) == bad
-    assert raw.kvo_event_synchronize(None) == bad
-    assert raw.kvo_event_elapsed_ms(None, None, None) == bad
+    assert raw.kvo_dma_batch_fallbacks(None, None, 0) == bad
+    assert raw.kvo_stream_create(DEV, None, 0) == bad
+    assert raw.kvo_stream_destroy(DEV, None) == bad
+    assert raw.kvo_stream_wait_event(DEV, None, None) == bad
+    assert raw.kvo_event_create(DEV, None, 1) == bad
+    assert raw.kvo_event_destroy(DEV, None) == bad
+    assert raw.kvo_event_record(DEV, None, None) == bad
+    assert raw.kvo_event_query(DEV, None, None) == bad
+    assert raw.kvo_event_synchronize(DEV, None) == bad
+    assert raw.kvo_event_elapsed_ms(DEV, None, None, None) == bad
     buf = ctypes.create_string_buffer(64)
-    assert raw.kvo_host_register(None, 64, 0, None) == bad
-    assert raw.kvo_host_register(ctypes.addressof(buf), 0, 0, None) == bad
-    assert raw.kvo_host_register(ctypes.addressof(buf), 64, 0x80, None) == bad
+    assert raw.kvo_host_register(DEV, None, 64, 0, None) == bad
+    assert raw.kvo_host_register(DEV, ctypes.addressof(buf), 0, 0, None) == bad
+    assert raw.kvo_host_register(DEV, ctypes.addressof(buf), 64, 0x80, None) == bad
     assert "flags" in LIB.last_error()
-    assert raw.kvo_host_unregister(None) == bad
-    assert raw.kvo_host_get_device_pointer(0, None) == bad
-    assert raw.kvo_device_malloc(0, None) == bad
-    assert raw.kvo_device_free(0) == bad
-    assert raw.kvo_memcpy_sync(0, 1, 1) == bad
-    assert raw.kvo_memset_sync(0, 0, 1) == bad
+    assert raw.kvo_host_unregister(DEV, None) == bad
+    # A negative device is an argument error wherever a device is taken, never a CUDA error.
+    handle = ctypes.c_void_p()
+    done = ctypes.c_int()
+    for name, call in {
+        "stream_create": lambda: raw.kvo_stream_create(-1, ctypes.byref(handle), 0),
+        "stream_synchronize": lambda: raw.kvo_stream_synchronize(-1, None),
+        "event_create": lambda: raw.kvo_event_create(-1, ctypes.byref(handle), 0),
+        "event_query": lambda: raw.kvo_event_query(-1, 1, ctypes.byref(done)),
+        "host_register": lambda: raw.kvo_host_register(-1, ctypes.addressof(buf), 64, 0, None),
+        "host_unregister": lambda: raw.kvo_host_unregister(-1, ctypes.addressof(buf)),
+    }.items():
+        assert call() == bad, name
+        assert "device=-1" in LIB.last_error(), name
+    for gone in ("kvo_memcpy_batch", "kvo_host_get_device_pointer", "kvo_set_device"):
+        assert not hasattr(raw, gone), f"{gone} was removed in ABI 3"
+
+
+@needs_lib
+def test_batch_fallbacks_start_at_zero() -> None:
+    assert LIB is not None
+    count, reason = LIB.dma_batch_fallbacks()
+    assert (count, reason) == (0, "")
 
 
 @needs_lib
 @pytest.mark.skipif(NUM_GPUS > 0, reason="checks the no-GPU behaviour of the library")
 def test_library_without_gpu_reports_cuda_errors() -> None:
     assert LIB is not None
-    assert LIB.device_count() == 0
+    # No driver here: an error naming the CUDA error, not "0 devices".
+    with pytest.raises(ops.CudaCopyError, match=r"cudaGetDeviceCount failed: .*cudaError"):
+        LIB.device_count()
+    assert "cannot use CUDA" in DEVICES.problem and "cudaGetDeviceCount" in DEVICES.problem
     assert LIB.dma_batch_available() is False
     src, dst = _buffer(8192, 1), _buffer(8192, 2)
     regions, s, d = _job(src, dst, seed=0)
     before = dst.clone()
     for method in ops.CopyMethod:
-        with pytest.raises(ops.CudaCopyError):
-            LIB.copy_blocks(regions, s, d, method, 0, 0)
+        with pytest.raises(ops.CudaCopyError, match=r"cudaSetDevice\(0\)"):
+            LIB.copy_blocks(DEV, regions, s, d, method, 0, 0)
     assert torch.equal(dst, before)
     with pytest.raises(ops.CudaCopyError):
-        LIB.stream_create()
+        LIB.stream_create(DEV)
     with pytest.raises(ops.CudaCopyError):
-        LIB.event_create()
+        LIB.event_create(DEV)
+
+
+@needs_lib
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C self-test")
+def test_c_selftest_checks(tmp_path: Path) -> None:
+    """The C self-test's checks that need no GPU (the batch fallback decision) pass here; with a
+    GPU it runs every check (run_gpu_checks.sh also runs its forced-failure modes)."""
+    assert LIB is not None
+    exe = tmp_path / "copy_selftest"
+    lib = Path(LIB.path)
+    subprocess.run(
+        [
+            "g++",
+            "-O1",
+            "-std=c++17",
+            "-pthread",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "benchmarks/kv_offload/copy_selftest.cpp"),
+            str(lib),
+            f"-Wl,-rpath,{lib.parent}",
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    run = subprocess.run([str(exe), "--no-bench"], capture_output=True, text=True, timeout=300)
+    assert "PASS batch fallback decision" in run.stdout
+    assert "FAIL" not in run.stdout, run.stdout
+    assert run.returncode == (0 if NUM_GPUS else 77), run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,10 +488,11 @@ def test_cuda_copy_blocks_round_trip(method: ops.CopyMethod) -> None:
     host = _pinnable(2 * 8192, 11)
     host_src, host_out = host[:8192], host[8192:]
     flags = ops.HOST_REGISTER_PORTABLE | ops.HOST_REGISTER_MAPPED
-    assert LIB.host_register(host.data_ptr(), host.numel(), flags)
-    stream = ops.CudaStream(LIB)
+    assert LIB.host_register(DEV, host.data_ptr(), host.numel(), flags)
+    stream = ops.CudaStream(LIB, DEV)
+    fallbacks_before = LIB.dma_batch_fallbacks()[0]
     try:
-        with ops.DeviceBuffer(LIB, 8192) as dev:
+        with DeviceBuffer(LIB, 8192, DEV) as dev:
             dev.copy_from_host(_buffer(8192, 13).numpy())
             # host_src -> dev
             fake = torch.empty(8192, dtype=torch.int8)  # same geometry, to build the job
@@ -430,7 +503,9 @@ def test_cuda_copy_blocks_round_trip(method: ops.CopyMethod) -> None:
             _reference_copy(
                 regions, s, d, host_src.numpy(), host_src.data_ptr(), expected_dev, dev.ptr
             )
-            ops.copy_blocks(regions, s, d, backend="cuda", method=method, stream=stream.handle)
+            ops.copy_blocks(
+                regions, s, d, backend="cuda", device=DEV, method=method, stream=stream.handle
+            )
             # dev -> host_out, the same pairs reversed
             back = regions.copy()
             back["src"], back["dst"] = regions["dst"], regions["src"]
@@ -439,15 +514,20 @@ def test_cuda_copy_blocks_round_trip(method: ops.CopyMethod) -> None:
             )
             expected_out = host_out.numpy().copy()
             _reference_copy(back, d, s, expected_dev, dev.ptr, expected_out, host_out.data_ptr())
-            ops.copy_blocks(back, d, s, backend="cuda", method=method, stream=stream.handle)
+            ops.copy_blocks(
+                back, d, s, backend="cuda", device=DEV, method=method, stream=stream.handle
+            )
             stream.synchronize()
             got_dev = np.empty(8192, dtype=np.int8)
             dev.copy_to_host(got_dev)
             assert np.array_equal(got_dev, expected_dev)
             assert np.array_equal(host_out.numpy(), expected_out)
+        # A batch call refused on this machine would still copy (as a loop), only slower.
+        count, reason = LIB.dma_batch_fallbacks()
+        assert count == fallbacks_before, f"DMA batch calls fell back: {reason}"
     finally:
         stream.close()
-        LIB.host_unregister(host.data_ptr())
+        LIB.host_unregister(DEV, host.data_ptr())
 
 
 @pytest.mark.cuda
@@ -455,7 +535,7 @@ def test_cuda_copy_blocks_round_trip(method: ops.CopyMethod) -> None:
 def test_cuda_kernel_path_rejects_unregistered_host_memory() -> None:
     assert LIB is not None
     host = _buffer(8192, 1)
-    with ops.DeviceBuffer(LIB, 8192) as dev:
+    with DeviceBuffer(LIB, 8192, DEV) as dev:
         regions = ops.make_regions(
             [
                 ops.CopyRegion(
@@ -463,8 +543,8 @@ def test_cuda_kernel_path_rejects_unregistered_host_memory() -> None:
                 )
             ]
         )
-        with pytest.raises(ops.CopyArgumentError, match="registered"):
-            LIB.copy_blocks(regions, np.array([0]), np.array([1]), ops.CopyMethod.KERNEL, 0, 0)
+        with pytest.raises(ops.CopyArgumentError, match="cannot reach"):
+            LIB.copy_blocks(DEV, regions, np.array([0]), np.array([1]), ops.CopyMethod.KERNEL, 0, 0)
 
 
 @pytest.mark.cuda
@@ -474,9 +554,9 @@ def test_cuda_kernel_unaligned_and_odd_sizes() -> None:
     assert LIB is not None
     host = _pinnable(1 << 16, 21)
     flags = ops.HOST_REGISTER_PORTABLE | ops.HOST_REGISTER_MAPPED
-    assert LIB.host_register(host.data_ptr(), host.numel(), flags)
+    assert LIB.host_register(DEV, host.data_ptr(), host.numel(), flags)
     try:
-        with ops.DeviceBuffer(LIB, 1 << 16) as dev:
+        with DeviceBuffer(LIB, 1 << 16, DEV) as dev:
             init = _buffer(1 << 16, 22).numpy()
             dev.copy_from_host(init)
             expected = init.copy()
@@ -498,21 +578,21 @@ def test_cuda_kernel_unaligned_and_odd_sizes() -> None:
                     base + src_off : base + src_off + n
                 ]
             arr = ops.make_regions(regions)
-            LIB.copy_blocks(arr, np.array([0]), np.array([0]), ops.CopyMethod.KERNEL, 3, 0)
-            LIB.stream_synchronize(0)
+            LIB.copy_blocks(DEV, arr, np.array([0]), np.array([0]), ops.CopyMethod.KERNEL, 3, 0)
+            LIB.stream_synchronize(DEV, 0)
             got = np.empty(1 << 16, dtype=np.int8)
             dev.copy_to_host(got)
             assert np.array_equal(got, expected)
     finally:
-        LIB.host_unregister(host.data_ptr())
+        LIB.host_unregister(DEV, host.data_ptr())
 
 
 @pytest.mark.cuda
 @needs_gpu
 def test_cuda_events_and_streams() -> None:
     assert LIB is not None
-    stream = ops.CudaStream(LIB)
-    start, end = ops.CudaEvent(LIB), ops.CudaEvent(LIB)
+    stream = ops.CudaStream(LIB, DEV)
+    start, end = ops.CudaEvent(LIB, DEV), ops.CudaEvent(LIB, DEV)
     try:
         start.record(stream.handle)
         end.record(stream.handle)
@@ -520,9 +600,81 @@ def test_cuda_events_and_streams() -> None:
         assert end.query()
         assert start.elapsed_ms(end) >= 0.0
         assert LIB.dma_batch_available() in (True, False)
+        with pytest.raises(ops.CudaCopyError, match="cudaSetDevice"):
+            ops.CudaStream(LIB, NUM_GPUS)  # no such device: CUDA's error, naming the call
     finally:
         for r in (start, end, stream):
             r.close()
+
+
+# A DMA job in a fresh interpreter whose every cuMemcpyBatchAsync call "fails" with the CUresult
+# in argv[1] (the library reads the test hook once); prints what happened as JSON.
+_FORCED_BATCH_SCRIPT = textwrap.dedent(
+    """
+    import json, mmap, sys
+    import numpy as np, torch
+    from tests.cuda_helpers import DeviceBuffer
+    from vllm import _custom_ops as ops
+
+    lib = ops.cuda_library()
+    host = torch.frombuffer(mmap.mmap(-1, 1 << 16), dtype=torch.int8)
+    host.copy_(torch.randint(-128, 128, (1 << 16,), dtype=torch.int8))
+    lib.host_register(0, host.data_ptr(), host.numel(), ops.HOST_REGISTER_PORTABLE)
+    stream = ops.CudaStream(lib, 0)
+    out = {"batch": lib.dma_batch_available(), "error": ""}
+    with DeviceBuffer(lib, 1 << 16, 0) as dev:
+        side = ops.BlockSide(host.data_ptr(), 4096, 16), ops.BlockSide(dev.ptr, 4096, 16)
+        regions = ops.make_regions([ops.CopyRegion(*side, 4096, 0, 4)])
+        src, dst = np.array([0, 3, 5, 9]), np.array([15, 2, 7, 1])
+        try:
+            ops.copy_blocks(regions, src, dst, backend="cuda", device=0, stream=stream.handle)
+        except ops.CudaCopyError as e:
+            out["error"] = str(e)
+        stream.synchronize()
+        got = np.empty(1 << 16, dtype=np.int8)
+        dev.copy_to_host(got)
+        rows = host.numpy().reshape(16, 4096)
+        out["exact"] = all(
+            np.array_equal(got.reshape(16, 4096)[d], rows[s]) for s, d in zip(src, dst))
+    out["fallbacks"], out["reason"] = lib.dma_batch_fallbacks()
+    stream.close()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize(
+    ("forced", "name", "falls_back"),
+    [(801, "CUDA_ERROR_NOT_SUPPORTED", True), (700, "CUDA_ERROR_ILLEGAL_ADDRESS", False)],
+)
+def test_cuda_refused_batch_call_falls_back_or_fails_naming_the_cuda_error(
+    forced: int, name: str, falls_back: bool
+) -> None:
+    env = {**os.environ, TEST_BATCH_RESULT_ENV: str(forced), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", _FORCED_BATCH_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if not out["batch"]:
+        pytest.skip("the driver has no cuMemcpyBatchAsync: the loop is used anyway")
+    if falls_back:
+        assert out["error"] == "" and out["exact"]
+        assert (
+            out["fallbacks"] == 1
+            and name in out["reason"]
+            and f"CUresult {forced}" in out["reason"]
+        )
+    else:
+        assert "cuMemcpyBatchAsync" in out["error"] and name in out["error"], out["error"]
+        assert out["fallbacks"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

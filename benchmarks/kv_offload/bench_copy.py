@@ -14,6 +14,10 @@ Job and contiguous copies are timed in alternating rounds of 5 repetitions (abou
 each in all, after two warm-ups); GB/s and the ratio (job GB/s / contiguous GB/s) come from the
 median times.
 
+Device memory comes from the test helpers in ``tests/cuda_helpers.py`` (no CUDA build of torch
+is needed); the script puts the repository root on ``sys.path`` for them. The CUDA paths run on
+device 0.
+
 Example::
 
     python benchmarks/kv_offload/bench_copy.py --job-mib 128 --reps 7 --markdown out.md
@@ -32,12 +36,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+# The repository root, for tests.cuda_helpers (and this checkout's vllm) when run as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.cuda_helpers import DeviceBuffer, memset_sync
 from vllm import _custom_ops as ops
 
+DEVICE = 0
 DEFAULT_BLOCK_KIB = (16, 64, 256, 1024, 2048)
 
 
@@ -146,7 +156,9 @@ class _CudaTimer:
         max_ctas: int,
     ) -> float:
         self.start.record(self.stream.handle)
-        self.lib.copy_blocks(regions, src_ids, dst_ids, method, max_ctas, self.stream.handle)
+        self.lib.copy_blocks(
+            DEVICE, regions, src_ids, dst_ids, method, max_ctas, self.stream.handle
+        )
         self.end.record(self.stream.handle)
         self.end.synchronize()
         return self.start.elapsed_ms(self.end) / 1000.0
@@ -163,10 +175,15 @@ def bench_cuda(
     host = torch.frombuffer(mmap.mmap(-1, 2 * total), dtype=torch.int8)
     host.fill_(1)
     flags = ops.HOST_REGISTER_PORTABLE | ops.HOST_REGISTER_MAPPED
-    owned = lib.host_register(host.data_ptr(), host.numel(), flags)
-    dev = ops.DeviceBuffer(lib, 2 * total)
-    lib.memset_sync(dev.ptr, 3, 2 * total)
-    timer = _CudaTimer(lib, ops.CudaStream(lib), ops.CudaEvent(lib), ops.CudaEvent(lib))
+    owned = lib.host_register(DEVICE, host.data_ptr(), host.numel(), flags)
+    dev = DeviceBuffer(lib, 2 * total, DEVICE)
+    memset_sync(lib, DEVICE, dev.ptr, 3, 2 * total)
+    timer = _CudaTimer(
+        lib,
+        ops.CudaStream(lib, DEVICE),
+        ops.CudaEvent(lib, DEVICE),
+        ops.CudaEvent(lib, DEVICE),
+    )
     rows = []
     try:
         for store in (True, False):
@@ -205,7 +222,7 @@ def bench_cuda(
         for r in (timer.start, timer.end, timer.stream, dev):
             r.close()
         if owned:
-            lib.host_unregister(host.data_ptr())
+            lib.host_unregister(DEVICE, host.data_ptr())
     return rows
 
 
@@ -251,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     lib = ops.cuda_library()
-    has_gpu = lib is not None and lib.device_count() > 0
+    devices = ops.cuda_devices()
+    has_gpu = devices.count > 0
     rows: list[Row] = []
     for kib in args.block_kib:
         block = kib << 10
@@ -262,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             methods = list(ops.CopyMethod)
             rows += bench_cuda(block, n, args.reps, methods, args.max_ctas)
     if "cuda" in args.paths and not has_gpu:
-        print("CUDA paths skipped: no GPU visible to the copy library", file=sys.stderr)
+        print(f"CUDA paths skipped: {devices.problem}", file=sys.stderr)
     table = to_markdown(rows)
     cmd = "python " + " ".join(
         [os.path.relpath(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])]
@@ -271,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     if has_gpu and lib is not None:
         header += f"; CUDA library {os.path.basename(lib.path)}, cuMemcpyBatchAsync "
         header += "available" if lib.dma_batch_available() else "unavailable"
+        fallbacks, reason = lib.dma_batch_fallbacks()
+        if fallbacks:
+            header += f"; {fallbacks} DMA job(s) fell back to the loop: {reason}"
     print(header + "\n\n" + table)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -23,7 +23,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import os
@@ -38,11 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import bench_keys, bench_spec
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.spec import KVCacheRunInfo
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.fs.config import parse_size
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
@@ -98,27 +95,6 @@ def _timed(fn: Callable[..., None], *args: Any, **kwargs: Any) -> float:
     start = time.perf_counter()
     fn(*args, **kwargs)
     return time.perf_counter() - start
-
-
-def _spec(block_bytes: int, num_blocks: int) -> CPUOffloadingSpec:
-    run = KVCacheRunInfo(
-        model_name="bench/model",
-        dtype="float16",
-        kv_layout="cross_layer",
-        num_layers=32,
-        num_kv_heads=8,
-        head_size=128,
-        gpu_block_sizes=(16,),
-        gpu_kv_bytes_per_block=block_bytes,
-    )
-    return CPUOffloadingSpec(OffloadingConfig(cpu_bytes_to_use=num_blocks * block_bytes), run)
-
-
-def _keys(num_blocks: int, salt: int) -> list[OffloadKey]:
-    return [
-        make_offload_key(hashlib.sha256(f"{salt}:{i}".encode()).digest(), 0)
-        for i in range(num_blocks)
-    ]
 
 
 def plain_store(flat: memoryview, block_bytes: int, rows: list[int], paths: list[Path]) -> None:
@@ -196,7 +172,7 @@ def bench_size(
     rows[num_blocks:] = 0  # fault the destination rows in before timing
     src = list(range(num_blocks))
     dst = list(range(num_blocks, 2 * num_blocks))
-    spec = _spec(block_bytes, 2 * num_blocks)
+    spec = bench_spec(block_bytes, 2 * num_blocks)
     samples: dict[str, list[float]] = {k: [] for k in ("bs", "ts", "bl", "tl")}
     o_direct = False
     try:
@@ -225,7 +201,7 @@ def bench_size(
             try:
                 tier.wait_for_scan(60)
                 o_direct = tier.uses_o_direct
-                keys = _keys(num_blocks, rep)
+                keys = bench_keys(num_blocks, rep)
                 samples["ts"].append(
                     _timed(tier_transfer, tier, keys, src, load=False,
                            blocks_per_job=blocks_per_job, first_job_id=0)

@@ -47,6 +47,9 @@ class Request:
             date by ``append_output_token_ids``.
         arrival_time: ``time.monotonic()`` at construction (or as given).
         num_preemptions: how many times the request was preempted.
+        num_output_placeholders: under async scheduling, tokens sampled by steps in flight whose
+            value is not known yet (the next step may compute their KV already, as vLLM's async
+            scheduler does); always 0 otherwise.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()

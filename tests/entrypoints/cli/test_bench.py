@@ -86,3 +86,37 @@ def test_bench_failure_sets_exit_code(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_bench_with_no_benchmark_at_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--bench-dir", str(tmp_path)]) == 1
     assert "no benchmark found" in capsys.readouterr().err
+
+
+_COPY_JSON = textwrap.dedent(
+    """
+    import argparse, json
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args()
+    rows = [
+        {"path": "torch", "direction": "h2d", "block_kib": 64, "ratio": 0.537},
+        {"path": "torch", "direction": "h2d", "block_kib": 256, "ratio": 0.912},
+        {"path": "torch", "direction": "d2h", "block_kib": 1024, "ratio": 0.61},
+    ]
+    json.dump(rows, open(a.json, "w"))
+    """
+)
+
+
+def test_bench_summary_says_what_each_ratio_means_and_its_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = _bench_dir(tmp_path, {"copy": _COPY_JSON})
+    assert main(["bench", "--bench-dir", str(d), "--only", "copy"]) == 0
+    summary = capsys.readouterr().out.split("=== summary")[1]
+    assert (
+        "ratio = GB/s of one job of scattered blocks / GB/s of one contiguous copy of the same "
+        "bytes; higher is better; target: >= 0.8 on the torch path for blocks >= 256 KiB"
+    ) in summary
+    assert "[path=torch,direction=h2d,block_kib=64].ratio: 0.537 (no target for this row)" in (
+        summary
+    )
+    assert "block_kib=256].ratio: 0.912 (meets the target)" in summary
+    assert "block_kib=1024].ratio: 0.610 (MISSES the target)" in summary

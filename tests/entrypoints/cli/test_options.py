@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from vllm.entrypoints.cli.main import build_parser, main
-from vllm.entrypoints.cli.options import default_fs_root, parse_size
+from vllm.entrypoints.cli.options import (
+    RunOptions,
+    build_run_options,
+    default_fs_root,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +44,11 @@ def test_parse_size_rejects(text: str) -> None:
         (["--seed", "x"], "invalid integer 'x'"),
         (["--cpu-bytes", "lots"], "--cpu-bytes: invalid size 'lots'"),
         (["--cpu-bytes", "100"], "--cpu-bytes 100 is smaller than one offloaded block"),
+        (["--cpu-bytes", "0"], "--cpu-bytes: invalid size '0' must be at least 1 byte"),
+        (["--fs-root", ""], "argument --fs-root: '' is empty, which would mean the current"),
+        (["--fs-root", " "], "or pass --no-fs"),
+        (["--json", ""], "argument --json: '' is empty: name a file"),
+        (["--no-fs", "--fs-clear"], "--fs-clear and --no-fs contradict each other"),
         (
             ["--block-size", "16", "--offload-block-size", "24"],
             "must be a multiple of --block-size",
@@ -50,8 +60,20 @@ def test_parse_size_rejects(text: str) -> None:
         (["--eviction-policy", "fifo"], "invalid choice: 'fifo'"),
         (["--dtype", "int3"], "invalid choice: 'int3'"),
         (["--no-fs", "--fs-root", "/tmp"], "--fs-root and --no-fs contradict each other"),
-        (["--fs-max-bytes", "1KiB"], "--fs-max-bytes 1024 is smaller than one offloaded block"),
-        (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory"),
+        (
+            ["--fs-max-bytes", "1KiB"],
+            # One block file: a 4 KiB header and 16 tokens x 4 KiB per token.
+            "--fs-max-bytes 1024 (1.0 KiB) is smaller than one block file (69632 bytes with this "
+            "geometry: a 4 KiB header and one offloaded block): raise --fs-max-bytes to at least "
+            "69632, or pass --no-fs",
+        ),
+        (
+            ["--json", "/nonexistent-dir/x.json"],
+            "--json /nonexistent-dir/x.json: directory /nonexistent-dir does not exist: create it",
+        ),
+        (["--redis-url", "http://127.0.0.1:6379"], "--redis-url: 'http://127.0.0.1:6379' is not a"),
+        (["--engines", "0"], "--engines: must be >= 1, got 0"),
+        (["--engines", "65"], "--engines: must be <= 64, got 65"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["bench", "--only", "gpu"], "invalid choice: 'gpu'"),
         (["bench", "--timeout", "0"], "--timeout: must be a finite number > 0"),
@@ -64,8 +86,82 @@ def test_bad_options_exit_2_with_a_clear_message(
         main([*argv, *(["--fs-root", str(tmp_path)] if argv[0] == "--fs-max-bytes" else [])])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: vllm-kv-offload" in err
+    # One line naming what is wrong, and where to look: no usage block in front of it.
+    assert "usage:" not in err
+    error, hint = err.splitlines()
+    prog = "vllm-kv-offload bench" if argv[0] == "bench" else "vllm-kv-offload run"
+    if "unrecognized arguments" in message:  # reported by the top-level parser
+        prog = "vllm-kv-offload"
+    assert error.startswith(f"{prog}: error: ")
+    assert message in error
+    assert hint == f"see '{prog} --help'"
+
+
+@pytest.mark.parametrize(
+    ("root", "message"),
+    [
+        ("/proc", "--fs-root /proc: cannot create files in /proc ("),
+        ("/proc/kv-cache", "--fs-root /proc/kv-cache: cannot create files in /proc ("),
+    ],
+)
+def test_unusable_fs_roots_are_refused_before_anything_runs(
+    root: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--fs-root", root])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
     assert message in err
+    assert "choose a writable directory with --fs-root, or run without the fs tier (--no-fs)" in err
+    assert not Path("/proc/kv-cache").exists()
+
+
+def test_cpu_bytes_beyond_dev_shm_is_refused_with_the_fix(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import os
+
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + 2**30
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--cpu-bytes", str(too_big), "--fs-root", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cpu-bytes: the CPU tier needs" in err
+    assert "in /dev/shm, which has" in err
+    assert "lower --cpu-bytes or enlarge /dev/shm (in Docker: docker run --shm-size=...)" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("r.txt", "suffix .txt, and the format is taken from the suffix: use one of"),
+        ("r", "no suffix, and the format is taken from the suffix"),
+        ("-", "--plot -: a plot is binary, name a file such as run.png"),
+    ],
+)
+def test_plot_names_a_format_matplotlib_writes(
+    name: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    path = name if name == "-" else str(tmp_path / name)
+    with pytest.raises(SystemExit) as exc:
+        main(["--plot", path, "--fs-root", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if name != "-":
+        assert ".png" in err and ".svg" in err and "(e.g. r.png)" in err
+    for ok in ("r.png", "r.SVG", "r.pdf", "r.jpg"):
+        parser = build_parser()
+        args = parser.parse_args(["run", "--plot", str(tmp_path / ok), "--fs-root", str(tmp_path)])
+        assert build_run_options(args.command_parser, args).plot_path == tmp_path / ok
+
+
+def test_json_dash_is_stdout_not_a_file(tmp_path: Path) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["run", "--json", "-", "--fs-root", str(tmp_path)])
+    assert str(build_run_options(args.command_parser, args).json_path) == "-"
 
 
 def test_fs_root_that_is_a_file_is_rejected(
@@ -132,12 +228,13 @@ _RUN_DEFAULTS: dict[str, object] = {
     "command": "run",
     "workload": "mix",
     "seed": 0,
-    "num_clients": 12,
+    "num_clients": None,  # by workload: 12, chat and system-prompt 32
     "num_sessions": 160,
     "turns": 4,
     "turn_tokens": 48,
     "output_tokens": 8,
     "system_prompt_tokens": 384,
+    "num_system_prompts": None,  # by workload: 3, system-prompt 12
     "document_tokens": 1024,
     "num_documents": 16,
     "think_time": 0.05,
@@ -152,18 +249,48 @@ _RUN_DEFAULTS: dict[str, object] = {
     "max_num_batched_tokens": 512,
     "device": "auto",
     "timeout": 1800.0,
+    "async_scheduling": False,
+    "model_stand_in": "standard",
+    "sliding_window": 64,
     "cpu_bytes": 20 * 2**20,
     "eviction_policy": "lru",
     "fs_root": None,
     "fs_max_bytes": 2**30,
     "no_fs": False,
+    "fs_clear": False,
     "fs_read_threads": 2,
     "fs_write_threads": 2,
     "json": None,
     "plot": None,
     "no_progress": False,
+    "metrics_port": None,
     "verbose": 0,
+    "redis_url": None,
+    "engines": 1,
 }
+
+
+def _resolved(*argv: str) -> RunOptions:
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    return build_run_options(args.command_parser, args)
+
+
+def test_workload_defaults_depend_on_the_workload(tmp_path: Path) -> None:
+    root = ["--fs-root", str(tmp_path)]
+    mix = _resolved(*root).workload
+    # mix and documents keep the defaults of WorkloadConfig.
+    assert (mix.num_clients, mix.num_system_prompts) == (12, 3)
+    assert _resolved("--workload", "documents", *root).workload.num_clients == 12
+    # chat and system-prompt get a working set that overflows the 256-block GPU pool.
+    assert _resolved("--workload", "chat", *root).workload.num_clients == 32
+    sp = _resolved("--workload", "system-prompt", *root).workload
+    assert (sp.num_clients, sp.num_system_prompts) == (32, 12)
+    # What the user sets wins.
+    chat = _resolved("--workload", "chat", "--num-clients", "5", *root).workload
+    assert chat.num_clients == 5
+    sp = _resolved("--workload", "system-prompt", "--num-system-prompts", "2", *root).workload
+    assert sp.num_system_prompts == 2
 
 
 def test_run_defaults_are_unchanged() -> None:
@@ -181,8 +308,28 @@ def test_run_help_lists_every_option_with_its_default(
     out = capsys.readouterr().out
     for dest in _RUN_DEFAULTS.keys() - {"command"}:
         assert f"--{dest.replace('_', '-')}" in out, dest
-    for note in ("(default: 20MiB)", "(default: 1GiB)", "(default: --block-size)"):
+    for note in (
+        "(default: 20MiB)",
+        "(default: 1GiB)",
+        "(default: --block-size)",
+        "(default: 12; chat: 32; system-prompt: 32)",
+        "(default: 3; system-prompt: 12)",
+    ):
         assert note in out
     assert f"(default: {default_fs_root()})" in out
-    for group in ("workload:", "model stand-in and engine:", "CPU tier:", "fs tier:", "output:"):
+    for group in (
+        "workload:",
+        "model stand-in and engine:",
+        "CPU tier:",
+        "fs tier:",
+        "redis tier and fleet:",
+        "output:",
+    ):
         assert f"\n{group}\n" in out
+
+
+def test_model_stand_in_choices_are_the_engines() -> None:
+    from vllm.entrypoints.cli.options import MODEL_STAND_INS
+    from vllm.v1.engine.model import ModelStandIn
+
+    assert tuple(m.value for m in ModelStandIn) == MODEL_STAND_INS

@@ -1,4 +1,4 @@
-"""Tests of the plain-text progress bar and the plot writer."""
+"""Tests of the progress display (tqdm bar or periodic lines) and the plot writer."""
 
 from __future__ import annotations
 
@@ -9,42 +9,78 @@ import pytest
 from typing_extensions import override
 
 from vllm.entrypoints.cli.plot import write_plot
-from vllm.entrypoints.cli.progress import ProgressBar
+from vllm.entrypoints.cli.progress import Progress
 from vllm.entrypoints.cli.report import Direction, RunResult, StepSample, Tier
 
 
-class _Tty(io.StringIO):
-    @override
-    def isatty(self) -> bool:
-        return True
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_progress_bar_draws_on_a_tty_only() -> None:
-    tty = _Tty()
-    with ProgressBar(4, "offload", stream=tty, width=8, min_interval_s=0.0) as bar:
-        bar.update(1)
-        bar.update(2, extra="hit 50%")
-    text = tty.getvalue()
-    assert "\r[offload] [####....] 2/4 requests" in text
-    assert text.endswith("hit 50%\n")
-    pipe = io.StringIO()
-    with ProgressBar(4, "offload", stream=pipe) as bar:
-        bar.update(4)
-    assert pipe.getvalue() == ""
-    forced_off = _Tty()
-    with ProgressBar(4, "x", stream=forced_off, enabled=False) as bar:
-        bar.update(3)
-    assert forced_off.getvalue() == ""
+def test_bar_on_a_terminal_fits_its_width_and_is_erased_at_the_end() -> None:
+    stream = io.StringIO()
+    with Progress(570, "offload", stream=stream, tty=True, ncols=80) as bar:
+        for done in range(1, 571, 7):
+            bar.update(done, {"computed": 0.14, "GPU": 0.47, "CPU": 0.22, "fs": 0.18})
+    text = stream.getvalue()
+    assert "offload" in text and "570" in text
+    # Each redraw starts with a carriage return and is at most 80 columns: nothing wraps.
+    redraws = [r for r in text.split("\r") if r]
+    assert len(redraws) > 1
+    assert all(len(r) <= 80 for r in redraws), max(redraws, key=len)
+    assert "\n" not in text  # never a new line: one row, redrawn
+    # leave=False: the last thing written blanks the row, returns to its start and erases the
+    # rest of the line (where a ^C echo would be).
+    assert text.endswith("\r\x1b[K") and redraws[-2].strip() == ""
 
 
-def test_progress_bar_throttles_redraws() -> None:
-    tty = _Tty()
-    bar = ProgressBar(100, "b", stream=tty, min_interval_s=3600)
-    for i in range(50):
-        bar.update(i)
-    assert tty.getvalue().count("\r") == 1
-    bar.close()
-    assert "49/100" in tty.getvalue()
+def test_lines_off_a_terminal_come_every_interval_and_at_the_end() -> None:
+    stream = io.StringIO()
+    clock = _Clock()
+    progress = Progress(10, "baseline", stream=stream, tty=False, line_interval_s=5.0, clock=clock)
+    progress.update(1, {"computed": 1.0})
+    clock.now += 4.9
+    progress.update(2)
+    progress.tick()
+    assert stream.getvalue() == ""  # not yet 5 s
+    clock.now += 0.1
+    progress.tick()  # the timer, while no request finishes
+    assert stream.getvalue() == "baseline: 2/10 requests, 5 s; computed 100%\n"
+    clock.now += 1.0
+    progress.update(9, {"computed": 0.5, "GPU": 0.5})
+    assert stream.getvalue().count("\n") == 1
+    progress.close()
+    progress.close()  # idempotent
+    progress.tick()  # and quiet once closed
+    assert stream.getvalue().splitlines() == [
+        "baseline: 2/10 requests, 5 s; computed 100%",
+        "baseline: 9/10 requests, 6 s; computed 50% GPU 50%",
+    ]
+    # Plain lines only: nothing a log would show as garbage.
+    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
+
+
+def test_disabled_progress_writes_nothing() -> None:
+    for tty in (True, False):
+        stream = io.StringIO()
+        with Progress(4, "x", stream=stream, enabled=False, tty=tty) as progress:
+            progress.update(3, {"computed": 1.0})
+            progress.tick()
+        assert stream.getvalue() == ""
+
+
+def test_the_mode_follows_the_stream() -> None:
+    class Tty(io.StringIO):
+        @override
+        def isatty(self) -> bool:
+            return True
+
+    assert Progress(1, "x", stream=Tty(), ncols=40).tty is True
+    assert Progress(1, "x", stream=io.StringIO()).tty is False
 
 
 def test_plot_is_written(tmp_path: Path) -> None:
@@ -62,3 +98,19 @@ def test_plot_is_written(tmp_path: Path) -> None:
     write_plot(out, run, baseline=run)
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+@pytest.mark.parametrize(
+    ("suffix", "magic"), [(".svg", b"<svg"), (".pdf", b"%PDF"), (".jpg", b"\xff\xd8\xff")]
+)
+def test_plot_is_written_in_the_format_its_suffix_names(
+    tmp_path: Path, suffix: str, magic: bytes
+) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    run = RunResult(label="offload", offload=True)
+    run.samples.append(
+        StepSample(t_s=0.0, tokens={"computed": 1}, bytes_moved={d.value: 0 for d in Direction})
+    )
+    out = tmp_path / f"plot{suffix}"
+    write_plot(out, run)
+    assert magic in out.read_bytes()[:400]

@@ -7,6 +7,7 @@ second (warm) run over the same fs root, and against a block deliberately corrup
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,43 +22,20 @@ from vllm.entrypoints.cli.options import build_run_options
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
 
+from .workload_args import TINY_WORKLOAD
+
 # One client sends its sessions one after another, so the GPU pool's contents, and thus the
-# baseline's figures, are deterministic. Documents of 12-20 blocks and a 24-block GPU pool: a
-# document asked for again after another one was read is no longer on the GPU; the CPU tier (32
-# rows) holds about two documents, so it serves some of those and the fs tier the others.
+# baseline's figures, are deterministic.
 TINY = [
-    "--workload",
-    "documents",
+    *TINY_WORKLOAD,
     "--num-clients",
     "1",
     "--num-sessions",
     "10",
-    "--turns",
-    "2",
-    "--document-tokens",
-    "256",
-    "--num-documents",
-    "4",
-    "--turn-tokens",
-    "16",
-    "--output-tokens",
-    "3",
     "--think-time",
     "0.001",
-    "--num-layers",
-    "2",
-    "--head-size",
-    "16",
     "--block-size",
     "16",
-    "--gpu-blocks",
-    "24",
-    "--max-num-seqs",
-    "3",
-    "--max-num-batched-tokens",
-    "64",
-    "--cpu-bytes",
-    "128KiB",
     "--no-progress",
     "--timeout",
     "120",
@@ -78,6 +56,11 @@ TINY_MIX = [
 ]
 
 _NUM = (int, float)
+
+
+def _flat(text: str) -> str:
+    # The report wraps its prose at 80 columns: match sentences across line breaks.
+    return " ".join(line.strip() for line in text.splitlines())
 
 
 def _run(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -111,17 +94,26 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "transfers",
         "verification",
         "fs_tier",
+        "redis_url",
+        "cross_instance_tokens",
         "samples",
     }
     assert run["offload"] is offload
-    tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier"}
+    tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier", "redis_tier"}
     assert set(run["prompt_tokens"]) == {"total", "computed"} | tiers
     assert set(run["hit_rate"]) == tiers
     assert set(run["share"]) == {"computed"} | tiers
     assert all(0.0 <= v <= 1.0 for v in run["hit_rate"].values())
     for name in ("overhead_us_per_step", "worker_overhead_us_per_step", "ttft_ms", "latency_ms"):
         _check_dist(run[name])
-    assert set(run["transfers"]) == {"gpu_to_cpu", "cpu_to_gpu", "cpu_to_fs", "fs_to_cpu"}
+    assert set(run["transfers"]) == {
+        "gpu_to_cpu",
+        "cpu_to_gpu",
+        "cpu_to_fs",
+        "fs_to_cpu",
+        "cpu_to_redis",
+        "redis_to_cpu",
+    }
     for t in run["transfers"].values():
         assert set(t) == {
             "blocks",
@@ -137,6 +129,7 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "blocks_mismatched",
         "corrupt_blocks_detected",
         "failed_loads",
+        "blocks_verified_from_redis",
     }
     for s in run["samples"]:
         assert set(s) == {"t_s", "tokens", "bytes_moved"}
@@ -169,7 +162,8 @@ def test_run_end_to_end_report_json_and_plot(
         assert line in text.out
 
     assert doc["schema_version"] == 1
-    assert set(doc) == {"schema_version", "settings", "runs", "comparison", "verdict"}
+    assert set(doc) == {"schema_version", "settings", "runs", "comparison", "verdict", "fleet"}
+    assert doc["fleet"] is None  # one engine, in this process
     base, off = doc["runs"]["baseline"], doc["runs"]["offload"]
     _check_run_schema(base, offload=False)
     _check_run_schema(off, offload=True)
@@ -286,7 +280,7 @@ def test_a_block_corrupted_on_disk_is_detected_reported_and_recomputed(
     path.write_bytes(bytes(data))
 
     code2, second = _run(tmp_path, "r2")
-    out = capsys.readouterr().out
+    out = _flat(capsys.readouterr().out)
     assert code2 == 1  # the verdict fails
     off = second["runs"]["offload"]
     assert off["verification"]["corrupt_blocks_detected"] >= 1
@@ -314,7 +308,7 @@ def test_run_without_fs_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert off["fs_tier"] is None
     assert off["prompt_tokens"]["fs_tier"] == 0
     assert off["transfers"]["cpu_to_fs"]["blocks"] == 0
-    assert "no fs tier" in capsys.readouterr().out
+    assert "  fs tier:  none" in capsys.readouterr().out
 
 
 def test_a_run_that_exceeds_its_timeout_fails_cleanly(
@@ -342,3 +336,97 @@ def test_module_runs_as_a_script(tmp_path: Path) -> None:
     # The default fs root is under the user's cache dir.
     assert str(tmp_path / "cache" / "vllm-kv-offload") in proc.stdout
     assert list((tmp_path / "cache" / "vllm-kv-offload").rglob("*.bin"))
+
+
+def test_fs_clear_deletes_only_what_the_tier_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "fs"
+    code, doc = _run(tmp_path, "r1")
+    assert code == 0
+    written = doc["runs"]["offload"]["fs_tier"]["bytes_at_end"]
+    assert written > 0
+    # Things of the user's that happen to be in the root stay.
+    (root / "notes.txt").write_text("mine")
+    (root / "photos").mkdir()
+    (root / "photos" / "a.bin").write_bytes(b"x")
+    (root / "photos_r0").mkdir()  # a name like a block directory, but of no run
+    run_dirs = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+    assert len(run_dirs) == 1
+    capsys.readouterr()
+    assert main(["run", "--fs-root", str(root), "--fs-clear"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("vllm-kv-offload: removed 1 run directory (")
+    assert f"of the fs tier from {root}" in out
+    left = sorted(p.name for p in root.iterdir())
+    assert left == ["notes.txt", "photos", "photos_r0"]
+    assert (root / "photos" / "a.bin").read_bytes() == b"x"
+    # Clearing again finds nothing; the next run starts cold.
+    assert main(["run", "--fs-root", str(root), "--fs-clear"]) == 0
+    assert "removed 0 run directories (0 B)" in capsys.readouterr().out
+    code, doc = _run(tmp_path, "r2")
+    assert doc["runs"]["offload"]["fs_tier"]["warm_start"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["chat", "system-prompt", "documents", "mix"])
+def test_every_workload_exercises_offloading_with_its_defaults(
+    workload: str, tmp_path: Path
+) -> None:
+    # The documented examples (`vllm-kv-offload run --workload chat`, ...) with no other flag:
+    # the GPU pool must be smaller than the working set, so the tiers serve and prefill is saved.
+    out = tmp_path / "r.json"
+    argv = ["--workload", workload, "--fs-root", str(tmp_path / "fs"), "--no-progress"]
+    assert main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    off = doc["runs"]["offload"]
+    assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
+    assert doc["comparison"]["prefill_tokens_saved_fraction"] > 0.1
+    assert doc["comparison"]["no_savings_reason"] is None
+
+
+def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm.entrypoints.cli.run import serve
+
+    out = tmp_path / "async.json"
+    argv = [*TINY_MIX, "--fs-root", str(tmp_path / "fs")]
+    assert main([*argv, "--async-scheduling", "--json", str(out)]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["async_scheduling"] is True
+    assert doc["runs"]["offload"]["verification"]["blocks_mismatched"] == 0
+    # The asynchronously scheduled offloaded run produced exactly the synchronous baseline's
+    # tokens (the verdict above compared it with an asynchronous baseline only).
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    sync_opts = build_run_options(args.command_parser, args)
+    workload = generate_workload(sync_opts.workload)
+    sync_baseline = asyncio.run(serve(sync_opts, workload, offload=False))
+    async_args = parser.parse_args(["run", *argv, "--async-scheduling"])
+    async_opts = build_run_options(async_args.command_parser, async_args)
+    assert async_opts.async_scheduling and not sync_opts.async_scheduling
+    async_offload = asyncio.run(serve(async_opts, workload, offload=True))
+    assert len(sync_baseline.outputs) == workload.num_requests
+    assert async_offload.outputs == sync_baseline.outputs
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-scheduling"]], ids=["sync", "async"])
+def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    out = tmp_path / "hybrid.json"
+    argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    # Hybrid blocks hold two groups: twice the CPU tier keeps the CPU / fs split of TINY.
+    argv += ["--model-stand-in", "hybrid", "--sliding-window", "24", "--cpu-bytes", "256KiB"]
+    assert main([*argv, *mode]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["model_stand_in"] == "hybrid"
+    assert doc["settings"]["sliding_window"] == 24
+    off = doc["runs"]["offload"]
+    assert off["verification"]["blocks_verified"] > 0
+    assert off["verification"]["blocks_mismatched"] == 0
+    assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
+    assert doc["comparison"]["outputs_identical"] is True

@@ -70,3 +70,60 @@ def test_aggregator_finishes_a_load_once_every_rank_reported_it() -> None:
         [KVConnectorOutput(), KVConnectorOutput(finished_recving={"a", "b"})]
     )
     assert second.finished_recving == {"a", "b"}
+
+
+def _offload_config(tmp_path: Path, async_scheduling: bool, **kw: object) -> EngineConfig:
+    extra = {"cpu_bytes_to_use": 1 << 22, "shared_region_dir": str(tmp_path)}
+    settings: dict = dict(SMALL, max_num_seqs=4, max_num_batched_tokens=64)
+    settings.update(kw)
+    return EngineConfig(
+        kv_connector_extra_config=extra, async_scheduling=async_scheduling, **settings
+    )
+
+
+def test_async_scheduling_applies_each_step_after_the_next_is_scheduled(tmp_path: Path) -> None:
+    with EngineCore(_offload_config(tmp_path, True)) as engine:
+        assert engine.connector is not None
+        sched = engine.connector.connector_scheduler
+        calls: list[str] = []
+        build, update = sched.build_connector_meta, sched.update_connector_output
+        sched.build_connector_meta = lambda so: (calls.append("b"), build(so))[1]  # type: ignore[method-assign]
+        sched.update_connector_output = lambda o: (calls.append("u"), update(o))[1]  # type: ignore[method-assign]
+        engine.add_request("a", list(range(40)), 3)
+        assert engine.step() == [] and calls == ["b"]  # step 0 in flight, nothing applied
+        engine.step()
+        assert calls == ["b", "b", "u"]  # step 1 scheduled before step 0's output was applied
+        outputs = engine.run_until_done()
+        assert calls[-1] == "u" and calls.count("b") == calls.count("u") == engine.stats.steps
+        assert engine.connector_stats()["schedule_ends"] == engine.stats.steps
+        assert len(outputs["a"]) == 2  # the first token came with step 1's call
+        assert not engine.has_pending_work()
+
+
+def test_async_scheduling_serves_what_sync_does_through_preemptions_and_aborts(
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(500) for _ in range(40 + 7 * i)] for i in range(6)}
+    results = {}
+    for mode in (False, True):
+        with EngineCore(_offload_config(tmp_path, mode, num_gpu_blocks=12)) as e:
+            out = e.generate(prompts, 30)
+            assert e.stats.preemptions > 0
+            # Requests finishing (aborted) while a step of theirs is in flight.
+            for req_id, prompt in prompts.items():
+                e.add_request(f"{req_id}-again", prompt, 20)
+            generated: dict[str, list[int]] = {}
+            for _ in range(6):
+                for o in e.step():
+                    generated.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert e.abort_request("r0-again") and e.abort_request("r5-again")
+            for req_id, tokens in e.run_until_done().items():
+                generated.setdefault(req_id, []).extend(tokens)
+            assert e.stats.verification_failures == 0 and e.stats.blocks_loaded_verified > 0
+            assert e.connector_stats()["schedule_ends"] == e.stats.steps
+            assert e.connector_stats()["jobs_in_flight"] == 0
+            assert not any(e.connector.connector_scheduler.tracks_request(r) for r in generated)  # type: ignore[union-attr]
+            del generated["r0-again"], generated["r5-again"]
+            results[mode] = (out, generated)
+    assert results[True] == results[False]

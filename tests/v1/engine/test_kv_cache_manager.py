@@ -44,3 +44,41 @@ def test_delayed_caching_registers_blocks_only_when_asked() -> None:
     assert kv.get_computed_blocks(_request("b", list(range(64))))[1] == 0
     kv.cache_blocks(a, 32)
     assert kv.get_computed_blocks(_request("c", list(range(64))))[1] == 32
+
+
+def test_sliding_window_blocks_out_of_the_window_are_freed_as_the_request_advances() -> None:
+    kv = KVCacheManager(16, (8, 8), hash_block_size=8, sliding_windows=(None, 12))
+    a = _request("a", list(range(40)))
+    assert kv.allocate_slots(a, 24) is not None
+    a.num_computed_tokens = 24
+    free_before = kv.pools[1].num_free_blocks
+    assert kv.allocate_slots(a, 8) is not None
+    # Computing from 24 reads tokens 13..23: block 0 (0..7) is out of the window, block 1
+    # (8..15) is not.
+    assert kv.get_block_ids("a") == ([0, 1, 2, 3], [-1, 1, 2, 3])
+    assert kv.pools[1].num_free_blocks == free_before  # one block taken, one freed
+    kv.free(a)  # null placeholders are not freed twice
+    assert kv.pools[0].num_free_blocks == kv.pools[1].num_free_blocks == 16
+
+
+def test_a_sliding_window_prefix_hit_needs_only_the_window_before_it() -> None:
+    kv = KVCacheManager(16, (8, 8), hash_block_size=8, sliding_windows=(None, 12))
+    a = _request("a", list(range(48)))
+    assert kv.allocate_slots(a, 48) is not None
+    kv.free(a)
+    # Evict the SWA group's first cached blocks: a hit at 40 tokens still needs only blocks
+    # 3 and 4 (tokens 24..39; computing from 40 reads 29..40).
+    for j in range(3):
+        block = kv._cached_block(a, 1, j)
+        kv.pools[1]._cached.pop(block.block_hash)  # type: ignore[arg-type]
+        block.block_hash = None
+    blocks, tokens = kv.get_computed_blocks(_request("b", list(range(48))))
+    assert tokens == 40
+    assert [b.block_id for b in blocks[0]] == [0, 1, 2, 3, 4]
+    assert [b.block_id for b in blocks[1]] == [-1, -1, -1, 3, 4]
+    # Evicting a block of that window moves the hit back to where a window is cached.
+    block = kv._cached_block(a, 1, 3)
+    kv.pools[1]._cached.pop(block.block_hash)  # type: ignore[arg-type]
+    block.block_hash = None
+    _, tokens = kv.get_computed_blocks(_request("c", list(range(48))))
+    assert tokens == 0  # a hit at 32 needs block 3 (24..31); at 24 block 2; ... all evicted

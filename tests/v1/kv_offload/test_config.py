@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.config import (
     SecondaryTierConfig,
     parse_offloading_config,
 )
+from vllm.v1.kv_offload.sizes import SIZE_FORMS
 
 ALL_KEYS = (
     "cpu_bytes_to_use",
@@ -124,23 +125,40 @@ def test_tuple_of_tiers_and_empty_list() -> None:
     assert _parse(secondary_tiers=({"type": "fs"},)).secondary_tiers == (SecondaryTierConfig("fs"),)
 
 
-@pytest.mark.parametrize("value", [1, 4096, 4e9, 2.0**40, 10**15])
-def test_cpu_bytes_valid(value: Any) -> None:
-    assert OffloadingConfig.from_extra_config({"cpu_bytes_to_use": value}).cpu_bytes_to_use == int(
-        value
-    )
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1, 1),
+        (4096, 4096),
+        (4e9, 4 * 10**9),
+        (2.0**40, 2**40),
+        (10**15, 10**15),
+        (2**60 + 1, 2**60 + 1),  # kept exact, not rounded through a float
+        # The forms of the one size parser, as the fs tier's max_bytes and the CLI take them.
+        ("8GB", 8 * 10**9),
+        ("20GiB", 20 * 2**30),
+        ("4e9", 4 * 10**9),
+        ("1.5 KiB", 1536),
+        ("64M", 64 * 2**20),
+    ],
+)
+def test_cpu_bytes_valid(value: Any, expected: int) -> None:
+    cfg = OffloadingConfig.from_extra_config({"cpu_bytes_to_use": value})
+    assert cfg.cpu_bytes_to_use == expected
+    assert type(cfg.cpu_bytes_to_use) is int
 
 
 @pytest.mark.parametrize(
-    "value", [0, -1, 0.0, 4.5, True, False, "4e9", None, float("nan"), float("inf"), [1]]
+    "value",
+    [0, -1, 0.0, 4.5, True, False, "0", "1.3B", "8 parsecs", "", None, float("nan"), [1]],
 )
 def test_cpu_bytes_invalid(value: Any) -> None:
-    _bad("cpu_bytes_to_use", value, "an integer > 0")
+    _bad("cpu_bytes_to_use", value, SIZE_FORMS)
 
 
 def test_cpu_bytes_required() -> None:
     for extra in ({}, None, {"block_size": 16}):
-        with pytest.raises(ValueError, match=r"missing required key 'cpu_bytes_to_use'.*> 0"):
+        with pytest.raises(ValueError, match=r"missing required key 'cpu_bytes_to_use'.*64MiB"):
             OffloadingConfig.from_extra_config(extra)
 
 

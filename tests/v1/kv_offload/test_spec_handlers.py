@@ -125,11 +125,13 @@ def test_cpu_spec_handlers_round_trip_and_release_the_region(tmp_path: Path) -> 
         (CPULoadStoreSpec, GPULoadStoreSpec),
     ]
     path = SharedOffloadRegion.region_path(run.instance_id, tmp_path)
-    assert os.path.exists(path)  # the first (here: only) rank created the region
+    # The only participant (one rank; this spec's scheduler side maps nothing) has joined, so the
+    # name is already gone: from here on even a SIGKILL leaves nothing in the directory.
+    assert not os.path.exists(path)
     worker = _register(handlers)
     _round_trip(worker, caches, seed=1)
     _release(worker, handlers)
-    assert not os.path.exists(path)  # close() cleaned the creator's region up
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tiering_spec_workers_copy_through_the_schedulers_region(tmp_path: Path) -> None:
@@ -142,7 +144,11 @@ def test_tiering_spec_workers_copy_through_the_schedulers_region(tmp_path: Path)
         rows_view = np.asarray(manager.primary_tier.get_kv_memoryview())
         assert rows_view.shape == (NUM_CPU_ROWS, spec.row_bytes)
         built = [spec.get_handlers(rank_caches, rank) for rank, rank_caches in enumerate(caches)]
+        # Every participant (the scheduler side and both ranks) has joined: the name is gone, so
+        # from here on even a SIGKILL of every process leaves nothing in the directory.
+        assert not os.path.exists(SharedOffloadRegion.region_path(run.instance_id, tmp_path))
         workers = [_register(h) for h in built]
+        stored: list[tuple[int, slice, np.ndarray]] = []
         for rank, (worker, rank_caches) in enumerate(zip(workers, caches, strict=True)):
             rows = _round_trip(worker, rank_caches, seed=10 + rank)
             # Factor 1: a rank's slot of a row is its canonical pages of the block, in order.
@@ -151,11 +157,13 @@ def test_tiering_spec_workers_copy_through_the_schedulers_region(tmp_path: Path)
                 pages = np.concatenate([p[0] for p in _pages(rank_caches, [gpu_block])])
                 assert len(pages) == spec.worker_page_bytes
                 np.testing.assert_array_equal(rows_view[row, slot].view(np.int8), pages)
+                stored.append((row, slot, pages))
         for worker, handlers in zip(workers, built, strict=True):
             _release(worker, handlers)
+        # The workers' close() left the scheduler's mapping alone: its primary tier owns it.
+        for row, slot, pages in stored:
+            np.testing.assert_array_equal(rows_view[row, slot].view(np.int8), pages)
         del rows_view
-        # The workers' close() left the scheduler's region alone: its primary tier owns it.
-        assert os.path.exists(SharedOffloadRegion.region_path(run.instance_id, tmp_path))
     finally:
         manager.shutdown()
     assert not os.path.exists(SharedOffloadRegion.region_path(run.instance_id, tmp_path))
@@ -182,7 +190,7 @@ def test_get_handlers_releases_the_region_when_the_caches_do_not_fit(tmp_path: P
 
 def test_open_shared_region_is_the_same_region_on_both_sides(tmp_path: Path) -> None:
     run, _ = _run_and_caches(_engine_config(tensor_parallel_size=2))
-    spec = _spec(CPUOffloadingSpec, run, tmp_path)
+    spec = _spec(TieringOffloadingSpec, run, tmp_path)  # its scheduler side maps the region
     scheduler_side = open_shared_region(spec, None)
     worker_side = open_shared_region(spec, 1)
     try:
@@ -202,5 +210,5 @@ def test_open_shared_region_rejects_rows_the_spec_sized_differently(tmp_path: Pa
     run, _ = _run_and_caches(_engine_config())
     spec = _spec(OddAlignmentSpec, run, tmp_path)
     with pytest.raises(ValueError, match="BLOCK_SIZE_ALIGNMENT"):
-        open_shared_region(spec, None)
+        open_shared_region(spec, 0)
     assert not os.listdir(tmp_path)

@@ -528,6 +528,33 @@ class TestTieringOffloadingManager:
         self._simulate_on_schedule_end()
         assert [self._ref_cnt(k) for k in [*existing, *new]] == [0, 0, 0]
 
+    def test_request_level_membership_survives_reset_cache(self) -> None:
+        # Issue #17 part 3: a running request stays request-level across a reset; only
+        # finished requests lose their membership.
+        self.tiers[1]._request_level = True
+        ctx = ReqContext(req_id="rl")
+        assert self.manager.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
+        finished_ctx = ReqContext(req_id="done")
+        self.manager.on_new_request(finished_ctx)
+        assert self.manager.prepare_store(to_keys([9]), finished_ctx) is not None
+        self.manager.on_request_finished(finished_ctx)  # delayed: a store is pending
+        self.manager.reset_cache()
+        assert self.manager._request_level_tiers == {"rl": (1,)}
+
+        keys = to_keys([1, 2])
+        self._store(keys, ReqContext(req_id="other"))
+        self._simulate_on_schedule_end()
+        self._simulate_on_schedule_end()
+        self.log.clear()
+        output = self.manager.prepare_store(keys, ctx)
+        assert output is not None and output.keys_to_store == []
+        assert self.tiers[0].calls("submit_store") == []
+        assert self.tiers[1].calls("submit_store") == [(tuple(keys), ctx)]
+        self._simulate_on_schedule_end()
+        self._simulate_on_schedule_end()
+        self.manager.on_request_finished(ctx)
+        assert self.manager._request_level_tiers == {}
+
     def test_on_request_finished_delays_secondary_until_store_submitted(self) -> None:
         ctx = ReqContext(req_id="r")
         self.manager.on_new_request(ctx)
@@ -601,26 +628,22 @@ class TestTieringOffloadingManager:
             ("tier1", "on_schedule_end"),
         ]
 
-    def test_on_schedule_end_polls_before_flushing(self) -> None:
+    def test_a_step_polls_before_flushing_and_the_next_step_polls_again(self) -> None:
         keys = to_keys([1, 2])
         self._store_in_tiers_only(keys)
-        self.manager.on_schedule_end()  # reset the gate without queuing anything
+        self.manager.on_schedule_end()  # a new step, nothing queued
         self.log.clear()
-        # Queue a promotion without polling: set the gate by hand as a lookup would.
-        assert self.manager.lookup(keys[0], _CTX) is None
-        self.manager._processed_jobs_this_step = False
-        self.log.clear()
+        assert self.manager.lookup(keys[0], _CTX) is None  # polls, then queues a promotion
         self.manager.on_schedule_end()
-        assert [e[:2] for e in self.log] == [
+        assert [e[:2] for e in self.log if e[1] != "lookup"] == [
             ("tier0", "get_finished_jobs"),
             ("tier1", "get_finished_jobs"),
             ("tier0", "submit_load"),
             ("tier0", "on_schedule_end"),
             ("tier1", "on_schedule_end"),
         ]
-        # The gate was reset BEFORE the flush and not set again by it: the next lookup polls
-        # and sees the synchronous tier's completion at once.
-        assert self.manager._processed_jobs_this_step is False
+        # The gate was reset BEFORE the flush and not set again by it: the next step's first
+        # lookup polls and sees the synchronous tier's completion at once.
         self.log.clear()
         assert self.manager.lookup(keys[0], _CTX) is True
         assert [e[:2] for e in self.log] == [
@@ -643,31 +666,40 @@ class TestTieringOffloadingManager:
         stored = to_keys([1, 2])
         promoted = to_keys([3])
         self._store_in_tiers_only(promoted)
-        self._store(stored)  # cascades pending, gate set by prepare_store
-        self.manager.on_schedule_end()  # gate reset; cascades still unreported
+        self._store(stored)  # cascades pending; prepare_store polled this step
+        self.manager.on_schedule_end()  # a new step; the cascades are still unreported
         assert self.manager.lookup(promoted[0], _CTX) is None  # polls, then queues a promotion
-        assert self.manager._processed_jobs_this_step is True
-        for _ in range(5):
-            list(self.manager.take_events())
-        assert self.manager._processed_jobs_this_step is True, "take_events reset the gate"
-        self.manager._processed_jobs_this_step = False  # as if a new step began unpolled
-        self.log.clear()
+        assert self.manager.num_jobs_in_flight == 0  # that poll saw the cascades finish
         pinned_before = [self._ref_cnt(k) for k in stored]
-        assert self.manager.num_jobs_in_flight == 0
+        self.log.clear()
+
+        # Mid-step (polled already): take_events does not flush the promotion, and does not
+        # reset the gate, or the lookup below would poll again.
         for _ in range(5):
             list(self.manager.take_events())
         assert [e[:2] for e in self.log if e[1] != "take_events"] == []
-        assert self.manager._processed_jobs_this_step is False
         assert self.manager.has_pending_work()  # the promotion is still queued
         assert [self._ref_cnt(k) for k in stored] == pinned_before
-        # on_schedule_end does all three: poll, reset the gate, flush the promotion.
+        assert self.manager.lookup(promoted[0], _CTX) is None
+        assert not any(e[1] == "get_finished_jobs" for e in self.log), "take_events reset the gate"
+
+        self.manager.on_schedule_end()  # flushes the promotion, which the tier finishes at once
+        assert self.tiers[0].calls("submit_load") == [((promoted[0],), _CTX)]
+        self.log.clear()
+
+        # At the start of a step (not polled yet): take_events does not poll, and does not set
+        # the gate either, or on_schedule_end would not poll.
+        for _ in range(5):
+            list(self.manager.take_events())
+        assert [e[:2] for e in self.log if e[1] != "take_events"] == []
+        block = self.primary.policy.get(promoted[0])
+        assert block is not None and not block.is_ready  # its finish is not polled in yet
         self.manager.on_schedule_end()
-        assert [e[:2] for e in self.log if e[1] in ("get_finished_jobs", "submit_load")] == [
+        assert [e[:2] for e in self.log if e[1] == "get_finished_jobs"] == [
             ("tier0", "get_finished_jobs"),
             ("tier1", "get_finished_jobs"),
-            ("tier0", "submit_load"),
         ]
-        assert self.manager._processed_jobs_this_step is False
+        assert block.is_ready
 
     def test_take_events_does_not_release_cascade_pins(self) -> None:
         keys = to_keys([1])
@@ -725,12 +757,17 @@ class TestTieringOffloadingManager:
         assert [e[0] for e in self.log if e[1] == "on_request_finished"] == ["tier0", "tier1"]
         assert not self.manager.has_pending_work()
         assert self.primary.num_free_blocks == NUM_PRIMARY_BLOCKS
-        assert self.manager._processed_jobs_this_step is False
         assert self.manager._req_state == {}
         # Secondary data is kept: the blocks can be promoted again.
         for tier in self.tiers:
             assert tier.get_num_blocks() == 3
+        self.log.clear()
         assert self.manager.lookup(stored[0], _CTX) is None
+        # The reset began a new step: the gate (set by this step's lookup) is clear again.
+        assert [e[:2] for e in self.log][:2] == [
+            ("tier0", "get_finished_jobs"),
+            ("tier1", "get_finished_jobs"),
+        ]
 
     def test_submit_store_raising_is_a_failed_job(self, caplog: pytest.LogCaptureFixture) -> None:
         self.tiers[0].raise_in_submit = True
@@ -903,6 +940,8 @@ class JobRecorder:
         self.in_flight: dict[int, JobMetadata] = {}
         self.reported: set[int] = set()
         self.finished_calls: dict[tuple[str, str], int] = {}
+        # get_finished_jobs calls, over every tier.
+        self.polls = 0
 
     def on_submit(self, job: JobMetadata) -> None:
         assert job.job_id not in self.in_flight and job.job_id not in self.reported, (
@@ -915,6 +954,8 @@ class JobRecorder:
         self.in_flight[job.job_id] = job
 
     def on_report(self, results: Iterable[JobResult]) -> list[JobResult]:
+        """Check and record one tier's ``get_finished_jobs`` answer."""
+        self.polls += 1
         results = list(results)
         for result in results:
             assert result.job_id not in self.reported, f"job {result.job_id} reported twice"
@@ -1055,6 +1096,8 @@ class TieringMachine(RuleBasedStateMachine):
         self.num_resets = 0
         self.outstanding_stores: list[tuple[ReqContext, list[OffloadKey]]] = []
         self.outstanding_loads: list[tuple[ReqContext, list[OffloadKey]]] = []
+        # The model of the manager's poll gate: whether a call polled the tiers this step.
+        self.polled_this_step = False
 
     @initialize(async_first=st.booleans())
     def setup(self, async_first: bool) -> None:
@@ -1079,6 +1122,19 @@ class TieringMachine(RuleBasedStateMachine):
     def m(self) -> TieringOffloadingManager:
         assert self.manager is not None
         return self.manager
+
+    def _check_polls(self, polls_before: int, what: str) -> None:
+        """The tiers were polled (once each) iff nothing polled them yet this step."""
+        expected = 0 if self.polled_this_step else len(self.m.secondary_tiers)
+        polls = self.recorder.polls - polls_before
+        assert polls == expected, f"{what}: {polls} tier polls, expected {expected}"
+
+    def _lookup(self, key: OffloadKey, ctx: ReqContext) -> bool | None:
+        polls_before = self.recorder.polls
+        result = self.m.lookup(key, ctx)
+        self._check_polls(polls_before, "lookup")
+        self.polled_this_step = True
+        return result
 
     def _load_pins(self) -> dict[OffloadKey, int]:
         pins: dict[OffloadKey, int] = {}
@@ -1126,7 +1182,7 @@ class TieringMachine(RuleBasedStateMachine):
     def lookup(self, data: st.DataObject, key_idx: int) -> None:
         ctx = data.draw(st.sampled_from(self.active))
         key = _KEYS[key_idx]
-        result = self.m.lookup(key, ctx)
+        result = self._lookup(key, ctx)
         block = self.primary.policy.get(key)
         if result is True:
             assert block is not None and block.is_ready, f"key {key.hex()} hit but not ready"
@@ -1142,7 +1198,7 @@ class TieringMachine(RuleBasedStateMachine):
         """Look up a key only a secondary tier holds: this starts a promotion."""
         ctx = data.draw(st.sampled_from(self.active))
         key = data.draw(st.sampled_from(self._tier_only_keys()))
-        result = self.m.lookup(key, ctx)
+        result = self._lookup(key, ctx)
         block = self.primary.policy.get(key)
         if result is None:
             assert block is not None and not block.is_ready, f"key {key.hex()}: None, no row"
@@ -1160,7 +1216,10 @@ class TieringMachine(RuleBasedStateMachine):
         ctx = data.draw(st.sampled_from(self.active))
         ready = self._ready_keys()
         keys = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=3, unique=True))
+        polls_before = self.recorder.polls
         spec = self.m.prepare_load(keys, ctx)
+        self._check_polls(polls_before, "prepare_load")
+        self.polled_this_step = True
         assert isinstance(spec, CPULoadStoreSpec)
         for key, block_id in zip(keys, spec.block_ids, strict=True):
             np.testing.assert_array_equal(
@@ -1183,7 +1242,10 @@ class TieringMachine(RuleBasedStateMachine):
     def store(self, data: st.DataObject, key_idxs: list[int]) -> None:
         ctx = data.draw(st.sampled_from(self.active))
         keys = [_KEYS[i] for i in dict.fromkeys(key_idxs)]
+        polls_before = self.recorder.polls
         output = self.m.prepare_store(keys, ctx)
+        self._check_polls(polls_before, "prepare_store")
+        self.polled_this_step = True
         if output is None or not output.keys_to_store:
             return
         assert isinstance(output.store_spec, CPULoadStoreSpec)
@@ -1211,7 +1273,10 @@ class TieringMachine(RuleBasedStateMachine):
 
     @rule()
     def step_end(self) -> None:
+        polls_before = self.recorder.polls
         self.m.on_schedule_end()
+        self._check_polls(polls_before, "on_schedule_end")
+        self.polled_this_step = False
         list(self.m.take_events())
 
     @precondition(lambda self: self.async_tier.running)
@@ -1230,8 +1295,10 @@ class TieringMachine(RuleBasedStateMachine):
 
     @rule()
     def take_events_only(self) -> None:
+        # No poll here; had take_events set or reset the poll gate, the next gated call's
+        # _check_polls would fail.
         before = (
-            self.m._processed_jobs_this_step,
+            self.recorder.polls,
             dict(self.recorder.in_flight),
             self._queued_promotion_keys(),
             [(k, b.ref_cnt) for k, b in self.primary.policy.items()],
@@ -1239,7 +1306,7 @@ class TieringMachine(RuleBasedStateMachine):
         for _ in range(2):
             list(self.m.take_events())
         after = (
-            self.m._processed_jobs_this_step,
+            self.recorder.polls,
             dict(self.recorder.in_flight),
             self._queued_promotion_keys(),
             [(k, b.ref_cnt) for k, b in self.primary.policy.items()],
@@ -1254,6 +1321,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.outstanding_loads.clear()
         self.outstanding_stores.clear()
         self.m.reset_cache()
+        self.polled_this_step = False  # a reset begins a new step
         assert not self.recorder.in_flight
         assert not self.async_tier.running
 

@@ -8,14 +8,23 @@ directory names, the shared region's name, the worker count).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, round_up
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 
 def make_run_info(gpu_kv_bytes_per_block: int, **overrides: Any) -> KVCacheRunInfo:
@@ -86,3 +95,24 @@ def make_tiering_spec(
     spec = TieringOffloadingSpec(config, run, enable_events=enable_events)
     assert spec.num_primary_blocks == num_blocks, (spec.num_primary_blocks, num_blocks)
     return spec
+
+
+def store_and_cascade(
+    manager: TieringOffloadingManager,
+    tier: SecondaryTierManager,
+    rows: npt.NDArray[np.uint8],
+    keys: Sequence[OffloadKey],
+    ctx: ReqContext,
+    fill: Callable[[OffloadKey], npt.NDArray[np.uint8]],
+) -> None:
+    """GPU -> CPU store of ``keys`` (the worker's copy fills each row with ``fill(key)``), then
+    the cascade to ``tier``, stepped until its completions released the pins."""
+    output = manager.prepare_store(keys, ctx)
+    assert output is not None and output.keys_to_store == list(keys)
+    assert isinstance(output.store_spec, CPULoadStoreSpec)
+    for key, row in zip(keys, output.store_spec.block_ids.tolist(), strict=True):
+        rows[row] = fill(key)
+    manager.complete_store(keys, ctx)
+    manager.on_schedule_end()  # nothing finished yet
+    tier.drain_jobs()
+    manager.on_schedule_end()  # cascade completions release the pins

@@ -7,6 +7,10 @@ through, and its ratios (to its in-run baseline, or to its target) are collected
 ``--json FILE`` document when the script offers that option, else from the output lines that
 mention a ratio. A benchmark that is missing (e.g. an installation without the source tree) is
 reported as skipped rather than failing the others.
+
+The summary says what each benchmark's ratio divides, which way is good and the target it is
+held to (``RATIO_GUIDES``), and marks each ratio that a target applies to as meeting or missing
+it, so that "ratio: 0.537" never stands alone.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,6 +38,79 @@ QUICK_FALLBACK_ARGS: dict[str, tuple[str, ...]] = {
     "fs": ("--total", "64MiB", "--repeat", "1"),
 }
 """Reduced sizes for benchmarks without a ``--quick`` flag (used only if they take the flags)."""
+
+_TAG = re.compile(r"(\w+)=([^,\]]+)")
+
+
+def _row_fields(key: str) -> dict[str, str]:
+    # "[path=torch,direction=h2d,block_kib=256].ratio" -> {"path": "torch", ...}
+    return dict(_TAG.findall(key))
+
+
+def _copy_target(key: str, value: float) -> bool | None:
+    fields = _row_fields(key)
+    if fields.get("path") != "torch" or int(fields.get("block_kib", "0")) < 256:
+        return None  # CUDA paths have their own targets, on a GPU; small blocks have none
+    return value >= 0.8
+
+
+def _fs_target(key: str, value: float) -> bool | None:
+    if int(_row_fields(key).get("block_bytes", "0")) != 2 * 2**20:
+        return None
+    return value >= 0.8
+
+
+@dataclass(frozen=True)
+class RatioGuide:
+    """What a benchmark's ratios mean, which way is good, and the target they are held to.
+
+    Attributes:
+        meaning: the ratio as a quotient, in words.
+        better: ``"higher"`` or ``"lower"``.
+        target: the target, in words (``docs/benchmarks.md`` has the reasons).
+        check: ``(key, value) -> met?`` for one collected ratio; None when no target applies to
+            that row. None for benchmarks whose ratios come from output lines that already say
+            OK or MISSED.
+    """
+
+    meaning: str
+    better: str
+    target: str
+    check: Callable[[str, float], bool | None] | None = None
+
+    def describe(self) -> str:
+        """One line: the quotient, the good direction and the target."""
+        return f"ratio = {self.meaning}; {self.better} is better; target: {self.target}"
+
+
+RATIO_GUIDES: dict[str, RatioGuide] = {
+    "manager": RatioGuide(
+        "per-step cost of the manager with 1e6 blocks cached / with 1e3",
+        "lower",
+        "<= 1.3 for lru and arc (arc-t2 is a stress case without one)",
+    ),
+    "copy": RatioGuide(
+        "GB/s of one job of scattered blocks / GB/s of one contiguous copy of the same bytes",
+        "higher",
+        ">= 0.8 on the torch path for blocks >= 256 KiB (the CUDA paths' targets need a GPU)",
+        _copy_target,
+    ),
+    "fs": RatioGuide(
+        "GiB/s of the fs tier / GiB/s of plain file I/O of the same blocks",
+        "higher",
+        ">= 0.8 for 2 MiB blocks, stores and loads",
+        _fs_target,
+    ),
+}
+"""How to read each benchmark's ratios (the summary prints it)."""
+
+
+def _judged(guide: RatioGuide | None, key: str, value: float) -> str:
+    met = None if guide is None or guide.check is None else guide.check(key, value)
+    if met is None:
+        return "no target for this row" if guide is not None and guide.check else ""
+    return "meets the target" if met else "MISSES the target"
+
 
 _RATIO_LINE = re.compile(r"\bratios?\b|\bvs\.? baseline|\bspeedup|\btarget\b", re.IGNORECASE)
 
@@ -212,9 +289,13 @@ def run_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out.write("\n=== summary\n")
     for o in outcomes:
         out.write(f"{o.name:<8} {o.status}" + (f" ({o.detail})" if o.detail else "") + "\n")
+        guide = RATIO_GUIDES.get(o.name)
+        if guide is not None and (o.ratios or o.lines):
+            out.write(f"    {guide.describe()}\n")
         if o.ratios:
             for key, value in o.ratios:
-                out.write(f"    {key}: {value:.3f}\n")
+                judged = _judged(guide, key, value)
+                out.write(f"    {key}: {value:.3f}" + (f" ({judged})" if judged else "") + "\n")
         else:
             for line in o.lines:
                 out.write(f"    {line}\n")

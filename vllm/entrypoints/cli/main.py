@@ -6,19 +6,27 @@ the console script ``vllm-kv-offload = "vllm.entrypoints.cli.main:main"``; also 
 ``python -m vllm.entrypoints.cli.main``.
 
 Exit codes: 0 success; 1 the run's verdict failed, a benchmark failed, or the run hit an error;
-2 bad options (argparse's convention); 130 interrupted.
+2 bad options (argparse's convention: one line naming the option, and a hint to see --help);
+130 interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). A ``run`` handles SIGTERM exactly as
+SIGINT: the engine, its tiers and the shared host region are shut down before it exits, and one
+line is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 import vllm
 from vllm.entrypoints.cli.bench import add_bench_arguments, run_bench
-from vllm.entrypoints.cli.options import add_run_arguments, build_run_options
+from vllm.entrypoints.cli.interrupt import Interrupted
+from vllm.entrypoints.cli.options import CommandParser, add_run_arguments, build_run_options
 
 PROG = "vllm-kv-offload"
 SUBCOMMANDS = ("run", "bench")
@@ -27,7 +35,7 @@ _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the whole command, with one sub-parser per subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG,
         description=(
             "Serve a workload through the engine core, the offloading connector, the CPU tier "
@@ -74,6 +82,33 @@ def _with_default_subcommand(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+class _Termination:
+    """While active, SIGTERM goes through the SIGINT handler (asyncio's graceful cancellation,
+    or ``KeyboardInterrupt``), so a terminated run cleans up exactly as an interrupted one."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        on_sigint = signal.getsignal(signal.SIGINT)
+        if callable(on_sigint):
+            on_sigint(signal.SIGINT, frame)
+        else:  # SIGINT ignored or default: terminate anyway, through the same unwinding
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread
+            return
+        previous = signal.signal(signal.SIGTERM, self.handle)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command with ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
 
@@ -91,9 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from vllm.entrypoints.cli.run import run_command
 
+    termination = _Termination()
     try:
-        return run_command(options)
+        with termination.active():
+            return run_command(options)
+    except Interrupted as e:
+        # run_command shut everything down before raising: one line, no traceback.
+        word = "terminated" if e.signum == signal.SIGTERM else "interrupted"
+        sys.stderr.write(f"{PROG}: {word}\n")
+        return e.exit_code
     except KeyboardInterrupt:
+        # Outside the run's event loop (generating the workload, printing the report).
+        if termination.received:
+            sys.stderr.write(f"{PROG}: terminated\n")
+            return 143
         sys.stderr.write(f"{PROG}: interrupted\n")
         return 130
 

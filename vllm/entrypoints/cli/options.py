@@ -1,8 +1,9 @@
-"""Options of ``vllm-kv-offload run``: argparse definitions, value parsers and validation.
+"""Options of ``vllm-kv-offload run``: argparse definitions and validation.
 
 The options are declared as a table: one ``_Option`` row per flag, one function per concern
 (workload, model stand-in and engine, CPU tier, fs tier, output), each becoming an argparse
-argument group of ``--help``.
+argument group of ``--help``. The values' parsers are in ``option_values.py`` (``parse_size``
+and ``default_fs_root`` are re-exported here).
 
 Every option is checked before anything runs; a bad value ends the command with argparse's
 usage line, a message that names the option, the value and what is allowed, and exit code 2.
@@ -11,93 +12,54 @@ usage line, a message that names the option, the value and what is allowed, and 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from vllm.entrypoints.cli.workloads import WorkloadConfig, WorkloadKind, max_request_tokens
+from typing_extensions import override
+
+from vllm.entrypoints.cli import checks
+from vllm.entrypoints.cli.option_values import (
+    default_fs_root,
+    int_at_least,
+    non_negative_float,
+    parse_directory,
+    parse_output_file,
+    parse_redis_url,
+    parse_size,
+)
+from vllm.entrypoints.cli.workloads import (
+    WORKLOAD_DEFAULTS,
+    WorkloadConfig,
+    WorkloadKind,
+    max_request_tokens,
+)
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
 
 EVICTION_POLICIES = ("lru", "arc")
+MAX_ENGINES = 64
 DEVICES = ("auto", "cpu", "cuda")
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    # Bare k/m/g/t are binary, as in the fs tier's own size parser.
-    "k": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and a hint, not the whole usage block.
 
-def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``64MiB``, ``1.5GB`` or ``4e9``.
-
-    Raises:
-        argparse.ArgumentTypeError: not a size, not a whole number of bytes, or not > 0.
+    The usage (two dozen lines for ``run``) buries the one line that says what is wrong; it is
+    printed by ``--help`` only. Sub-parsers are of this class too (argparse's default).
     """
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: expected a number of bytes with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64MiB"
-        )
-    value = float(match.group(1)) * _SIZE_UNITS[unit]
-    if not math.isfinite(value) or value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: must be a whole number of bytes >= 1"
-        )
-    return int(value)
+
+    @override
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
 
-def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    # argparse prefixes an ArgumentTypeError's message with the option's name.
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
-        return value
-
-    return parse
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def default_fs_root() -> Path:
-    """``$XDG_CACHE_HOME/vllm-kv-offload`` (``~/.cache/vllm-kv-offload`` when unset)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "vllm-kv-offload"
+MODEL_STAND_INS = ("standard", "hybrid")
+"""Values of ``--model-stand-in`` (those of ``vllm.v1.engine.model.ModelStandIn``; not imported
+here so that parsing options does not load torch)."""
 
 
 @dataclass(frozen=True)
@@ -117,11 +79,20 @@ class RunOptions:
         fs_root: root of the fs tier; None runs without one.
         fs_max_bytes: capacity bound of the fs tier (None: bounded by the filesystem).
         fs_read_threads, fs_write_threads: the fs tier's I/O threads.
+        fs_clear: delete the fs tier's files under ``fs_root`` and exit instead of running.
         device: ``"cpu"`` or ``"cuda"`` (``auto`` is resolved before this is built).
-        json_path: where to write the JSON report, if anywhere.
+        json_path: where to write the JSON report, if anywhere (``-``: stdout).
         plot_path: where to write the plot, if anywhere.
         progress: whether to draw progress bars (on a terminal only).
         timeout_s: longest time one run may take (None: no limit).
+        async_scheduling: run the engine with one step in flight (vLLM's async scheduling).
+        model_stand_in: ``"standard"`` (one full-attention KV-cache group) or ``"hybrid"`` (a
+            full-attention group and a sliding-window group; ``vllm.v1.engine.model``).
+        sliding_window: the hybrid stand-in's window in tokens.
+        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
+            (None: no server).
+        redis_url: the redis server of the redis tier (after the fs tier); None: no redis tier.
+        engines: engine instances, each in its own process; > 1 is a fleet (``cli/fleet.py``).
     """
 
     workload: WorkloadConfig
@@ -140,16 +111,34 @@ class RunOptions:
     fs_max_bytes: int | None
     fs_read_threads: int
     fs_write_threads: int
+    fs_clear: bool
     device: str
     json_path: Path | None
     plot_path: Path | None
     progress: bool
     timeout_s: float | None
+    async_scheduling: bool = False
+    model_stand_in: str = "standard"
+    sliding_window: int = 64
+    metrics_port: int | None = None
+    redis_url: str | None = None
+    engines: int = 1
+
+    @property
+    def num_kv_groups(self) -> int:
+        """KV-cache groups of the model stand-in (each block holds one per group)."""
+        return 2 if self.model_stand_in == "hybrid" else 1
+
+    @property
+    def fleet(self) -> bool:
+        """Whether the engines run in their own processes (``--engines`` > 1)."""
+        return self.engines > 1
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token occupies in the KV cache (K and V of every layer and head)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        per_group = 2 * self.num_layers * self.num_kv_heads * self.head_size
+        return per_group * DTYPE_BYTES[self.dtype] * self.num_kv_groups
 
     @property
     def gpu_block_bytes(self) -> int:
@@ -203,7 +192,7 @@ def _count(
     flag: str, default: int, help: str = "", minimum: int = 1, maximum: int | None = None
 ) -> _Option:
     """An integer option in ``[minimum, maximum]``: the common shape (counts, token lengths)."""
-    return _Option(flag, help, type=_int_at_least(minimum, maximum), default=default)
+    return _Option(flag, help, type=int_at_least(minimum, maximum), default=default)
 
 
 def _choice(flag: str, choices: Sequence[str], default: str, help: str = "") -> _Option:
@@ -211,7 +200,7 @@ def _choice(flag: str, choices: Sequence[str], default: str, help: str = "") -> 
 
 
 def _seconds(flag: str, default: float, help: str) -> _Option:
-    return _Option(flag, help, type=_non_negative_float, default=default, metavar="SECONDS")
+    return _Option(flag, help, type=non_negative_float, default=default, metavar="SECONDS")
 
 
 def _size(flag: str, default: str, help: str) -> _Option:
@@ -233,7 +222,22 @@ def _switch(flag: str, help: str) -> _Option:
 
 def _output_path(flag: str, metavar: str, help: str) -> _Option:
     """A file to write (none by default, so the help needs no default note)."""
-    return _Option(flag, help, type=Path, default_text=None, metavar=metavar)
+    return _Option(flag, help, type=parse_output_file, default_text=None, metavar=metavar)
+
+
+def _workload_count(flag: str, field_name: str, help: str = "") -> _Option:
+    """A count of the workload whose default may depend on ``--workload`` (``WORKLOAD_DEFAULTS``).
+
+    Parsed as None when absent; ``build_run_options`` fills in the workload's default.
+    """
+    base = getattr(WorkloadConfig(), field_name)
+    by_kind = [
+        f"{kind.value}: {fields[field_name]}"
+        for kind, fields in WORKLOAD_DEFAULTS.items()
+        if field_name in fields
+    ]
+    text = "; ".join([str(base), *by_kind])
+    return _Option(flag, help, type=int_at_least(1), default=None, default_text=text)
 
 
 def _workload_options() -> tuple[_Option, ...]:
@@ -248,7 +252,7 @@ def _workload_options() -> tuple[_Option, ...]:
             "a mix of the three",
         ),
         _count("--seed", d.seed, minimum=0),
-        _count("--num-clients", d.num_clients, "concurrent clients"),
+        _workload_count("--num-clients", "num_clients", "concurrent clients"),
         _count(
             "--num-sessions", d.num_sessions, "conversations / document sessions in the workload"
         ),
@@ -258,6 +262,7 @@ def _workload_options() -> tuple[_Option, ...]:
         _count(
             "--system-prompt-tokens", d.system_prompt_tokens, "length of each shared system prompt"
         ),
+        _workload_count("--num-system-prompts", "num_system_prompts", "distinct system prompts"),
         _count("--document-tokens", d.document_tokens, "mean length of a document"),
         _count("--num-documents", d.num_documents, "distinct documents"),
         _seconds("--think-time", d.think_time_s, "mean think time between the turns of a session"),
@@ -275,7 +280,7 @@ def _engine_options() -> tuple[_Option, ...]:
         _Option(
             "--offload-block-size",
             "tokens per offloaded block, a multiple of --block-size",
-            type=_int_at_least(1),
+            type=int_at_least(1),
             default=None,
             default_text="--block-size",
         ),
@@ -296,6 +301,23 @@ def _engine_options() -> tuple[_Option, ...]:
         ),
         _seconds(
             "--timeout", 1800.0, "give up (exit code 1) when one run takes longer; 0 waits forever"
+        ),
+        _choice(
+            "--model-stand-in",
+            MODEL_STAND_INS,
+            "standard",
+            "the model's KV-cache groups: one full-attention group, or (hybrid) a full-attention "
+            "and a sliding-window group, as in Gemma-3-style models",
+        ),
+        _count(
+            "--sliding-window",
+            64,
+            "window in tokens of the hybrid stand-in's sliding-window group",
+        ),
+        _switch(
+            "--async-scheduling",
+            "schedule each step before the previous step's output arrived (one step in flight), "
+            "as vLLM's async scheduling does; both runs use it",
         ),
     )
 
@@ -319,7 +341,7 @@ def _fs_tier_options() -> tuple[_Option, ...]:
         _Option(
             "--fs-root",
             "root of the fs tier; a second run over the same root starts warm",
-            type=Path,
+            type=parse_directory,
             # Resolved when the parser is built, so the help shows this user's cache directory.
             default_text=str(default_fs_root()),
             metavar="DIR",
@@ -330,24 +352,62 @@ def _fs_tier_options() -> tuple[_Option, ...]:
             "capacity of the fs tier; least recently used blocks are evicted beyond it",
         ),
         _switch("--no-fs", "run without the fs tier (CPU tier only)"),
+        _switch(
+            "--fs-clear",
+            "delete the fs tier's files under --fs-root (only what the tier wrote) and exit",
+        ),
         _count("--fs-read-threads", 2, maximum=256),
         _count("--fs-write-threads", 2, maximum=256),
+    )
+
+
+def _fleet_options() -> tuple[_Option, ...]:
+    """The shared redis tier and the engine instances that share it."""
+    return (
+        _Option(
+            "--redis-url",
+            "add the redis tier after the fs tier (or instead of it with --no-fs), on this "
+            "server, shared by every engine instance",
+            type=parse_redis_url,
+            default_text=None,
+            metavar="URL",
+        ),
+        _count(
+            "--engines",
+            1,
+            "engine instances, each in its own process with its own CPU tier, fs directory "
+            "under --fs-root and GPU pool; requests are routed round-robin per turn",
+            maximum=MAX_ENGINES,
+        ),
     )
 
 
 def _output_options() -> tuple[_Option, ...]:
     """Where the report and plot go, and whether progress bars are drawn."""
     return (
-        _output_path("--json", "FILE", "write the report as JSON"),
+        _output_path(
+            "--json",
+            "FILE",
+            "write the report as JSON; '-' writes it to stdout and the text report to stderr",
+        ),
         _output_path(
             "--plot",
             "FILE.png",
-            "draw hit rate per tier and bytes moved per step over time (needs matplotlib: "
+            "draw hit rate per tier and bytes moved per step over time, in the format the "
+            "suffix names (.png, .svg, .pdf, ...; needs matplotlib: "
             "pip install 'vllm-kv-offload[plot]')",
         ),
         _switch(
             "--no-progress",
-            "no progress bar (it is drawn on stderr only when stderr is a terminal)",
+            "no progress on stderr (a bar on a terminal, else a line every few seconds)",
+        ),
+        _Option(
+            "--metrics-port",
+            "serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the runs "
+            "(docs/metrics.md)",
+            type=int_at_least(1, 65535),
+            default_text=None,
+            metavar="PORT",
         ),
     )
 
@@ -357,6 +417,7 @@ _RUN_OPTION_GROUPS: tuple[tuple[str, Callable[[], tuple[_Option, ...]]], ...] = 
     ("model stand-in and engine", _engine_options),
     ("CPU tier", _cpu_tier_options),
     ("fs tier", _fs_tier_options),
+    ("redis tier and fleet", _fleet_options),
     ("output", _output_options),
 )
 """The options of ``run``, one argparse group per concern, in ``--help`` order."""
@@ -370,29 +431,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             option.add_to(group)
 
 
-def _check_writable_file(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.exists() and path.is_dir():
-        parser.error(f"{option} {path}: is a directory")
-    if not parent.is_dir():
-        parser.error(f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        parser.error(f"{option} {path}: directory {parent} is not writable")
-
-
-def _check_fs_root(parser: argparse.ArgumentParser, root: Path) -> None:
-    # The tier creates the root; here only what would make it fail later is reported early.
-    probe = root
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        parser.error(f"--fs-root {root}: {probe} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        parser.error(f"--fs-root {root}: {probe} is not writable")
-
-
 def resolve_device(requested: str) -> str:
     """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
     import torch
@@ -402,48 +440,108 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    kind = WorkloadKind(args.workload)
+    defaults = WORKLOAD_DEFAULTS.get(kind, {})
+
+    def pick(field_name: str, given: int | None) -> Any:
+        if given is not None:
+            return given
+        return defaults.get(field_name, getattr(WorkloadConfig(), field_name))
+
+    return WorkloadConfig(
+        kind=kind,
+        seed=args.seed,
+        num_clients=pick("num_clients", args.num_clients),
+        num_sessions=args.num_sessions,
+        turns_per_session=args.turns,
+        turn_tokens=args.turn_tokens,
+        output_tokens=args.output_tokens,
+        system_prompt_tokens=args.system_prompt_tokens,
+        num_system_prompts=pick("num_system_prompts", args.num_system_prompts),
+        document_tokens=args.document_tokens,
+        num_documents=args.num_documents,
+        think_time_s=args.think_time,
+        arrival_interval_s=args.think_time,
+    )
+
+
+def _machine_problems(opts: RunOptions) -> list[str]:
+    """What the machine would refuse later (paths, free space, formats), in option order."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    row_bytes = -(-opts.offload_block_bytes // page) * page
+    problems: list[str | None] = []
+    if opts.cpu_bytes < row_bytes:
+        problems.append(
+            f"--cpu-bytes {opts.cpu_bytes} is smaller than one offloaded block ({row_bytes} "
+            f"bytes with this geometry): raise --cpu-bytes to at least {row_bytes}"
+        )
+    elif not opts.fs_clear:
+        # The shared region holds whole rows only.
+        # Every engine instance has its own region.
+        problems.append(
+            checks.shm_problem(opts.engines * (opts.cpu_bytes // row_bytes * row_bytes))
+        )
+    if opts.fs_root is not None:
+        problems.append(checks.fs_root_problem(opts.fs_root))
+    if opts.fs_max_bytes is not None:
+        from vllm.v1.kv_offload.tiering.block_format import file_size
+
+        problems.append(checks.fs_max_bytes_problem(opts.fs_max_bytes, file_size(row_bytes)))
+    if opts.json_path is not None:
+        problems.append(checks.output_file_problem("--json", opts.json_path))
+    if opts.plot_path is not None:
+        problems.append(checks.output_file_problem("--plot", opts.plot_path))
+    return [p for p in problems if p is not None]
+
+
 def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunOptions:
-    """Cross-check the parsed values and build ``RunOptions``; errors exit through ``parser``."""
+    """Cross-check the parsed values and build ``RunOptions``; errors exit through ``parser``.
+
+    Everything that can be checked before the first engine step is checked here: values against
+    each other, and against the machine (``checks``): the fs root, free space in ``/dev/shm``,
+    output files and the plot's format.
+    """
     offload_block_size = args.offload_block_size or args.block_size
     if offload_block_size % args.block_size:
         parser.error(
             f"--offload-block-size {offload_block_size} must be a multiple of --block-size "
             f"{args.block_size}"
         )
+    if args.no_fs and (args.fs_root is not None or args.fs_clear):
+        flag = "--fs-root" if args.fs_root is not None else "--fs-clear"
+        parser.error(f"{flag} and --no-fs contradict each other")
+    fs_root = None if args.no_fs else (args.fs_root or default_fs_root()).expanduser()
+    if args.plot is not None:
+        from vllm.entrypoints.cli.plot import PlotUnavailableError, check_plot_available
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as e:
+            parser.error(str(e))
+        problem = checks.plot_format_problem(args.plot)
+        if problem is not None:
+            parser.error(problem)
     device = resolve_device(args.device)
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
-    workload = WorkloadConfig(
-        kind=WorkloadKind(args.workload),
-        seed=args.seed,
-        num_clients=args.num_clients,
-        num_sessions=args.num_sessions,
-        turns_per_session=args.turns,
-        turn_tokens=args.turn_tokens,
-        output_tokens=args.output_tokens,
-        system_prompt_tokens=args.system_prompt_tokens,
-        document_tokens=args.document_tokens,
-        num_documents=args.num_documents,
-        think_time_s=args.think_time,
-        arrival_interval_s=args.think_time,
-    )
+    if args.redis_url is not None:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+        if "redis" not in SecondaryTierFactory.known_tier_types():
+            parser.error("--redis-url: this installation has no redis tier")
+    workload = _workload_config(args)
     longest = max_request_tokens(workload)
     blocks_needed = -(-longest // args.block_size)
     if blocks_needed > args.gpu_blocks:
         parser.error(
             f"--gpu-blocks {args.gpu_blocks} cannot hold the longest request of this workload "
-            f"(up to {longest} tokens = {blocks_needed} blocks of {args.block_size}); raise "
+            f"(up to {longest} tokens = {blocks_needed} blocks of {args.block_size}): raise "
             "--gpu-blocks or shrink the workload"
         )
-    fs_root: Path | None = None
-    if not args.no_fs:
-        fs_root = (args.fs_root or default_fs_root()).expanduser()
-        _check_fs_root(parser, fs_root)
-    elif args.fs_root is not None:
-        parser.error("--fs-root and --no-fs contradict each other")
     opts = RunOptions(
         workload=workload,
         num_layers=args.num_layers,
@@ -461,33 +559,20 @@ def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         fs_max_bytes=None if fs_root is None else args.fs_max_bytes,
         fs_read_threads=args.fs_read_threads,
         fs_write_threads=args.fs_write_threads,
+        fs_clear=args.fs_clear,
         device=device,
         json_path=args.json,
         plot_path=args.plot,
         progress=not args.no_progress,
         timeout_s=args.timeout or None,
+        async_scheduling=args.async_scheduling,
+        model_stand_in=args.model_stand_in,
+        sliding_window=args.sliding_window,
+        metrics_port=args.metrics_port,
+        redis_url=args.redis_url,
+        engines=args.engines,
     )
-    row_bytes = -(-opts.offload_block_bytes // os.sysconf("SC_PAGE_SIZE")) * os.sysconf(
-        "SC_PAGE_SIZE"
-    )
-    if opts.cpu_bytes < row_bytes:
-        parser.error(
-            f"--cpu-bytes {opts.cpu_bytes} is smaller than one offloaded block "
-            f"({row_bytes} bytes with this geometry)"
-        )
-    if opts.fs_max_bytes is not None and opts.fs_max_bytes < opts.offload_block_bytes:
-        parser.error(
-            f"--fs-max-bytes {opts.fs_max_bytes} is smaller than one offloaded block "
-            f"({opts.offload_block_bytes} bytes with this geometry)"
-        )
-    if opts.json_path is not None:
-        _check_writable_file(parser, "--json", opts.json_path)
-    if opts.plot_path is not None:
-        _check_writable_file(parser, "--plot", opts.plot_path)
-        from vllm.entrypoints.cli.plot import PlotUnavailableError, check_plot_available
-
-        try:
-            check_plot_available()
-        except PlotUnavailableError as e:
-            parser.error(str(e))
+    problems = _machine_problems(opts)
+    if problems:
+        parser.error(problems[0])
     return opts

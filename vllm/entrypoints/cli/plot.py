@@ -1,5 +1,8 @@
 """``--plot FILE.png``: hit rate per tier and bytes moved per step over time.
 
+The file's suffix names the format (``.png``, ``.svg``, ``.pdf``, ...: whatever matplotlib
+writes); the command refuses other suffixes before it runs (``checks.plot_format_problem``).
+
 matplotlib is an optional dependency (the ``plot`` extra); it is imported only here, with the
 non-interactive Agg backend so that plotting works on a machine without a display.
 """
@@ -55,8 +58,15 @@ def write_plot(path: str | Path, offload: RunResult, baseline: RunResult | None 
     fig, (ax_hit, ax_bytes) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     try:
         times = [s.t_s for s in offload.samples]
-        names = {Tier.GPU: "GPU prefix cache", Tier.CPU: "CPU tier", Tier.FS: "fs tier"}
+        names = {
+            Tier.GPU: "GPU prefix cache",
+            Tier.CPU: "CPU tier",
+            Tier.FS: "fs tier",
+            Tier.REDIS: "redis tier",
+        }
         for tier, series in _cumulative_hit_rates(offload).items():
+            if tier is Tier.REDIS and offload.redis_url is None:
+                continue
             ax_hit.plot(times, [100 * v for v in series], label=f"{names[tier]} (offload)")
         if baseline is not None and baseline.samples:
             base_rates = _cumulative_hit_rates(baseline)[Tier.GPU]
@@ -72,7 +82,10 @@ def write_plot(path: str | Path, offload: RunResult, baseline: RunResult | None 
         ax_hit.legend(loc="best", fontsize="small")
         ax_hit.grid(alpha=0.3)
 
+        redis = (Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU)
         for d in Direction:
+            if d in redis and offload.redis_url is None:
+                continue
             ax_bytes.plot(
                 times,
                 [s.bytes_moved.get(d.value, 0) / 2**20 for s in offload.samples],
@@ -85,6 +98,7 @@ def write_plot(path: str | Path, offload: RunResult, baseline: RunResult | None 
         ax_bytes.legend(loc="best", fontsize="small")
         ax_bytes.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(str(path), format="png", dpi=100)
+        # No format=: matplotlib takes it from the suffix, which the command checked.
+        fig.savefig(str(path), dpi=100)
     finally:
         plt.close(fig)

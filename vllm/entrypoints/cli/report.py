@@ -1,16 +1,17 @@
-"""The report of ``vllm-kv-offload run``: figures of one invocation, as text and as JSON.
+"""The report of ``vllm-kv-offload run``: figures of one invocation, and their JSON.
 
 One ``RunResult`` holds what one engine run measured (the no-offload baseline or the offloaded
-run); ``Report`` puts both side by side, derives the comparison (prefill tokens saved) and the
-verdict, and renders them. The JSON document (``Report.to_json()``) carries the same figures as
-the text; its layout is documented in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
+run); ``Report`` puts both side by side and derives the comparison (prefill tokens saved, and why
+nothing was saved when that happens) and the verdict. The JSON document (``Report.to_json()``)
+carries the same figures as the text, which ``report_text.py`` renders; its layout is documented
+in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ class Tier(str, enum.Enum):
     GPU = "gpu_prefix_cache"
     CPU = "cpu_tier"
     FS = "fs_tier"
+    REDIS = "redis_tier"
 
 
 class Direction(str, enum.Enum):
@@ -33,6 +35,8 @@ class Direction(str, enum.Enum):
     CPU_TO_GPU = "cpu_to_gpu"
     CPU_TO_FS = "cpu_to_fs"
     FS_TO_CPU = "fs_to_cpu"
+    CPU_TO_REDIS = "cpu_to_redis"
+    REDIS_TO_CPU = "redis_to_cpu"
 
     @property
     def label(self) -> str:
@@ -42,7 +46,49 @@ class Direction(str, enum.Enum):
             Direction.CPU_TO_GPU: "CPU -> GPU (load)",
             Direction.CPU_TO_FS: "CPU -> fs (store)",
             Direction.FS_TO_CPU: "fs -> CPU (promote)",
+            Direction.CPU_TO_REDIS: "CPU -> redis (store)",
+            Direction.REDIS_TO_CPU: "redis->CPU (promote)",  # 20 columns: the table's
         }[self]
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (reports are printed and shared)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def secondary_tokens(total: int, by_tier: Mapping[str, int]) -> dict[str, int]:
+    """Promoted tokens by ``Tier`` value: the redis tier's, and the fs tier's (the rest).
+
+    Args:
+        total: ``EngineStats.tokens_from_secondary``.
+        by_tier: ``EngineStats.tokens_from_tier`` (by registered tier type).
+
+    Tokens whose tier the manager did not name count as the fs tier's, so that the two add up
+    to ``total`` (the accounting invariant).
+    """
+    redis = by_tier.get("redis", 0)
+    return {Tier.FS.value: total - redis, Tier.REDIS.value: redis}
+
+
+def token_shares(tokens: Mapping[str, int]) -> dict[str, float]:
+    """The progress line's shares (computed, GPU, CPU, fs, redis) of cumulative ``tokens``."""
+    total = sum(tokens.values())
+    if not total:
+        return {}
+    counts = {"computed": tokens.get("computed", 0)} | {
+        name: tokens.get(t.value, 0)
+        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
+    }
+    if tokens.get(Tier.REDIS.value):
+        counts["redis"] = tokens[Tier.REDIS.value]
+    return {name: n / total for name, n in counts.items()}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -195,7 +241,7 @@ class RunResult:
 
     Token accounting: every prompt token the scheduler placed (counted again when a preempted
     request is scheduled anew) is either computed by the model or served from exactly one of the
-    GPU prefix cache, the CPU tier or the fs tier, so
+    GPU prefix cache, the CPU tier, the fs tier or the redis tier, so
     ``computed + sum(served.values()) == prompt_tokens``.
 
     Attributes:
@@ -223,7 +269,13 @@ class RunResult:
         blocks_mismatched: such blocks whose bytes differed (never served: recomputed).
         corrupt_blocks_detected: blocks the fs tier found corrupt on disk (discarded, recomputed).
         failed_loads: blocks of load or promotion jobs that failed for any reason.
+        blocks_verified_from_redis: of ``blocks_verified``, GPU blocks of blocks promoted from
+            the redis tier.
         fs: the fs tier's state (None without an fs tier).
+        redis_url: the redis tier's server (None without a redis tier).
+        cross_instance_tokens: in a fleet, prompt tokens served from KV that another instance
+            of the fleet computed and stored in the shared (redis) tier during this run; None
+            outside a fleet.
         outputs: output token ids per request id, to compare runs.
         samples: one sample per engine step, for the plot.
     """
@@ -251,7 +303,10 @@ class RunResult:
     blocks_mismatched: int = 0
     corrupt_blocks_detected: int = 0
     failed_loads: int = 0
+    blocks_verified_from_redis: int = 0
     fs: FsTierState | None = None
+    redis_url: str | None = None
+    cross_instance_tokens: int | None = None
     outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     samples: list[StepSample] = field(default_factory=list)
 
@@ -306,8 +361,11 @@ class RunResult:
                 "blocks_mismatched": self.blocks_mismatched,
                 "corrupt_blocks_detected": self.corrupt_blocks_detected,
                 "failed_loads": self.failed_loads,
+                "blocks_verified_from_redis": self.blocks_verified_from_redis,
             },
             "fs_tier": None if self.fs is None else self.fs.to_json(),
+            "redis_url": self.redis_url,
+            "cross_instance_tokens": self.cross_instance_tokens,
             "samples": [s.to_json() for s in self.samples],
         }
 
@@ -364,8 +422,9 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
         )
     served_correctly = not reasons
     if offload.corrupt_blocks_detected:
+        where = "on disk or in redis" if offload.redis_url is not None else "on disk"
         reasons.append(
-            f"{offload.corrupt_blocks_detected} corrupt block(s) detected on disk "
+            f"{offload.corrupt_blocks_detected} corrupt block(s) detected {where} "
             "(discarded and recomputed, never served)"
         )
     storage_intact = offload.corrupt_blocks_detected == 0
@@ -377,19 +436,92 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
     )
 
 
+def _suggest_smaller_pool(settings: Mapping[str, Any]) -> str:
+    gpu_blocks = int(settings.get("gpu_blocks", 0))
+    smallest = int(settings.get("min_gpu_blocks", 1))
+    smaller = max(smallest, gpu_blocks // 4)
+    if smaller < gpu_blocks:
+        return f"try --gpu-blocks {smaller}"
+    return f"try --num-clients {2 * int(settings.get('num_clients', 1))}"
+
+
+def no_savings_reason(report: Report) -> str | None:
+    """Why the offloaded run computed no fewer prompt tokens than the baseline, or None.
+
+    Told from the run's own figures, from the likeliest cause to the least likely: nothing was
+    offloaded; offloaded blocks were never asked for again (the GPU prefix cache held the working
+    set); or the tiers served, but the baseline's GPU prefix cache happened to serve more.
+    """
+    if report.prefill_tokens_saved > 0:
+        return None
+    b, o = report.baseline, report.offload
+    from_tiers = o.served[Tier.CPU] + o.served[Tier.FS] + o.served[Tier.REDIS]
+    if o.transfers[Direction.GPU_TO_CPU].blocks == 0:
+        block = report.settings.get("offload_block_size")
+        return (
+            f"nothing was offloaded: no request filled a whole offloaded block of {block} tokens "
+            "(try a smaller --offload-block-size or longer prompts)"
+        )
+    if from_tiers == 0:
+        return (
+            "the GPU prefix cache held the whole working set, so no request needed a block "
+            f"after it was evicted: {_suggest_smaller_pool(report.settings)}"
+        )
+    return (
+        f"the {'CPU, fs and redis' if o.redis_url else 'CPU and fs'} tiers served "
+        f"{from_tiers:,} tokens, but the baseline's GPU prefix cache "
+        f"served {b.served[Tier.GPU]:,} to this run's {o.served[Tier.GPU]:,} (the two runs "
+        "interleave requests differently)"
+    )
+
+
+@dataclass
+class InstanceResult:
+    """One engine instance of a fleet: its share of both runs (same requests, same router).
+
+    Attributes:
+        index: the instance's number (0-based).
+        baseline: what it measured in the no-offload run.
+        offload: what it measured in the offloaded run.
+    """
+
+    index: int
+    baseline: RunResult
+    offload: RunResult
+
+    @property
+    def verdict(self) -> Verdict:
+        """The instance's own verdict (its loaded blocks, its outputs against its baseline)."""
+        return judge(self.baseline, self.offload)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the instance (its runs' figures, without samples, and verdict)."""
+        runs = {}
+        for run in (self.baseline, self.offload):
+            doc = run.to_json()
+            del doc["samples"]
+            runs[run.label] = doc
+        return {"index": self.index, "runs": runs, "verdict": self.verdict.to_json()}
+
+
 @dataclass
 class Report:
     """Both runs of one invocation, with the settings that produced them.
+
+    In a fleet (``--engines`` > 1) ``baseline`` and ``offload`` are the sums over the instances
+    and ``instances`` holds each one's figures.
 
     Attributes:
         settings: the options of the run (JSON-serialisable values), echoed in the report.
         baseline: the no-offload run.
         offload: the offloaded run.
+        instances: the fleet's instances (empty with one engine in this process).
     """
 
     settings: dict[str, Any]
     baseline: RunResult
     offload: RunResult
+    instances: list[InstanceResult] = field(default_factory=list)
 
     @property
     def prefill_tokens_saved(self) -> int:
@@ -398,8 +530,19 @@ class Report:
 
     @property
     def verdict(self) -> Verdict:
-        """The verdict of the offloaded run."""
-        return judge(self.baseline, self.offload)
+        """The verdict of the offloaded run (in a fleet: of every instance, and of the whole)."""
+        verdict = judge(self.baseline, self.offload)
+        failed = [i for i in self.instances if not i.verdict.passed]
+        if not failed:
+            return verdict
+        names = ", ".join(str(i.index) for i in failed)
+        return Verdict(
+            passed=False,
+            served_correctly=verdict.served_correctly
+            and all(i.verdict.served_correctly for i in failed),
+            storage_intact=verdict.storage_intact and all(i.verdict.storage_intact for i in failed),
+            reasons=(*verdict.reasons, f"instance(s) {names} failed their own verdict"),
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document of the report."""
@@ -417,159 +560,31 @@ class Report:
                 "outputs_identical": not compare_outputs(
                     self.baseline.outputs, self.offload.outputs
                 ),
+                "no_savings_reason": self.no_savings_reason,
             },
             "verdict": self.verdict.to_json(),
+            "fleet": (
+                {
+                    "engines": len(self.instances),
+                    "router": "round-robin per turn",
+                    "instances": [i.to_json() for i in self.instances],
+                }
+                if self.instances
+                else None
+            ),
         }
 
-    def render(self) -> str:
-        """The human-readable report."""
-        return "\n".join(_render(self))
+    @property
+    def no_savings_reason(self) -> str | None:
+        """Why the offloaded run saved no prefill, in one sentence; None when it saved some."""
+        return no_savings_reason(self)
 
+    def render(self, home: str | None = None) -> str:
+        """The human-readable report, at most ``report_text.WIDTH`` columns wide.
 
-# ---------------------------------------------------------------------------------------------
-# Text rendering
-# ---------------------------------------------------------------------------------------------
+        Args:
+            home: the directory shown as ``~`` in paths (default: the user's home).
+        """
+        from vllm.entrypoints.cli.report_text import render_report
 
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes with a binary unit, e.g. ``"1.5 MiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def _row(label: str, *cells: str) -> str:
-    return f"  {label:<34}" + "".join(f"{c:>22}" for c in cells)
-
-
-def _tokens_cell(run: RunResult, n: int, enabled: bool = True) -> str:
-    if not enabled:
-        return "-"
-    share = n / run.prompt_tokens if run.prompt_tokens else 0.0
-    return f"{n:,} ({_pct(share)})"
-
-
-_TIER_LABELS = {Tier.GPU: "GPU prefix cache", Tier.CPU: "CPU tier", Tier.FS: "fs tier"}
-
-
-def _render(report: Report) -> Iterable[str]:
-    b, o = report.baseline, report.offload
-    s = report.settings
-    yield "vllm-kv-offload run"
-    yield (
-        f"  workload {s.get('workload')} (seed {s.get('seed')}): {b.num_requests} requests "
-        f"from {s.get('num_clients')} concurrent client(s); device {s.get('device')}"
-    )
-    yield (
-        f"  model stand-in: {s.get('num_layers')} layers x {s.get('num_kv_heads')} KV heads x "
-        f"{s.get('head_size')} head size, {s.get('dtype')}"
-    )
-    yield (
-        f"  GPU pool {s.get('gpu_blocks')} blocks of {s.get('block_size')} tokens "
-        f"({format_bytes(s.get('block_bytes', 0))} each); "
-        f"CPU tier {format_bytes(s.get('cpu_bytes', 0))} ({s.get('eviction_policy')})"
-    )
-    if o.fs is None:
-        yield "  no fs tier"
-    else:
-        bound = f" (max {format_bytes(o.fs.max_bytes)})" if o.fs.max_bytes is not None else ""
-        yield f"  fs tier {o.fs.root_dir}{bound}"
-        if o.fs.warm:
-            yield (
-                f"  fs tier started WARM: {o.fs.files_at_start:,} blocks "
-                f"({format_bytes(o.fs.bytes_at_start)}) already on disk from earlier runs"
-            )
-        else:
-            yield "  fs tier started cold (no blocks of this geometry on disk)"
-    yield ""
-    yield _row("", "baseline (no offload)", "offload")
-    yield _row("wall time", f"{b.wall_s:.1f} s", f"{o.wall_s:.1f} s")
-    yield _row(
-        "requests finished",
-        f"{b.num_finished}/{b.num_requests}",
-        f"{o.num_finished}/{o.num_requests}",
-    )
-    yield _row("prompt tokens", f"{b.prompt_tokens:,}", f"{o.prompt_tokens:,}")
-    yield _row("  computed", _tokens_cell(b, b.computed_tokens), _tokens_cell(o, o.computed_tokens))
-    for tier in Tier:
-        yield _row(
-            f"  served from {_TIER_LABELS[tier]}",
-            _tokens_cell(b, b.served[tier], b.offload or tier is Tier.GPU),
-            _tokens_cell(
-                o, o.served[tier], o.offload and (tier is not Tier.FS or o.fs is not None)
-            ),
-        )
-    for tier in Tier:
-        yield _row(
-            f"hit rate, {_TIER_LABELS[tier]}",
-            _pct(b.hit_rate(tier)) if (b.offload or tier is Tier.GPU) else "-",
-            _pct(o.hit_rate(tier)) if (tier is not Tier.FS or o.fs is not None) else "-",
-        )
-    yield "    (hit rate: share of the tokens that reached the tier, i.e. missed faster tiers)"
-    yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
-    yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
-    yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
-    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
-    yield _row(
-        "TTFT median / p99",
-        f"{bt.median:.0f} / {bt.p99:.0f} ms",
-        f"{ot.median:.0f} / {ot.p99:.0f} ms",
-    )
-    ov = Distribution.of(o.overhead_us)
-    wv = Distribution.of(o.worker_overhead_us)
-    yield _row("connector+manager per step", "-", f"{ov.median:.0f} / {ov.p99:.0f} us")
-    yield _row("  worker-side connector per step", "-", f"{wv.median:.0f} / {wv.p99:.0f} us")
-    yield "    (median / p99 over the steps that scheduled tokens)"
-    if s.get("device") == "cpu":
-        yield "    (on CPU the model stand-in computes almost for free: wall time and TTFT mostly"
-        yield "     measure copies and checks; prefill tokens saved is what carries over to a GPU)"
-    saved = report.prefill_tokens_saved
-    frac = saved / b.computed_tokens if b.computed_tokens else 0.0
-    yield ""
-    yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
-    yield ""
-    yield (
-        f"  {'transfers (offload run)':<24}{'blocks':>10}{'bytes':>14}{'busy':>10}"
-        f"{'throughput':>14}{'average':>14}"
-    )
-    for d in Direction:
-        t = o.transfers[d]
-        tp = t.throughput()
-        avg = t.bytes / o.wall_s if o.wall_s > 0 else 0.0
-        notes = [f"{t.failed_blocks:,} failed"] if t.failed_blocks else []
-        if t.skipped_blocks:
-            notes.append(f"{t.skipped_blocks:,} already there")
-        yield (
-            f"  {d.label:<24}{t.blocks:>10,}{format_bytes(t.bytes):>14}"
-            f"{'-' if t.busy_s is None else f'{t.busy_s:.2f} s':>10}"
-            f"{'-' if tp is None else format_bytes(tp) + '/s':>14}"
-            f"{format_bytes(avg) + '/s':>14}" + (f"  ({', '.join(notes)})" if notes else "")
-        )
-    yield "    (throughput: while transferring; average: over the run's wall time)"
-    yield ""
-    verdict = report.verdict
-    differing = compare_outputs(b.outputs, o.outputs)
-    yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
-    yield (
-        f"    {o.blocks_verified:,} blocks loaded from CPU or disk verified bit-exact against "
-        f"recomputation, {o.blocks_mismatched:,} mismatched"
-    )
-    yield (
-        f"    outputs of {len(o.outputs):,} requests identical to the baseline's"
-        if not differing
-        else f"    outputs of {len(differing):,} requests differ from the baseline's"
-    )
-    yield (
-        f"  storage integrity: {'PASS' if verdict.storage_intact else 'FAIL'} - "
-        f"{o.corrupt_blocks_detected:,} corrupt block(s) detected on disk"
-        + (" (discarded and recomputed, never served)" if o.corrupt_blocks_detected else "")
-    )
-    for reason in verdict.reasons:
-        yield f"    - {reason}"
-    yield f"  verdict: {'PASS' if verdict.passed else 'FAIL'}"
+        return "\n".join(render_report(self, home))

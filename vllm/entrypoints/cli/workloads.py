@@ -188,6 +188,21 @@ class Workload:
         return len({s.client for s in self.sessions})
 
 
+WORKLOAD_DEFAULTS: dict[WorkloadKind, dict[str, int]] = {
+    WorkloadKind.CHAT: {"num_clients": 32},
+    WorkloadKind.SYSTEM_PROMPT: {"num_clients": 32, "num_system_prompts": 12},
+}
+"""Defaults of ``WorkloadConfig`` fields that differ by workload kind (the command applies them
+unless the user sets the field).
+
+Each workload's defaults make its working set larger than the command's default GPU pool (256
+blocks), so that offloading is exercised: 12 chats of at most 20 blocks fit in the pool and would
+never need a block back from the CPU tier, 32 do not; 3 system prompts of 24 blocks stay hot in
+the pool, 12 (with skewed popularity) do not. ``mix`` and ``documents`` need no change: documents
+of 48 to 80 blocks, 16 of them, overflow the pool already.
+"""
+
+
 def max_request_tokens(config: WorkloadConfig) -> int:
     """An upper bound of the tokens (prompt and output) of any request of the workload.
 

@@ -56,6 +56,15 @@ class EngineConfig:
         instance_id: names the engine's shared host region; unique per live engine.
         device: where the "GPU" KV cache lives (``"cpu"`` without a GPU).
         record_steps: keep one ``StepRecord`` per step in the stats.
+        sliding_windows: per group, the window in tokens of a sliding-window attention group,
+            or None for full attention; empty: every group has full attention (see
+            ``model.hybrid_stand_in`` for the hybrid model stand-in).
+        async_scheduling: schedule step N+1 before step N's output is applied, with one step
+            in flight (vLLM's async scheduling); outputs are identical, completions arrive one
+            step later.
+        record_block_origins: track which offloaded blocks this engine stored itself, and count
+            promoted tokens of blocks it had not (``EngineStats.served_not_stored_here``); costs
+            memory per block stored, for reports of KV shared between instances.
         freeze_gc_heap: at the end of start-up, collect garbage and then ``gc.freeze()`` what is
             left (as vLLM's engine core does, with ``vllm.utils.gc_utils.freeze_gc_heap``), so
             full collections while serving no longer traverse the start-up heap. That heap
@@ -85,6 +94,9 @@ class EngineConfig:
     instance_id: str = field(default_factory=default_instance_id)
     device: str = "cpu"
     record_steps: bool = True
+    async_scheduling: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
+    record_block_origins: bool = False
     freeze_gc_heap: bool = True
 
     def __post_init__(self) -> None:
@@ -107,6 +119,13 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
         object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
+        if self.sliding_windows and len(self.sliding_windows) != len(self.gpu_block_sizes):
+            raise ValueError(
+                f"sliding_windows {self.sliding_windows} must have one entry per group "
+                f"({len(self.gpu_block_sizes)})"
+            )
+        if any(w is not None and w < 1 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows must be >= 1 token, got {self.sliding_windows}")
         if self.hash_block_size is not None and any(
             b % self.hash_block_size for b in self.gpu_block_sizes
         ):

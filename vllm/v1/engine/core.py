@@ -11,6 +11,11 @@ One ``step()``::
     scheduler.update_from_output(...) connector: update_connector_output, request_finished,
                                       take_events
 
+With ``async_scheduling`` one step stays in flight, as in vLLM's async scheduling: ``step()``
+schedules step N+1 and runs it on the ranks *before* it applies step N's output, so the scheduler
+(and the connector's ``build_connector_meta``) never sees the newest completions. The ranks know
+the tokens they sampled; the scheduler counts them as output placeholders until they arrive.
+
 The engine keeps stepping while requests are unfinished or the connector has transfers in flight
 (``has_pending_work``), so cascades to slower tiers complete even after the last request.
 
@@ -30,20 +35,24 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
-from typing_extensions import Self
+from typing_extensions import override
 
 from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch, KVEventEncoder
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.utils.closing import ClosingContextManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
@@ -94,6 +103,13 @@ class KVOutputAggregator:
                     self._recv_counts[req_id] = count
             for group, ids in rank_out.invalid_block_ids.items():
                 out.invalid_block_ids.setdefault(group, set()).update(ids)
+            rank_stats = rank_out.kv_connector_stats
+            if rank_stats is not None:
+                out.kv_connector_stats = (
+                    rank_stats
+                    if out.kv_connector_stats is None
+                    else out.kv_connector_stats.aggregate(rank_stats)
+                )
             rank_meta = rank_out.kv_connector_worker_meta
             if rank_meta is not None:
                 assert isinstance(rank_meta, OffloadingWorkerMetadata)
@@ -102,7 +118,7 @@ class KVOutputAggregator:
         return out
 
 
-class EngineCore:
+class EngineCore(ClosingContextManager):
     """The engine: scheduler, GPU block pool, worker ranks and the offloading connector.
 
     Args:
@@ -126,6 +142,8 @@ class EngineCore:
         self._encoder = KVEventEncoder()
         self._step_index = 0
         self._closed = False
+        # Receives the connector's stats of every step (engine thread), e.g. an exporter.
+        self.kv_connector_stats_sink: Callable[[OffloadingConnectorStats], None] | None = None
 
         self.spec: OffloadingSpec | None = None
         self.connector: OffloadingConnector | None = None
@@ -143,6 +161,9 @@ class EngineCore:
                     KVConnectorRole.SCHEDULER,
                     hash_block_size=self._hash_block_size,
                 )
+                if config.record_block_origins:
+                    self.connector.connector_scheduler.stored_keys = set()
+                    self.stats.served_not_stored_here = {}
             for rank in range(config.tensor_parallel_size):
                 self.workers.append(Worker(config, rank, self.spec))
         except BaseException:
@@ -153,6 +174,7 @@ class EngineCore:
             config.gpu_block_sizes,
             self._hash_block_size,
             config.enable_prefix_caching,
+            config.sliding_windows,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -163,7 +185,11 @@ class EngineCore:
             block_verifier=self._verify_blocks if config.verify_kv else None,
             event_sink=self._publish_events if config.enable_kv_events else None,
             max_model_len=config.max_model_len,
+            async_scheduling=config.async_scheduling,
         )
+        # Async scheduling: the step executed but not applied yet (its output and the ranks'
+        # raw outputs), applied by the next step().
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self._aggregator = KVOutputAggregator(config.tensor_parallel_size)
         if config.freeze_gc_heap:
             freeze_gc_heap()
@@ -183,6 +209,7 @@ class EngineCore:
             gpu_kv_bytes_per_block=kv_bytes,
             tensor_parallel_size=c.tensor_parallel_size,
             instance_id=c.instance_id,
+            sliding_windows=c.sliding_windows,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -216,8 +243,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_pending_work(self) -> bool:
-        """Whether ``step()`` has anything to do: requests, or transfers to finish."""
-        return self.scheduler.has_pending_work()
+        """Whether ``step()`` has anything to do: requests, transfers to finish, or a step in
+        flight to apply."""
+        return self._in_flight is not None or self.scheduler.has_pending_work()
 
     # -----------------------------------------------------------------------------------------
     # Stepping
@@ -231,6 +259,11 @@ class EngineCore:
         assert not self._closed, "the engine is shut down"
         scheduler = self.scheduler
         if not scheduler.has_pending_work():
+            if self._in_flight is not None:
+                # Nothing new to schedule: only apply the step in flight.
+                results = scheduler.update_from_output(*self._take_in_flight())
+                self._emit_kv_connector_stats()
+                return results
             pending = scheduler.take_outputs()
             if self.connector is not None:
                 scheduler.drain_events()
@@ -248,7 +281,16 @@ class EngineCore:
         model_output = ModelRunnerOutput(
             sampled_token_ids=outputs[0].sampled_token_ids, kv_connector_output=kv_output
         )
-        results = scheduler.update_from_output(scheduler_output, model_output)
+        if self.config.async_scheduling:
+            # Apply the previous step only now: this step was scheduled without its output.
+            previous = self._take_in_flight() if self._in_flight is not None else None
+            self._in_flight = (scheduler_output, model_output)
+            if previous is not None:
+                results = scheduler.update_from_output(*previous)
+            else:
+                results = scheduler.take_outputs()
+        else:
+            results = scheduler.update_from_output(scheduler_output, model_output)
 
         stats = self.stats
         stats.steps += 1
@@ -260,6 +302,9 @@ class EngineCore:
         stats.connector_seconds += connector_s
         stats.manager_seconds += manager_s
         stats.worker_connector_seconds += worker_s
+        if self.connector is not None:
+            self.connector.observe_step_seconds(connector_s)
+            self._emit_kv_connector_stats()
         if self.config.record_steps:
             moved: dict[str, int] = {}
             meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
@@ -281,6 +326,20 @@ class EngineCore:
             )
         self._step_index += 1
         return results
+
+    def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        assert self._in_flight is not None
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight
+
+    def _emit_kv_connector_stats(self) -> None:
+        """Collect the connector's stats and hand them to the sink. Every step, as vLLM's
+        scheduler does, so that nothing accumulates between collections."""
+        if self.connector is None:
+            return
+        kv_stats = self.connector.get_kv_connector_stats()
+        if kv_stats is not None and self.kv_connector_stats_sink is not None:
+            self.kv_connector_stats_sink(kv_stats)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until no request is unfinished and no transfer is in flight.
@@ -378,15 +437,8 @@ class EngineCore:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    @override
+    def _release(self) -> None:
         self.shutdown()
 
     def iter_requests(self) -> Iterable[Request]:

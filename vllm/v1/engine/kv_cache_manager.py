@@ -6,6 +6,11 @@ for ``j = 0, 1, ...``.
 
 Prefix-cache hits are aligned to the lcm of the group block sizes, so every group serves the same
 number of tokens, and never cover the request's last token (its logits must be computed).
+
+Sliding-window (SWA) groups (``sliding_windows[g]`` tokens): once a request computed ``n`` tokens,
+its SWA blocks lying wholly below ``num_skipped_tokens(n, W)`` are freed and replaced by a null
+placeholder (id ``NULL_BLOCK_ID``), as in vLLM; a prefix hit at ``h`` tokens needs, in an SWA
+group, only the cached blocks of the window before ``h`` (the rest of its table is null).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Sequence
 from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.core.sched.output import GroupBlockIds
 from vllm.v1.engine.block_pool import BlockPool, KVCacheBlock
+from vllm.v1.kv_cache_interface import NULL_BLOCK_ID, num_skipped_blocks
 from vllm.v1.request import Request
 
 GroupBlocks = list[list[KVCacheBlock]]
@@ -30,6 +36,8 @@ class KVCacheManager:
         hash_block_size: tokens per hashed block of ``Request.block_hashes``; divides every block
             size.
         enable_caching: prefix caching on or off.
+        sliding_windows: per group, the window in tokens of a sliding-window group, or None for
+            full attention; empty: every group has full attention.
     """
 
     def __init__(
@@ -38,11 +46,17 @@ class KVCacheManager:
         block_sizes: Sequence[int],
         hash_block_size: int,
         enable_caching: bool = True,
+        sliding_windows: Sequence[int | None] = (),
     ) -> None:
         for bs in block_sizes:
             if bs % hash_block_size:
                 raise ValueError(f"hash_block_size={hash_block_size} must divide block size {bs}")
         self.block_sizes = tuple(block_sizes)
+        self.sliding_windows = tuple(sliding_windows) or (None,) * len(self.block_sizes)
+        if len(self.sliding_windows) != len(self.block_sizes):
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {block_sizes}")
+        # Placeholder of a freed SWA block in a block table; never in a pool.
+        self._null = KVCacheBlock(NULL_BLOCK_ID)
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching
         self.alignment = math.lcm(*self.block_sizes)
@@ -69,6 +83,9 @@ class KVCacheManager:
         hit_tokens = max_tokens
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes, strict=True)):
             group_hits: list[KVCacheBlock] = []
+            if self.sliding_windows[g] is not None:
+                hits.append(group_hits)  # filled once the full-attention hit is known
+                continue
             for j in range(min(max_tokens, hit_tokens) // bs):
                 block = pool.get_cached_block(self._block_hash(request, g, j))
                 if block is None:
@@ -77,11 +94,41 @@ class KVCacheManager:
             hits.append(group_hits)
             hit_tokens = min(hit_tokens, len(group_hits) * bs)
         hit_tokens -= hit_tokens % self.alignment
+        swa = [g for g, w in enumerate(self.sliding_windows) if w is not None]
+        previous = -1
+        while swa and hit_tokens > 0 and hit_tokens != previous:
+            previous = hit_tokens  # each SWA group may lower the hit: repeat until stable
+            for g in swa:
+                hit_tokens = self._window_hit(request, g, hit_tokens)
         if hit_tokens <= 0:
             return empty, 0
+        for g in swa:
+            bs = self.block_sizes[g]
+            skipped = num_skipped_blocks(hit_tokens, self.sliding_windows[g], bs)
+            hits[g] = [self._null] * skipped + [
+                self._cached_block(request, g, j) for j in range(skipped, hit_tokens // bs)
+            ]
         return [h[: hit_tokens // bs] for h, bs in zip(hits, self.block_sizes, strict=True)], (
             hit_tokens
         )
+
+    def _cached_block(self, request: Request, group: int, index: int) -> KVCacheBlock:
+        block = self.pools[group].get_cached_block(self._block_hash(request, group, index))
+        assert block is not None
+        return block
+
+    def _window_hit(self, request: Request, group: int, max_hit: int) -> int:
+        """The longest aligned hit ``<= max_hit`` tokens whose SWA window is cached in ``group``."""
+        pool, bs = self.pools[group], self.block_sizes[group]
+        window = self.sliding_windows[group]
+        for hit in range(max_hit, 0, -self.alignment):
+            first = num_skipped_blocks(hit, window, bs)
+            if all(
+                pool.get_cached_block(self._block_hash(request, group, j)) is not None
+                for j in range(first, hit // bs)
+            ):
+                return hit
+        return 0
 
     def allocate_slots(
         self,
@@ -105,12 +152,15 @@ class KVCacheManager:
 
         Returns:
             The ids of the newly allocated blocks per group, or None if they do not fit (nothing
-            changed then).
+            changed then, except that SWA blocks out of the window were freed, as they would be
+            anyway).
         """
         req_id = request.request_id
+        self.remove_skipped_blocks(request, request.num_computed_tokens)
         blocks = self._req_blocks.get(req_id)
         if blocks is None:
             blocks = [[] for _ in self.block_sizes]
+        null = self._null
         computed = new_computed_blocks or [[] for _ in self.block_sizes]
         total = (
             request.num_computed_tokens
@@ -122,13 +172,13 @@ class KVCacheManager:
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes, strict=True)):
             need = -(-total // bs) - len(blocks[g]) - len(computed[g])
             # Touching a free cached block takes it out of the free queue.
-            taken = sum(1 for b in computed[g] if b.ref_cnt == 0)
+            taken = sum(1 for b in computed[g] if b.ref_cnt == 0 and b is not null)
             if need > pool.num_free_blocks - taken:
                 return None
             needs.append(max(need, 0))
         new_ids: list[list[int]] = []
         for g, pool in enumerate(self.pools):
-            pool.touch(computed[g])
+            pool.touch(b for b in computed[g] if b is not null)
             blocks[g].extend(computed[g])
             new_blocks = pool.get_new_blocks(needs[g])
             blocks[g].extend(new_blocks)
@@ -148,7 +198,8 @@ class KVCacheManager:
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes, strict=True)):
             full = min(num_tokens // bs, len(blocks[g]))
             for j in range(num_cached[g], full):
-                pool.cache_block(blocks[g][j], self._block_hash(request, g, j))
+                if blocks[g][j] is not self._null:
+                    pool.cache_block(blocks[g][j], self._block_hash(request, g, j))
             num_cached[g] = max(num_cached[g], full)
 
     def get_blocks(self, req_id: str) -> GroupBlocks:
@@ -166,7 +217,47 @@ class KVCacheManager:
         if blocks is None:
             return
         for pool, group in zip(self.pools, blocks, strict=True):
-            pool.free_blocks(reversed(group))
+            pool.free_blocks(b for b in reversed(group) if b is not self._null)
+
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Free the request's SWA blocks that computing from ``num_computed_tokens`` never reads.
+
+        Their table entries become null placeholders. A freed block keeps its prefix-cache hash
+        (its KV is valid) until the pool reuses it.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        for g, window in enumerate(self.sliding_windows):
+            table = blocks[g]
+            end = min(
+                num_skipped_blocks(num_computed_tokens, window, self.block_sizes[g]), len(table)
+            )
+            freed: list[KVCacheBlock] = []
+            for j in range(end - 1, -1, -1):  # nulls form a prefix: stop at the first one
+                if table[j] is self._null:
+                    break
+                freed.append(table[j])
+                table[j] = self._null
+            self.pools[g].free_blocks(reversed(freed))
+
+    def window_pairs(
+        self, pairs: dict[int, list[tuple[int, int]]], num_computed_tokens: int
+    ) -> dict[int, list[tuple[int, int]]]:
+        """``(logical index, block id)`` pairs per group, without null blocks and without the SWA
+        blocks that computing from ``num_computed_tokens`` never reads."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for g, group_pairs in pairs.items():
+            first = num_skipped_blocks(
+                num_computed_tokens, self.sliding_windows[g], self.block_sizes[g]
+            )
+            out[g] = [(i, b) for i, b in group_pairs if i >= first and b != NULL_BLOCK_ID]
+        return out
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some group has sliding-window attention."""
+        return any(w is not None for w in self.sliding_windows)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (allocated blocks stay with their requests)."""

@@ -22,6 +22,13 @@ KV layouts (``H`` = KV heads per worker, ``D`` = head size, ``bs`` = the group's
 
 Values are written through an integer view of the tensor (same item size), masked so that every
 value is a finite float.
+
+Devices: the KV tensors may live on any device (``allocate_group_kv_cache(device=...)``). Values
+are computed on the host (numpy) and moved explicitly to the KV cache's device before they are
+written, with block and offset indices on that device too; reads gather on the device and return
+host tensors. So the stand-in never mixes devices in one torch operation, and its writes are
+ordered on torch's current stream of that device, the stream the offload handlers treat as the
+model's compute stream.
 """
 
 from __future__ import annotations
@@ -225,13 +232,17 @@ class StandInModel:
         block_ids: npt.NDArray[np.int64],
         offsets: npt.NDArray[np.int64],
     ) -> None:
-        """Write the KV of positions with prefix seeds ``seeds`` into (block, offset) slots."""
+        """Write the KV of positions with prefix seeds ``seeds`` into (block, offset) slots.
+
+        Enqueued on torch's current stream of the KV cache's device (asynchronous on a GPU).
+        """
         if len(seeds) == 0:
             return
         group = self.groups[group_idx]
-        values = self._values(group, seeds)  # (n, L, 2, H, D)
-        blk = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
-        off = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
+        device = group.tensors[0].device
+        values = self._values(group, seeds).to(device)  # (n, L, 2, H, D)
+        blk = _indices(block_ids, device)
+        off = _indices(offsets, device)
         views = self._views[group_idx]
         if group.layout is KVLayout.CROSS_LAYER:
             views[0][blk, :, :, off] = values
@@ -245,16 +256,23 @@ class StandInModel:
     def read(
         self, group_idx: int, block_ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64]
     ) -> torch.Tensor:
-        """Read back the integer view of (block, offset) slots as ``(n, L, 2, H, D)``."""
+        """The integer view of (block, offset) slots as a host tensor ``(n, L, 2, H, D)``.
+
+        Gathered on the KV cache's device after the work enqueued on torch's current stream
+        there (the copy to the host waits for it).
+        """
         group = self.groups[group_idx]
-        blk = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
-        off = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
+        device = group.tensors[0].device
+        blk = _indices(block_ids, device)
+        off = _indices(offsets, device)
         views = self._views[group_idx]
         if group.layout is KVLayout.CROSS_LAYER:
-            return views[0][blk, :, :, off].clone()
-        if group.layout is KVLayout.PER_LAYER:
-            return torch.stack([v[:, blk, off].transpose(0, 1) for v in views], dim=1)
-        return torch.stack([v[blk, :, off] for v in views], dim=1)
+            gathered = views[0][blk, :, :, off]
+        elif group.layout is KVLayout.PER_LAYER:
+            gathered = torch.stack([v[:, blk, off].transpose(0, 1) for v in views], dim=1)
+        else:
+            gathered = torch.stack([v[blk, :, off] for v in views], dim=1)
+        return gathered.cpu()  # advanced indexing copies: the result shares no KV memory
 
     def verify_blocks(
         self,
@@ -303,3 +321,31 @@ class StandInModel:
 
 def _int_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_INT_VIEW[tensor.element_size()])
+
+
+def _indices(ids: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 index tensor on ``device`` (the indexed tensor's device)."""
+    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
+
+
+class ModelStandIn(str, enum.Enum):
+    """The model stand-ins the engine can serve (their KV-cache groups)."""
+
+    STANDARD = "standard"
+    """One KV-cache group with full attention."""
+    HYBRID = "hybrid"
+    """Two groups, as in Gemma-3- or Llama-4-style models: full attention (group 0) and
+    sliding-window attention (group 1)."""
+
+
+def hybrid_stand_in(
+    block_size: int, sliding_window: int, swa_block_size: int | None = None
+) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    """``(gpu_block_sizes, sliding_windows)`` of the hybrid stand-in's two KV-cache groups.
+
+    Args:
+        block_size: tokens per GPU block of the full-attention group.
+        sliding_window: the SWA group's window in tokens.
+        swa_block_size: tokens per GPU block of the SWA group (default: ``block_size``).
+    """
+    return (block_size, swa_block_size or block_size), (None, sliding_window)

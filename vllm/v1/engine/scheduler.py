@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from typing_extensions import ParamSpec
@@ -36,47 +36,23 @@ from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import PromotedBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.load_accounting import (
+    BlockVerifier,
+    account_promoted,
+    count_verified_promoted,
+    verify_finished,
+)
+from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
 from vllm.v1.engine.stats import EngineStats
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
+
+__all__ = ["BlockVerifier", "ModelRunnerOutput", "RequestOutput", "Scheduler"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-
-BlockVerifier = Callable[[Request, Mapping[int, list[tuple[int, int]]], int], dict[int, set[int]]]
-"""``(request, {group: [(logical_idx, gpu_block_id)]}, num_tokens) -> {group: bad block ids}``."""
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the workers return for one step (aggregated over ranks).
-
-    Attributes:
-        sampled_token_ids: the token sampled for each request that reached its end this step.
-        kv_connector_output: the connectors' report, or None without a connector.
-    """
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    kv_connector_output: KVConnectorOutput | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: the request.
-        new_token_ids: tokens sampled this step.
-        finished: the request is done.
-        finish_reason: ``"length"`` or ``"abort"`` once finished.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -98,6 +74,9 @@ class Scheduler:
         event_sink: receives the connector's KV events after each drain.
         max_model_len: a request stops (length-capped) once it holds this many tokens; default
             and upper bound: the tokens the GPU KV cache holds, so a request alone always fits.
+        async_scheduling: ``schedule()`` may run before the previous step's output was applied
+            (one step in flight): a request that samples in a step gets an output placeholder,
+            and the next step already computes the placeholder token's KV.
     """
 
     def __init__(
@@ -110,6 +89,7 @@ class Scheduler:
         block_verifier: BlockVerifier | None = None,
         event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
         max_model_len: int | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         capacity = min(
@@ -118,6 +98,7 @@ class Scheduler:
         )
         self.max_model_len = min(max_model_len or capacity, capacity)
         self.max_num_seqs = max_num_seqs
+        self.async_scheduling = async_scheduling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
         self.stats = stats
@@ -136,8 +117,8 @@ class Scheduler:
         # GPU blocks (per group) whose load failed on some rank, until their request's load is
         # reported by every rank.
         self._invalid_blocks: dict[int, set[int]] = {}
-        # Tokens of a finished load that were promoted from a secondary tier, by request.
-        self._promoted_tokens: dict[str, int] = {}
+        # Blocks of a finished load that were promoted from a secondary tier, by request.
+        self._promoted: dict[str, tuple[PromotedBlock, ...]] = {}
         # Scheduler-side connector time of the current step.
         self.step_connector_seconds = 0.0
 
@@ -156,10 +137,7 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id!r} is already in use by a live request")
-        if (
-            self.connector is not None
-            and self.connector.connector_scheduler.request_state(req_id) is not None
-        ):
+        if self.connector is not None and self.connector.connector_scheduler.tracks_request(req_id):
             raise ValueError(
                 f"request id {req_id!r} is still in use: transfers of a finished request with "
                 "that id are in flight; use a unique id"
@@ -246,7 +224,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._finishes_in_flight(request):
+                index += 1  # its last token is being sampled: nothing left to compute (as vLLM)
+                continue
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                budget,
+            )
             assert num_new > 0, f"running {request} has nothing to compute"
             new_blocks = None
             while True:
@@ -330,8 +314,24 @@ class Scheduler:
             self.drain_events()
         # The scheduled tokens count as computed from here on (as in vLLM).
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens
+                == request.num_tokens + request.num_output_placeholders
+            ):
+                # This step samples a token the next schedule() cannot know yet.
+                request.num_output_placeholders += 1
         return output
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether the tokens being sampled by steps in flight finish the request."""
+        n = request.num_output_placeholders
+        return n > 0 and (
+            request.num_output_tokens + n >= request.max_tokens
+            or request.num_tokens + n >= self.max_model_len
+        )
 
     def _try_place(self, request: Request, budget: int) -> str | None:
         """Allocate a waiting request's blocks.
@@ -342,6 +342,8 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         connector = self.connector
+        # Preempted with a step in flight, it waited a step, which brought its token in.
+        assert request.num_output_placeholders == 0, f"{request} placed with tokens in flight"
         if request.request_id in self._loaded:
             # Its connector load finished (possibly in part): it holds its blocks already and
             # computes the rest, without asking the connector again.
@@ -425,9 +427,13 @@ class Scheduler:
             token = model_output.sampled_token_ids.get(req_id)
             if token is None:
                 continue
-            assert request.num_computed_tokens == request.num_tokens, (
-                f"{request} sampled before its last token was computed"
-            )
+            if self.async_scheduling:
+                assert request.num_output_placeholders > 0, f"{request} sampled unexpectedly"
+                request.num_output_placeholders -= 1
+            else:
+                assert request.num_computed_tokens == request.num_tokens, (
+                    f"{request} sampled before its last token was computed"
+                )
             request.append_output_token_ids(token)
             self.stats.output_tokens += 1
             out = self._output(req_id)
@@ -436,7 +442,10 @@ class Scheduler:
                 request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len
             ):
-                self.running.remove(request)
+                if request.status is RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # preempted while its last token was in flight (async scheduling)
+                    self.waiting.remove(request)
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 self._free_request(request)
                 out.finished = True
@@ -455,7 +464,7 @@ class Scheduler:
     def _account_loads(self) -> None:
         assert self.connector is not None
         for result in self.connector.take_load_results():
-            self._promoted_tokens[result.req_id] = result.num_promoted_tokens
+            self._promoted[result.req_id] = result.promoted_blocks
             self.stats.load_jobs_finished += 1
             if not result.success:
                 self.stats.load_jobs_failed += 1
@@ -464,7 +473,7 @@ class Scheduler:
         """A request's load was reported by every worker: make it schedulable (or free it)."""
         pending = self._pending_loads.pop(req_id, None)
         aborted = self._free_after_load.pop(req_id, None)
-        promoted = self._promoted_tokens.pop(req_id, 0)
+        promoted = self._promoted.pop(req_id, ())
         kv = self.kv_cache_manager
         holder = aborted or self.requests.get(req_id)
         assert holder is not None and pending is not None, f"unexpected finished load of {req_id}"
@@ -485,15 +494,21 @@ class Scheduler:
         if aborted is not None:
             kv.free(aborted)
             return
+        if valid_tokens < end and kv.has_sliding_window:
+            valid_tokens = num_local  # an SWA window may straddle the failure: recompute all
         request = holder
         assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS, (
             f"{request} finished loading but is not waiting for it"
         )
         if self.block_verifier is not None:
-            checkable = {
-                g: [(i, b) for i, b in pairs if i * kv.block_sizes[g] < valid_tokens]
-                for g, pairs in loaded.items()
-            }
+            checkable = kv.window_pairs(
+                {
+                    g: [(i, b) for i, b in pairs if i * kv.block_sizes[g] < valid_tokens]
+                    for g, pairs in loaded.items()
+                },
+                min(valid_tokens, request.num_tokens - 1),
+            )
+            count_verified_promoted(self.stats, kv.block_sizes, promoted, valid_tokens)
             mismatched = self.block_verifier(request, checkable, valid_tokens)
             num_checked = sum(len(p) for p in checkable.values())
             self.stats.blocks_loaded_verified += num_checked
@@ -504,15 +519,20 @@ class Scheduler:
                     if block_id in bad_ids:
                         valid_tokens = min(valid_tokens, i * kv.block_sizes[g])
                         break
+            if mismatched and kv.has_sliding_window:
+                valid_tokens = num_local
         valid_tokens = max(num_local, valid_tokens - valid_tokens % kv.alignment)
         num_computed = min(valid_tokens, request.num_tokens - 1)
+        # SWA blocks below the window were allocated for the load but not loaded: free them
+        # before they could be cached.
+        kv.remove_skipped_blocks(request, num_computed)
         kv.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING
         self._loaded.add(req_id)
         self.stats.tokens_load_failed += end - valid_tokens
         served = max(num_computed - num_local, 0)
-        from_secondary = min(promoted, served)
+        from_secondary = account_promoted(self.stats, promoted, num_local, num_computed)
         self.stats.tokens_from_secondary += from_secondary
         self.stats.tokens_from_cpu += served - from_secondary
 
@@ -520,7 +540,7 @@ class Scheduler:
         """Tell the connector, then free the request's GPU blocks (unless a load writes them)."""
         req_id = request.request_id
         if self.block_verifier is not None and not delay_free:
-            self._verify_finished(request)
+            verify_finished(self.block_verifier, self.kv_cache_manager, self.stats, request)
         if self.connector is not None:
             self._timed(self.connector.request_finished, request)
         if delay_free:
@@ -532,19 +552,6 @@ class Scheduler:
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
         self.stats.requests_finished += 1
-
-    def _verify_finished(self, request: Request) -> None:
-        assert self.block_verifier is not None
-        kv = self.kv_cache_manager
-        blocks = kv.get_block_ids(request.request_id)
-        num_tokens = request.num_computed_tokens
-        pairs = {
-            g: [(i, b) for i, b in enumerate(blocks[g]) if i * bs < num_tokens]
-            for g, bs in enumerate(kv.block_sizes)
-        }
-        mismatched = self.block_verifier(request, pairs, num_tokens)
-        self.stats.blocks_verified += sum(len(p) for p in pairs.values())
-        self.stats.verification_failures += sum(len(b) for b in mismatched.values())
 
     def drain_events(self) -> None:
         """Drain the connector's KV events into the event sink (no other effect)."""

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.v1.kv_offload.base import OffloadKey
+
+SECONDARY = "secondary"
+"""Key of ``EngineStats.tokens_from_tier`` for promoted tokens whose tier the manager did not
+name."""
+
 
 @dataclass
 class StepRecord:
@@ -56,6 +62,14 @@ class EngineStats:
         tokens_from_cpu: placed tokens loaded from the CPU tier.
         tokens_from_secondary: placed tokens loaded from the CPU tier after being promoted into it
             from a secondary tier for this request.
+        tokens_from_tier: ``tokens_from_secondary`` split by the type name of the tier the
+            blocks were promoted from (``SECONDARY`` when the manager did not name it).
+        blocks_verified_by_tier: of ``blocks_loaded_verified``, GPU blocks of promoted offloaded
+            blocks, by the tier they were promoted from.
+        served_not_stored_here: when the engine tracks block origins
+            (``EngineConfig.record_block_origins``), promoted tokens served per (tier, key) of
+            blocks this engine had not stored itself before loading them: KV computed elsewhere
+            (another instance sharing the tier, or an earlier run). None when not tracked.
         tokens_load_failed: tokens whose load failed or did not verify (then recomputed).
         tokens_computed: tokens the model computed (prefill and decode).
         output_tokens: tokens sampled.
@@ -80,6 +94,9 @@ class EngineStats:
     tokens_from_gpu_cache: int = 0
     tokens_from_cpu: int = 0
     tokens_from_secondary: int = 0
+    tokens_from_tier: dict[str, int] = field(default_factory=dict)
+    blocks_verified_by_tier: dict[str, int] = field(default_factory=dict)
+    served_not_stored_here: dict[tuple[str, OffloadKey], int] | None = None
     tokens_load_failed: int = 0
     tokens_computed: int = 0
     output_tokens: int = 0

@@ -206,6 +206,7 @@ class Worker:
                 finished_recving=finished_recving,
                 invalid_block_ids=connector.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=connector.build_connector_worker_meta(),
+                kv_connector_stats=connector.get_kv_connector_stats(),
             )
             connector.clear_connector_metadata()
             out.connector_seconds += time.perf_counter() - t0

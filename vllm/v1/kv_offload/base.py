@@ -9,6 +9,8 @@ This module defines the vocabulary shared by the scheduler side and the worker s
 * ``PrepareStoreOutput`` / ``OffloadingEvent``: results of manager calls.
 * ``TierStats``: a secondary tier's occupancy and counters, for reports.
 * ``OffloadingManager``: the scheduler-side ABC that decides what is offloaded and where.
+* ``OffloadKeyStateError`` / ``check_offload_keys``: how managers refuse a call from a caller
+  that misbehaves (a key in the wrong state, a value that is not a key).
 
 Everything here is pure bookkeeping; no method in this module blocks or moves bytes.
 """
@@ -19,11 +21,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.metrics import MetricsRecorder
 
 # ---------------------------------------------------------------------------------------------
 # Keys
@@ -104,6 +109,77 @@ class RequestOffloadingContext:
     """A manager's answer to ``on_new_request``: how the request's blocks are offloaded."""
 
     policy: OffloadPolicy = OffloadPolicy.BLOCK_LEVEL
+
+
+# ---------------------------------------------------------------------------------------------
+# Caller errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _describe_value(value: object) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def check_offload_keys(method: str, keys: Iterable[object], req_context: ReqContext) -> None:
+    """Raise ``TypeError`` unless every element of ``keys`` is an ``OffloadKey`` (``bytes``).
+
+    The slow path of a manager's public boundary: managers run a cheap C-level check on the hot
+    path and call this to name the offending value.
+
+    Args:
+        method: the manager method that was called (named in the message).
+        keys: what the caller passed as the method's keys.
+        req_context: the request the call was made for (named in the message).
+
+    Raises:
+        TypeError: ``keys`` is a single ``bytes``/``str`` rather than a collection of keys, or
+            one of its elements is not ``bytes``.
+    """
+    req_id = getattr(req_context, "req_id", req_context)
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise TypeError(
+            f"{method}: keys must be a collection of OffloadKeys (bytes), got a single "
+            f"{_describe_value(keys)} (request {req_id!r})"
+        )
+    for key in keys:
+        check_offload_key(method, key, req_context)
+
+
+def check_offload_key(method: str, key: object, req_context: ReqContext) -> None:
+    """Raise ``TypeError`` unless ``key`` is an ``OffloadKey`` (``bytes``); see
+    ``check_offload_keys``."""
+    if not isinstance(key, bytes):
+        req_id = getattr(req_context, "req_id", req_context)
+        raise TypeError(
+            f"{method}: keys must be OffloadKeys (bytes), got {_describe_value(key)} "
+            f"(request {req_id!r})"
+        )
+
+
+class OffloadKeyStateError(ValueError):
+    """A manager call named a key whose state does not allow that call (a caller bug).
+
+    Raised at the manager's public boundary before anything changed: after it, every key's state,
+    the pins, the capacity accounting, the statistics and the events are as before the call.
+
+    Attributes:
+        method: the manager method that refused the call (e.g. ``"complete_load"``).
+        key: the first offending key.
+        req_id: the request the call was made for.
+        state: the key's state as the manager sees it (e.g. ``"not offloaded"``).
+    """
+
+    def __init__(self, method: str, key: OffloadKey, req_id: str, state: str, expected: str):
+        self.method = method
+        self.key = key
+        self.req_id = req_id
+        self.state = state
+        super().__init__(
+            f"{method}: key {key.hex()} of request {req_id!r} is {state}; expected {expected}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +335,8 @@ class TierStats:
             primary row); 0 if blocks have no fixed size there.
         counters: the tier's cumulative counters by name (tier-defined, e.g. ``"blocks_written"``);
             a copy, owned by the caller.
+        capacity_bytes: the most bytes the tier may use, or None when it is unbounded (or does
+            not say).
     """
 
     tier_type: str
@@ -266,6 +344,7 @@ class TierStats:
     used_bytes: int
     block_bytes: int
     counters: Mapping[str, int] = field(default_factory=dict)
+    capacity_bytes: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +365,14 @@ class OffloadingManager(ABC):
 
     Lifecycle: the connector calls ``on_schedule_end()`` exactly once at the end of every scheduler
     step; ``take_events()`` may be called any number of times and only drains events.
+
+    Callers that misbehave: the keys, pins and stores named by a call are checked at the call,
+    before anything changes. A value that is not an ``OffloadKey`` raises ``TypeError``; a key
+    whose state does not allow the call (loading a block that is not readable, completing a load
+    this request did not prepare, completing a store that is not pending for this request)
+    raises ``OffloadKeyStateError`` (a ``ValueError``) naming the method, the key and the request;
+    a call after ``shutdown()`` raises ``RuntimeError``. In each case no state changed. Managers
+    that keep no per-key state (the base defaults) accept anything.
     """
 
     @abstractmethod
@@ -295,6 +382,10 @@ class OffloadingManager(ABC):
         Returns:
             True if stored and readable; False if absent; None if present but not readable yet
             (being written or promoted from a slower tier): ask again in a later step.
+
+        Raises:
+            TypeError: ``key`` is not an ``OffloadKey``.
+            RuntimeError: the manager is shut down.
         """
 
     @abstractmethod
@@ -302,7 +393,14 @@ class OffloadingManager(ABC):
         """Pin ``keys`` for reading and return where to read them from.
 
         Precondition: every key is readable (``lookup`` returned True). The keys stay pinned, and
-        thus not evictable, until ``complete_load`` is called with them.
+        thus not evictable, until ``complete_load`` is called with them *for the same request*:
+        pins are held per request, and a key listed twice is pinned twice.
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            OffloadKeyStateError: a key is not readable (absent or being written); nothing is
+                pinned then.
+            RuntimeError: the manager is shut down.
         """
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:  # noqa: B027
@@ -313,7 +411,18 @@ class OffloadingManager(ABC):
         """
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:  # noqa: B027
-        """Unpin ``keys`` pinned by ``prepare_load``. Default: no-op."""
+        """Unpin ``keys`` pinned by ``prepare_load`` for this request. Default: no-op.
+
+        Each occurrence of a key releases one pin the request holds on it; a request can never
+        release another request's pins, so a block stays pinned while any ``prepare_load`` of it
+        is outstanding.
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            OffloadKeyStateError: the request holds fewer pins on a key than the call releases
+                (a duplicate, stray or foreign completion); nothing is released then.
+            RuntimeError: the manager is shut down.
+        """
 
     @abstractmethod
     def prepare_store(
@@ -328,6 +437,10 @@ class OffloadingManager(ABC):
             The keys to write and where to write them; an output with no keys when every key is
             already stored; None only when enough capacity cannot be freed (nothing changed then,
             try again later).
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            RuntimeError: the manager is shut down.
         """
 
     def complete_store(  # noqa: B027
@@ -335,8 +448,15 @@ class OffloadingManager(ABC):
     ) -> None:
         """Finish a store prepared by ``prepare_store``. Default: no-op.
 
-        On success the written keys become readable. On failure the keys that were being written
-        are dropped and their room freed. Keys that were already readable are never changed.
+        Every key must be one this request's ``prepare_store`` returned in ``keys_to_store``
+        and whose store is not completed yet (a key listed twice counts once). On success they
+        become readable; on failure they are dropped and their room freed.
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            OffloadKeyStateError: a key is not a store pending for this request (absent, ready,
+                or being written for another request); then no key of the call changes.
+            RuntimeError: the manager is shut down.
         """
 
     @abstractmethod
@@ -377,6 +497,15 @@ class OffloadingManager(ABC):
     def reset_cache(self) -> None:  # noqa: B027
         """Drop every offloaded block and reset internal state. Default: no-op."""
 
+    def promotion_source(self, key: OffloadKey) -> str | None:
+        """The type name of the tier ``key`` is being promoted from, while it is.
+
+        Asked by the connector when ``lookup`` answered None for a key it is not storing, so
+        that served tokens can be attributed to the tier they came from. Default: None (the
+        manager has no secondary tiers, or does not tell).
+        """
+        return None
+
     def get_stats(self) -> Mapping[str, int | float] | None:
         """Return a snapshot of the manager's counters, or None if it keeps none. Default: None.
 
@@ -385,5 +514,12 @@ class OffloadingManager(ABC):
         """
         return None
 
+    def report_metrics(self, recorder: MetricsRecorder) -> None:  # noqa: B027
+        """Report metrics beyond ``get_stats()`` (per tier, per job) to ``recorder``, once per
+        step; see ``vllm.v1.kv_offload.metrics``. Must be cheap. Default: nothing."""
+
     def shutdown(self) -> None:  # noqa: B027
-        """Release every resource the manager holds. Default: no-op."""
+        """Release every resource the manager holds; idempotent. Default: no-op.
+
+        Afterwards every call that reads or changes blocks raises ``RuntimeError``.
+        """

@@ -5,10 +5,13 @@ its metadata (built by ``_key``) holds the parser and the human-readable descrip
 allowed. Adding a key is one line in that table; unknown keys, missing required keys and bad
 values are all reported with the key, the value and what is allowed.
 
+Sizes (``cpu_bytes_to_use``, and the fs tier's ``max_bytes``) are parsed by the one size parser
+``vllm.v1.kv_offload.sizes.parse_size``, which the command's size flags use too.
+
 Example::
 
     cfg = OffloadingConfig.from_extra_config(
-        {"cpu_bytes_to_use": 8e9, "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv"}]}
+        {"cpu_bytes_to_use": "8GB", "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv"}]}
     )
 """
 
@@ -25,6 +28,8 @@ from types import MappingProxyType
 from typing import Any
 
 from typing_extensions import Self
+
+from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError, parse_size
 
 _EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -85,6 +90,13 @@ def _parse_non_negative_int(key: str, value: Any) -> int:
 
 def _parse_optional_positive_int(key: str, value: Any) -> int | None:
     return None if value is None else _parse_positive_int(key, value)
+
+
+def _parse_size(key: str, value: Any) -> int:
+    try:
+        return parse_size(value)
+    except SizeError:
+        raise _bad_value(key, value, SIZE_FORMS) from None
 
 
 _POSITIVE_SECONDS = "a finite number of seconds > 0"
@@ -231,14 +243,16 @@ class OffloadingConfig:
     same per-key validation and normalisation.
 
     Attributes:
-        cpu_bytes_to_use: host bytes for the CPU tier, in total across all workers.
+        cpu_bytes_to_use: host bytes for the CPU tier, in total across all workers; any size
+            form of ``vllm.v1.kv_offload.sizes`` (``8e9``, ``"8GB"``, ``"20GiB"``).
         block_size: offloaded block size in tokens; None means the GPU block size.
         eviction_policy: ``"lru"``, ``"arc"`` or ``"package.module:ClassName"``.
         spec_name: the ``OffloadingSpec`` class to use.
         spec_module_path: module to import ``spec_name`` from, for out-of-tree specs.
         secondary_tiers: ordered secondary tiers behind the CPU tier.
         shared_region_dir: directory of the shared host region's backing file.
-        shared_region_join_timeout_s: how long a process waits for the region's creator.
+        shared_region_join_timeout_s: how long a process keeps retrying when the region's file
+            vanishes under it (a creator that gave up) before it gives up too.
         offload_prompt_only: store only blocks made entirely of prompt tokens, not blocks that
             hold generated tokens (those are rarely shared by another request).
         store_threshold: the reuse filter (upstream's key and default): with 2 or more, a block
@@ -249,7 +263,7 @@ class OffloadingConfig:
     """
 
     # fmt: off
-    cpu_bytes_to_use: int = field(metadata=_key(_parse_positive_int, _POSITIVE_INT))
+    cpu_bytes_to_use: int = field(metadata=_key(_parse_size, SIZE_FORMS))
     block_size: int | None = field(default=None, metadata=_key(_parse_optional_positive_int, _POSITIVE_INT))  # noqa: E501
     eviction_policy: str = field(default="lru", metadata=_key(_parse_eviction_policy, _EVICTION_POLICY))  # noqa: E501
     spec_name: str = field(default="CPUOffloadingSpec", metadata=_key(_parse_spec_name, _SPEC_NAME))

@@ -15,7 +15,7 @@ import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingManager, TierStats
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -47,6 +47,8 @@ class KVCacheRunInfo:
         tensor_parallel_size: tensor-parallel workers.
         pipeline_parallel_size: pipeline-parallel stages.
         instance_id: unique id of this engine instance (names its shared host region).
+        sliding_windows: per group, the window in tokens of a sliding-window attention group or
+            None for full attention; empty: every group has full attention.
     """
 
     model_name: str
@@ -60,6 +62,7 @@ class KVCacheRunInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     instance_id: str = "default"
+    sliding_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):
@@ -129,6 +132,13 @@ class OffloadingSpec(ABC):
     """
 
     BLOCK_SIZE_ALIGNMENT = mmap.PAGESIZE
+
+    SCHEDULER_MAPS_REGION: ClassVar[bool] = False
+    """Whether the scheduler side maps the shared host region too, besides every worker rank.
+
+    Every participant passes it to ``SharedOffloadRegion(expect_scheduler=...)``: the region's
+    name is removed once all expected participants joined, so the two sides must agree.
+    """
 
     def __init__(self, config: OffloadingConfig, run: KVCacheRunInfo) -> None:
         self.config = config

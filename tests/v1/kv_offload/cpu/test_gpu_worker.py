@@ -3,14 +3,20 @@ and group combination (whole GPU and CPU memory compared against an independent 
 reference, so bytes outside a job are checked untouched), ordering, wait, FIFO and failures.
 
 The torch path (KV cache in host memory) always runs; the CUDA paths (DMA and kernel, KV cache in
-device memory allocated through the copy library) run when a GPU is present."""
+device memory allocated through the copy library) run when a GPU is present. The handlers' use of
+the library (every call bound to the KV cache's device, from any thread) is also checked without
+a GPU, against a recording stand-in for the library. Tests over torch CUDA tensors are in
+test_gpu_worker_torch_cuda.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import mmap
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +24,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cuda_helpers import DeviceBuffer
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, _CrossDirectionOrder
+from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, current_compute_stream
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.transfer_handler import CrossDirectionOrder
 from vllm.v1.kv_offload.worker.canonical import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -33,8 +41,12 @@ from vllm.v1.kv_offload.worker.canonical import (
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker, TransferResult, TransferSpec
 
 LIB = ops.cuda_library()
-HAS_GPU = LIB is not None and LIB.device_count() > 0
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built copy library")
+DEVICES = ops.cuda_devices()
+HAS_GPU = DEVICES.count > 0
+needs_gpu = pytest.mark.skipif(
+    not HAS_GPU, reason=f"needs a CUDA GPU usable by the copy library: {DEVICES.problem}"
+)
+DEV = 0  # the device the CUDA paths run on
 
 PATHS = [
     pytest.param("torch", id="torch"),
@@ -53,12 +65,18 @@ LAYER_GAP = 256  # bytes between layer tensors, checked untouched like everythin
 
 @dataclass
 class Config:
-    """One group combination: per-group factors, layer sets and unpadded page sizes."""
+    """One group combination: per-group factors, layer sets and unpadded page sizes.
+
+    ``block_sizes`` gives each layer's tokens per GPU block (None: ``BLOCK_SIZE`` everywhere):
+    groups of different block sizes have canonical tensors of different page sizes, as a hybrid
+    model's do. Per-layer tensors only (not ``CROSS_LAYER``, one tensor for every layer).
+    """
 
     name: str
     factors: tuple[int, ...]
     layer_groups: list[list[int]] | None
     unpadded: tuple[int | None, ...] | None  # bytes less than the full page, per group
+    block_sizes: tuple[int, ...] | None = None
 
 
 CONFIGS = [
@@ -66,15 +84,19 @@ CONFIGS = [
     Config("1group-k4", (4,), None, None),
     Config("2groups-disjoint-k1k2", (1, 2), [[0, 1], [2]], None),
     Config("2groups-shared-k2k4-unpadded", (2, 4), [[0, 1, 2], [0, 1, 2]], (None, 40)),
+    # GPU block sizes (16, 8) and (8, 16): the group with the larger pages first, then last.
+    # 32 tokens of every layer per GPU block id: a worker's page is exactly one region row.
+    Config("2groups-blocks16-8-k1k2", (1, 2), [[0], [1, 2]], None, (16, 8, 8)),
+    Config("2groups-blocks8-16-k2k1", (2, 1), [[0, 1], [2]], None, (8, 8, 16)),
 ]
 
 
-def _layer_shape(layout: KVCacheLayout) -> tuple[int, ...]:
+def _layer_shape(layout: KVCacheLayout, block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
     if layout is KVCacheLayout.KV_FIRST:
-        return (2, NUM_GPU_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+        return (2, NUM_GPU_BLOCKS, block_size, HEADS, HEAD_DIM)
     if layout is KVCacheLayout.BLOCKS_FIRST:
-        return (NUM_GPU_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
-    return (NUM_GPU_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
+        return (NUM_GPU_BLOCKS, 2, block_size, HEADS, HEAD_DIM)
+    return (NUM_GPU_BLOCKS, NUM_LAYERS, 2, block_size, HEADS, HEAD_DIM)
 
 
 class Setup:
@@ -91,15 +113,18 @@ class Setup:
     ) -> None:
         self.layout, self.config, self.path = layout, config, path
         gen = torch.Generator().manual_seed(seed)
-        shape = _layer_shape(layout)
-        nbytes = math.prod(shape) * 2  # float16
         count = 1 if layout is KVCacheLayout.CROSS_LAYER else NUM_LAYERS
-        total = count * (nbytes + LAYER_GAP) + LAYER_GAP
+        if config.block_sizes is not None:
+            assert layout is not KVCacheLayout.CROSS_LAYER and len(config.block_sizes) == count
+        shapes = [_layer_shape(layout, bs) for bs in config.block_sizes or (BLOCK_SIZE,) * count]
+        sizes = [math.prod(shape) * 2 for shape in shapes]  # float16
+        total = sum(sizes) + (count + 1) * LAYER_GAP
         self.gpu_host = torch.randint(-128, 128, (total,), dtype=torch.int8, generator=gen)
         layers = []
-        for i in range(count):
-            off = LAYER_GAP + i * (nbytes + LAYER_GAP)
+        off = LAYER_GAP
+        for shape, nbytes in zip(shapes, sizes, strict=True):
             layers.append(self.gpu_host[off : off + nbytes].view(torch.float16).view(shape))
+            off += nbytes + LAYER_GAP
         layer_groups = config.layer_groups
         if layout is KVCacheLayout.CROSS_LAYER and layer_groups is not None:
             layer_groups = [[0] for _ in layer_groups]
@@ -108,13 +133,13 @@ class Setup:
             full = build_canonical_kv_caches(layers, layout).tensors[0].page_size_bytes
             page_bytes = [None if u is None else full - u for u in config.unpadded]
         host_kv = build_canonical_kv_caches(layers, layout, layer_groups, page_bytes)
-        self.dev: ops.DeviceBuffer | None = None
+        self.dev: DeviceBuffer | None = None
         if path == "torch":
             self.kv = host_kv
             self.gpu_base = self.gpu_host.data_ptr()
         else:
             assert LIB is not None
-            self.dev = ops.DeviceBuffer(LIB, total)
+            self.dev = DeviceBuffer(LIB, total, DEV)
             self.dev.copy_from_host(self.gpu_host.numpy())
             self.gpu_base = self.dev.ptr
             self.kv = CanonicalKVCaches(
@@ -122,7 +147,7 @@ class Setup:
                     dataclasses.replace(
                         t,
                         ptr=self.dev.ptr + (t.ptr - self.gpu_host.data_ptr()),
-                        on_device=True,
+                        device_index=DEV,
                         tensor=None,
                         owner=self.dev,
                     )
@@ -266,8 +291,52 @@ def setups() -> Iterator[list[Setup]]:
 def test_round_trip_is_bit_exact(
     layout: KVCacheLayout, config: Config, path: str, setups: list[Setup]
 ) -> None:
+    if config.block_sizes is not None and layout is KVCacheLayout.CROSS_LAYER:
+        pytest.skip("one cross-layer tensor cannot hold groups of different block sizes")
     s = Setup(layout, config, path)
     setups.append(s)
+    _check_round_trip(s)
+
+
+PER_LAYER_LAYOUTS = [KVCacheLayout.KV_FIRST, KVCacheLayout.BLOCKS_FIRST]
+MIXED_BLOCK_SIZES = [c for c in CONFIGS if c.block_sizes is not None]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("config", MIXED_BLOCK_SIZES, ids=[c.name for c in MIXED_BLOCK_SIZES])
+@pytest.mark.parametrize("layout", PER_LAYER_LAYOUTS, ids=[x.value for x in PER_LAYER_LAYOUTS])
+def test_round_trip_through_a_shared_region_with_groups_of_different_block_sizes(
+    layout: KVCacheLayout, config: Config, path: str, tmp_path: Path, setups: list[Setup]
+) -> None:
+    # The engine's path with one worker: every tensor's view is taken in turn from the worker's
+    # slot of the shared region, sized like OffloadingSpec.worker_page_bytes (every layer's K and
+    # V pages, times the largest factor), here exactly one row. With the larger pages first, the
+    # views were refused as overlapping ("CPU views 0 and <last> overlap"), though disjoint.
+    assert config.block_sizes is not None
+    kv_bytes = sum(2 * bs * HEADS * HEAD_DIM * 2 for bs in config.block_sizes)
+    worker_page = kv_bytes * max(config.factors)
+    region = SharedOffloadRegion(
+        "kvo-test-mixed-blocks", 16, worker_page, num_workers=1, rank=0, directory=tmp_path
+    )
+    try:
+        assert region.row_bytes == worker_page  # no padding: the views tile every row
+        s = Setup(layout, config, path, region=region)
+        setups.append(s)
+        views = s.handlers.cpu_views
+        assert views[0].data_ptr() == s.cpu_base
+        assert views[-1].data_ptr() + views[-1].shape[1] - s.cpu_base == worker_page
+        _check_round_trip(s)
+    finally:
+        for made in setups:
+            made.close()
+        setups.clear()
+        region.cleanup()
+
+
+def _check_round_trip(s: Setup) -> None:
+    """Store two offloaded blocks per group, load them back (partly) into other GPU blocks, and
+    compare every byte of GPU and CPU memory against the reference after each job."""
+    config = s.config
     rng = np.random.default_rng(7)
     groups = len(config.factors)
     gpu_pool = [int(x) for x in rng.permutation(NUM_GPU_BLOCKS)]
@@ -439,7 +508,7 @@ class _FakeEvent:
 
 
 def test_cross_direction_order_tracks_only_hazards() -> None:
-    order = _CrossDirectionOrder()
+    order = CrossDirectionOrder()
     e1, e2, e3 = _FakeEvent(), _FakeEvent(), _FakeEvent()
     order.add(True, [1, 2], [10, 11], e1)  # store: GPU 10, 11 -> rows 1, 2
     order.add(True, [3], [12], e2)
@@ -544,11 +613,11 @@ def test_cuda_copy_failure_is_reported_in_order(setups: list[Setup]) -> None:
     [ptr] = s.handlers._registered
     first = s.submit(TransferSpec(GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([1])))
     s.worker.wait({first})
-    LIB.host_unregister(ptr)
+    LIB.host_unregister(DEV, ptr)
     try:
         failing = s.submit(TransferSpec(GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([2])))
     finally:
-        assert LIB.host_register(ptr, s.cpu_mem.untyped_storage().nbytes(), 3)
+        assert LIB.host_register(DEV, ptr, s.cpu_mem.untyped_storage().nbytes(), 3)
     last = s.submit(TransferSpec(GPULoadStoreSpec([3], [1], [0]), CPULoadStoreSpec([3])))
     s.worker.wait({last})
     results = s.worker.get_finished()
@@ -562,7 +631,7 @@ def test_cuda_copy_failure_is_reported_in_order(setups: list[Setup]) -> None:
 @pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")
 def test_device_kv_cache_without_gpu_is_refused() -> None:
     fake = CanonicalKVCacheTensor(
-        ptr=1 << 40, num_blocks=4, page_size_bytes=64, row_stride_bytes=64, on_device=True
+        ptr=1 << 40, num_blocks=4, page_size_bytes=64, row_stride_bytes=64, device_index=0
     )
     kv = CanonicalKVCaches((fake,), ((CanonicalKVCacheRef(0, 64),),))
     with pytest.raises(RuntimeError, match="CUDA copy backend is unavailable"):
@@ -600,6 +669,30 @@ def test_cpu_views_are_validated() -> None:
     h = CpuGpuOffloadingHandlers(two, 1, cpu_views=interleaved)
     assert h.num_cpu_blocks == 4
     h.shutdown()
+    # Views of different lengths tiling a row, the longer first (a group of larger pages before
+    # one of smaller pages) are disjoint; one byte more and the second runs into the next row.
+    mixed = build_canonical_kv_caches(
+        [
+            torch.zeros(_layer_shape(KVCacheLayout.BLOCKS_FIRST, bs), dtype=torch.float16)
+            for bs in (2 * BLOCK_SIZE, BLOCK_SIZE)
+        ],
+        KVCacheLayout.BLOCKS_FIRST,
+        [[0], [1]],
+    )
+    big, small = (t.page_size_bytes for t in mixed.tensors)
+    assert big == 2 * small
+    mem = torch.zeros(4 * (big + small), dtype=torch.int8)
+
+    def views(row: int) -> list[torch.Tensor]:
+        return [
+            torch.as_strided(mem, (4, big), (row, 1), 0),
+            torch.as_strided(mem, (4, small), (row, 1), big),
+        ]
+
+    h = CpuGpuOffloadingHandlers(mixed, 1, cpu_views=views(big + small))
+    h.shutdown()
+    with pytest.raises(ValueError, match="CPU views 0 and 1 overlap"):
+        CpuGpuOffloadingHandlers(mixed, 1, cpu_views=views(big + small - 1))
     with pytest.raises(ValueError, match="factor"):
         CpuGpuOffloadingHandlers(two, [1, 2], 4)
     with pytest.raises(ValueError, match="num_cpu_blocks"):
@@ -622,3 +715,123 @@ def test_groups_sharing_tensors_cannot_write_one_block_twice(setups: list[Setup]
     assert s.worker.transfer_async(s.job_id, load) is False
     assert [r.success for r in s.worker.get_finished()] == [False, False]
     assert np.array_equal(s.cpu_bytes(), c0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device binding, checked without a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+class _RecordingLibrary:
+    """Stands for the CUDA library over host memory: copies run at once (torch backend), events
+    are always complete, and every call's device and calling thread are recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, str]] = []
+        self._handles = itertools.count(1)
+
+    def _note(self, name: str, device: int) -> int:
+        self.calls.append((name, device, threading.current_thread().name))
+        return next(self._handles)
+
+    def stream_create(self, device: int, priority: int = 0) -> int:
+        return self._note("stream_create", device)
+
+    def event_create(self, device: int, enable_timing: bool = True) -> int:
+        return self._note("event_create", device)
+
+    def copy_blocks(
+        self,
+        device: int,
+        regions: np.ndarray,
+        src: np.ndarray,
+        dst: np.ndarray,
+        method: ops.CopyMethod,
+        max_ctas: int,
+        stream: int,
+    ) -> None:
+        self._note("copy_blocks", device)
+        ops.copy_blocks(regions, src, dst, backend="torch")
+
+    def host_register(self, device: int, ptr: int, nbytes: int, flags: int) -> bool:
+        self._note("host_register", device)
+        return True
+
+    def event_query(self, device: int, event: int) -> bool:
+        self._note("event_query", device)
+        return True
+
+    def event_elapsed_ms(self, device: int, start: int, end: int) -> float:
+        self._note("event_elapsed_ms", device)
+        return 0.5
+
+    def dma_batch_fallbacks(self) -> tuple[int, str]:
+        return 0, ""
+
+    def __getattr__(self, name: str) -> object:
+        # stream_wait_event, event_record, *_destroy, *_synchronize, host_unregister
+        return lambda device, *args: self._note(name, device)
+
+
+def test_handlers_bind_every_cuda_call_to_the_kv_cache_device(
+    monkeypatch: pytest.MonkeyPatch, setups: list[Setup]
+) -> None:
+    """The KV cache says cuda:3: every library call names device 3, whichever thread makes it,
+    and stores wait for the compute stream the caller gave."""
+    host = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[1], "torch")  # k = 4
+    setups.append(host)
+    fake = _RecordingLibrary()
+    monkeypatch.setattr(ops, "cuda_library", lambda: fake)
+    monkeypatch.setattr(ops, "copy_backend", lambda: "cuda")
+    monkeypatch.setattr(ops, "cuda_devices", lambda: ops.CudaDevices(4, ""))
+    kv = CanonicalKVCaches(
+        tuple(dataclasses.replace(t, device_index=3) for t in host.kv.tensors),
+        host.kv.group_data_refs,
+    )
+    streams_asked: list[str] = []
+
+    def compute_stream() -> int:
+        streams_asked.append(threading.current_thread().name)
+        return 77
+
+    handlers = CpuGpuOffloadingHandlers(
+        kv, 4, cpu_views=host.handlers.cpu_views, compute_stream=compute_stream
+    )
+    worker = OffloadingWorker()
+    handlers.register(worker)
+    assert handlers.gpu_to_cpu_handler.device == 3
+    assert "cuda:3/dma" in repr(handlers.cpu_to_gpu_handler)
+    store = TransferSpec(GPULoadStoreSpec(list(range(8)), [8], [0]), CPULoadStoreSpec([2, 5]))
+    load = TransferSpec(CPULoadStoreSpec([2, 5]), GPULoadStoreSpec(list(range(30, 38)), [8], [0]))
+    g0 = host.gpu_bytes()
+    with ThreadPoolExecutor(1, thread_name_prefix="other") as pool:
+        assert pool.submit(worker.transfer_async, 1, store).result()
+    assert worker.transfer_async(2, load)
+    worker.wait({1, 2})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
+    handlers.shutdown()
+    assert {device for _, device, _ in fake.calls} == {3}
+    threads = {thread for name, _, thread in fake.calls if name == "copy_blocks"}
+    assert len(threads) == 2 and any(t.startswith("other") for t in threads)
+    assert {"host_register", "host_unregister", "stream_create", "event_record"} <= {
+        name for name, _, _ in fake.calls
+    }
+    assert len(streams_asked) == 1 and streams_asked[0].startswith("other")  # the store only
+    t = kv.tensors[0]
+    got = host.gpu_bytes()
+    for m in range(8):
+        a = t.ptr - host.gpu_base + m * t.row_stride_bytes
+        b = t.ptr - host.gpu_base + (30 + m) * t.row_stride_bytes
+        assert np.array_equal(got[b : b + t.page_size_bytes], g0[a : a + t.page_size_bytes])
+
+    invisible = CanonicalKVCaches(
+        tuple(dataclasses.replace(t, device_index=4) for t in host.kv.tensors),
+        host.kv.group_data_refs,
+    )
+    with pytest.raises(ValueError, match="cuda:4 but the CUDA copy library sees 4 GPU"):
+        CpuGpuOffloadingHandlers(invisible, 4, cpu_views=host.handlers.cpu_views)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks torch without CUDA")
+def test_compute_stream_is_the_legacy_stream_without_torch_cuda() -> None:
+    assert current_compute_stream() == 0 and current_compute_stream(3) == 0

@@ -8,6 +8,7 @@ import pytest
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
+    OffloadKeyStateError,
     OffloadPolicy,
     ReqContext,
     make_offload_key,
@@ -35,10 +36,10 @@ def slots(spec: object) -> list[int]:
 
 
 def store(manager: CPUOffloadingManager, *indices: int) -> list[int]:
-    """Store and complete blocks ``indices``; return their slots."""
+    """Store and complete blocks ``indices``; return the slots of those not stored before."""
     out = manager.prepare_store(ks(*indices), CTX)
     assert out is not None
-    manager.complete_store(ks(*indices), CTX)
+    manager.complete_store(out.keys_to_store, CTX)
     return slots(out.store_spec)
 
 
@@ -189,12 +190,12 @@ def test_partial_eviction_capacity_is_all_or_nothing(policy: str) -> None:
     assert manager.num_free_blocks == 0
 
 
-def test_failed_store_drops_only_not_ready_blocks(policy: str) -> None:
+def test_failed_store_drops_only_its_blocks(policy: str) -> None:
     manager = CPUOffloadingManager(4, cache_policy=policy, enable_events=True)
     store(manager, 0)
     out = manager.prepare_store(ks(0, 1, 2), CTX)
     assert out is not None and out.keys_to_store == ks(1, 2)
-    manager.complete_store(ks(0, 1, 2), CTX, success=False)
+    manager.complete_store(out.keys_to_store, CTX, success=False)
     assert manager.lookup(k(0), CTX) is True
     assert manager.lookup(k(1), CTX) is False and manager.lookup(k(2), CTX) is False
     assert manager.num_free_blocks == 3
@@ -204,24 +205,29 @@ def test_failed_store_drops_only_not_ready_blocks(policy: str) -> None:
     assert list(manager.take_events()) == [OffloadingEvent(ks(0), "CPU", removed=False)]
 
 
-def test_complete_store_never_changes_ready_blocks(policy: str) -> None:
+def test_complete_store_refuses_ready_blocks(policy: str) -> None:
     manager = CPUOffloadingManager(4, cache_policy=policy, enable_events=True)
     store(manager, 0, 1)
     manager.prepare_load(ks(0), CTX)
     list(manager.take_events())
-    manager.complete_store(ks(0, 1), CTX, success=True)
-    manager.complete_store(ks(0, 1), CTX, success=False)
+    for success in (True, False):
+        with pytest.raises(OffloadKeyStateError, match="is ready and pinned 1 time"):
+            manager.complete_store(ks(0, 1), CTX, success=success)
+        with pytest.raises(OffloadKeyStateError, match="is ready and not pinned"):
+            manager.complete_store(ks(1), CTX, success=success)
     assert ref_cnt(manager, 0) == 1, "a pinned block stays pinned"
     assert ref_cnt(manager, 1) == 0
     assert list(manager.take_events()) == []
     assert manager.get_stats()["stores"] == 2
     assert manager.get_stats()["failed_stores"] == 0
+    manager.check_invariants()
 
 
-def test_complete_store_ignores_unknown_keys(policy: str) -> None:
+def test_complete_store_refuses_unknown_keys(policy: str) -> None:
     manager = CPUOffloadingManager(4, cache_policy=policy)
-    manager.complete_store(ks(7), CTX)
-    manager.complete_store(ks(7), CTX, success=False)
+    for success in (True, False):
+        with pytest.raises(OffloadKeyStateError, match="is not offloaded"):
+            manager.complete_store(ks(7), CTX, success=success)
     assert manager.lookup(k(7), CTX) is False
     assert manager.num_free_blocks == 4
 
@@ -311,18 +317,35 @@ def test_stats(policy: str) -> None:
     assert manager.get_stats()["hits"] == 1, "a snapshot, not a live view"
 
 
-def test_assertions_name_the_key(policy: str) -> None:
+def test_errors_name_method_key_request_and_state(policy: str) -> None:
     manager = CPUOffloadingManager(4, cache_policy=policy)
-    with pytest.raises(AssertionError, match=f"{k(0).hex()} is not offloaded"):
+    with pytest.raises(
+        OffloadKeyStateError, match=f"prepare_load: key {k(0).hex()} of request 'req-0' is not "
+    ):
         manager.prepare_load(ks(0), CTX)
     manager.prepare_store(ks(1), CTX)
-    with pytest.raises(AssertionError, match=f"{k(1).hex()} is being written"):
+    with pytest.raises(
+        OffloadKeyStateError,
+        match=f"prepare_load: key {k(1).hex()} .* being written .* pending for request 'req-0'",
+    ):
         manager.prepare_load(ks(1), CTX)
     manager.complete_store(ks(1), CTX)
-    with pytest.raises(AssertionError, match=f"{k(1).hex()} is not pinned"):
+    with pytest.raises(
+        OffloadKeyStateError,
+        match=f"complete_load: key {k(1).hex()} .* ready and not pinned; this request holds 0",
+    ):
         manager.complete_load(ks(1), CTX)
-    with pytest.raises(AssertionError, match=f"{k(2).hex()} is not offloaded"):
+    with pytest.raises(OffloadKeyStateError, match=f"complete_load: key {k(2).hex()} .*not off"):
         manager.complete_load(ks(2), CTX)
+    with pytest.raises(OffloadKeyStateError) as info:
+        manager.complete_store(ks(2), CTX)
+    assert isinstance(info.value, ValueError)
+    assert (info.value.method, info.value.key, info.value.req_id) == (
+        "complete_store",
+        k(2),
+        "req-0",
+    )
+    assert info.value.state == "not offloaded"
 
 
 def test_touch_changes_eviction_order(policy: str) -> None:
@@ -351,3 +374,180 @@ def test_arc_scan_resistance() -> None:
     for i in range(10, 30):
         store(manager, i)
     assert manager.lookup(k(0), CTX) is True and manager.lookup(k(1), CTX) is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Callers that misbehave: refused at the call, before anything changes
+# ---------------------------------------------------------------------------------------------
+
+READER_A = ReqContext("reader-a")
+READER_B = ReqContext("reader-b")
+_REQS = ("req-0", "reader-a", "reader-b")
+
+
+def _state(manager: CPUOffloadingManager) -> object:
+    """Everything a refused call must leave as it was (eviction order included)."""
+    policy = manager.policy
+    return (
+        [(key, block.block_id, block.ref_cnt) for key, block in policy.items()],
+        sorted(manager._free_list),
+        manager.num_free_blocks,
+        manager.get_stats(),
+        {req: manager.load_pins(req) for req in _REQS} if hasattr(manager, "load_pins") else 0,
+        {req: manager.pending_stores(req) for req in _REQS} if hasattr(manager, "load_pins") else 0,
+        list(getattr(policy, "_evictable", {})),
+    )
+
+
+def test_second_complete_load_of_one_reader_keeps_the_other_readers_pin(policy: str) -> None:
+    manager = CPUOffloadingManager(2, cache_policy=policy)
+    store(manager, 0)
+    manager.prepare_load(ks(0), READER_A)
+    manager.prepare_load(ks(0), READER_B)
+    manager.complete_load(ks(0), READER_A)
+    assert ref_cnt(manager, 0) == 1
+    before = _state(manager)
+    with pytest.raises(OffloadKeyStateError, match=r"complete_load: .* 'reader-a' .* holds 0 pin"):
+        manager.complete_load(ks(0), READER_A)
+    assert _state(manager) == before
+    # B still reads the row: it must not be evicted for a new store.
+    assert manager.prepare_store(ks(1, 2), CTX) is None
+    assert manager.lookup(k(0), CTX) is True
+    manager.complete_load(ks(0), READER_B)
+    assert ref_cnt(manager, 0) == 0
+    manager.check_invariants()
+
+
+def test_pins_are_per_request_and_counted(policy: str) -> None:
+    manager = CPUOffloadingManager(4, cache_policy=policy)
+    store(manager, 0, 1)
+    manager.prepare_load(ks(0, 0, 1), READER_A)
+    assert manager.load_pins("reader-a") == {k(0): 2, k(1): 1}
+    with pytest.raises(OffloadKeyStateError, match="holds 0 pin"):
+        manager.complete_load(ks(0), READER_B)
+    with pytest.raises(OffloadKeyStateError, match=r"holds 2 pin.* releases 3"):
+        manager.complete_load(ks(0, 1, 0, 0), READER_A)
+    assert ref_cnt(manager, 0) == 2 and ref_cnt(manager, 1) == 1
+    # Partial and out-of-order releases are fine.
+    manager.complete_load(ks(1, 0), READER_A)
+    assert manager.load_pins("reader-a") == {k(0): 1}
+    manager.complete_load((k(0),), READER_A)
+    assert manager.load_pins("reader-a") == {}
+    assert [ref_cnt(manager, i) for i in (0, 1)] == [0, 0]
+    manager.check_invariants()
+
+
+def test_complete_store_of_a_never_prepared_key_is_a_value_error(policy: str) -> None:
+    manager = CPUOffloadingManager(4, cache_policy=policy)
+    with pytest.raises(ValueError, match=f"complete_store: key {k(3).hex()} of request 'req-0'"):
+        manager.complete_store(ks(3), CTX)
+    assert manager.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("other", ["ready", "loading", "absent", "other-writer"])
+@pytest.mark.parametrize("success", [True, False])
+def test_complete_store_with_one_bad_key_changes_no_key(
+    policy: str, other: str, success: bool
+) -> None:
+    manager = CPUOffloadingManager(8, cache_policy=policy, enable_events=True)
+    store(manager, 0)
+    if other == "loading":
+        manager.prepare_load(ks(0), READER_A)
+    elif other == "other-writer":
+        manager.prepare_store(ks(7), READER_B)
+    out = manager.prepare_store(ks(6), CTX)
+    assert out is not None and out.keys_to_store == ks(6)
+    list(manager.take_events())
+    bad = {"ready": 0, "loading": 0, "absent": 5, "other-writer": 7}[other]
+    state = {
+        "ready": "ready and not pinned",
+        "loading": "ready and pinned 1 time",
+        "absent": "not offloaded",
+        "other-writer": "being written .* pending for request 'reader-b'",
+    }[other]
+    before = _state(manager)
+    with pytest.raises(OffloadKeyStateError, match=f"key {k(bad).hex()} .*is {state}"):
+        manager.complete_store([k(6), k(bad)], CTX, success=success)
+    assert _state(manager) == before
+    assert list(manager.take_events()) == []
+    assert manager.lookup(k(6), CTX) is None, "the legitimate pending store is still pending"
+    manager.complete_store(ks(6), CTX, success=success)
+    assert manager.lookup(k(6), CTX) is success
+    manager.check_invariants()
+
+
+def test_complete_store_twice_is_refused(policy: str) -> None:
+    manager = CPUOffloadingManager(4, cache_policy=policy)
+    out = manager.prepare_store(ks(0, 1), CTX)
+    assert out is not None
+    manager.complete_store(ks(1), CTX)  # a partial completion
+    with pytest.raises(OffloadKeyStateError, match=f"key {k(1).hex()} .* ready"):
+        manager.complete_store(ks(1), CTX, success=False)
+    assert manager.pending_stores("req-0") == ks(0)
+    manager.complete_store(ks(0, 0), CTX)  # a key listed twice counts once
+    assert manager.get_stats()["stores"] == 2
+    manager.check_invariants()
+
+
+def test_prepare_load_validates_every_key_before_pinning(policy: str) -> None:
+    manager = CPUOffloadingManager(4, cache_policy=policy)
+    store(manager, 0)
+    manager.prepare_store(ks(1), CTX)
+    before = _state(manager)
+    for keys in (ks(0, 2), ks(0, 1)):
+        with pytest.raises(OffloadKeyStateError, match="prepare_load"):
+            manager.prepare_load(keys, READER_A)
+        assert _state(manager) == before
+    assert manager.prepare_store(ks(2, 3, 4), CTX) is not None, "block 0 is not pinned"
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m: m.prepare_store(["abc"], CTX), "prepare_store: .*got str 'abc'"),
+        (lambda m: m.prepare_store([1, 2], CTX), "prepare_store: .*got int 1 "),
+        (lambda m: m.prepare_store(b"abc", CTX), "prepare_store: .*a single bytes"),
+        (lambda m: m.prepare_store("abc", CTX), "prepare_store: .*a single str"),
+        (lambda m: m.lookup(12345, CTX), "lookup: .*got int 12345 .*'req-0'"),
+        (lambda m: m.lookup("k", CTX), "lookup: .*got str"),
+        (lambda m: m.prepare_load([1], CTX), "prepare_load: .*got int 1"),
+        (lambda m: m.complete_load([1], CTX), "complete_load: .*got int 1"),
+        (lambda m: m.complete_store(["x"], CTX), "complete_store: .*got str 'x'"),
+        (lambda m: m.complete_store([k(9), 3], CTX, False), "complete_store: .*got int 3"),
+    ],
+)
+def test_values_that_are_not_keys_raise_type_error_at_the_call(
+    policy: str, call: object, match: str
+) -> None:
+    manager = CPUOffloadingManager(4, cache_policy=policy)
+    store(manager, 0)
+    manager.prepare_store(ks(9), CTX)
+    before = _state(manager)
+    with pytest.raises(TypeError, match=match):
+        call(manager)  # type: ignore[operator]
+    assert _state(manager) == before
+
+
+def test_calls_after_shutdown_raise(policy: str) -> None:
+    manager = CPUOffloadingManager(4, cache_policy=policy, enable_events=True)
+    store(manager, 0)
+    manager.prepare_load(ks(0), CTX)
+    manager.shutdown()
+    manager.shutdown()  # idempotent
+    assert manager.is_shut_down
+    calls = {
+        "lookup": lambda: manager.lookup(k(0), CTX),
+        "prepare_store": lambda: manager.prepare_store(ks(1), CTX),
+        "prepare_load": lambda: manager.prepare_load(ks(0), CTX),
+        "complete_load": lambda: manager.complete_load(ks(0), CTX),
+        "complete_store": lambda: manager.complete_store(ks(1), CTX),
+        "touch": lambda: manager.touch(ks(0), CTX),
+        "reset_cache": manager.reset_cache,
+        "on_new_request": lambda: manager.on_new_request(CTX),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name}: the manager is shut down"):
+            call()
+    # Observers still answer.
+    assert manager.get_stats()["stores"] == 1
+    assert [e.removed for e in manager.take_events()] == [False]

@@ -1,28 +1,63 @@
 """Hypothesis state machine of CPUOffloadingManager against a dict model, for each policy.
 
 The model maps each resident key to its ref count (-1 being written, n >= 0 ready with n
-readers) and its slot. After every step the manager must agree with it: lookups, ref counts,
-slots, slot accounting, stats, and the running balance of stored/removed events.
+readers) and its slot, each pending store to the request that prepared it, and each request to
+the pins it holds. Several requests act at once, and besides well-behaved callers the machine
+plays misbehaving ones: stray, duplicate, foreign and out-of-order completions, loads of blocks
+that are not readable, values that are not keys, and calls after ``shutdown()``.
+
+Every call is checked against the model's prediction. A call the model deems legitimate must
+succeed and change exactly what the model says; any other must raise a clean error (the
+manager's ``OffloadKeyStateError``, ``TypeError`` or ``RuntimeError``, never an
+``AssertionError``) and leave the manager's observable state exactly as it was: every key's
+state, slot and pins, the pending stores, the slot accounting and free list, the statistics,
+the pending events and the policy's eviction order. After every step the manager must agree
+with the model and pass its own ``check_invariants()``.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import (
+    OffloadKey,
+    OffloadKeyStateError,
+    ReqContext,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 UNIVERSE = [make_offload_key(bytes([i + 1]) * 4, i % 2) for i in range(14)]
-CTX = ReqContext("req")
+REQS = [ReqContext(f"req-{i}") for i in range(3)]
 
 key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=7)
+reqs = st.sampled_from(REQS)
+# Values a careless caller passes where keys belong.
+not_keys = st.one_of(
+    st.integers(),
+    st.text(max_size=4),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.tuples(st.integers()),
+)
+
+
+class Refused(Exception):
+    """The model's verdict: this call must be refused with ``error`` and change nothing."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__(error.__name__)
+        self.error = error
 
 
 class CPUManagerMachine(RuleBasedStateMachine):
@@ -36,119 +71,362 @@ class CPUManagerMachine(RuleBasedStateMachine):
         )
         self.ref: dict[OffloadKey, int] = {}
         self.slot: dict[OffloadKey, int] = {}
-        self.store_jobs: list[list[OffloadKey]] = []
-        self.load_jobs: list[list[OffloadKey]] = []
+        self.writer: dict[OffloadKey, str] = {}  # pending store -> the request that prepared it
+        self.pins: dict[str, Counter[OffloadKey]] = {ctx.req_id: Counter() for ctx in REQS}
+        # Completions a well-behaved caller would send (legitimate until something changes).
+        self.store_jobs: list[tuple[ReqContext, list[OffloadKey]]] = []
+        self.load_jobs: list[tuple[ReqContext, list[OffloadKey]]] = []
+        # Completions already sent (or made stale by reset_cache): replaying one is a duplicate.
+        self.sent: list[tuple[str, ReqContext, list[OffloadKey]]] = []
         self.announced: set[OffloadKey] = set()  # stored events minus removed events
         self.hits = 0
         self.misses = 0
+        self.shut_down = False
+        self.steps = 0
 
     # -- helpers ------------------------------------------------------------------------------
 
     def ready_keys(self) -> list[OffloadKey]:
         return [key for key, ref in self.ref.items() if ref >= 0]
 
-    # -- rules --------------------------------------------------------------------------------
-
-    @rule(key=st.sampled_from(UNIVERSE))
-    def lookup(self, key: OffloadKey) -> None:
-        result = self.manager.lookup(key, CTX)
-        ref = self.ref.get(key)
-        if ref is None:
-            assert result is False
-            self.misses += 1
-        elif ref < 0:
-            assert result is None
+    def observe(self) -> Any:
+        """Everything a refused call must leave unchanged."""
+        manager = self.manager
+        policy = manager.policy
+        if isinstance(policy, LRUCachePolicy):
+            order: Any = (list(policy._evictable), sorted(policy._non_evictable))
         else:
-            assert result is True
-            self.hits += 1
+            assert isinstance(policy, ARCCachePolicy)
+            order = (
+                policy._t1.live_keys(),
+                list(policy._t2_evictable),
+                sorted(policy._t2_pinned),
+                policy.b1_keys,
+                policy.b2_keys,
+                policy.target_t1_size,
+            )
+        return (
+            sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items()),
+            order,
+            list(manager._free_list),
+            manager._num_allocated,
+            manager.get_stats(),
+            list(manager._events or ()),
+            {ctx.req_id: manager.load_pins(ctx.req_id) for ctx in REQS},
+            {ctx.req_id: manager.pending_stores(ctx.req_id) for ctx in REQS},
+        )
 
-    @rule(keys=key_lists)
-    def prepare_store(self, keys: list[OffloadKey]) -> None:
+    def call(self, predict: Callable[[], Callable[[], None]], act: Callable[[], Any]) -> Any:
+        """Run ``act`` against the manager; ``predict`` returns the model update to apply on
+        success, or raises ``Refused`` if the call must fail (then nothing may change)."""
+        self.steps += 1
+        try:
+            if self.shut_down:
+                raise Refused(RuntimeError)
+            apply = predict()
+        except Refused as refused:
+            before = self.observe()
+            with pytest.raises(BaseException) as info:
+                act()
+            assert type(info.value) is refused.error, (
+                f"expected {refused.error.__name__}, got {info.value!r}"
+            )
+            assert not isinstance(info.value, AssertionError)
+            if isinstance(info.value, RuntimeError):
+                assert "shut down" in str(info.value)
+            assert self.observe() == before, f"refused call changed the state: {info.value}"
+            return None
+        result = act()
+        apply()
+        return result
+
+    # -- well-behaved callers -----------------------------------------------------------------
+
+    @rule(key=st.sampled_from(UNIVERSE), ctx=reqs)
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> None:
+        def predict() -> Callable[[], None]:
+            def apply() -> None:
+                ref = self.ref.get(key)
+                if ref is None:
+                    assert result is False
+                    self.misses += 1
+                elif ref < 0:
+                    assert result is None
+                else:
+                    assert result is True
+                    self.hits += 1
+
+            return apply
+
+        result = None
+
+        def act() -> None:
+            nonlocal result
+            result = self.manager.lookup(key, ctx)
+
+        self.call(predict, act)
+
+    @rule(keys=key_lists, ctx=reqs)
+    def prepare_store(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         requested = set(keys)
         new = list(dict.fromkeys(key for key in keys if key not in self.ref))
         need = len(new) - (self.capacity - len(self.ref))
         candidates = {key for key, ref in self.ref.items() if ref == 0 and key not in requested}
+        out: Any = None
 
-        out = self.manager.prepare_store(keys, CTX)
+        def act() -> None:
+            nonlocal out
+            out = self.manager.prepare_store(keys, ctx)
 
-        if need > len(candidates):
-            assert out is None, f"expected failure: need {need}, {len(candidates)} candidates"
-            return  # the invariants check that nothing changed
-        assert out is not None
-        assert out.keys_to_store == new
-        assert isinstance(out.store_spec, CPULoadStoreSpec)
-        evicted = out.evicted_keys
-        assert len(evicted) == max(need, 0)
-        assert len(set(evicted)) == len(evicted)
-        assert not set(evicted) & requested, "a key passed to prepare_store was evicted by it"
-        for key in evicted:
-            assert key in candidates, f"evicted {key.hex()} with ref_cnt {self.ref.get(key)}"
-            del self.ref[key]
-            del self.slot[key]
-        new_slots = [int(s) for s in out.store_spec.block_ids]
-        assert len(new_slots) == len(new)
-        assert all(0 <= s < self.capacity for s in new_slots)
-        assert not set(new_slots) & set(self.slot.values()), "slot handed out twice"
-        for key, s in zip(new, new_slots, strict=True):
-            self.ref[key] = -1
-            self.slot[key] = s
-        if new:
-            self.store_jobs.append(new)
+        def predict() -> Callable[[], None]:
+            return apply
+
+        def apply() -> None:
+            if need > len(candidates):
+                assert out is None, f"expected failure: need {need}, {len(candidates)} candidates"
+                return
+            assert out is not None
+            assert out.keys_to_store == new
+            assert isinstance(out.store_spec, CPULoadStoreSpec)
+            evicted = out.evicted_keys
+            assert len(evicted) == max(need, 0)
+            assert len(set(evicted)) == len(evicted)
+            assert not set(evicted) & requested, "a key passed to prepare_store was evicted by it"
+            for key in evicted:
+                assert key in candidates, f"evicted {key.hex()} with ref_cnt {self.ref.get(key)}"
+                del self.ref[key]
+                del self.slot[key]
+            new_slots = [int(s) for s in out.store_spec.block_ids]
+            assert len(new_slots) == len(new)
+            assert all(0 <= s < self.capacity for s in new_slots)
+            assert not set(new_slots) & set(self.slot.values()), "slot handed out twice"
+            for key, s in zip(new, new_slots, strict=True):
+                self.ref[key] = -1
+                self.slot[key] = s
+                self.writer[key] = ctx.req_id
+            if new:
+                self.store_jobs.append((ctx, new))
+
+        self.call(predict, act)
 
     @precondition(lambda self: self.store_jobs)
     @rule(data=st.data(), success=st.booleans())
     def complete_store_job(self, data: st.DataObject, success: bool) -> None:
+        """A job's completion, in any order; maybe only part of it (the rest comes later)."""
         index = data.draw(st.integers(0, len(self.store_jobs) - 1), label="job")
-        self._complete_store(self.store_jobs.pop(index), success)
+        ctx, keys = self.store_jobs.pop(index)
+        part = data.draw(st.lists(st.sampled_from(keys), min_size=1, unique=True), label="part")
+        if len(part) < len(keys):
+            self.store_jobs.append((ctx, [key for key in keys if key not in part]))
+        self._complete_store(part, ctx, success)
 
-    @rule(keys=key_lists, success=st.booleans())
-    def complete_store_any(self, keys: list[OffloadKey], success: bool) -> None:
-        """Completions naming ready, absent or other jobs' keys change only not-ready blocks."""
-        self._complete_store(keys, success)
-
-    def _complete_store(self, keys: list[OffloadKey], success: bool) -> None:
-        self.manager.complete_store(keys, CTX, success=success)
-        for key in keys:
-            if self.ref.get(key) == -1:
-                if success:
-                    self.ref[key] = 0
-                else:
-                    del self.ref[key]
-                    del self.slot[key]
+    @precondition(lambda self: any(self.pins.values()))
+    @rule(data=st.data())
+    def complete_load_job(self, data: st.DataObject) -> None:
+        """An outstanding load's completion (exact), or some of a request's pins (partial)."""
+        jobs = [(ctx, keys) for ctx, keys in self.load_jobs if self._holds(ctx, keys)]
+        if jobs and data.draw(st.booleans(), label="exact"):
+            ctx, keys = data.draw(st.sampled_from(jobs), label="job")
+            self.load_jobs.remove((ctx, keys))
+        else:
+            ctx = data.draw(st.sampled_from([c for c in REQS if self.pins[c.req_id]]))
+            held = list(self.pins[ctx.req_id].elements())
+            keys = data.draw(st.permutations(held), label="order")[
+                : data.draw(st.integers(1, len(held)), label="n")
+            ]
+        self._complete_load(keys, ctx)
 
     @precondition(lambda self: any(ref >= 0 for ref in self.ref.values()))
-    @rule(data=st.data())
-    def prepare_load(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), ctx=reqs)
+    def prepare_load(self, data: st.DataObject, ctx: ReqContext) -> None:
         keys = data.draw(st.lists(st.sampled_from(self.ready_keys()), min_size=1, max_size=4))
-        spec = self.manager.prepare_load(keys, CTX)
-        assert isinstance(spec, CPULoadStoreSpec)
-        assert [int(s) for s in spec.block_ids] == [self.slot[key] for key in keys]
-        for key in keys:
-            self.ref[key] += 1
-        self.load_jobs.append(keys)
+        self._prepare_load(keys, ctx)
 
-    @precondition(lambda self: self.load_jobs)
-    @rule(data=st.data())
-    def complete_load(self, data: st.DataObject) -> None:
-        index = data.draw(st.integers(0, len(self.load_jobs) - 1), label="job")
-        keys = self.load_jobs.pop(index)
-        self.manager.complete_load(keys, CTX)
-        for key in keys:
-            self.ref[key] -= 1
-
-    @rule(keys=key_lists)
-    def touch(self, keys: list[OffloadKey]) -> None:
-        self.manager.touch(keys, CTX)
+    @rule(keys=key_lists, ctx=reqs)
+    def touch(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        self.call(lambda: lambda: None, lambda: self.manager.touch(keys, ctx))
 
     @rule()
     def reset_cache(self) -> None:
-        self.manager.reset_cache()
-        self.ref.clear()
-        self.slot.clear()
-        self.store_jobs.clear()
-        self.load_jobs.clear()
-        self.hits = 0
-        self.misses = 0
+        def apply() -> None:
+            self.ref.clear()
+            self.slot.clear()
+            self.writer.clear()
+            for pins in self.pins.values():
+                pins.clear()
+            self.sent += [("store", ctx, keys) for ctx, keys in self.store_jobs]
+            self.sent += [("load", ctx, keys) for ctx, keys in self.load_jobs]
+            self.store_jobs.clear()
+            self.load_jobs.clear()
+            self.hits = 0
+            self.misses = 0
+
+        self.call(lambda: apply, self.manager.reset_cache)
+
+    @precondition(lambda self: self.steps >= 40)
+    @rule()
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+        self.shut_down = True
+
+    # -- misbehaving callers ------------------------------------------------------------------
+
+    @rule(keys=key_lists, ctx=reqs, success=st.booleans())
+    def complete_store_stray(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
+        """Any keys, any request: absent, ready, pinned, other requests' or legitimate ones."""
+        self._complete_store(keys, ctx, success)
+
+    @rule(keys=key_lists, ctx=reqs)
+    def complete_load_stray(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        self._complete_load(keys, ctx)
+
+    @rule(keys=key_lists.filter(bool), ctx=reqs)
+    def prepare_load_any(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        """Keys that may be absent or being written."""
+        self._prepare_load(keys, ctx)
+
+    @precondition(lambda self: self.store_jobs)
+    @rule(data=st.data(), success=st.booleans(), foreign=st.booleans())
+    def complete_store_misdirected(self, data: st.DataObject, success: bool, foreign: bool) -> None:
+        """A pending job's keys completed by another request, or with one key too many."""
+        ctx, keys = data.draw(st.sampled_from(self.store_jobs), label="job")
+        if foreign:
+            other = data.draw(st.sampled_from([c for c in REQS if c is not ctx]), label="other")
+            self._complete_store(list(keys), other, success)
+        else:
+            mixed = list(keys)
+            mixed.insert(
+                data.draw(st.integers(0, len(mixed)), label="at"),
+                data.draw(st.sampled_from(UNIVERSE), label="extra"),
+            )
+            self._complete_store(mixed, ctx, success)
+
+    @precondition(lambda self: self.load_jobs)
+    @rule(data=st.data(), foreign=st.booleans())
+    def complete_load_misdirected(self, data: st.DataObject, foreign: bool) -> None:
+        """An outstanding load's keys released by another request, or with one key too many."""
+        ctx, keys = data.draw(st.sampled_from(self.load_jobs), label="job")
+        if foreign:
+            other = data.draw(st.sampled_from([c for c in REQS if c is not ctx]), label="other")
+            self._complete_load(list(keys), other)
+        else:
+            mixed = list(keys)
+            mixed.insert(
+                data.draw(st.integers(0, len(mixed)), label="at"),
+                data.draw(st.sampled_from(UNIVERSE), label="extra"),
+            )
+            self._complete_load(mixed, ctx)
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), success=st.booleans())
+    def replay_completion(self, data: st.DataObject, success: bool) -> None:
+        """A completion sent again (or one from before a reset): a duplicate."""
+        kind, ctx, keys = data.draw(st.sampled_from(self.sent), label="sent")
+        if kind == "store":
+            self._complete_store(keys, ctx, success)
+        else:
+            self._complete_load(keys, ctx)
+
+    @rule(
+        data=st.data(),
+        method=st.sampled_from(
+            ["lookup", "prepare_store", "prepare_load", "complete_load", "complete_store"]
+        ),
+        ctx=reqs,
+    )
+    def not_a_key(self, data: st.DataObject, method: str, ctx: ReqContext) -> None:
+        """A value that is not an OffloadKey among real keys: TypeError at the call."""
+        bad = data.draw(not_keys, label="bad")
+        keys = data.draw(key_lists, label="keys")
+        keys.insert(data.draw(st.integers(0, len(keys)), label="at"), bad)
+        manager = self.manager
+        acts: dict[str, Callable[[], Any]] = {
+            "lookup": lambda: manager.lookup(bad, ctx),
+            "prepare_store": lambda: manager.prepare_store(keys, ctx),
+            "prepare_load": lambda: manager.prepare_load(keys, ctx),
+            "complete_load": lambda: manager.complete_load(keys, ctx),
+            "complete_store": lambda: manager.complete_store(keys, ctx),
+        }
+
+        def predict() -> Callable[[], None]:
+            raise Refused(TypeError)
+
+        self.call(predict, acts[method])
+
+    @rule(ctx=reqs, method=st.sampled_from(["prepare_store", "prepare_load", "complete_store"]))
+    def single_bytes_as_keys(self, ctx: ReqContext, method: str) -> None:
+        """One key passed where a collection belongs (iterating it yields ints)."""
+        act = getattr(self.manager, method)
+
+        def predict() -> Callable[[], None]:
+            raise Refused(TypeError)
+
+        self.call(predict, lambda: act(UNIVERSE[0], ctx))
+
+    # -- predictions --------------------------------------------------------------------------
+
+    def _holds(self, ctx: ReqContext, keys: list[OffloadKey]) -> bool:
+        return not Counter(keys) - self.pins[ctx.req_id]
+
+    def _complete_store(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
+        def predict() -> Callable[[], None]:
+            if any(self.writer.get(key) != ctx.req_id for key in keys):
+                raise Refused(OffloadKeyStateError)
+
+            def apply() -> None:
+                for key in dict.fromkeys(keys):
+                    del self.writer[key]
+                    if success:
+                        self.ref[key] = 0
+                    else:
+                        del self.ref[key]
+                        del self.slot[key]
+                for _, job in self.store_jobs:
+                    job[:] = [key for key in job if key not in keys]
+                self.store_jobs[:] = [(c, job) for c, job in self.store_jobs if job]
+                self.sent.append(("store", ctx, keys))
+
+            return apply
+
+        self.call(predict, lambda: self.manager.complete_store(keys, ctx, success=success))
+
+    def _complete_load(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        def predict() -> Callable[[], None]:
+            if not self._holds(ctx, keys):
+                raise Refused(OffloadKeyStateError)
+
+            def apply() -> None:
+                self.pins[ctx.req_id] -= Counter(keys)
+                for key in keys:
+                    self.ref[key] -= 1
+                self.sent.append(("load", ctx, keys))
+
+            return apply
+
+        self.call(predict, lambda: self.manager.complete_load(keys, ctx))
+
+    def _prepare_load(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        spec: Any = None
+
+        def act() -> None:
+            nonlocal spec
+            spec = self.manager.prepare_load(keys, ctx)
+
+        def predict() -> Callable[[], None]:
+            if any(self.ref.get(key, -1) < 0 for key in keys):
+                raise Refused(OffloadKeyStateError)
+
+            def apply() -> None:
+                assert isinstance(spec, CPULoadStoreSpec)
+                assert [int(s) for s in spec.block_ids] == [self.slot[key] for key in keys]
+                for key in keys:
+                    self.ref[key] += 1
+                self.pins[ctx.req_id].update(keys)
+                self.load_jobs.append((ctx, keys))
+
+            return apply
+
+        self.call(predict, act)
 
     # -- invariants ---------------------------------------------------------------------------
 
@@ -176,16 +454,24 @@ class CPUManagerMachine(RuleBasedStateMachine):
         assert stats["hits"] == self.hits and stats["misses"] == self.misses
 
     @invariant()
-    def ref_counts_and_slots_match(self) -> None:
-        policy = self.manager.policy
+    def ref_counts_slots_pins_and_writers_match(self) -> None:
+        manager = self.manager
+        policy = manager.policy
         for key, ref in self.ref.items():
             block = policy.get(key)
             assert block is not None, f"{key.hex()} missing"
             assert block.ref_cnt == ref, f"{key.hex()}: ref_cnt {block.ref_cnt} != model {ref}"
             assert block.block_id == self.slot[key]
+            if ref > 0:
+                assert ref == sum(pins[key] for pins in self.pins.values())
         for key in UNIVERSE:
             if key not in self.ref:
                 assert policy.get(key) is None, f"{key.hex()} resident but not in the model"
+        for ctx in REQS:
+            assert manager.load_pins(ctx.req_id) == +self.pins[ctx.req_id]
+            pending = [key for key, req in self.writer.items() if req == ctx.req_id]
+            assert sorted(manager.pending_stores(ctx.req_id)) == sorted(pending)
+        manager.check_invariants()
 
     @invariant()
     def policy_indexes_consistent(self) -> None:
@@ -206,8 +492,8 @@ class CPUManagerMachine(RuleBasedStateMachine):
 
 
 _SETTINGS = settings(
-    max_examples=200,
-    stateful_step_count=50,
+    max_examples=120,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -233,4 +519,18 @@ TestLRUManagerStateful.settings = _SETTINGS
 TestARCManagerStateful = ARCManagerMachine.TestCase
 TestARCManagerStateful.settings = _SETTINGS
 TestTinyARCManagerStateful = TinyARCManagerMachine.TestCase
-TestTinyARCManagerStateful.settings = settings(_SETTINGS, max_examples=60)
+TestTinyARCManagerStateful.settings = settings(_SETTINGS, max_examples=50)
+
+
+# The long fuzz: many more and longer runs of the same machines.
+_LONG = settings(_SETTINGS, max_examples=300, stateful_step_count=120)
+
+
+@pytest.mark.slow
+class TestLRUManagerStatefulLong(LRUManagerMachine.TestCase):  # type: ignore[name-defined]
+    settings = _LONG
+
+
+@pytest.mark.slow
+class TestARCManagerStatefulLong(ARCManagerMachine.TestCase):  # type: ignore[name-defined]
+    settings = _LONG

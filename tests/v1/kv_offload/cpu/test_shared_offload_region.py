@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import fcntl
 import gc
 import logging
 import mmap
 import multiprocessing as mp
 import os
+import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,8 +21,19 @@ import numpy as np
 import pytest
 import torch
 
+from vllm.v1.kv_offload.cpu import (
+    process_identity,
+    region_prefault,
+    region_publish,
+    region_sweep,
+    region_trailer,
+)
 from vllm.v1.kv_offload.cpu import shared_offload_region as sor
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_offload_region import (
+    ProcessIdentity,
+    SharedOffloadRegion,
+    SharedRegionError,
+)
 
 PAGE = mmap.PAGESIZE
 
@@ -37,20 +50,6 @@ def _files(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in tmp_path.iterdir())
 
 
-@pytest.fixture
-def poll_started(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """An event set once a joiner starts polling (its first sleep between fstat calls)."""
-    event = threading.Event()
-    real_sleep = time.sleep
-
-    def sleep(seconds: float) -> None:
-        event.set()
-        real_sleep(seconds)
-
-    monkeypatch.setattr(sor.time, "sleep", sleep)
-    yield event
-
-
 # ---------------------------------------------------------------------------------------------
 # Layout
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +61,9 @@ def test_geometry_and_padding(tmp_path: Path) -> None:
         assert region.row_bytes == -(-3000 // PAGE) * PAGE
         assert region.row_bytes % PAGE == 0
         assert region.total_bytes == 4 * region.row_bytes
-        assert os.path.getsize(region.path) == region.total_bytes
+        # One page of metadata (join marks, trailer) after the rows.
+        assert region.file_bytes == region.total_bytes + PAGE
+        assert os.path.getsize(region.path) == region.file_bytes
         assert region.path == str(tmp_path / "vllm_offload_inst.mmap")
         assert (region.num_blocks, region.worker_page_bytes, region.num_workers) == (4, 1000, 3)
         assert region.rank is None and region.is_creator
@@ -201,85 +202,274 @@ def test_create_and_join_across_processes(tmp_path: Path) -> None:
     assert _files(tmp_path) == []
 
 
-def _join_while_creator_holds_stub(
-    tmp_path: Path, poll_started: threading.Event
-) -> tuple[str, int, Callable[[], SharedOffloadRegion]]:
-    """A creator's stub file, created but not sized yet, and a joiner polling it from a thread.
+def test_creator_publishes_only_a_complete_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The region's name appears only once the file is sized and carries its trailer."""
+    seen: list[tuple[bool, int, bytes]] = []
+    real_link = os.link
 
-    Returns once the joiner polls: the stub's path, the creator's fd of it, and ``joined()``,
-    which waits for the joiner and returns the region it got.
-    """
-    path = SharedOffloadRegion.region_path("inst", tmp_path)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    def link(src: str, dst: str) -> None:
+        with open(src, "rb") as f:
+            data = f.read()
+        seen.append((os.path.exists(dst), len(data), data[-region_trailer.TRAILER.size :][:8]))
+        real_link(src, dst)
+
+    monkeypatch.setattr(region_publish.os, "link", link)
+    with _region(tmp_path) as region:
+        assert region.is_creator
+        assert seen == [(False, region.file_bytes, region_trailer.MAGIC)]
+        # The temporary name is gone; only the region's name is left.
+        assert _files(tmp_path) == ["vllm_offload_inst.mmap"]
+
+
+def test_joiner_recreates_after_creator_gave_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joiner that opened the name just before the creator removed it starts over."""
+    creator = _region(tmp_path)
+    joiner_locking = threading.Event()
+    real_flock = region_publish.fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:
+        if threading.current_thread().name == "joiner" and operation == fcntl.LOCK_EX:
+            joiner_locking.set()
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(region_publish.fcntl, "flock", flock)
+    # Hold the file's lock as a creator does while it removes the name in cleanup().
+    fd = os.open(creator.path, os.O_RDONLY)
+    real_flock(fd, fcntl.LOCK_EX)
     result: dict[str, Any] = {}
 
     def join() -> None:
         try:
-            result["region"] = _region(tmp_path, join_timeout_s=60.0)
+            result["region"] = _region(tmp_path, rank=0, join_timeout_s=60.0)
         except BaseException as e:
             result["error"] = e
 
-    thread = threading.Thread(target=join)
+    thread = threading.Thread(target=join, name="joiner")
     thread.start()
-    assert poll_started.wait(timeout=60)
-
-    def joined() -> SharedOffloadRegion:
-        thread.join(timeout=60)
-        assert "error" not in result, result
-        region: SharedOffloadRegion = result["region"]
-        return region
-
-    return path, fd, joined
-
-
-def test_joiner_waits_for_creator_to_size_file(
-    tmp_path: Path, poll_started: threading.Event
-) -> None:
-    path, fd, joined = _join_while_creator_holds_stub(tmp_path, poll_started)
-    os.ftruncate(fd, 4 * -(-3000 // PAGE) * PAGE)
-    region = joined()
-    assert not region.is_creator
-    region.cleanup()
-    # A joiner never removes the file.
-    assert os.path.exists(path)
-    os.close(fd)
-
-
-def test_joiner_recreates_after_creator_gave_up(
-    tmp_path: Path, poll_started: threading.Event
-) -> None:
-    path, fd, joined = _join_while_creator_holds_stub(tmp_path, poll_started)
-    # The creator failed: it unlinks its stub. The waiting process must not hang on it.
-    os.unlink(path)
-    os.close(fd)
-    region = joined()
-    assert region.is_creator
-    assert os.path.getsize(path) == region.total_bytes
+    assert joiner_locking.wait(timeout=60)
+    # The creator gives up: it removes the name under the lock (as cleanup() does).
+    os.unlink(creator.path)
+    os.close(fd)  # releases the lock: the joiner finds the name gone
+    thread.join(timeout=60)
+    assert "error" not in result, result
+    region = result["region"]
+    assert region.is_creator, "it started over and created a fresh region"
+    assert os.path.getsize(region.path) == region.file_bytes
+    # The first creator's cleanup leaves its successor's file alone.
+    creator.cleanup()
+    assert _files(tmp_path) == ["vllm_offload_inst.mmap"]
     region.cleanup()
     assert _files(tmp_path) == []
 
 
-def test_joiner_times_out_when_file_never_sized(tmp_path: Path) -> None:
+def test_file_without_trailer_refused_and_left_alone(tmp_path: Path) -> None:
     path = SharedOffloadRegion.region_path("inst", tmp_path)
     Path(path).touch()
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"timed out after 0.05 s .*its size is 0"):
-        _region(tmp_path, join_timeout_s=0.05)
-    assert time.monotonic() - start < 10
-    # The joiner leaves the (not its own) file alone.
+    with pytest.raises(SharedRegionError, match=r"is not a shared region of this version"):
+        _region(tmp_path)
+    # Not ours to judge: neither the joiner nor the sweep removes it.
     assert os.path.exists(path)
 
 
-def test_foreign_file_of_wrong_size_refused(tmp_path: Path) -> None:
-    path = SharedOffloadRegion.region_path("inst", tmp_path)
-    with open(path, "wb") as f:
-        f.write(b"\x01" * (4 * PAGE + 1))
-    with pytest.raises(
-        ValueError, match=rf"has {4 * PAGE + 1} bytes but this geometry needs {4 * PAGE}"
+def test_region_of_another_geometry_refused(tmp_path: Path) -> None:
+    with _region(tmp_path, worker_page_bytes=PAGE, num_workers=1, rank=0) as first:
+        with open(first.path, "rb") as f:
+            before = f.read()
+        with pytest.raises(
+            SharedRegionError,
+            match=r"made for num_blocks=4, row_bytes=4096, worker_page_bytes=4096, num_workers=1 "
+            r".* needs num_blocks=4, row_bytes=8192",
+        ):
+            _region(tmp_path, worker_page_bytes=2 * PAGE, num_workers=1, rank=0)
+        with open(first.path, "rb") as f:
+            assert f.read() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifetime: nothing of a dead process survives
+# ---------------------------------------------------------------------------------------------
+
+
+def test_name_removed_once_every_participant_joined(tmp_path: Path) -> None:
+    scheduler = _region(tmp_path)
+    workers = []
+    for rank in range(3):
+        assert _files(tmp_path) == ["vllm_offload_inst.mmap"], f"before rank {rank} joined"
+        workers.append(_region(tmp_path, rank=rank))
+    # Every participant holds the file open and mapped: the name is no longer needed.
+    assert _files(tmp_path) == []
+    page = workers[2].create_next_worker_view(8)
+    page[3].fill_(9)
+    rows = np.asarray(scheduler.create_kv_memoryview())
+    assert (rows[3, 2000:2008] == 9).all(), "still one shared file"
+    del rows, page
+    for region in (*workers, scheduler):
+        region.cleanup()
+    assert _files(tmp_path) == []
+
+
+def test_workers_only_region(tmp_path: Path) -> None:
+    with _region(tmp_path, num_workers=2, rank=1, expect_scheduler=False) as first:
+        assert first.is_creator and not first.expect_scheduler
+        assert _files(tmp_path) == ["vllm_offload_inst.mmap"]
+        with _region(tmp_path, num_workers=2, rank=0, expect_scheduler=False):
+            assert _files(tmp_path) == []
+    # A single worker is every participant at once: the name never outlives the creation.
+    with _region(tmp_path, num_workers=1, rank=0, expect_scheduler=False):
+        assert _files(tmp_path) == []
+    with pytest.raises(ValueError, match=r"rank=None\) needs expect_scheduler=True"):
+        _region(tmp_path, expect_scheduler=False)
+
+
+def test_participants_must_agree_on_the_scheduler(tmp_path: Path) -> None:
+    with (
+        _region(tmp_path, rank=0, expect_scheduler=False),
+        pytest.raises(SharedRegionError, match="expect_scheduler=False, this process"),
     ):
-        _region(tmp_path, worker_page_bytes=PAGE, num_workers=1)
-    with open(path, "rb") as f:
-        assert f.read() == b"\x01" * (4 * PAGE + 1)
+        _region(tmp_path, rank=1)
+
+
+@pytest.mark.parametrize("rank", [None, 1])
+def test_a_participant_joins_only_once(tmp_path: Path, rank: int | None) -> None:
+    with _region(tmp_path, rank=2 if rank is None else None), _region(tmp_path, rank=rank):
+        who = "the scheduler side" if rank is None else "worker rank 1"
+        with pytest.raises(SharedRegionError, match=f"{who} already joined shared region"):
+            _region(tmp_path, rank=rank)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # exited and reaped: nothing runs under this pid (until it is reused)
+    return proc.pid
+
+
+def _identity(kind: str) -> ProcessIdentity:
+    """A creator identity: alive (this process), or dead in one of the ways a creator can be."""
+    me = process_identity.current_identity()
+    if kind == "alive":
+        return me
+    if kind == "dead pid":
+        return dataclasses.replace(me, pid=_dead_pid())
+    if kind == "pid reused":  # our pid, but the process that had it started at another time
+        return dataclasses.replace(me, start_ticks=me.start_ticks + 1)
+    if kind == "earlier boot":
+        return dataclasses.replace(me, boot_id=bytes(15) + b"\x01")
+    if kind == "other pid namespace":  # cannot be judged from here
+        return dataclasses.replace(me, pid=_dead_pid(), pidns=me.pidns + 1)
+    raise AssertionError(kind)
+
+
+def _plant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, creator: ProcessIdentity, **kwargs: Any
+) -> str:
+    """Leave a region behind as its creator would if killed before every participant joined."""
+    with monkeypatch.context() as m:
+        m.setattr(region_publish, "current_identity", lambda: creator)
+        region = _region(tmp_path, **kwargs)
+    assert region.is_creator
+    region._owner_pid = -1  # as if SIGKILLed: the mapping goes, the file stays
+    region.cleanup()
+    assert os.path.exists(region.path)
+    return region.path
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+@pytest.mark.parametrize("kind", ["dead pid", "pid reused", "earlier boot"])
+def test_region_of_a_dead_creator_is_swept_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    path = _plant(tmp_path, monkeypatch, _identity(kind), instance_id="crashed")
+    with caplog.at_level(logging.WARNING, logger=region_sweep.__name__), _region(tmp_path):
+        assert not os.path.exists(path)
+        assert _files(tmp_path) == ["vllm_offload_inst.mmap"]
+    assert "removed 1 shared region file(s) of dead processes" in caplog.text
+    assert "vllm_offload_crashed.mmap" in caplog.text
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_new_process_with_a_dead_creators_pid_does_not_join_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An earlier process with our pid created the region of instance "inst" and died.
+    stale = _plant(tmp_path, monkeypatch, _identity("pid reused"), rank=None)
+    with open(stale, "rb") as f:
+        stale_bytes = f.read()
+    with _region(tmp_path) as region:
+        assert region.is_creator, "a fresh region, not the stale one"
+        with open(region.path, "rb") as f:
+            assert f.read() != stale_bytes
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_joiner_of_a_stale_region_gets_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    creator = _identity("dead pid")
+    path = _plant(tmp_path, monkeypatch, creator, rank=None)
+    # The creator died after this joiner's sweep: the joiner finds the stale region itself.
+    monkeypatch.setattr(region_publish, "sweep_stale_regions", lambda directory: [])
+    with pytest.raises(
+        SharedRegionError,
+        match=rf"{path!r} is stale: its creator \(pid {creator.pid}, started at tick "
+        rf"{creator.start_ticks}\) is gone.* the file was removed",
+    ):
+        _region(tmp_path, rank=0)
+    assert _files(tmp_path) == []
+
+
+def test_sweep_leaves_what_it_cannot_judge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    foreign = _plant(tmp_path, monkeypatch, _identity("other pid namespace"), instance_id="ns")
+    locked = _plant(tmp_path, monkeypatch, _identity("dead pid"), instance_id="busy")
+    (tmp_path / "vllm_offload_legacy.mmap").write_bytes(bytes(PAGE))  # no trailer
+    (tmp_path / "unrelated.mmap").write_bytes(b"x")
+    # A live process holds the lock of the dead creator's file (it is joining it right now).
+    fd = os.open(locked, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with _region(tmp_path, instance_id="live", rank=0):  # sweeps, finds nothing to remove
+            assert sorted(_files(tmp_path)) == sorted(
+                [
+                    os.path.basename(foreign),
+                    os.path.basename(locked),
+                    "vllm_offload_legacy.mmap",
+                    "unrelated.mmap",
+                    "vllm_offload_live.mmap",
+                ]
+            )
+    finally:
+        os.close(fd)
+    # Unlocked, the dead creator's file goes; the rest stays.
+    assert region_sweep.sweep_stale_regions(tmp_path) == [locked]
+    assert sorted(_files(tmp_path)) == sorted(
+        [os.path.basename(foreign), "vllm_offload_legacy.mmap", "unrelated.mmap"]
+    )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_sweep_removes_unpublished_files_of_dead_creators(tmp_path: Path) -> None:
+    me = process_identity.current_identity()
+    dead = tmp_path / f"vllm_offload_creating-{_dead_pid()}-1-0a1b.tmp"
+    reused = tmp_path / f"vllm_offload_creating-{me.pid}-{me.start_ticks + 1}-0a1b.tmp"
+    ours = tmp_path / f"vllm_offload_creating-{me.pid}-{me.start_ticks}-0a1b.tmp"
+    for path in (dead, reused, ours):
+        path.write_bytes(b"")
+    assert sorted(region_sweep.sweep_stale_regions(tmp_path)) == sorted([str(dead), str(reused)])
+    assert _files(tmp_path) == [ours.name]
+
+
+def test_process_identity_of_this_process() -> None:
+    me = process_identity.current_identity()
+    assert me.pid == os.getpid()
+    assert process_identity.process_is_alive(me) is True
+    if os.path.isdir("/proc/self"):
+        assert me.start_ticks > 0 and me.pidns > 0
+        assert process_identity.process_is_alive(_identity("pid reused")) is False
+        assert process_identity.process_is_alive(_identity("dead pid")) is False
+        assert process_identity.process_is_alive(_identity("other pid namespace")) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,13 +478,16 @@ def test_foreign_file_of_wrong_size_refused(tmp_path: Path) -> None:
 
 
 def test_insufficient_space_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sor.os, "statvfs", lambda _path: SimpleNamespace(f_bavail=3, f_frsize=PAGE))
+    def statvfs(_path: str) -> SimpleNamespace:
+        return SimpleNamespace(f_bavail=3, f_frsize=PAGE)
+
+    monkeypatch.setattr(region_publish.os, "statvfs", statvfs)
     with pytest.raises(OSError) as info:
         _region(tmp_path)
     assert info.value.errno == errno.ENOSPC
     message = str(info.value)
     assert str(tmp_path) in message
-    assert f"needed {4 * PAGE} bytes" in message
+    assert f"needed {5 * PAGE} bytes" in message
     assert f"available {3 * PAGE} bytes" in message
     assert _files(tmp_path) == []
 
@@ -303,17 +496,17 @@ def test_ftruncate_failure_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Mo
     def failing_ftruncate(fd: int, length: int) -> None:
         raise OSError(errno.EFBIG, "simulated ftruncate failure")
 
-    monkeypatch.setattr(sor.os, "ftruncate", failing_ftruncate)
+    monkeypatch.setattr(region_publish.os, "ftruncate", failing_ftruncate)
     with pytest.raises(OSError, match="simulated ftruncate failure"):
         _region(tmp_path)
     assert _files(tmp_path) == []
 
 
 def test_prefault_failure_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_prefault(self: SharedOffloadRegion) -> None:
+    def failing_prefault(*args: Any) -> None:
         raise OSError(errno.EFAULT, "simulated pre-fault failure")
 
-    monkeypatch.setattr(SharedOffloadRegion, "_prefault", failing_prefault)
+    monkeypatch.setattr(region_prefault, "prefault", failing_prefault)
     with pytest.raises(OSError, match="simulated pre-fault failure"):
         _region(tmp_path)
     assert _files(tmp_path) == []
@@ -363,16 +556,17 @@ def test_missing_directory(tmp_path: Path) -> None:
 def test_prefault_preserves_peer_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, madvise: str, rank: int | None
 ) -> None:
-    with _region(tmp_path, num_blocks=5, prefault=False) as owner:
+    owner_rank = 0 if rank is None else None
+    with _region(tmp_path, num_blocks=5, rank=owner_rank, prefault=False) as owner:
         rows = np.asarray(owner.create_kv_memoryview())
         rng = np.random.default_rng(0)
         rows[:] = rng.integers(0, 256, size=rows.shape, dtype=np.uint8)
         expected = rows.copy()
         if madvise == "unsupported":
             # An advice value the kernel rejects with EINVAL: the fallback must take over.
-            monkeypatch.setattr(sor, "_MADV_POPULATE_WRITE", 0x7FFF)
+            monkeypatch.setattr(region_prefault, "MADV_POPULATE_WRITE", 0x7FFF)
         elif madvise == "absent":
-            monkeypatch.setattr(sor, "_MADV_POPULATE_WRITE", None)
+            monkeypatch.setattr(region_prefault, "MADV_POPULATE_WRITE", None)
         with _region(tmp_path, num_blocks=5, rank=rank, prefault=True) as peer:
             assert not peer.is_creator
         assert np.array_equal(rows, expected)
@@ -388,13 +582,11 @@ class _MadviseFails:
 
 def test_prefault_other_madvise_errors_raise(tmp_path: Path) -> None:
     with _region(tmp_path, prefault=False) as region:
-        real = region._mm
-        region._mm = _MadviseFails()  # type: ignore[assignment]
-        try:
-            with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
-                region._madvise_populate(0, region.row_bytes)
-        finally:
-            region._mm = real
+        mm: Any = _MadviseFails()
+        with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
+            region_prefault._madvise_populate(
+                mm, region._geometry, 0, region.row_bytes, region.path, str(tmp_path)
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,5 +664,5 @@ def test_default_directory_is_dev_shm() -> None:
     instance_id = f"test_{os.getpid()}_{time.monotonic_ns()}"
     with SharedOffloadRegion(instance_id, num_blocks=2, worker_page_bytes=64) as region:
         assert region.path == f"/dev/shm/vllm_offload_{instance_id}.mmap"
-        assert os.path.getsize(region.path) == 2 * PAGE
+        assert os.path.getsize(region.path) == 2 * PAGE + PAGE
     assert not os.path.exists(region.path)

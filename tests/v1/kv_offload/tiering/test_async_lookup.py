@@ -252,3 +252,44 @@ def test_shutdown_stops_the_thread() -> None:
     mgr.lookup(key(2), CTX_A)
     mgr.flush()  # after shutdown: nothing is posted
     assert len(mgr.calls) == 1
+
+
+class StepLookup(AsyncLookupManager):
+    """Answers a whole step at once (``step_lookup``); records the groups of every call."""
+
+    def __init__(self, present: Iterable[OffloadKey]) -> None:
+        self.present = set(present)
+        self.steps: list[list[tuple[list[OffloadKey], str]]] = []
+        self.wrong_shape = False
+        super().__init__("step")
+
+    @override
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        raise AssertionError("step_lookup answers every step")
+
+    @override
+    def step_lookup(
+        self, groups: list[tuple[list[OffloadKey], ReqContext]]
+    ) -> list[list[bool]] | None:
+        self.steps.append([(list(keys), ctx.req_id) for keys, ctx in groups])
+        if self.wrong_shape:
+            return [[True]]
+        return [[k in self.present for k in keys] for keys, _ in groups]
+
+
+def test_step_lookup_answers_every_request_of_a_step_in_one_call() -> None:
+    mgr = StepLookup(present=[key(1), key(3)])
+    try:
+        a, b = ReqContext("a"), ReqContext("b")
+        assert [mgr.lookup(key(i), a) for i in (1, 2)] == [None, None]
+        assert mgr.lookup(key(3), b) is None
+        resolve(mgr)
+        assert mgr.steps == [[([key(1), key(2)], "a"), ([key(3)], "b")]]
+        assert [mgr.lookup(key(i), a) for i in (1, 2)] == [True, False]
+        assert mgr.lookup(key(3), b) is True
+        mgr.wrong_shape = True
+        assert mgr.lookup(key(4), a) is None and mgr.lookup(key(5), b) is None
+        resolve(mgr)
+        assert mgr.lookup(key(4), a) is False and mgr.lookup(key(5), b) is False
+    finally:
+        mgr.shutdown()

@@ -59,7 +59,7 @@ def test_reserve_row_is_a_one_key_prepare_store(
             assert by_reserve.lookup(key, CTX) is found
             if op < 0.5 and found is False:
                 out = by_store.prepare_store([key], CTX)
-                row = by_reserve.reserve_row(key)
+                row = by_reserve.reserve_row(key, CTX)
                 assert (out is None) == (row is None)
                 if out is not None:
                     assert out.keys_to_store == [key]

@@ -75,7 +75,7 @@ def test_groups_and_unpadded_pages() -> None:
         (2, 100),
         (3, 100),
     ]
-    assert not kv.on_device
+    assert not kv.on_device and kv.device_index is None
     with pytest.raises(ValueError, match="page_size_bytes"):
         build_canonical_kv_caches(layers, KVCacheLayout.KV_FIRST, [[0]], [10**6])
     with pytest.raises(ValueError, match="out of range"):
@@ -83,15 +83,24 @@ def test_groups_and_unpadded_pages() -> None:
 
 
 def test_canonical_caches_validate_tensors_and_refs() -> None:
-    a = CanonicalKVCacheTensor(0x1000, 4, 64, 64, on_device=False)
-    b = CanonicalKVCacheTensor(0x1000 + 200, 4, 64, 64, on_device=False)
-    c = CanonicalKVCacheTensor(0x9000, 4, 64, 64, on_device=True)
+    a = CanonicalKVCacheTensor(0x1000, 4, 64, 64, device_index=None)
+    b = CanonicalKVCacheTensor(0x1000 + 200, 4, 64, 64, device_index=None)
+    c = CanonicalKVCacheTensor(0x9000, 4, 64, 64, device_index=0)
+    d = CanonicalKVCacheTensor(0x20000, 4, 64, 64, device_index=1)
     ok = CanonicalKVCaches((a,), ((CanonicalKVCacheRef(0, 64),),))
     assert ok.num_groups == 1
     with pytest.raises(ValueError, match="overlap"):
         CanonicalKVCaches((a, b), ((CanonicalKVCacheRef(0, 64),),))
-    with pytest.raises(ValueError, match="all be on the device"):
+    with pytest.raises(
+        ValueError, match=r"one device or all on the host, got \['cuda:0', 'host'\]"
+    ):
         CanonicalKVCaches((a, c), ((CanonicalKVCacheRef(0, 64),),))
+    with pytest.raises(ValueError, match=r"got \['cuda:0', 'cuda:1'\]"):
+        CanonicalKVCaches((c, d), ((CanonicalKVCacheRef(0, 64),),))
+    on_gpu = CanonicalKVCaches((c,), ((CanonicalKVCacheRef(0, 64),),))
+    assert on_gpu.device_index == 0 and on_gpu.on_device and "cuda:0" in repr(c)
+    with pytest.raises(ValueError, match="device_index"):
+        CanonicalKVCacheTensor(0x9000, 4, 64, 64, device_index=-1)
     with pytest.raises(ValueError, match="out of range"):
         CanonicalKVCaches((a,), ((CanonicalKVCacheRef(1, 64),),))
     with pytest.raises(ValueError, match="twice"):
@@ -99,6 +108,8 @@ def test_canonical_caches_validate_tensors_and_refs() -> None:
     with pytest.raises(ValueError, match="no tensor"):
         CanonicalKVCaches((a,), ((),))
     with pytest.raises(ValueError, match="overlap"):
-        CanonicalKVCacheTensor(0x1000, 4, 64, 32, on_device=False)
+        CanonicalKVCacheTensor(0x1000, 4, 64, 32, device_index=None)
     with pytest.raises(ValueError, match="int8"):
         CanonicalKVCacheTensor.from_tensor(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        CanonicalKVCacheTensor.from_tensor(torch.zeros(4, 4, dtype=torch.int8, device="meta"))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from itertools import repeat
+from operator import attrgetter
+from typing import cast
 
 from typing_extensions import override
 
@@ -10,16 +13,41 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
+    OffloadKeyStateError,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    check_offload_key,
+    check_offload_keys,
 )
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
 from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreReuseFilter
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
+_REF_CNT = attrgetter("ref_cnt")
+_BLOCK_ID = attrgetter("block_id")
+
+
+def _take_call(
+    calls_by_req: dict[str, list[tuple[OffloadKey, ...]]], req_id: str, keys: tuple[OffloadKey, ...]
+) -> bool:
+    """Remove ``keys`` from ``calls_by_req[req_id]`` if one outstanding call had exactly them.
+
+    The fast path of ``complete_load`` / ``complete_store``: the connector completes each job
+    with exactly the keys it prepared. Returns whether such a call was found and removed.
+    """
+    calls = calls_by_req.get(req_id)
+    if calls is None:
+        return False
+    try:
+        calls.remove(keys)
+    except ValueError:
+        return False
+    if not calls:
+        del calls_by_req[req_id]
+    return True
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -50,6 +78,23 @@ class CPUOffloadingManager(OffloadingManager):
     together tail first, as vLLM's GPU prefix cache does: the head of a prefix stays reachable
     while its tail goes.
 
+    Ownership of pins and stores: every pin and every pending store belongs to the request that
+    made it. ``_pending_loads[req_id]`` lists the key tuples of the request's outstanding
+    ``prepare_load`` calls and ``_pending_stores[req_id]`` those of its pending stores (the
+    ``keys_to_store`` of its ``prepare_store`` calls). A block's ``ref_cnt`` is exactly the
+    number of times its key occurs in all outstanding loads, and a block is being written
+    exactly when its key is in one request's pending stores. So a request can release only pins
+    it holds and complete only stores it prepared: a duplicate, stray or foreign completion is
+    refused (``OffloadKeyStateError``) instead of unpinning a row another reader still copies
+    from, or publishing a row a worker still writes. Completions that match one outstanding
+    call exactly (what the connector sends) cost O(keys); partial ones O(the request's
+    outstanding keys).
+
+    Errors from callers: every public method checks its arguments and the keys' states before
+    it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
+    the pins, the slot accounting, the statistics and the events as they were. Internal
+    invariants are asserted; ``check_invariants()`` verifies all of them (O(cache size)).
+
     Every call costs O(keys given) amortised (``prepare_store``: plus the eviction's
     O(victims + keys)); nothing scans the cache except ``reset_cache``.
 
@@ -65,8 +110,8 @@ class CPUOffloadingManager(OffloadingManager):
     store), ``evictions``, ``stores_skipped`` (only with the reuse filter on: new blocks it
     declined to store), and the gauges ``num_blocks``, ``used_blocks``, ``usage``.
 
-    After an ``AssertionError`` (a violated precondition, i.e. a caller bug) the state is
-    unspecified.
+    Subclasses (the tiering manager's primary tier) reach the same state only through these
+    public methods, so the same checks protect them.
     """
 
     medium = CPU_MEDIUM
@@ -109,6 +154,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._reuse_filter: StoreReuseFilter | None = (
             StoreReuseFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         )
+        # req_id -> the key tuples of its outstanding prepare_load calls (its pins).
+        self._pending_loads: dict[str, list[tuple[OffloadKey, ...]]] = {}
+        # req_id -> the keys_to_store tuples of its pending stores.
+        self._pending_stores: dict[str, list[tuple[OffloadKey, ...]]] = {}
+        self._shut_down = False
         self._hits = 0
         self._misses = 0
         self._stores = 0
@@ -136,8 +186,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        if self._shut_down:
+            raise self._shut_down_error("lookup")
         block = self._policy.lookup(key)  # not get: a miss may be a re-reference (ARC ghost)
         if block is None:
+            # Only a miss can be a non-key: every resident key is bytes.
+            if key.__class__ is not bytes:
+                check_offload_key("lookup", key, req_context)
             self._misses += 1
             return False
         if block.ref_cnt < 0:
@@ -149,44 +204,70 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
+        if self._shut_down:
+            raise self._shut_down_error("prepare_load")
         policy = self._policy
-        get = policy.get
-        block_ids: list[int] = []
-        for key in keys:
-            block = get(key)
-            assert block is not None, f"prepare_load: key {key.hex()} is not offloaded"
+        pinned = keys if type(keys) is tuple else tuple(keys)
+        blocks = list(map(policy.get, pinned))
+        if not blocks:
+            return CPULoadStoreSpec([])
+        # Validate every key before pinning any: a None (absent or not a key) has no ref_cnt.
+        try:
+            loadable = min(map(_REF_CNT, blocks)) >= 0
+        except AttributeError:
+            loadable = False
+        if not loadable:
+            raise self._refuse_load("prepare_load", pinned, req_context)
+        loads = self._pending_loads.get(req_context.req_id)
+        if loads is None:
+            self._pending_loads[req_context.req_id] = [pinned]
+        else:
+            loads.append(pinned)
+        mark_non_evictable = policy.mark_non_evictable
+        for key, block in zip(pinned, cast("list[BlockStatus]", blocks), strict=True):
             ref_cnt = block.ref_cnt
-            assert ref_cnt >= 0, f"prepare_load: key {key.hex()} is being written, not readable"
             if ref_cnt == 0:
-                policy.mark_non_evictable(key)
+                mark_non_evictable(key)
             block.ref_cnt = ref_cnt + 1
-            block_ids.append(block.block_id)
-        return CPULoadStoreSpec.from_rows(block_ids)
+        return CPULoadStoreSpec.from_rows(list(map(_BLOCK_ID, blocks)))
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark ``keys`` as recently used; keys that are not resident (or not keys) are ignored."""
+        if self._shut_down:
+            raise self._shut_down_error("touch")
         self._policy.touch(keys)
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._shut_down:
+            raise self._shut_down_error("complete_load")
+        req_id = req_context.req_id
+        done = keys if type(keys) is tuple else tuple(keys)
+        if not done:
+            return
+        if not _take_call(self._pending_loads, req_id, done):
+            self._release_partial_load("complete_load", done, req_context)
         policy = self._policy
         get = policy.get
+        mark_evictable = policy.mark_evictable
         # Last key first, as in complete_store: a run released together is evicted tail first.
-        for key in reversed_keys(keys):
+        for key in reversed(done):
             block = get(key)
-            assert block is not None, f"complete_load: key {key.hex()} is not offloaded"
-            ref_cnt = block.ref_cnt
-            assert ref_cnt > 0, (
-                f"complete_load: key {key.hex()} is not pinned for reading (ref_cnt={ref_cnt})"
+            assert block is not None and block.ref_cnt > 0, (
+                f"complete_load: key {key.hex()} pinned by request {req_id!r} has {block}"
             )
+            ref_cnt = block.ref_cnt
             block.ref_cnt = ref_cnt - 1
             if ref_cnt == 1:
-                policy.mark_evictable(key)
+                mark_evictable(key)
 
     @override
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._shut_down:
+            raise self._shut_down_error("prepare_store")
         policy = self._policy
         get = policy.get
         # Order-preserving de-duplication; the dict doubles as the O(1) protected set, which
@@ -198,6 +279,9 @@ class CPUOffloadingManager(OffloadingManager):
         num_new = len(keys_to_store)
         if num_new == 0:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_rows([]))
+        # Resident keys are bytes already: only the new ones can be something else.
+        if not all(map(isinstance, keys_to_store, repeat(bytes))):
+            check_offload_keys("prepare_store", keys, req_context)
 
         free_list = self._free_list
         num_allocated = self._num_allocated
@@ -247,6 +331,11 @@ class CPUOffloadingManager(OffloadingManager):
         # Rows held by no block (fresh or free-listed) keep ref_cnt -1 (see _rows), so only the
         # victims' statuses needed resetting.
         policy.insert_many(zip(keys_to_store, new_blocks, strict=True))
+        stores = self._pending_stores.get(req_context.req_id)
+        if stores is None:
+            self._pending_stores[req_context.req_id] = [tuple(keys_to_store)]
+        else:
+            stores.append(tuple(keys_to_store))
 
         assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
         return PrepareStoreOutput(
@@ -259,42 +348,52 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        if self._shut_down:
+            raise self._shut_down_error("complete_store")
+        req_id = req_context.req_id
+        done = keys if type(keys) is tuple else tuple(keys)
+        if not done:
+            return
+        if not _take_call(self._pending_stores, req_id, done):
+            done = self._finish_partial_store(done, req_context)
+
         policy = self._policy
         get = policy.get
         if success:
             mark_evictable = policy.mark_evictable
-            stored: list[OffloadKey] = []
             # Last key first: blocks that become evictable together are queued tail first, so
             # eviction takes a stored run's tail before its head. Evicting the head first
             # (K0 of K0..Kn) would leave K1..Kn occupying rows that no prefix lookup reaches.
-            for key in reversed_keys(keys):
+            for key in reversed(done):
                 block = get(key)
-                # Ready blocks (and keys evicted or never stored) are left as they are.
-                if block is not None and block.ref_cnt < 0:
-                    block.ref_cnt = 0
-                    mark_evictable(key)
-                    stored.append(key)
-            if stored:
-                self._stores += len(stored)
-                if self._events is not None:
-                    stored.reverse()  # the event lists the keys in the caller's order
-                    self._events.append(
-                        OffloadingEvent(keys=stored, medium=CPU_MEDIUM, removed=False)
-                    )
+                assert block is not None and block.ref_cnt == -1, (
+                    f"complete_store: key {key.hex()} pending for request {req_id!r} has {block}"
+                )
+                block.ref_cnt = 0
+                mark_evictable(key)
+            self._stores += len(done)
+            if self._events is not None:
+                self._events.append(
+                    OffloadingEvent(keys=list(done), medium=CPU_MEDIUM, removed=False)
+                )
             return
 
         free_list = self._free_list
         remove = policy.remove
-        for key in keys:
+        for key in done:
             block = get(key)
-            if block is not None and block.ref_cnt < 0:
-                remove(key)
-                free_list.append(block.block_id)
-                self._failed_stores += 1
+            assert block is not None and block.ref_cnt == -1, (
+                f"complete_store: key {key.hex()} pending for request {req_id!r} has {block}"
+            )
+            remove(key)
+            free_list.append(block.block_id)
+        self._failed_stores += len(done)
         assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self._shut_down:
+            raise self._shut_down_error("on_new_request")
         return _BLOCK_LEVEL_CONTEXT
 
     @override
@@ -307,27 +406,36 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def reset_cache(self) -> None:
-        """Drop every block, whatever its state, and zero the counters.
+        """Drop every block, whatever its state, every pin and pending store, and zero the
+        counters.
 
         Blocks being written or pinned are dropped too: the caller guarantees that no
-        ``complete_*`` call for a pre-reset job follows. O(cache size).
+        ``complete_*`` call for a pre-reset job follows (one that does is refused as stray).
+        O(cache size).
+
+        Raises:
+            RuntimeError: the manager is shut down.
         """
+        if self._shut_down:
+            raise self._shut_down_error("reset_cache")
         if self._events is not None:
             ready = [key for key, block in self._policy.items() if block.ref_cnt >= 0]
             if ready:
                 self._events.append(OffloadingEvent(keys=ready, medium=CPU_MEDIUM, removed=True))
         self._policy.clear()
         self._free_list.clear()
+        self._pending_loads.clear()
+        self._pending_stores.clear()
         self._num_allocated = 0
         for block in self._rows:
             block.ref_cnt = -1  # every row is fresh again
+        if self._reuse_filter is not None:
+            self._reuse_filter.reset_stats()
         self._hits = 0
         self._misses = 0
         self._stores = 0
         self._failed_stores = 0
         self._evictions = 0
-        if self._reuse_filter is not None:
-            self._reuse_filter.reset_stats()
         assert len(self._policy) == 0, self._pool_error()
 
     @override
@@ -348,14 +456,210 @@ class CPUOffloadingManager(OffloadingManager):
             stats["stores_skipped"] = self._reuse_filter.num_skipped
         return stats
 
-    def _reserve_row(self, key: OffloadKey) -> int | None:
+    @override
+    def shutdown(self) -> None:
+        """Refuse every later call that reads or changes blocks; idempotent.
+
+        Afterwards ``lookup``, ``prepare_*``, ``complete_*``, ``touch``, ``reset_cache`` and
+        ``on_new_request`` raise ``RuntimeError``: the rows they would name belong to a region
+        that is being released. ``take_events`` and ``get_stats`` still answer. Subclasses that
+        own the region release it after calling this.
+        """
+        self._shut_down = True
+
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether ``shutdown()`` was called."""
+        return self._shut_down
+
+    # -- pins and pending stores --------------------------------------------------------------
+
+    def load_pins(self, req_id: str) -> dict[OffloadKey, int]:
+        """The pins request ``req_id`` holds: key -> number of outstanding ``prepare_load`` s.
+
+        A snapshot, O(the request's outstanding keys); for tests and diagnostics.
+        """
+        pins: dict[OffloadKey, int] = {}
+        for load in self._pending_loads.get(req_id, ()):
+            for key in load:
+                pins[key] = pins.get(key, 0) + 1
+        return pins
+
+    def pending_stores(self, req_id: str) -> list[OffloadKey]:
+        """The keys request ``req_id`` prepared to store and has not completed, in order.
+
+        A snapshot, O(the request's pending keys); for tests and diagnostics.
+        """
+        return [key for store in self._pending_stores.get(req_id, ()) for key in store]
+
+    def check_invariants(self) -> None:
+        """Assert every internal invariant; O(cache size), for tests and debugging.
+
+        Slot accounting; each ready block's ``ref_cnt`` equals its pins in outstanding loads;
+        each block being written is pending in exactly one request's stores; no empty entries.
+        Internal invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure
+        is a bug of the manager, never of its caller.
+        """
+        policy = self._policy
+        assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
+        assert len(set(self._free_list)) == len(self._free_list), "a row is free-listed twice"
+        pins: dict[OffloadKey, int] = {}
+        for req_id, loads in self._pending_loads.items():
+            assert loads and all(loads), f"request {req_id!r}: empty pending-load entry"
+            for load in loads:
+                for key in load:
+                    pins[key] = pins.get(key, 0) + 1
+        writers: dict[OffloadKey, str] = {}
+        for req_id, stores in self._pending_stores.items():
+            assert stores and all(stores), f"request {req_id!r}: empty pending-store entry"
+            for store in stores:
+                for key in store:
+                    assert key not in writers, (
+                        f"key {key.hex()} pending for requests {writers[key]!r} and {req_id!r}"
+                    )
+                    writers[key] = req_id
+        rows: set[int] = set()
+        for key, block in policy.items():
+            assert block.block_id not in rows, f"row {block.block_id} held twice"
+            rows.add(block.block_id)
+            if block.ref_cnt < 0:
+                assert block.ref_cnt == -1, f"key {key.hex()}: ref_cnt {block.ref_cnt}"
+                assert key in writers, f"key {key.hex()} is being written by no request"
+                assert key not in pins, f"key {key.hex()} is pinned while being written"
+            else:
+                assert key not in writers, f"key {key.hex()} is ready but pending"
+                assert block.ref_cnt == pins.get(key, 0), (
+                    f"key {key.hex()}: ref_cnt {block.ref_cnt} != {pins.get(key, 0)} pins"
+                )
+        assert set(writers) <= {k for k, b in policy.items() if b.ref_cnt < 0}
+        assert set(pins) <= {k for k, b in policy.items() if b.ref_cnt > 0}
+
+    def _describe(self, key: OffloadKey) -> str:
+        """The state of ``key`` in words, naming the requests that hold it (slow path)."""
+        block = self._policy.get(key)
+        if block is None:
+            return "not offloaded"
+        if block.ref_cnt < 0:
+            writers = [
+                req_id
+                for req_id, stores in self._pending_stores.items()
+                if any(key in store for store in stores)
+            ]
+            return f"being written (its store is pending for request {writers[0]!r})"
+        if block.ref_cnt == 0:
+            return "ready and not pinned"
+        holders = {}
+        for req_id, loads in self._pending_loads.items():
+            count = sum(load.count(key) for load in loads)
+            if count:
+                holders[req_id] = count
+        by = ", ".join(f"{req_id!r} x{count}" for req_id, count in holders.items())
+        return f"ready and pinned {block.ref_cnt} time(s), by request(s) {by}"
+
+    def _refuse_load(
+        self, method: str, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> OffloadKeyStateError:
+        """The error for a ``prepare_load`` naming a key that is not readable (slow path)."""
+        check_offload_keys(method, keys, req_context)
+        get = self._policy.get
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt < 0:
+                return OffloadKeyStateError(
+                    method,
+                    key,
+                    req_context.req_id,
+                    self._describe(key),
+                    "a ready block (lookup() returned True)",
+                )
+        raise AssertionError(f"{method}: no unreadable key among {len(keys)} keys")
+
+    def _release_partial_load(
+        self, method: str, keys: tuple[OffloadKey, ...], req_context: ReqContext
+    ) -> None:
+        """Release one pin per occurrence in ``keys`` from the request's outstanding loads.
+
+        Validates first: raises (changing nothing) unless the request holds at least as many
+        pins on each key as ``keys`` releases.
+        """
+        check_offload_keys(method, keys, req_context)
+        req_id = req_context.req_id
+        held = self.load_pins(req_id)
+        need: dict[OffloadKey, int] = {}
+        for key in keys:
+            need[key] = need.get(key, 0) + 1
+            if need[key] > held.get(key, 0):
+                state = self._describe(key)
+                held_here = held.get(key, 0)
+                raise OffloadKeyStateError(
+                    method,
+                    key,
+                    req_id,
+                    f"{state}; this request holds {held_here} pin(s) on it and the call "
+                    f"releases {need[key]}",
+                    "a key this request pinned with prepare_load and has not released",
+                )
+        remaining: list[tuple[OffloadKey, ...]] = []
+        for load in self._pending_loads[req_id]:
+            kept = []
+            for key in load:
+                if need.get(key):
+                    need[key] -= 1
+                else:
+                    kept.append(key)
+            if kept:
+                remaining.append(tuple(kept))
+        if remaining:
+            self._pending_loads[req_id] = remaining
+        else:
+            del self._pending_loads[req_id]
+
+    def _finish_partial_store(
+        self, keys: tuple[OffloadKey, ...], req_context: ReqContext
+    ) -> tuple[OffloadKey, ...]:
+        """Take ``keys`` (de-duplicated) out of the request's pending stores and return them.
+
+        Validates first: raises (changing nothing) unless every key is pending for the request.
+        """
+        check_offload_keys("complete_store", keys, req_context)
+        req_id = req_context.req_id
+        unique = tuple(dict.fromkeys(keys))
+        pending = set(self.pending_stores(req_id))
+        for key in unique:
+            if key not in pending:
+                raise OffloadKeyStateError(
+                    "complete_store",
+                    key,
+                    req_id,
+                    self._describe(key),
+                    "a key whose store this request prepared and has not completed",
+                )
+        done = set(unique)
+        remaining = [
+            kept
+            for kept in (
+                tuple(key for key in store if key not in done)
+                for store in self._pending_stores[req_id]
+            )
+            if kept
+        ]
+        if remaining:
+            self._pending_stores[req_id] = remaining
+        else:
+            del self._pending_stores[req_id]
+        return unique
+
+    def _reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """Allocate a row for ``key``, which is not resident, and return it; None if full.
 
-        ``prepare_store((key,))`` without the reuse filter, the de-duplication and the transfer
-        spec: for the tiering manager's promotions, which reserve one block at a time. The row
-        comes from the same places in the same order (fresh, recycled, then one eviction), and
-        the block is inserted being written (``ref_cnt == -1``).
+        ``prepare_store((key,), req_context)`` without the reuse filter, the de-duplication and
+        the transfer spec: for the tiering manager's promotions, which reserve one block at a
+        time. The row comes from the same places in the same order (fresh, recycled, then one
+        eviction), the block is inserted being written (``ref_cnt == -1``) and its store is
+        pending for ``req_context``'s request, as ``prepare_store`` leaves it.
         """
+        if self._shut_down:
+            raise self._shut_down_error("reserve_row")
         policy = self._policy
         assert policy.get(key) is None, f"_reserve_row: key {key.hex()} is resident"
         free_list = self._free_list
@@ -380,8 +684,16 @@ class CPUOffloadingManager(OffloadingManager):
         block = self._rows[row]
         block.ref_cnt = -1
         policy.insert_many(((key, block),))
+        stores = self._pending_stores.get(req_context.req_id)
+        if stores is None:
+            self._pending_stores[req_context.req_id] = [(key,)]
+        else:
+            stores.append((key,))
         assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
         return row
+
+    def _shut_down_error(self, method: str) -> RuntimeError:
+        return RuntimeError(f"{type(self).__name__}.{method}: the manager is shut down")
 
     def _pool_error(self) -> str:
         return (

@@ -12,10 +12,29 @@ Layout (``M = num_workers``, ``S = worker_page_bytes``, ``A = BLOCK_SIZE_ALIGNME
     | S bytes         | S bytes         |     | S bytes             |     |
     +-----------------+-----------------+-----+---------------------+-----+
 
-    total_bytes = num_blocks * row_bytes
+    total_bytes = num_blocks * row_bytes (what is mapped), then a metadata area of whole pages
+    (join marks and trailer; see ``region_trailer``).
 
 Within a worker's slot, the per-block pages of the worker's KV tensors follow one another in the
 order of ``create_next_worker_view`` calls.
+
+This module holds the region itself (mapping, rows, slots, views, teardown). The rest lives in
+modules of their own, whose public names callers may still import from here:
+
+* ``region_trailer``: the geometry and the on-file metadata (join marks, trailer format).
+* ``region_files``: the files' names, and removing a name only if it still names the same file.
+* ``process_identity``: a creator's identity (pid, start time, pid namespace, boot id) and
+  whether it still runs.
+* ``region_sweep``: the removal of files of dead creators.
+* ``region_publish``: creating or joining the file under its lock (``SharedRegionError``).
+* ``region_prefault``: faulting pages in without disturbing peers' bytes.
+
+Lifetime: nothing of a dead process may stay in the directory (the region is the whole CPU tier,
+gigabytes of RAM on a tmpfs that no reboot-less process frees). The creator publishes a complete
+file under the region's name; the participant that completes the set of joiners removes the name,
+so from then on the file lives only as long as some participant maps it, even if every process is
+``SIGKILL`` ed; before that, every start sweeps the files of dead creators (``region_publish``,
+``region_sweep``).
 
 Ownership and protection:
 
@@ -24,53 +43,49 @@ Ownership and protection:
 * Secondary tiers read or write *whole rows* (every worker's slot of a block at once), and only the
   rows named by a job the scheduler-side manager issued; the manager guarantees that no worker is
   storing into, and no tier is writing, a row that someone else reads or writes at the same time.
-* The creator (the first process to arrive) owns the file: it sizes it and unlinks it in
-  ``cleanup()``. Joiners only map it. Unlinking does not invalidate mappings still held by peers.
-* Nothing here locks: the region is plain shared memory and the scheduler's block bookkeeping is
-  the only synchronisation.
+* Metadata (join marks) is read and written only under an exclusive ``flock`` of the file, and the
+  region's name is only ever unlinked under that lock after checking that it still names the
+  same file (so nobody removes a successor's region). The kernel drops the lock of a dead holder.
+* The creator also unlinks the name in ``cleanup()`` if it is still there. Unlinking does not
+  invalidate mappings still held by peers.
+* Nothing locks the rows: the region is plain shared memory and the scheduler's block bookkeeping
+  is the only synchronisation.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
+import fcntl
 import logging
 import mmap
 import operator
 import os
-import re
-import stat
 import sys
-import time
-from types import TracebackType
 
-import numpy as np
 import torch
-from typing_extensions import Self, override
+from typing_extensions import override
+
+from vllm.utils.closing import ClosingContextManager
+from vllm.v1.kv_offload.cpu import region_prefault
+from vllm.v1.kv_offload.cpu.process_identity import (
+    ProcessIdentity,
+    current_identity,
+    process_is_alive,
+)
+from vllm.v1.kv_offload.cpu.region_files import region_path, unlink_if_names
+from vllm.v1.kv_offload.cpu.region_publish import SharedRegionError, open_region
+from vllm.v1.kv_offload.cpu.region_sweep import sweep_stale_regions
+from vllm.v1.kv_offload.cpu.region_trailer import RegionGeometry
+
+__all__ = [
+    "ProcessIdentity",
+    "SharedOffloadRegion",
+    "SharedRegionError",
+    "current_identity",
+    "process_is_alive",
+    "sweep_stale_regions",
+]
 
 logger = logging.getLogger(__name__)
-
-_INSTANCE_ID_RE = re.compile(r"[A-Za-z0-9_.-]+")
-_FILE_PREFIX = "vllm_offload_"
-_FILE_SUFFIX = ".mmap"
-# Longest name most filesystems accept (NAME_MAX).
-_MAX_FILE_NAME = 255
-_MAX_INSTANCE_ID_LEN = _MAX_FILE_NAME - len(_FILE_PREFIX) - len(_FILE_SUFFIX)
-
-_JOIN_POLL_INTERVAL_S = 0.005
-
-# MADV_POPULATE_WRITE (Linux >= 5.14) faults pages in writable without writing to them, so it is
-# race-free against peers that already store into the region. Older Pythons do not expose the
-# constant, hence the literal (the Linux UAPI value).
-_MADV_POPULATE_WRITE: int | None = getattr(
-    mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
-)
-# Rows touched per vectorised chunk by the fallback pre-fault (bounds its temporary memory).
-_PREFAULT_CHUNK_ELEMS = 1 << 20
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _positive_int(name: str, value: int) -> int:
@@ -86,12 +101,14 @@ def _positive_int(name: str, value: int) -> int:
     raise ValueError(f"{name} must be an integer > 0, got {value!r}")
 
 
-class SharedOffloadRegion:
+class SharedOffloadRegion(ClosingContextManager):
     """A ``MAP_SHARED`` file mapping holding ``num_blocks`` rows of offloaded KV data.
 
     Every process of an engine instance constructs one over the same file: the scheduler with
-    ``rank=None`` and each worker with its rank. Whoever creates the file first (``O_EXCL``) is the
-    creator; the others join and wait until the creator has sized it.
+    ``rank=None`` (if ``expect_scheduler``) and each worker with its rank. Whoever publishes the
+    file first is the creator; the others join it. Once every participant joined, the file's
+    name is removed (see ``region_publish``), so the region's memory is freed when the last
+    participant unmaps it, however the processes end.
 
     Args:
         instance_id: engine-instance id (unique per DP replica); only ``[A-Za-z0-9_.-]`` so the
@@ -101,14 +118,21 @@ class SharedOffloadRegion:
         num_workers: number of worker slots per row (the TP/PP world size), > 0.
         rank: the worker's rank in ``[0, num_workers)``, or None for the scheduler side.
         directory: where the backing file lives; a tmpfs such as ``/dev/shm`` keeps it in RAM.
-        join_timeout_s: how long a joiner waits for the creator to size the file.
+        join_timeout_s: how long to keep retrying when the file vanishes under a joiner (its
+            creator gave up) before giving up too.
+        expect_scheduler: whether the scheduler side (``rank=None``) maps the region too, besides
+            every worker rank; the same for every participant (it is recorded by the creator and
+            checked by joiners). The name is removed once all expected participants joined.
         prefault: fault the pages in up front (a worker its own slot of every row, the scheduler
             the whole region) so the first transfers do not pay for page faults.
 
     Raises:
-        ValueError: invalid arguments, or an existing file larger than this geometry.
+        ValueError: invalid arguments.
+        SharedRegionError: the file under the region's name belongs to a dead creator, was made
+            for another geometry or participant set, is not a region of this format, or already
+            has a participant of this rank.
         OSError: the directory lacks free space (``ENOSPC``) or any system call failed.
-        TimeoutError: a joiner waited ``join_timeout_s`` without the file reaching its size.
+        TimeoutError: the file kept vanishing under this joiner for ``join_timeout_s``.
 
     Not thread-safe: one owner per object. Code that registered ``base_ptr`` with the CUDA driver
     (``cudaHostRegister``) must unregister it before calling ``cleanup()``.
@@ -127,6 +151,7 @@ class SharedOffloadRegion:
         directory: str | os.PathLike[str] = "/dev/shm",
         join_timeout_s: float = 30.0,
         *,
+        expect_scheduler: bool = True,
         prefault: bool = True,
     ) -> None:
         # Set first so cleanup()/__del__ work whatever fails below.
@@ -153,6 +178,8 @@ class SharedOffloadRegion:
             rank = int(rank)
         if not join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0, got {join_timeout_s!r}")
+        if rank is None and not expect_scheduler:
+            raise ValueError("the scheduler side (rank=None) needs expect_scheduler=True")
 
         self._path = self.region_path(instance_id, directory)
         self._directory = os.fspath(directory)
@@ -160,12 +187,18 @@ class SharedOffloadRegion:
         self._worker_page_bytes = worker_page_bytes
         self._num_workers = num_workers
         self._rank = rank
-        self._row_bytes = _round_up(num_workers * worker_page_bytes, self.BLOCK_SIZE_ALIGNMENT)
-        self._total_bytes = num_blocks * self._row_bytes
+        self._expect_scheduler = bool(expect_scheduler)
+        self._geometry = RegionGeometry.compute(
+            num_blocks, worker_page_bytes, num_workers, expect_scheduler, self.BLOCK_SIZE_ALIGNMENT
+        )
+        self._row_bytes = self._geometry.row_bytes
+        self._total_bytes = self._geometry.total_bytes
+        self._file_bytes = self._geometry.file_bytes
 
         try:
-            self._open(join_timeout_s)
-            assert self._fd is not None
+            self._fd, self._is_creator = open_region(
+                self._path, self._directory, self._geometry, rank, join_timeout_s
+            )
             self._mm = mmap.mmap(
                 self._fd,
                 self._total_bytes,
@@ -173,7 +206,14 @@ class SharedOffloadRegion:
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
             if prefault:
-                self._prefault()
+                region_prefault.prefault(
+                    self._mm,
+                    self._geometry,
+                    rank,
+                    self.BLOCK_SIZE_ALIGNMENT,
+                    self._path,
+                    self._directory,
+                )
             # The base tensor keeps a reference to the mmap object, so the mapping outlives any
             # view handed out even if the caller keeps one past cleanup().
             self._base = torch.frombuffer(self._mm, dtype=torch.int8)
@@ -183,7 +223,7 @@ class SharedOffloadRegion:
             raise
 
     # -----------------------------------------------------------------------------------------
-    # Creation / joining
+    # Naming
     # -----------------------------------------------------------------------------------------
 
     @staticmethod
@@ -194,179 +234,7 @@ class SharedOffloadRegion:
             ValueError: ``instance_id`` is empty, too long, or has a character outside
                 ``[A-Za-z0-9_.-]``.
         """
-        if not isinstance(instance_id, str) or not _INSTANCE_ID_RE.fullmatch(instance_id):
-            raise ValueError(
-                f"instance_id={instance_id!r} is invalid: expected a non-empty string of "
-                "[A-Za-z0-9_.-] characters"
-            )
-        if len(instance_id) > _MAX_INSTANCE_ID_LEN:
-            raise ValueError(
-                f"instance_id={instance_id!r} is too long: at most {_MAX_INSTANCE_ID_LEN} "
-                "characters"
-            )
-        return os.path.join(os.fspath(directory), f"{_FILE_PREFIX}{instance_id}{_FILE_SUFFIX}")
-
-    def _open(self, join_timeout_s: float) -> None:
-        if not os.path.isdir(self._directory):
-            raise FileNotFoundError(
-                errno.ENOENT,
-                f"shared region directory {self._directory!r} does not exist or is not a directory",
-            )
-        deadline = time.monotonic() + join_timeout_s
-        while True:
-            try:
-                self._fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                pass
-            else:
-                self._is_creator = True
-                self._size_as_creator()
-                return
-            try:
-                self._fd = os.open(self._path, os.O_RDWR)
-            except FileNotFoundError:
-                # A failed creator unlinked the file between our two opens: race to create it.
-                self._check_deadline(deadline, join_timeout_s, size=None)
-                continue
-            if self._wait_for_size(deadline, join_timeout_s):
-                return
-            # The creator failed and unlinked the file we opened: start over on a fresh one.
-            os.close(self._fd)
-            self._fd = None
-
-    def _check_deadline(self, deadline: float, join_timeout_s: float, size: int | None) -> None:
-        if time.monotonic() < deadline:
-            return
-        seen = "it never appeared" if size is None else f"its size is {size}"
-        raise TimeoutError(
-            f"timed out after {join_timeout_s} s waiting for the creator of shared region "
-            f"{self._path!r} to size it to {self._total_bytes} bytes ({seen}); the creator may "
-            "have died, or a stale file is in the way"
-        )
-
-    def _size_as_creator(self) -> None:
-        assert self._fd is not None
-        st = os.statvfs(self._directory)
-        available = st.f_bavail * st.f_frsize
-        if available < self._total_bytes:
-            raise OSError(
-                errno.ENOSPC,
-                f"not enough free space in {self._directory!r} for shared region "
-                f"{self._path!r}: needed {self._total_bytes} bytes, available {available} bytes",
-            )
-        os.ftruncate(self._fd, self._total_bytes)
-
-    def _wait_for_size(self, deadline: float, join_timeout_s: float) -> bool:
-        """Wait until the creator sized the file; False if it unlinked the file instead."""
-        assert self._fd is not None
-        while True:
-            st = os.fstat(self._fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"shared region {self._path!r} is not a regular file")
-            if st.st_size == self._total_bytes:
-                return True
-            if st.st_size > self._total_bytes:
-                raise ValueError(
-                    f"shared region {self._path!r} has {st.st_size} bytes but this geometry "
-                    f"needs {self._total_bytes} (num_blocks={self._num_blocks}, "
-                    f"row_bytes={self._row_bytes}): a stale or foreign file; remove it or use "
-                    "another instance id"
-                )
-            try:
-                current = os.stat(self._path)
-            except FileNotFoundError:
-                return False
-            if (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
-                return False
-            self._check_deadline(deadline, join_timeout_s, size=st.st_size)
-            # Another process sizes the file: no event to wait on across processes, so poll.
-            time.sleep(_JOIN_POLL_INTERVAL_S)
-
-    # -----------------------------------------------------------------------------------------
-    # Pre-faulting
-    # -----------------------------------------------------------------------------------------
-
-    def _prefault(self) -> None:
-        """Fault in the pages this process will touch, preserving every byte already written."""
-        assert self._mm is not None
-        page = self.BLOCK_SIZE_ALIGNMENT
-        if self._rank is None:
-            # Whole rows: one contiguous range.
-            row_lo, row_hi = 0, self._row_bytes
-        else:
-            slot_lo = self._rank * self._worker_page_bytes
-            row_lo = slot_lo // page * page
-            row_hi = _round_up(slot_lo + self._worker_page_bytes, page)
-        if self._madvise_populate(row_lo, row_hi):
-            return
-        self._touch_pages()
-
-    def _madvise_populate(self, row_lo: int, row_hi: int) -> bool:
-        """Populate ``[row_lo, row_hi)`` of every row (page-aligned); False if unsupported.
-
-        Other failures (e.g. the tmpfs cannot back the pages) raise: the fallback would instead
-        die of SIGBUS on the first touch of a page that cannot be allocated.
-        """
-        assert self._mm is not None
-        if _MADV_POPULATE_WRITE is None or not hasattr(self._mm, "madvise"):
-            return False
-        if row_lo == 0 and row_hi == self._row_bytes:
-            ranges = [(0, self._total_bytes)]
-        else:
-            ranges = [
-                (b * self._row_bytes + row_lo, row_hi - row_lo) for b in range(self._num_blocks)
-            ]
-        for start, length in ranges:
-            try:
-                self._mm.madvise(_MADV_POPULATE_WRITE, start, length)
-            except OSError as e:
-                if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    logger.debug("MADV_POPULATE_WRITE unsupported (%s); touching pages", e)
-                    return False
-                raise OSError(
-                    e.errno,
-                    f"could not pre-fault shared region {self._path!r} "
-                    f"({self._total_bytes} bytes): {e.strerror}; is {self._directory!r} full?",
-                ) from e
-        return True
-
-    def _touch_pages(self) -> None:
-        """Fallback pre-fault: touch one byte of each page this process uses.
-
-        A worker rewrites (read-modify-write with the same value) one byte *of its own slot* per
-        page, so it can never clobber a byte a peer writes concurrently. The scheduler only reads
-        one byte per page: that allocates the page without any write, so it cannot race with
-        workers already storing; the remaining write fault later is a cheap permission upgrade.
-        """
-        assert self._mm is not None
-        page = self.BLOCK_SIZE_ALIGNMENT
-        if self._rank is None:
-            in_row = np.arange(0, self._row_bytes, page, dtype=np.int64)
-        else:
-            slot_lo = self._rank * self._worker_page_bytes
-            slot_hi = slot_lo + self._worker_page_bytes
-            # Rows start page-aligned, so the offsets within a row are the same for every row:
-            # the slot's first byte, then the first byte of each later page inside the slot.
-            in_row = np.concatenate(
-                [
-                    np.array([slot_lo], dtype=np.int64),
-                    np.arange(_round_up(slot_lo + 1, page), slot_hi, page, dtype=np.int64),
-                ]
-            )
-        arr = np.frombuffer(self._mm, dtype=np.uint8)
-        try:
-            rows_per_chunk = max(1, _PREFAULT_CHUNK_ELEMS // len(in_row))
-            for first in range(0, self._num_blocks, rows_per_chunk):
-                rows = np.arange(
-                    first, min(first + rows_per_chunk, self._num_blocks), dtype=np.int64
-                )
-                idx = (rows[:, None] * self._row_bytes + in_row[None, :]).ravel()
-                if self._rank is None:
-                    arr.take(idx)  # the gather reads, hence faults in, every page
-                else:
-                    arr[idx] = arr[idx]
-        finally:
-            del arr
+        return region_path(instance_id, directory)
 
     # -----------------------------------------------------------------------------------------
     # Views
@@ -466,6 +334,16 @@ class SharedOffloadRegion:
         return self._total_bytes
 
     @property
+    def file_bytes(self) -> int:
+        """Size of the backing file: ``total_bytes`` plus the metadata pages (not mapped)."""
+        return self._file_bytes
+
+    @property
+    def expect_scheduler(self) -> bool:
+        """Whether the scheduler side is one of the region's participants."""
+        return self._expect_scheduler
+
+    @property
     def is_creator(self) -> bool:
         """Whether this object created (and so will unlink) the backing file."""
         return self._is_creator
@@ -524,20 +402,18 @@ class SharedOffloadRegion:
             del mm
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
-        if self._is_creator and os.getpid() == self._owner_pid:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
+            if self._is_creator and os.getpid() == self._owner_pid:
+                # Under the lock, and only if the name is still ours (it is gone already once
+                # every participant joined).
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    unlink_if_names(self._path, os.fstat(fd))
+                except OSError as e:
+                    logger.warning("could not remove shared region %s: %s", self._path, e)
+            os.close(fd)  # also drops the lock
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    @override
+    def _release(self) -> None:
         self.cleanup()
 
     def __del__(self) -> None:

@@ -53,6 +53,7 @@ def open_shared_region(spec: OffloadingSpec, rank: int | None) -> SharedOffloadR
         rank=rank,
         directory=spec.config.shared_region_dir,
         join_timeout_s=spec.config.shared_region_join_timeout_s,
+        expect_scheduler=spec.SCHEDULER_MAPS_REGION,
     )
     if region.row_bytes != spec.row_bytes:
         region.cleanup()
@@ -110,7 +111,35 @@ def cpu_worker_handlers(
     )
 
 
-class CPUOffloadingSpec(OffloadingSpec):
+class SharedRegionOffloadingSpec(OffloadingSpec):
+    """Base of the specs whose primary tier is the rows of the run's shared host region.
+
+    It owns the worker side: every rank's handlers copy GPU <-> CPU through the rank's slot of
+    every row (``cpu_worker_handlers``), whatever the scheduler side keeps about those rows.
+    Subclasses build the scheduler-side manager (``get_manager``).
+
+    Args:
+        config: the parsed ``kv_connector_extra_config``.
+        run: the run's block-defining facts.
+        enable_events: whether the managers record ``OffloadingEvent`` s (KV cache events).
+    """
+
+    BLOCK_SIZE_ALIGNMENT = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+
+    def __init__(
+        self, config: OffloadingConfig, run: KVCacheRunInfo, *, enable_events: bool = False
+    ) -> None:
+        super().__init__(config, run)
+        self.enable_events = enable_events
+
+    @override
+    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
+        """The rank's GPU <-> CPU handlers over its slot of the shared region (see
+        ``cpu_worker_handlers``)."""
+        return cpu_worker_handlers(self, kv_caches, rank)
+
+
+class CPUOffloadingSpec(SharedRegionOffloadingSpec):
     """Offload GPU KV blocks to ``num_primary_blocks`` rows of host memory.
 
     The scheduler-side manager is a ``CPUOffloadingManager`` with ``config.eviction_policy`` (pure
@@ -123,14 +152,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         enable_events: whether the manager records ``OffloadingEvent`` s (KV cache events).
     """
 
-    BLOCK_SIZE_ALIGNMENT = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
-
-    def __init__(
-        self, config: OffloadingConfig, run: KVCacheRunInfo, *, enable_events: bool = False
-    ) -> None:
-        super().__init__(config, run)
-        self.enable_events = enable_events
-        self._manager: CPUOffloadingManager | None = None
+    _manager: CPUOffloadingManager | None = None
 
     @override
     def get_manager(self) -> CPUOffloadingManager:
@@ -143,8 +165,3 @@ class CPUOffloadingSpec(OffloadingSpec):
                 max_tracker_size=self.config.max_tracker_size,
             )
         return self._manager
-
-    @override
-    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        """The rank's GPU <-> CPU handlers (see ``cpu_worker_handlers``)."""
-        return cpu_worker_handlers(self, kv_caches, rank)

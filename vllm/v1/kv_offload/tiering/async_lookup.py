@@ -286,14 +286,60 @@ class AsyncLookupManager(ABC):
                     group = by_request[req_context.req_id] = (req_context, [], [])
                 group[1].append(key)
                 group[2].append(generation)
-            for req_context, keys, generations in by_request.values():
-                found = self._safe_batch_lookup(keys, req_context)
+            groups = [(keys, req_context) for req_context, keys, _ in by_request.values()]
+            answers = self._safe_step_lookup(groups)
+            for (_, keys, generations), found in zip(by_request.values(), answers, strict=True):
                 results.extend(zip(keys, generations, found, strict=True))
             # Publish the results before counting the batch, so wait_idle() implies visibility.
             self._pending_results.append(results)
             with self._idle_cond:
                 self._num_processed += 1
                 self._idle_cond.notify_all()
+
+    def step_lookup(
+        self, groups: list[tuple[list[OffloadKey], ReqContext]]
+    ) -> list[list[bool]] | None:
+        """Resolve a whole step's batch at once, or return None to resolve it per request.
+
+        Runs on the background thread. A tier that can answer every key of the step in one round
+        trip (e.g. one pipelined request to a server) overrides this; the default returns None,
+        and ``batch_lookup`` is then called once per request. An exception, or an answer of the
+        wrong shape, is logged and makes every key of the step a miss.
+
+        Args:
+            groups: ``(keys, req_context)`` per request, as ``batch_lookup`` would get them.
+
+        Returns:
+            One list of bools per group, parallel to its keys; or None.
+        """
+        return None
+
+    def _safe_step_lookup(
+        self, groups: list[tuple[list[OffloadKey], ReqContext]]
+    ) -> list[list[bool]]:
+        try:
+            answers = self.step_lookup(groups)
+        except Exception:
+            logger.exception(
+                "async lookup %s: step_lookup of %d request(s) failed; treating them as misses",
+                self.name,
+                len(groups),
+            )
+            answers = [[False] * len(keys) for keys, _ in groups]
+        if answers is None:
+            return [self._safe_batch_lookup(keys, ctx) for keys, ctx in groups]
+        if len(answers) != len(groups) or any(
+            len(found) != len(keys) for found, (keys, _) in zip(answers, groups, strict=True)
+        ):
+            logger.error(
+                "async lookup %s: step_lookup answered %d group(s) of the wrong shape for %d "
+                "request(s); treating them as misses",
+                self.name,
+                len(answers),
+                len(groups),
+            )
+            return [[False] * len(keys) for keys, _ in groups]
+        return [[bool(f) for f in found] for found in answers]
 
     def _safe_batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
         try:

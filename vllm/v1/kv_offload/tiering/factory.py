@@ -153,3 +153,6 @@ SecondaryTierFactory.register_tier(
 SecondaryTierFactory.register_tier(
     "fs", "vllm.v1.kv_offload.tiering.fs.manager", "FileSystemSecondaryTier"
 )
+SecondaryTierFactory.register_tier(
+    "redis", "vllm.v1.kv_offload.tiering.redis.manager", "RedisSecondaryTier"
+)

@@ -24,8 +24,10 @@ and report through ``get_finished_jobs()``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from typing_extensions import override
@@ -38,13 +40,16 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    check_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.metrics import MetricsRecorder
 from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
 
 # Re-exported: the primary tier lived here before it got its own module, and callers still
 # import it from here.
 from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.stats import TieringStats
 
 __all__ = ["CPUPrimaryTierOffloadingManager", "TieringOffloadingManager"]
 
@@ -77,8 +82,12 @@ class _RequestState:
     finished_req_context: ReqContext | None = None
 
 
-_InFlightJob = tuple[int, JobMetadata]
-"""``(tier index, job)`` of a job submitted and not reported yet (a tuple: one per job)."""
+class _InFlightJob(NamedTuple):
+    """A job submitted and not reported yet (a named tuple: one is built per job)."""
+
+    tier_idx: int
+    job: JobMetadata
+    submitted_at: float = 0.0  # perf_counter() at submit, for the job's latency sample
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -122,6 +131,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._request_level_tiers: dict[str, tuple[int, ...]] = {}
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
+        # key -> index of the tier it is being promoted from, from lookup until the tier reports
+        # the load (for promotion_source).
+        self._promoting: dict[OffloadKey, int] = {}
         # The primary policy's lookup, bound once: lookup() calls it directly.
         self._primary_policy_lookup = primary_tier.policy.lookup
         # Counters for get_stats(); lookups are the primary's hits and misses.
@@ -130,6 +142,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._cascades_submitted = 0
         self._promotions_submitted = 0
         self._jobs_failed = 0
+        # Per-tier counters and job samples for monitoring (``tiering_stats``).
+        self._tiering_stats = TieringStats(len(self._tiers))
 
     # -----------------------------------------------------------------------------------------
     # Introspection
@@ -144,6 +158,11 @@ class TieringOffloadingManager(OffloadingManager):
     def secondary_tiers(self) -> tuple[SecondaryTierManager, ...]:
         """The secondary tiers, in lookup order."""
         return self._tiers
+
+    @property
+    def tiering_stats(self) -> TieringStats:
+        """Per-tier lookup, hit and job counters and finished-job samples (monitoring)."""
+        return self._tiering_stats
 
     @property
     def num_jobs_in_flight(self) -> int:
@@ -173,6 +192,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _process_finished_jobs(self) -> None:
         """Apply every result the tiers report now (unconditionally; O(results))."""
+        now = time.perf_counter()  # one clock read per poll, not per job
         for tier_idx, tier in enumerate(self._tiers):
             for result in tier.get_finished_jobs():
                 entry = self._jobs.pop(result.job_id, None)
@@ -180,17 +200,25 @@ class TieringOffloadingManager(OffloadingManager):
                     f"secondary tier #{tier_idx} ({tier.tier_type}) reported unknown job "
                     f"{result.job_id} (never submitted, already reported, or its submit raised)"
                 )
-                submitted_to, job = entry
-                assert submitted_to == tier_idx, (
+                assert entry.tier_idx == tier_idx, (
                     f"secondary tier #{tier_idx} ({tier.tier_type}) reported job {result.job_id} "
-                    f"submitted to tier #{submitted_to}"
+                    f"submitted to tier #{entry.tier_idx}"
                 )
-                self._finish_job(job, result.success)
+                self._finish_job(entry.job, result.success)
+                self._tiering_stats.on_finish(
+                    tier_idx,
+                    entry.job.is_promotion,
+                    len(entry.job.keys),
+                    now - entry.submitted_at,
+                    result.success,
+                )
 
     def _finish_job(self, job: JobMetadata, success: bool) -> None:
         if not success:
             self._jobs_failed += 1
         if job.is_promotion:
+            for key in job.keys:
+                self._promoting.pop(key, None)
             # Success makes the rows readable; failure frees them (never serve a partial row).
             self._primary.complete_write(job.keys, job.req_context, success)
         else:
@@ -200,7 +228,8 @@ class TieringOffloadingManager(OffloadingManager):
     def _submit(self, tier_idx: int, job: JobMetadata) -> None:
         """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
         tier = self._tiers[tier_idx]
-        self._jobs[job.job_id] = (tier_idx, job)
+        self._jobs[job.job_id] = _InFlightJob(tier_idx, job, time.perf_counter())
+        self._tiering_stats.on_submit(tier_idx, job.is_promotion)
         try:
             if job.is_promotion:
                 tier.submit_load(job)
@@ -218,6 +247,7 @@ class TieringOffloadingManager(OffloadingManager):
             )
             del self._jobs[job.job_id]
             self._finish_job(job, success=False)
+            self._tiering_stats.on_finish(tier_idx, job.is_promotion, len(job.keys), 0.0, False)
 
     def _cascade(
         self, keys: tuple[OffloadKey, ...], req_context: ReqContext, tier_indices: Iterable[int]
@@ -242,7 +272,7 @@ class TieringOffloadingManager(OffloadingManager):
         Returns:
             False if the primary tier cannot make room (the caller reports a miss).
         """
-        row = self._primary.reserve_row(key)
+        row = self._primary.reserve_row(key, req_context)
         if row is None:
             return False
         req_id = req_context.req_id
@@ -254,6 +284,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._get_req_state(req_id).queued_promotions += 1
         entry.keys.append(key)
         entry.block_ids.append(row)
+        self._promoting[key] = tier_idx
         return True
 
     def _flush_pending_promotions(self) -> None:
@@ -322,7 +353,9 @@ class TieringOffloadingManager(OffloadingManager):
         """
         # The common case (the step's poll done, a primary hit) costs one call below this one:
         # the primary policy's lookup. The primary's hit/miss counters are kept here, since
-        # its own lookup() is bypassed (get_stats adds them up).
+        # its own lookup() is bypassed (get_stats and the tier metrics add them).
+        if self._shut_down:
+            raise RuntimeError("TieringOffloadingManager.lookup: the manager is shut down")
         if not self._processed_jobs_this_step:
             self._maybe_process_finished_jobs()
         block = self._primary_policy_lookup(key)
@@ -331,19 +364,30 @@ class TieringOffloadingManager(OffloadingManager):
                 return None  # being written (a GPU store or a promotion in flight)
             self._lookup_hits += 1
             return True
-        self._lookup_misses += 1
         return self._lookup_in_tiers(key, req_context)
 
     def _lookup_in_tiers(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """``lookup`` after a primary miss: ask the tiers in order (see ``lookup``)."""
+        # Only a miss can be a non-key: every resident key is bytes.
+        if key.__class__ is not bytes:
+            check_offload_key("lookup", key, req_context)
+        self._lookup_misses += 1
         any_pending = False
         for tier_idx, tier in enumerate(self._tiers):
             tier_result = tier.lookup(key, req_context)
             if tier_result is True:
+                # Only hits are counted here: how many lookups reached each tier follows from
+                # the primary's misses and the faster tiers' hits (TieringStats.report).
+                self._tiering_stats.hits[tier_idx] += 1
                 return None if self._initiate_promotion(tier_idx, key, req_context) else False
             if tier_result is None:
                 any_pending = True
         return None if any_pending else False
+
+    @override
+    def promotion_source(self, key: OffloadKey) -> str | None:
+        tier_idx = self._promoting.get(key)
+        return None if tier_idx is None else self._tiers[tier_idx].tier_type
 
     @override
     def prepare_load(
@@ -464,7 +508,8 @@ class TieringOffloadingManager(OffloadingManager):
         """Drain every tier, drop unsubmitted promotions and reset the primary.
 
         Blocks until every tier job has finished (``drain_jobs``). Secondary tiers keep their
-        data. Requests that already finished get their delayed ``on_request_finished``.
+        data. Requests that already finished get their delayed ``on_request_finished`` and are
+        forgotten; running requests keep their REQUEST_LEVEL tiers.
         """
         for tier in self._tiers:
             tier.drain_jobs()
@@ -472,25 +517,34 @@ class TieringOffloadingManager(OffloadingManager):
         assert not self._jobs, (
             "reset_cache: tiers did not report jobs after drain_jobs(): "
             + ", ".join(
-                f"job {job_id} on tier #{tier_idx} ({self._tiers[tier_idx].tier_type})"
-                for job_id, (tier_idx, _) in self._jobs.items()
+                f"job {job_id} on tier #{entry.tier_idx} ({self._tiers[entry.tier_idx].tier_type})"
+                for job_id, entry in self._jobs.items()
             )
         )
         # Never submitted: no I/O touches their reserved rows, which the primary reset frees.
         for tier_idx in range(len(self._tiers)):
             self._pending_promotions[tier_idx] = {}
         self._num_queued_promotion_batches = 0
+        self._promoting.clear()
         req_states, self._req_state = self._req_state, {}
         for req_id, state in req_states.items():
             if state.finished_req_context is not None:
                 self._request_level_tiers.pop(req_id, None)
                 for tier in self._tiers:
                     tier.on_request_finished(state.finished_req_context)
+        # The primary zeroes its counters; the tiers' lookup counts derive from its misses.
+        self._tiering_stats.primary_misses_before_reset += self._primary_misses()
         self._primary.reset_cache()
         self._lookup_hits = 0
         self._lookup_misses = 0
-        self._request_level_tiers.clear()
+        # Running requests keep their REQUEST_LEVEL tiers: their later prepare_store calls must
+        # still cascade what is in the primary (finished ones were dropped above). Their
+        # counters restart at zero: pre-reset jobs are never completed.
         self._processed_jobs_this_step = False
+
+    def _primary_misses(self) -> int:
+        """The primary's misses: its own counter plus those of the lookups made here."""
+        return int(self._primary.get_stats()["misses"]) + self._lookup_misses
 
     @override
     def get_stats(self) -> dict[str, int | float]:
@@ -503,6 +557,16 @@ class TieringOffloadingManager(OffloadingManager):
         stats["tiering_promotions_submitted"] = self._promotions_submitted
         stats["tiering_jobs_failed"] = self._jobs_failed
         return stats
+
+    @override
+    def report_metrics(self, recorder: MetricsRecorder) -> None:
+        """Per-tier lookups, jobs and job samples, and each tier's ``get_stats()`` (the primary's
+        counters come from ``get_stats()``)."""
+        row_bytes = 0
+        if not self._shut_down:
+            view = self._primary.get_kv_memoryview()  # (num_blocks, row_bytes)
+            row_bytes = view.nbytes // max(len(view), 1)
+        self._tiering_stats.report(recorder, self._tiers, row_bytes, self._primary_misses())
 
     @override
     def shutdown(self) -> None:

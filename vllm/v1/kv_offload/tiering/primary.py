@@ -104,14 +104,15 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         finally:
             self._reuse_filter = reuse_filter
 
-    def reserve_row(self, key: OffloadKey) -> int | None:
+    def reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """Reserve a row for block ``key`` (not resident) that a tier will write: a promotion.
 
         The one-key ``prepare_write`` of the promotion path, without building a transfer spec:
-        returns the row (the block is being written, ``ref_cnt == -1``, unreadable), or None if
-        no row can be freed. Finish with ``complete_write``. Never subject to the reuse filter.
+        returns the row (the block is being written, ``ref_cnt == -1``, unreadable, its store
+        pending for ``req_context``'s request), or None if no row can be freed. Finish with
+        ``complete_write``. Never subject to the reuse filter.
         """
-        return self._reserve_row(key)
+        return self._reserve_row(key, req_context)
 
     def complete_write(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True

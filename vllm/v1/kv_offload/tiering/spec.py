@@ -15,22 +15,19 @@ from typing import Any
 from typing_extensions import override
 
 from vllm.v1.kv_offload.base import TierStats
-from vllm.v1.kv_offload.config import OffloadingConfig, SecondaryTierConfig
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.cpu.spec import cpu_worker_handlers, open_shared_region
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
+from vllm.v1.kv_offload.config import SecondaryTierConfig
+from vllm.v1.kv_offload.cpu.spec import SharedRegionOffloadingSpec, open_shared_region
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
-from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 
 logger = logging.getLogger(__name__)
 
 
-class TieringOffloadingSpec(OffloadingSpec):
+class TieringOffloadingSpec(SharedRegionOffloadingSpec):
     """Builds a ``TieringOffloadingManager``: CPU primary tier + configured secondary tiers.
 
     The scheduler side creates the shared region (``rank=None``) in ``config.shared_region_dir``,
@@ -47,26 +44,14 @@ class TieringOffloadingSpec(OffloadingSpec):
             config entry does not set it.
     """
 
-    BLOCK_SIZE_ALIGNMENT = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
-
-    def __init__(
-        self, config: OffloadingConfig, run: KVCacheRunInfo, *, enable_events: bool = False
-    ) -> None:
-        super().__init__(config, run)
-        self.enable_events = enable_events
-        self._manager: TieringOffloadingManager | None = None
+    _manager: TieringOffloadingManager | None = None
+    SCHEDULER_MAPS_REGION = True  # the secondary tiers copy whole rows through it
 
     @override
     def get_manager(self) -> TieringOffloadingManager:
         if self._manager is None:
             self._manager = self._build_manager()
         return self._manager
-
-    @override
-    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        """The rank's GPU <-> CPU handlers over its slot of the shared region (see
-        ``cpu_worker_handlers``)."""
-        return cpu_worker_handlers(self, kv_caches, rank)
 
     def _secondary_tiers(self) -> tuple[SecondaryTierManager, ...]:
         return () if self._manager is None else self._manager.secondary_tiers

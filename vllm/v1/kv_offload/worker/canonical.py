@@ -17,6 +17,10 @@ view with stride ``(row_stride_bytes, 1)``). Layouts map to canonical tensors as
 
 KV-cache groups (hybrid models) refer to canonical tensors through ``CanonicalKVCacheRef``s, with
 the group's *unpadded* page size: only those bytes of each page are moved for that group.
+
+Every canonical tensor records where its memory is: the ordinal of its CUDA device, or None for
+host memory (the CPU-only setup, where the "GPU" KV cache is a CPU tensor). A worker's tensors are
+all on one device, which the transfer handlers then run on.
 """
 
 from __future__ import annotations
@@ -48,28 +52,33 @@ class CanonicalKVCacheTensor:
     """Block-indexed KV memory: block ``b`` is ``[ptr + b*row_stride_bytes, +page_size_bytes)``.
 
     Attributes:
-        ptr: address of block 0 (device memory when ``on_device``, else host memory).
+        ptr: address of block 0 (memory of CUDA device ``device_index``, else host memory).
         num_blocks: number of blocks (GPU block ids are ``0 .. num_blocks-1``).
         page_size_bytes: bytes of one block's page, padding included.
         row_stride_bytes: bytes from block ``b`` to ``b + 1`` (``>= page_size_bytes``).
-        on_device: whether the memory is GPU memory (CUDA copy path) or host memory (torch path,
-            e.g. the CPU-only test setup where the "GPU" KV cache is a CPU tensor).
+        device_index: the CUDA device ordinal of the memory (CUDA copy path), or None for host
+            memory (torch path, e.g. the CPU-only setup where the "GPU" KV cache is a CPU tensor).
         tensor: the int8 ``(num_blocks, page_size_bytes)`` view, stride ``(row_stride_bytes, 1)``,
-            when built from a tensor; None for raw device memory.
-        owner: keeps raw memory alive (e.g. a ``DeviceBuffer``); not used otherwise.
+            when built from a tensor; None for raw memory. Keeps the memory alive.
+        owner: keeps raw memory alive (e.g. a test's device buffer); not used otherwise.
+
+    Raises:
+        ValueError: a null address, no blocks, overlapping pages or a negative device index.
     """
 
     ptr: int
     num_blocks: int
     page_size_bytes: int
     row_stride_bytes: int
-    on_device: bool
+    device_index: int | None
     tensor: torch.Tensor | None = None
     owner: object | None = None
 
     def __post_init__(self) -> None:
         if self.ptr <= 0:
             raise ValueError(f"ptr={self.ptr} must be a non-null address")
+        if self.device_index is not None and self.device_index < 0:
+            raise ValueError(f"device_index={self.device_index} must be >= 0 (or None for host)")
         if self.num_blocks < 1 or self.page_size_bytes < 1:
             raise ValueError(
                 f"num_blocks={self.num_blocks} and page_size_bytes={self.page_size_bytes} must "
@@ -86,8 +95,10 @@ class CanonicalKVCacheTensor:
         """Wrap an int8 ``(num_blocks, page_size_bytes)`` view with stride ``(row_stride, 1)``.
 
         Raises:
-            ValueError: wrong dtype, rank or strides.
+            ValueError: wrong dtype, rank or strides, or memory that is neither host nor CUDA.
         """
+        if view.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KV caches must be CPU or CUDA tensors, got {view.device}")
         if view.dtype != torch.int8 or view.dim() != 2:
             raise ValueError(
                 "expected an int8 (num_blocks, page_bytes) view, got "
@@ -100,9 +111,15 @@ class CanonicalKVCacheTensor:
             num_blocks=int(view.shape[0]),
             page_size_bytes=int(view.shape[1]),
             row_stride_bytes=int(view.stride(0)),
-            on_device=view.device.type != "cpu",
+            # A CUDA tensor always has a concrete index (torch resolves "cuda" when allocating).
+            device_index=None if view.device.type == "cpu" else view.device.index,
             tensor=view,
         )
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the memory is CUDA device memory (else host memory)."""
+        return self.device_index is not None
 
     @property
     def end_ptr(self) -> int:
@@ -111,7 +128,7 @@ class CanonicalKVCacheTensor:
 
     @override
     def __repr__(self) -> str:
-        where = "device" if self.on_device else "host"
+        where = "host" if self.device_index is None else f"cuda:{self.device_index}"
         return (
             f"CanonicalKVCacheTensor({where} {self.ptr:#x}, num_blocks={self.num_blocks}, "
             f"page={self.page_size_bytes}, stride={self.row_stride_bytes})"
@@ -137,7 +154,7 @@ class CanonicalKVCaches:
     """The canonical tensors of a worker's KV cache and, per KV-cache group, the ones it uses.
 
     Attributes:
-        tensors: canonical tensors; pairwise disjoint, all on the device or all on the host.
+        tensors: canonical tensors; pairwise disjoint, all on one CUDA device or all on the host.
         group_data_refs: ``group_data_refs[g]`` lists the tensors (with unpadded page sizes) that
             hold group ``g``'s data; a block of group ``g`` is moved by moving its page in each.
     """
@@ -150,8 +167,12 @@ class CanonicalKVCaches:
             raise ValueError("at least one canonical tensor is required")
         if not self.group_data_refs:
             raise ValueError("at least one KV-cache group is required")
-        if len({t.on_device for t in self.tensors}) != 1:
-            raise ValueError("canonical tensors must all be on the device or all on the host")
+        places = {t.device_index for t in self.tensors}
+        if len(places) != 1:
+            names = sorted("host" if d is None else f"cuda:{d}" for d in places)
+            raise ValueError(
+                f"canonical tensors must all be on one device or all on the host, got {names}"
+            )
         ordered = sorted(self.tensors, key=lambda t: t.ptr)
         for a, b in itertools.pairwise(ordered):
             if b.ptr < a.end_ptr:
@@ -178,9 +199,14 @@ class CanonicalKVCaches:
         return len(self.group_data_refs)
 
     @property
+    def device_index(self) -> int | None:
+        """The CUDA device ordinal of every tensor, or None for host memory (torch copy path)."""
+        return self.tensors[0].device_index
+
+    @property
     def on_device(self) -> bool:
         """Whether the KV cache is GPU memory (else host memory: the torch copy path)."""
-        return self.tensors[0].on_device
+        return self.device_index is not None
 
 
 def as_block_rows(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,10 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
     spy_on_manager,
     with_handlers,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
@@ -49,13 +53,8 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
-
-
-def _offload_keys(engine: EngineCore, req_id: str) -> list[OffloadKey]:
-    state = engine.connector.connector_scheduler.request_state(req_id)  # type: ignore[union-attr]
-    assert state is not None
-    return list(state.offload_keys[0])
 
 
 def _keys_of_tokens(tokens: list[int], engine: EngineCore) -> list[OffloadKey]:
@@ -68,6 +67,42 @@ def _keys_of_tokens(tokens: list[int], engine: EngineCore) -> list[OffloadKey]:
         parent = hash_block_tokens(parent, tokens[start : start + 16])
         keys.append(make_offload_key(parent, 0))
     return keys
+
+
+def _capture_reports(engine: EngineCore) -> list[int]:
+    """Record the ids of the jobs the workers report (done or failed), as the connector sees
+    them, in order."""
+    sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
+    reported: list[int] = []
+    original = sched.update_connector_output
+
+    def tap(output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, OffloadingWorkerMetadata):
+            reported.extend(sorted(meta.completed_jobs.keys() | meta.failed_jobs.keys()))
+        original(output)
+
+    sched.update_connector_output = tap  # type: ignore[method-assign]
+    return reported
+
+
+def _capture_allocations(engine: EngineCore) -> list[set[int]]:
+    """Per ``build_connector_meta`` call, the group-0 GPU block ids the step's scheduler output
+    gives to requests (all blocks of newly scheduled requests, new blocks of running ones)."""
+    sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
+    allocated: list[set[int]] = []
+    original = sched.build_connector_meta
+
+    def tap(scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
+        blocks = {b for r in scheduler_output.scheduled_new_reqs for b in r.block_ids[0]}
+        for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if new_ids is not None:
+                blocks.update(new_ids[0])
+        allocated.append(blocks)
+        return original(scheduler_output)
+
+    sched.build_connector_meta = tap  # type: ignore[method-assign]
+    return allocated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,21 +264,24 @@ def test_abort_while_loading_keeps_blocks_until_the_load_is_reported(tmp_path: P
         engine.kv_cache_manager.reset_prefix_cache()
         pool = engine.kv_cache_manager.pools[0]
         free_before = pool.num_free_blocks
+        metas = capture_metadata(engine)
         engine.add_request("a", [*prompt, 7], 2)
         engine.step()
         sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
-        assert sched.num_jobs_in_flight() == 1
+        assert sched.get_stats()["jobs_in_flight"] == 1
+        (load_job,) = metas[-1].load_jobs
         keys = _keys_of_tokens(prompt, engine)
         assert all(cpu_ref_counts(engine)[k] == 1 for k in keys)  # pinned by the load
         outputs = engine.step() if engine.abort_request("a") else []
         # Aborted, but the load still writes its GPU blocks: they stay allocated.
         assert any(o.request_id == "a" and o.finish_reason == "abort" for o in outputs)
         assert pool.num_free_blocks == free_before - 5  # 80 tokens to load, nothing else yet
-        assert not sched._block_id_to_pending_jobs  # loads never enter the fence index
         engine.run_until_done()
+        # Loads are never fenced: no worker was told to wait for the load of the aborted request.
+        assert not any(load_job in m.jobs_to_flush for m in metas)
         assert pool.num_free_blocks == free_before
         assert all(cpu_ref_counts(engine)[k] == 0 for k in keys)
-        assert sched.request_state("a") is None
+        assert not sched.tracks_request("a")
         # The blocks are intact: a new request loads and verifies them.
         out = engine.generate({"b": [*prompt, 8]}, max_tokens=2)
         assert len(out["b"]) == 2
@@ -263,10 +301,15 @@ def _preempting_workload(engine: EngineCore) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("flush", [True, False], ids=["flush", "no_flush_control"])
-def test_preemption_flushes_pending_stores(tmp_path: Path, flush: bool) -> None:
+def test_preemption_flushes_pending_stores(
+    tmp_path: Path, flush: bool, scheduling_mode: str
+) -> None:
     log = TransferLog()
-    factory = chaos_factory(min_delay_polls=2, max_delay_polls=2, log=log)
-    config = make_config(tmp_path, num_gpu_blocks=24, cpu_blocks=256)
+    # Under async scheduling fewer preempted requests have a store pending (a request's blocks
+    # fill a step later): a smaller pool and later stores make the negative control bite.
+    delay, gpu_blocks = (8, 20) if scheduling_mode == "async" else (2, 24)
+    factory = chaos_factory(min_delay_polls=delay, max_delay_polls=delay, log=log)
+    config = make_config(tmp_path, num_gpu_blocks=gpu_blocks, cpu_blocks=256)
     with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
         mark_forward(engine, log)
@@ -303,6 +346,7 @@ def test_fence_flushes_a_finished_requests_store_when_its_block_is_reused(
     config = make_config(tmp_path, num_gpu_blocks=9, max_num_seqs=2)
     with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
+        allocated = _capture_allocations(engine)
         mark_forward(engine, log)
         rng = random.Random(7)
         a_prompt = random_tokens(rng, 100)  # 7 blocks: 6 full + 4 tokens
@@ -310,14 +354,16 @@ def test_fence_flushes_a_finished_requests_store_when_its_block_is_reused(
         engine.add_request("a", a_prompt, 1)
         engine.step()  # both prefill; a finishes; its store job stays pending
         a_job = next(j for j, job in metas[0].store_jobs.items() if job.req_id == "a")
-        sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
-        a_blocks = {b for (_, b) in sched._jobs[a_job].gpu_blocks}
-        assert {ref for ref in sched._block_id_to_pending_jobs} == {(0, b) for b in a_blocks}
+        gpu_spec = metas[0].store_jobs[a_job].transfer_spec[0]
+        assert isinstance(gpu_spec, GPULoadStoreSpec)
+        a_blocks = set(gpu_spec.block_ids.tolist())
+        assert len(a_blocks) == 6
         engine.run_until_done()
-        # b's new blocks came from a's freed ones (last block first): the first stored one
-        # reallocated triggered the flush, and not earlier.
+        # b's new blocks came from a's freed ones (last block first): the first block the job
+        # reads that was reallocated triggered the flush, in that very step, and no other did.
+        reuse_steps = [i for i, blocks in enumerate(allocated) if i > 0 and blocks & a_blocks]
         flush_steps = [i for i, m in enumerate(metas) if a_job in m.jobs_to_flush]
-        assert len(flush_steps) == 1
+        assert reuse_steps and flush_steps == reuse_steps[:1]
         waits = [i for i, e in enumerate(log.entries) if e == ("wait", 0, "GPU_to_CPU", a_job)]
         forwards = [
             i for i, e in enumerate(log.entries) if e[0] == "forward" and e[3] == flush_steps[0]
@@ -341,7 +387,7 @@ def test_fence_at_update_state_after_alloc(tmp_path: Path) -> None:
             engine.step()
         a_jobs = {j for m in metas for j in m.store_jobs}
         sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
-        assert a_jobs and a_jobs <= set(sched._jobs)  # still pending
+        assert a_jobs and sched.get_stats()["jobs_in_flight"] == len(a_jobs)  # all pending
         assert not any(m.jobs_to_flush for m in metas)
         # b needs 7 of the 8 blocks: it is allocated some of a's, when it is placed.
         engine.add_request("b", random_tokens(rng, 100), 1)
@@ -396,6 +442,7 @@ def test_reset_cache_flushes_in_flight_jobs_and_ignores_their_completions(
     factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
     with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         metas = capture_metadata(engine)
+        reported = _capture_reports(engine)
         rng = random.Random(10)
         prompt = random_tokens(rng, 96)
         engine.add_request("a", prompt, 12)
@@ -403,13 +450,19 @@ def test_reset_cache_flushes_in_flight_jobs_and_ignores_their_completions(
             engine.step()
         engine.step()
         sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
-        in_flight = set(sched._jobs)
-        assert in_flight and keys_in_cpu(engine)
+        created = {j for m in metas for j in (*m.load_jobs, *m.store_jobs)}
+        in_flight = created - set(reported)
+        assert in_flight and len(in_flight) == sched.get_stats()["jobs_in_flight"]
+        assert keys_in_cpu(engine)
         engine.reset_prefix_cache()
         assert not keys_in_cpu(engine)
-        assert sched.request_state("a").next_stored_block_idx == 0  # type: ignore[union-attr]
         engine.step()
         assert in_flight <= metas[-1].jobs_to_flush
+        # "a" offers every block again, from its first one, in the step after the reset.
+        (a_store,) = (job for job in metas[-1].store_jobs.values() if job.req_id == "a")
+        gpu_spec = a_store.transfer_spec[0]
+        assert isinstance(gpu_spec, GPULoadStoreSpec)
+        assert gpu_spec.block_indices == (0,) and len(gpu_spec.block_ids) == 6
         engine.run_until_done()
         assert sched.get_stats()["stale_completions"] >= len(in_flight)
         # "a" offered its blocks again after the reset: they are back in the CPU tier.
@@ -444,7 +497,7 @@ def test_no_lookup_until_every_pre_reset_job_is_reported(tmp_path: Path) -> None
         assert "lookup" not in log
         assert sched.get_stats()["lookups_skipped_after_reset"] >= 1
         engine.run_until_done()
-        assert not sched._unreported_pre_reset_jobs
+        assert not sched.has_pending_work()  # which counts pre-reset jobs not yet reported
         # Every pre-reset job was reported: lookups (and promotions from disk) are back.
         engine.kv_cache_manager.reset_prefix_cache()
         engine.generate({"d": [*first, 9]}, max_tokens=1)
@@ -599,15 +652,20 @@ def _req(num_tokens: int, hash_block_size: int = 16) -> Request:
         ([], 0, 0),
     ],
 )
-def test_maximal_prefix_lookup(
+def test_lookups_scan_the_prefix_up_to_the_first_miss(
     script: list[bool | None], expected: int | None, num_lookups: int
 ) -> None:
+    """``expected``: blocks before the first miss, None if one of them is not readable yet."""
     sched, manager = _scheduler()
-    keys = [make_offload_key(bytes([i + 1]), 0) for i in range(len(script))]
+    request = _req(16 * len(script) + 1)  # len(script) full blocks
+    keys = [make_offload_key(h, 0) for h in request.block_hashes]
     manager.results = dict(zip(keys, script, strict=True))
-    state = sched._get_or_create_state(_req(16))
-    assert sched._maximal_prefix_lookup(state, keys) == expected
-    assert len(manager.lookups) == num_lookups
+    if expected is None:
+        answer: tuple[int | None, bool] = (None, False)
+    else:
+        answer = (16 * expected, expected > 0)
+    assert sched.get_num_new_matched_tokens(request, 0) == answer
+    assert manager.lookups == keys[:num_lookups]
 
 
 def test_get_num_new_matched_tokens() -> None:
@@ -663,7 +721,7 @@ def test_load_job_specs_are_group_major_with_block_indices() -> None:
     assert gpu_spec.block_indices == (2, 1)
     assert gpu_spec.block_ids.tolist() == list(range(102, 116)) + list(range(201, 208))
     assert len(cpu_spec.block_ids) == 8  # type: ignore[attr-defined]
-    assert not sched._block_id_to_pending_jobs
+    assert not meta.jobs_to_flush
 
 
 def test_request_id_is_not_reused_while_its_transfers_run(tmp_path: Path) -> None:
@@ -674,11 +732,12 @@ def test_request_id_is_not_reused_while_its_transfers_run(tmp_path: Path) -> Non
         while engine.has_unfinished_requests():
             engine.step()
         sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
-        assert sched.jobs_of("a"), "a's stores should still be in flight"
+        assert sched.get_stats()["jobs_in_flight"] > 0, "a's stores should still be in flight"
+        assert sched.tracks_request("a")
         with pytest.raises(ValueError, match="still in use"):
             engine.add_request("a", random_tokens(rng, 40), 1)
         engine.run_until_done()
-        assert not sched.jobs_of("a")
+        assert not sched.tracks_request("a")
         engine.generate({"a": random_tokens(rng, 40)}, max_tokens=1)  # the id is free again
         with pytest.raises(ValueError, match="live request"):
             engine.add_request("b", random_tokens(rng, 40), 4)

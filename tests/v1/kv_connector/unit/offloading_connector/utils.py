@@ -47,6 +47,10 @@ from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult, 
 GEOMETRY: dict[str, Any] = dict(num_layers=2, num_kv_heads=2, head_size=16, dtype="float16")
 
 
+ASYNC_SCHEDULING = False
+"""``make_config``'s default ``async_scheduling``; ``conftest.py`` sets it per test."""
+
+
 def make_config(
     tmp_path: Path,
     *,
@@ -57,10 +61,16 @@ def make_config(
 ) -> EngineConfig:
     """A small engine config; ``cpu_blocks=None`` runs without offloading.
 
+    The scheduling mode is ``ASYNC_SCHEDULING`` unless ``async_scheduling`` is overridden.
+
     ``cpu_blocks`` sizes the CPU tier in rows (one offloaded block each, 4 KiB per worker).
     """
     settings: dict[str, Any] = dict(
-        GEOMETRY, gpu_block_sizes=(16,), num_gpu_blocks=64, max_num_seqs=4
+        GEOMETRY,
+        gpu_block_sizes=(16,),
+        num_gpu_blocks=64,
+        max_num_seqs=4,
+        async_scheduling=ASYNC_SCHEDULING,
     )
     settings.update(overrides)
     if cpu_blocks is not None:
@@ -346,25 +356,20 @@ def capture_metadata(engine: EngineCore) -> list[OffloadingConnectorMetadata]:
 
 
 def mark_forward(engine: EngineCore, log: TransferLog) -> None:
-    """Log ``("forward", rank, "", step)`` when each rank's forward pass starts."""
-    step = [0]
+    """Log ``("forward", rank, "", step)`` when each rank's forward pass starts.
+
+    ``step`` counts scheduled steps (``engine.stats.steps``, which a step increments after its
+    forward passes), so it indexes ``capture_metadata``'s list in both scheduling modes: a
+    ``step()`` call that only applies the step in flight schedules nothing.
+    """
     for worker in engine.workers:
         original = worker._forward
 
         def forward(so: SchedulerOutput, _orig: Any = original, _rank: int = worker.rank) -> Any:
-            log.entries.append(("forward", _rank, "", step[0]))
+            log.entries.append(("forward", _rank, "", engine.stats.steps))
             return _orig(so)
 
         worker._forward = forward  # type: ignore[method-assign]
-    original_step = engine.step
-
-    def counted_step() -> Any:
-        try:
-            return original_step()
-        finally:
-            step[0] += 1
-
-    engine.step = counted_step  # type: ignore[method-assign]
 
 
 class EventCollector:

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, BlockFileCorrupt
 from vllm.v1.kv_offload.tiering.fs import block_io
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE, BlockFileCorrupt
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     HOST_TAG,
     HeaderBuffers,
     is_stale_tmp,
+    is_stale_tmp_file,
     open_dir,
     probe_o_direct,
     read_block_file,
@@ -153,6 +154,20 @@ def test_temporary_file_names_and_staleness() -> None:
     assert is_stale_tmp(other_host, 600.0, 600)
     assert not is_stale_tmp("random.tmp", 10**9, 600)  # not ours: never
     assert not is_stale_tmp(f".x.{HOST_TAG}.0.0badc0de.01234567.tmp", 10**9, 600)  # pid 0
+
+
+def test_stale_tmp_file_must_be_a_regular_file_old_enough(tmp_path: Path, dir_fd: int) -> None:
+    other_host = f".abcdef.{'0' * 8 if HOST_TAG != '0' * 8 else '1' * 8}.1.0badc0de.01234567.tmp"
+    assert not is_stale_tmp_file(dir_fd, other_host, 0.0)  # gone
+    (tmp_path / "dir").mkdir()
+    os.symlink("dir", tmp_path / other_host)
+    assert not is_stale_tmp_file(dir_fd, other_host, 0.0)  # a link: not followed
+    os.unlink(tmp_path / other_host)
+    (tmp_path / other_host).write_bytes(b"x")
+    assert is_stale_tmp_file(dir_fd, other_host, 0.0)
+    assert not is_stale_tmp_file(dir_fd, other_host, 600.0)  # just written
+    os.utime(tmp_path / other_host, (0, 0))
+    assert is_stale_tmp_file(dir_fd, other_host, 600.0)  # mtime is the age
 
 
 def test_o_direct_probe_leaves_nothing_behind(tmp_path: Path, dir_fd: int) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.v1.kv_offload.tiering.fs import store as store_module
-from vllm.v1.kv_offload.tiering.fs.store import BusyClock
+from vllm.v1.kv_offload.tiering.fs import meters
+from vllm.v1.kv_offload.tiering.fs.meters import BusyClock
 
 
 class FakeTime:
@@ -21,7 +21,7 @@ class FakeTime:
 @pytest.fixture
 def clock_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     fake = FakeTime()
-    monkeypatch.setattr(store_module.time, "monotonic", fake.monotonic)
+    monkeypatch.setattr(meters.time, "monotonic", fake.monotonic)
     return fake
 
 

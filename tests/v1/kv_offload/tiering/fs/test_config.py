@@ -47,3 +47,27 @@ def test_defaults_and_root_normalisation(tmp_path: Path) -> None:
     assert config.max_bytes is None and config.min_free_bytes is None
     assert config.o_direct == "auto" and config.enable_events is False
     assert os.path.isabs(FsTierConfig.from_kwargs(root_dir="relative/dir").root_dir)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("reconcile_interval_s", 0),
+        ("reconcile_interval_s", float("inf")),
+        ("reconcile_interval_s", "1"),
+        ("reconcile_batch", 0),
+        ("reconcile_batch", 2.0),
+        ("max_read_failures", 0),
+        ("max_read_failures", True),
+        ("stale_tmp_age_s", -1),
+    ],
+)
+def test_reliability_keys_are_validated(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        FsTierConfig.from_kwargs(root_dir="/tmp/x", **{key: value})
+
+
+def test_reliability_key_defaults() -> None:
+    config = FsTierConfig.from_kwargs(root_dir="/tmp/x")
+    assert (config.reconcile_interval_s, config.reconcile_batch) == (1.0, 1024)
+    assert config.max_read_failures == 3

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 
 from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, make_spec, resolve_lookups
 

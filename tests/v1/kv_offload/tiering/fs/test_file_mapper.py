@@ -53,6 +53,49 @@ def test_every_byte_changing_field_changes_the_directory(overrides: dict[str, An
     assert _mapper(**overrides).rank_dir_name != _mapper().rank_dir_name
 
 
+@pytest.mark.parametrize(
+    ("windows_a", "windows_b"),
+    [
+        ((), (None, 32)),
+        ((None, None), (None, 32)),
+        ((None, 32), (None, 64)),
+        ((None, 32), (32, None)),
+    ],
+)
+def test_runs_differing_only_in_a_sliding_window_use_different_directories(
+    windows_a: tuple[int | None, ...], windows_b: tuple[int | None, ...]
+) -> None:
+    # A window changes what every later layer computes, hence the bytes of a block.
+    a = _mapper(gpu_block_sizes=(16, 16), sliding_windows=windows_a)
+    b = _mapper(gpu_block_sizes=(16, 16), sliding_windows=windows_b)
+    assert a.rank_dir_name != b.rank_dir_name and a.run_digest != b.run_digest
+
+
+@pytest.mark.parametrize(
+    ("overrides", "digest"),
+    [
+        ({}, "a2c6160f3d055d81d1e0908b4ab4db80fdd14c78958de823a396d994cd941328"),
+        (
+            {"gpu_block_sizes": (16, 16)},
+            "14c84bb69e4442576c3b2ee1c8bda9d62044c9adbcb7797f9a815b58252532c2",
+        ),
+        (
+            {"gpu_block_sizes": (16, 16), "sliding_windows": (None, None)},
+            "14c84bb69e4442576c3b2ee1c8bda9d62044c9adbcb7797f9a815b58252532c2",
+        ),
+    ],
+    ids=["one_group", "two_groups", "two_groups_no_window"],
+)
+def test_full_attention_runs_keep_their_digest(overrides: dict[str, Any], digest: str) -> None:
+    # Pinned to the digests of the layout that predates sliding windows: existing fs caches of
+    # full-attention runs stay warm. A deliberate layout change updates these values (and the
+    # format version or the fields, so old files are not misread).
+    mapper = _mapper(**overrides)
+    assert mapper.run_digest.hex() == digest
+    assert mapper.rank_dir_name == f"org_test-model_{digest[:16]}_r0"
+    assert "sliding_windows" not in mapper.run_fields
+
+
 def test_offloaded_block_size_changes_the_directory() -> None:
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec

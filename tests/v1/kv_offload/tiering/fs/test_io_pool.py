@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
 
 import pytest
 from typing_extensions import override
@@ -11,26 +12,18 @@ from typing_extensions import override
 from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool, IoTask
 
 
+@dataclass(eq=False)
 class Task(IoTask):
     """Records where and in which order it ran; optionally waits for ``go`` first."""
 
-    def __init__(
-        self,
-        name: str,
-        log: list[tuple[str, str]],
-        *,
-        ok: bool = True,
-        go: threading.Event | None = None,
-        started: threading.Event | None = None,
-        raises: bool = False,
-    ) -> None:
-        self.name = name
-        self.log = log
-        self.ok = ok
-        self.go = go
-        self.started = started
-        self.raises = raises
-        self.cancelled = False
+    name: str
+    log: list[tuple[str, str]]
+    _: KW_ONLY
+    ok: bool = True
+    go: threading.Event | None = None
+    started: threading.Event | None = None
+    raises: bool = False
+    cancelled: bool = field(default=False, init=False)
 
     @override
     def run(self) -> bool:
@@ -48,22 +41,25 @@ class Task(IoTask):
         self.cancelled = True
 
 
+PoolFactory = Callable[[int, int], DualQueueThreadPool]
+
+
 @pytest.fixture
-def pools() -> Iterator[list[DualQueueThreadPool]]:
+def make_pool() -> Iterator[PoolFactory]:
+    """``make_pool(n_read, n_write)``: a pool shut down at teardown."""
     created: list[DualQueueThreadPool] = []
-    yield created
+
+    def make(n_read: int, n_write: int) -> DualQueueThreadPool:
+        created.append(DualQueueThreadPool(n_read, n_write, "test_pool"))
+        return created[-1]
+
+    yield make
     for pool in created:
         pool.shutdown()
 
 
-def _pool(pools: list[DualQueueThreadPool], n_read: int, n_write: int) -> DualQueueThreadPool:
-    pool = DualQueueThreadPool(n_read, n_write, "test_pool")
-    pools.append(pool)
-    return pool
-
-
-def test_each_job_is_reported_once_with_its_outcome(pools: list[DualQueueThreadPool]) -> None:
-    pool = _pool(pools, 2, 2)
+def test_each_job_is_reported_once_with_its_outcome(make_pool: PoolFactory) -> None:
+    pool = make_pool(2, 2)
     log: list[tuple[str, str]] = []
     pool.submit(1, [Task("a", log), Task("b", log)], is_load=True)
     pool.submit(2, [Task("c", log), Task("d", log, ok=False)], is_load=False)
@@ -90,9 +86,9 @@ class ExitingTask(IoTask):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_job_is_reported_even_if_a_task_ends_its_thread(
-    pools: list[DualQueueThreadPool],
+    make_pool: PoolFactory,
 ) -> None:
-    pool = _pool(pools, 2, 2)
+    pool = make_pool(2, 2)
     pool.submit(7, [ExitingTask()], is_load=True)
     assert pool.wait_idle(10)
     assert pool.get_finished() == [(7, False)]
@@ -100,11 +96,11 @@ def test_job_is_reported_even_if_a_task_ends_its_thread(
 
 
 @pytest.mark.parametrize("prefer_loads", [True, False])
-def test_neither_queue_starves(pools: list[DualQueueThreadPool], prefer_loads: bool) -> None:
+def test_neither_queue_starves(make_pool: PoolFactory, prefer_loads: bool) -> None:
     """Both workers are busy with the other kind and more of it is queued; when the worker that
     prefers this kind frees up, it takes this kind's task first, however much of the other kind
     was queued earlier. So a flood of stores never holds back a load, nor loads a store."""
-    pool = _pool(pools, 1, 1)
+    pool = make_pool(1, 1)
     log: list[tuple[str, str]] = []
     gos = {name: threading.Event() for name in ("busy0", "busy1")}
     both_started = [threading.Event(), threading.Event()]
@@ -131,8 +127,8 @@ def test_neither_queue_starves(pools: list[DualQueueThreadPool], prefer_loads: b
     assert pool.wait_idle(10)
 
 
-def test_wait_idle_times_out_while_a_task_runs(pools: list[DualQueueThreadPool]) -> None:
-    pool = _pool(pools, 1, 1)
+def test_wait_idle_times_out_while_a_task_runs(make_pool: PoolFactory) -> None:
+    pool = make_pool(1, 1)
     go, started = threading.Event(), threading.Event()
     pool.submit(1, [Task("held", [], go=go, started=started)], is_load=True)
     assert started.wait(10)
@@ -143,9 +139,9 @@ def test_wait_idle_times_out_while_a_task_runs(pools: list[DualQueueThreadPool])
 
 
 def test_shutdown_cancels_queued_tasks_and_lets_running_ones_finish(
-    pools: list[DualQueueThreadPool],
+    make_pool: PoolFactory,
 ) -> None:
-    pool = _pool(pools, 1, 1)
+    pool = make_pool(1, 1)
     log: list[tuple[str, str]] = []
     go = threading.Event()
     started = [threading.Event(), threading.Event()]

@@ -18,11 +18,11 @@ import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, MAGIC
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs import block_io
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs import store as store_module
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE, MAGIC
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
 from vllm.v1.kv_offload.tiering.fs.scan import ScanStats
@@ -63,46 +63,48 @@ def _event_keys(tier: FileSystemSecondaryTier) -> list[tuple[bool, set[OffloadKe
     return [(e.removed, set(e.keys)) for e in events]
 
 
+class Gate:
+    """Holds gated operations: each sets ``started`` and waits for ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._monkeypatch = monkeypatch
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def wait(self, started: threading.Event | None = None) -> None:
+        """Set ``started`` (default: the gate's) and wait for ``release``."""
+        (started or self.started).set()
+        assert self.release.wait(30), "test gate never released"
+
+    def hold(self, obj: Any, name: str, started: threading.Event | None = None) -> None:
+        """Make ``obj.name`` pass the gate (``wait(started)``) before it runs."""
+        real = getattr(obj, name)
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            self.wait(started)
+            return real(*args, **kwargs)
+
+        self._monkeypatch.setattr(obj, name, gated)
+
+    def submit(
+        self, tier: FileSystemSecondaryTier, j: JobMetadata, started: threading.Event | None = None
+    ) -> JobMetadata:
+        """Submit ``j`` with every I/O of its direction held; return once one started.
+
+        The I/O thread that took ``j`` stays busy until ``release`` is set.
+        """
+        started = started or self.started
+        self.hold(tier._store, "load" if j.is_promotion else "store", started)
+        (tier.submit_load if j.is_promotion else tier.submit_store)(j)
+        assert started.wait(10)
+        return j
+
+
 @pytest.fixture
-def gate() -> Iterator[tuple[threading.Event, threading.Event]]:
-    """``(started, release)``: a gated operation sets ``started`` and waits for ``release``."""
-    started, release = threading.Event(), threading.Event()
-    yield started, release
-    release.set()
-
-
-def _gate_method(
-    monkeypatch: pytest.MonkeyPatch,
-    obj: Any,
-    name: str,
-    started: threading.Event,
-    release: threading.Event,
-) -> None:
-    real = getattr(obj, name)
-
-    def gated(*args: Any, **kwargs: Any) -> Any:
-        started.set()
-        assert release.wait(30), "test gate never released"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(obj, name, gated)
-
-
-def _submit_held(
-    monkeypatch: pytest.MonkeyPatch,
-    tier: FileSystemSecondaryTier,
-    j: JobMetadata,
-    started: threading.Event,
-    release: threading.Event,
-) -> JobMetadata:
-    """Submit ``j`` with every I/O of its direction held by the gate; return once one started.
-
-    The I/O thread that took ``j`` stays busy until ``release`` is set.
-    """
-    _gate_method(monkeypatch, tier._store, "load" if j.is_promotion else "store", started, release)
-    (tier.submit_load if j.is_promotion else tier.submit_store)(j)
-    assert started.wait(10)
-    return j
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(monkeypatch)
+    yield g
+    g.release.set()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +540,8 @@ def test_failed_store_accounts_a_file_changed_behind_the_tier(
     monkeypatch.setattr(store_module.os, "statvfs", nearly_full)
     assert not store(tier, primary, [keys[0]], [0])
     monkeypatch.undo()
-    assert tier.usage().used_bytes == FILE_SIZE + (left_bytes or 0), "counted as it is on disk"
+    # Counted as it is on disk: gone, or (truncated, the wrong size) deleted, never indexed.
+    assert tier.usage().used_bytes == FILE_SIZE
     tier.index.check_invariants()
     assert store(tier, primary, [keys[0]], [0])
     assert tier.usage().used_bytes == 2 * FILE_SIZE
@@ -580,21 +583,19 @@ def _wait_results(tier: FileSystemSecondaryTier, count: int) -> dict[int, bool]:
 def test_blocks_being_loaded_are_never_evicted(
     make_tier: TierFactory,
     primary: Primary,
-    monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
 ) -> None:
-    started, release = gate
     tier = make_tier(max_bytes=2 * FILE_SIZE, n_read_threads=1, n_write_threads=1)
     a, b, c = key_of(0), key_of(1), key_of(2)
     assert store(tier, primary, [a, b], [0, 1])  # a is the least recently used block
-    load_job = _submit_held(monkeypatch, tier, job([a], [8], load=True), started, release)
+    load_job = gate.submit(tier, job([a], [8], load=True))
     # a is pinned by the held load: storing c evicts b instead (on the other I/O thread).
     primary.fill(2, c)
     store_c = job([c], [2], load=False)
     tier.submit_store(store_c)
     assert _wait_results(tier, 1) == {store_c.job_id: True}
     assert os.path.exists(tier.block_file_path(a)) and not os.path.exists(tier.block_file_path(b))
-    release.set()
+    gate.release.set()
     tier.drain_jobs()
     assert {r.job_id: r.success for r in tier.get_finished_jobs()} == {load_job.job_id: True}
     assert primary.holds(8, a)
@@ -605,20 +606,18 @@ def test_blocks_being_loaded_are_never_evicted(
 def test_store_fails_when_only_pinned_blocks_could_be_evicted(
     make_tier: TierFactory,
     primary: Primary,
-    monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
 ) -> None:
-    started, release = gate
     tier = make_tier(max_bytes=FILE_SIZE, n_read_threads=1, n_write_threads=1)
     a, b = key_of(0), key_of(1)
     assert store(tier, primary, [a], [0])
-    load_job = _submit_held(monkeypatch, tier, job([a], [8], load=True), started, release)
+    load_job = gate.submit(tier, job([a], [8], load=True))
     primary.fill(1, b)
     store_b = job([b], [1], load=False)
     tier.submit_store(store_b)
     assert _wait_results(tier, 1) == {store_b.job_id: False}
     assert _tmp_files(tier) == [] and not os.path.exists(tier.block_file_path(b))
-    release.set()
+    gate.release.set()
     tier.drain_jobs()
     assert {r.job_id: r.success for r in tier.get_finished_jobs()} == {load_job.job_id: True}
     assert store(tier, primary, [b], [1])  # a is evictable again
@@ -634,18 +633,16 @@ def test_store_fails_when_only_pinned_blocks_could_be_evicted(
 def test_drain_jobs_waits_for_in_flight_work(
     make_tier: TierFactory,
     primary: Primary,
-    monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
 ) -> None:
-    started, release = gate
     tier = make_tier()
-    j = _submit_held(monkeypatch, tier, job([key_of(1)], [0], load=False), started, release)
+    j = gate.submit(tier, job([key_of(1)], [0], load=False))
     assert tier.has_pending_work()
     drained = threading.Event()
     drainer = threading.Thread(target=lambda: (tier.drain_jobs(), drained.set()))
     drainer.start()
     assert not drained.wait(0.2)
-    release.set()
+    gate.release.set()
     drainer.join(10)
     assert drained.is_set()
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(j.job_id, True)]
@@ -654,23 +651,21 @@ def test_drain_jobs_waits_for_in_flight_work(
 def test_shutdown_discards_queued_tasks_and_reports_them_failed(
     make_tier: TierFactory,
     primary: Primary,
-    monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
 ) -> None:
-    started, release = gate
     tier = make_tier(n_read_threads=1, n_write_threads=1)
     keys = [key_of(i) for i in range(4)]
     assert store(tier, primary, keys[:2], [0, 1])
-    running = _submit_held(monkeypatch, tier, job([keys[0]], [4], load=True), started, release)
+    running = gate.submit(tier, job([keys[0]], [4], load=True))
     # Park the other I/O thread on a store, so that everything submitted next stays queued.
     parked = job([keys[2]], [2], load=False)
-    _submit_held(monkeypatch, tier, parked, threading.Event(), release)
+    gate.submit(tier, parked, threading.Event())
     queued = [job([keys[1]], [5], load=True), job([keys[3]], [3], load=False)]
     for j in queued:
         (tier.submit_load if j.is_promotion else tier.submit_store)(j)
     stopper = threading.Thread(target=tier.shutdown)
     stopper.start()
-    release.set()
+    gate.release.set()
     stopper.join(10)
     assert not stopper.is_alive()
     results = {r.job_id: r.success for r in tier.get_finished_jobs()}
@@ -780,34 +775,32 @@ def test_two_instances_share_one_root(make_tier: TierFactory, primary: Primary) 
 def test_scan_never_blocks_the_scheduler(
     root: Path,
     primary: Primary,
-    monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
 ) -> None:
-    started, release = gate
     spec = make_spec()
     first = FileSystemSecondaryTier(spec, primary.view, "fs", root_dir=str(root), min_free_bytes=0)
     key = key_of(1)
     assert store(first, primary, [key], [0])
     first.shutdown()
-    _gate_method(monkeypatch, fs_manager, "scan_rank_dir", started, release)
+    gate.hold(fs_manager, "scan_rank_dir")
     tier = FileSystemSecondaryTier(
         spec, primary.view, "fs", root_dir=str(root), min_free_bytes=0, n_read_threads=1,
         n_write_threads=1,
     )  # fmt: skip
     try:
-        assert started.wait(10)
+        assert gate.started.wait(10)
         # The scan is stuck, yet lookups, loads and stores all work.
         assert resolve_lookups(tier, [key]) == [True]
         assert load(tier, primary, [key], [5]) and primary.holds(5, key)
         assert store(tier, primary, [key_of(2)], [1])
         assert tier.wait_for_scan(0) is None
-        release.set()
+        gate.release.set()
         scan = tier.wait_for_scan(10)
         assert scan is not None and scan.completed
         assert tier.usage().used_bytes == 2 * FILE_SIZE
         tier.index.check_invariants()
     finally:
-        release.set()
+        gate.release.set()
         tier.shutdown()
 
 
@@ -823,22 +816,21 @@ def test_rows_outside_the_primary_view_are_rejected(
 def test_shutdown_keeps_directories_open_while_a_lookup_is_stuck(
     make_tier: TierFactory,
     monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    started, release = gate
     tier = make_tier()
-    _gate_method(monkeypatch, tier._lookups, "_probe", started, release)
+    gate.hold(tier._lookups, "_probe")
     monkeypatch.setattr(tier, "_THREAD_STOP_TIMEOUT_S", 0.05)
     assert tier.lookup(key_of(1), ReqContext("r")) is None
     tier.on_schedule_end()  # posts the lookup batch to the probe thread
-    assert started.wait(10)
+    assert gate.started.wait(10)
     with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload.tiering"):
         tier.shutdown()
     assert any("descriptors stay open" in r.getMessage() for r in caplog.records)
     rank_fd = tier._run_dir.rank_fd
     assert rank_fd >= 0 and os.fstat(rank_fd), "the stuck probe's directory is still open"
-    release.set()
+    gate.release.set()
     assert tier._lookups.shutdown(timeout=10), "the probe finished once released"
     tier._run_dir.close()
 
@@ -847,15 +839,13 @@ def test_shutdown_keeps_directories_open_while_the_scan_is_stuck(
     root: Path,
     primary: Primary,
     monkeypatch: pytest.MonkeyPatch,
-    gate: tuple[threading.Event, threading.Event],
+    gate: Gate,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    started, release = gate
 
     def stuck_scan(*args: Any, **kwargs: Any) -> ScanStats:
         """A stat() hung on a dead NFS server."""
-        started.set()
-        assert release.wait(30), "test gate never released"
+        gate.wait()
         return ScanStats()
 
     monkeypatch.setattr(fs_manager, "scan_rank_dir", stuck_scan)
@@ -867,12 +857,12 @@ def test_shutdown_keeps_directories_open_while_the_scan_is_stuck(
         root_dir=str(root),
         min_free_bytes=0,
     )
-    assert started.wait(10)
+    assert gate.started.wait(10)
     with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload.tiering"):
         tier.shutdown()  # returns although the scan is stuck
     assert any("start-up scan" in r.getMessage() for r in caplog.records)
     assert os.fstat(tier._run_dir.rank_fd), "the stuck scan's directory is still open"
-    release.set()
+    gate.release.set()
     tier._scan_thread.join(10)
     assert not tier._scan_thread.is_alive()
     assert tier.usage().used_bytes == 0, "a stopped scan evicts and indexes nothing more"

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import scan as scan_module
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
 from vllm.v1.kv_offload.tiering.fs.scan import ScanStats, scan_rank_dir
 

@@ -17,7 +17,7 @@ import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobMetadata
-from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 
 from .conftest import ROW_BYTES, Primary, TierFactory, job, key_of

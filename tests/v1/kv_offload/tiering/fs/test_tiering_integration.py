@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from tests.v1.kv_offload.utils import make_tiering_spec
+from tests.v1.kv_offload.utils import make_tiering_spec, store_and_cascade
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
@@ -62,15 +62,9 @@ class Engine:
     def store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """GPU -> CPU store of ``keys`` (the worker's copy is a row fill), then the cascade."""
         assert self.rows is not None
-        output = self.manager.prepare_store(keys, ctx)
-        assert output is not None and output.keys_to_store == list(keys)
-        assert isinstance(output.store_spec, CPULoadStoreSpec)
-        for key, row in zip(keys, output.store_spec.block_ids.tolist(), strict=True):
-            self.rows[row] = pattern(key, ROW_BYTES)
-        self.manager.complete_store(keys, ctx)
-        self.step()  # nothing finished yet
-        self.tier.drain_jobs()
-        self.step()  # cascade completions release the pins
+        store_and_cascade(
+            self.manager, self.tier, self.rows, keys, ctx, lambda key: pattern(key, ROW_BYTES)
+        )
 
     def lookups(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool | None]:
         return [self.manager.lookup(key, ctx) for key in keys]

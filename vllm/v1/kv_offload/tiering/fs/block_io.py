@@ -29,9 +29,11 @@ import secrets
 import socket
 import stat
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.tiering.fs.block_file import (
+from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
     decode_header,
@@ -60,6 +62,9 @@ _TMP_RE = re.compile(
     r"^\.(?P<stem>[0-9a-z]{1,130})\.(?P<host>[0-9a-f]{8})\.(?P<pid>[1-9][0-9]{0,9})"
     r"\.(?P<writer>[0-9a-f]{8})\.[0-9a-f]{8}\.tmp$"
 )
+
+CreatedHook = Callable[[str, int], Callable[[], None] | None]
+"""``write_block_file``'s ``on_created(tmp, fd)``; returns an undo for an unpublished file."""
 
 # Writer ids of the tier instances alive in this process: their temporary files are in progress.
 _live_writers: set[str] = set()
@@ -122,6 +127,16 @@ def is_stale_tmp(name: str, age_s: float, max_age_s: float) -> bool:
     return age_s >= max_age_s
 
 
+def is_stale_tmp_file(dir_fd: int, name: str, max_age_s: float) -> bool:
+    """Whether ``name`` in ``dir_fd`` is a regular file (not followed if a link) that
+    ``is_stale_tmp`` calls a leftover, its age taken from its mtime; False if it is gone."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and is_stale_tmp(name, time.time() - st.st_mtime, max_age_s)
+
+
 # ---------------------------------------------------------------------------------------------
 # Directories
 # ---------------------------------------------------------------------------------------------
@@ -165,9 +180,9 @@ def open_block_dir(rank_fd: int, path: BlockPath, *, create: bool) -> int:
         os.close(fd1)
 
 
-def regular_file_size(dir_fd: int, name: str) -> int | None:
-    """Size of regular file ``name`` under ``dir_fd`` (no symlink followed); None if absent or
-    not a regular file.
+def regular_file_stat(dir_fd: int, name: str) -> os.stat_result | None:
+    """``stat`` of regular file ``name`` under ``dir_fd`` (no symlink followed); None if absent
+    or not a regular file.
 
     Raises:
         OSError: any error other than the file (or a directory above it) being absent.
@@ -176,7 +191,13 @@ def regular_file_size(dir_fd: int, name: str) -> int | None:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def regular_file_size(dir_fd: int, name: str) -> int | None:
+    """Size of regular file ``name`` under ``dir_fd`` (see ``regular_file_stat``)."""
+    st = regular_file_stat(dir_fd, name)
+    return None if st is None else st.st_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,13 +274,15 @@ def write_block_file(
     key: bytes,
     run_digest: bytes,
     o_direct: bool,
+    on_created: CreatedHook | None = None,
 ) -> None:
     """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically and durably.
 
-    Steps: checksum the payload, write header + payload to ``tmp`` (``O_EXCL``; ``O_DIRECT`` if
-    asked, which needs ``payload`` page-aligned and a multiple of the page size), fsync, close,
-    rename onto the final name, fsync the directory. On any failure before the rename the
-    temporary file is removed and the error re-raised; the final name is then untouched.
+    Steps: checksum the payload, create ``tmp`` (``O_EXCL``; ``O_DIRECT`` if asked, which needs
+    ``payload`` page-aligned and a multiple of the page size), call ``on_created``, write header
+    + payload, fsync, close, rename onto the final name, fsync the directory. On any failure
+    before the rename the temporary file is removed (after ``on_created``'s undo, if any) and the
+    error re-raised; the final name is then untouched.
 
     Args:
         leaf_fd: the ``<hh>_g<group>`` directory.
@@ -270,9 +293,14 @@ def write_block_file(
         key: the block's key (stamped into the header).
         run_digest: the run digest (stamped into the header).
         o_direct: use O_DIRECT.
+        on_created: called with ``(tmp, fd)`` once the empty temporary file exists, before any
+            byte is written (the capacity slot is claimed there); it may raise to abandon the
+            write. What it returns, if not None, is called if the file is not published, while
+            ``tmp`` still names it (the slot is released there).
 
     Raises:
         OSError: from any system call before the rename (ENOSPC, EDQUOT, EIO, ...).
+        Exception: whatever ``on_created`` raises.
     """
     encode_header(
         header_buf,
@@ -283,8 +311,11 @@ def write_block_file(
     )
     fd = os.open(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), 0o644, dir_fd=leaf_fd)
     published = False
+    undo: Callable[[], None] | None = None
     try:
         try:
+            if on_created is not None:
+                undo = on_created(tmp, fd)
             _write_all(fd, [header_buf, payload])
             os.fsync(fd)
         finally:
@@ -293,6 +324,12 @@ def write_block_file(
         published = True
     finally:
         if not published:
+            if undo is not None:
+                try:
+                    undo()
+                except OSError as e:
+                    # The slot stays, as garbage once the file is gone: the reconcile frees it.
+                    logger.warning("fs tier: cannot undo the claim of %s: %s", tmp, e)
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=leaf_fd)
     try:
@@ -340,7 +377,7 @@ def read_block_file(
             )
         except BlockFileCorrupt as e:
             raise BlockFileCorrupt(e.reason, file_id) from None
-        if payload_checksum(payload) != checksum:
+        if not checksum.matches(payload):
             raise BlockFileCorrupt("payload checksum mismatch", file_id)
     finally:
         os.close(fd)
@@ -373,14 +410,16 @@ def read_header_key(dir_fd: int, name: str, *, run_digest: bytes, payload_len: i
         os.close(fd)
 
 
-def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> bool:
-    """Unlink ``name`` if it is still the inode ``file_id`` (any regular file if None).
+def unlink_block(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> os.stat_result | None:
+    """Unlink ``name`` if it is still the inode ``file_id`` (any file if None).
 
     Guards against deleting a fresh file that another writer renamed into place after the
-    caller found the old one corrupt.
+    caller found the old one corrupt (up to the few microseconds between the ``stat`` and the
+    ``unlink``: POSIX has no unlink-by-inode).
 
     Returns:
-        True if unlinked; False if the name is absent or now refers to another file.
+        The ``stat`` of the file unlinked (its inode tells the caller which slot to release);
+        None if the name is absent or now refers to another file.
 
     Raises:
         OSError: errors other than absence.
@@ -388,14 +427,19 @@ def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> b
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
-        return False
+        return None
     if file_id is not None and (st.st_dev, st.st_ino) != file_id:
-        return False
+        return None
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
-        return False
-    return True
+        return None
+    return st
+
+
+def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> bool:
+    """``unlink_block`` returning whether the file was unlinked."""
+    return unlink_block(dir_fd, name, file_id) is not None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,40 +1,22 @@
 """Validation of the filesystem tier's config keys (the ``secondary_tiers`` entry of type "fs").
 
 Every key is checked here, before the tier touches the filesystem, and every error names the key,
-the value and what is allowed. Sizes accept an integer number of bytes, an integral float
-(``4e9``) or a string with a binary or decimal unit (``"64GiB"``, ``"500MB"``, ``"1T"``).
+the value and what is allowed. Sizes go through the one size parser of the package
+(``vllm.v1.kv_offload.sizes``): an integer number of bytes, an integral float (``4e9``) or a
+string with a binary or decimal unit (``"64GiB"``, ``"500MB"``, ``"1T"``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-ODirectMode = Literal["auto", True, False]
+from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError
+from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_DOC = (
-    "a byte count > 0: an integer, an integral float, or a string such as '64GiB' or '500MB'"
-)
+ODirectMode = Literal["auto", True, False]
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -42,39 +24,38 @@ def _bad(key: str, value: Any, allowed: str) -> ValueError:
 
 
 def parse_size(key: str, value: Any, *, allow_zero: bool = False) -> int:
-    """Parse a byte count (see the module docstring for the accepted forms).
+    """Parse a byte count with the one size parser (``vllm.v1.kv_offload.sizes.parse_size``).
 
     Raises:
-        ValueError: naming ``key``, for anything else (bools, negatives, unknown units).
+        ValueError: naming ``key``, for anything that parser refuses.
     """
-    allowed = _SIZE_DOC.replace("> 0", ">= 0") if allow_zero else _SIZE_DOC
-    if isinstance(value, bool):
-        raise _bad(key, value, allowed)
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        size = int(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise _bad(key, value, allowed)
-        scaled = float(match.group(1)) * _SIZE_UNITS[unit]
-        if not scaled.is_integer():
-            raise _bad(key, value, allowed)
-        size = int(scaled)
-    else:
-        raise _bad(key, value, allowed)
-    if size < 0 or (size == 0 and not allow_zero):
-        raise _bad(key, value, allowed)
-    return size
+    try:
+        return parse_size_value(value, allow_zero=allow_zero)
+    except SizeError:
+        allowed = f"{SIZE_FORMS}{' (0 allowed)' if allow_zero else ''}"
+        raise _bad(key, value, allowed) from None
+
+
+def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(key, value, f"an integer in [{lo}, {hi}]")
+    return value
 
 
 def _parse_threads(key: str, value: Any) -> int:
-    allowed = "an integer in [1, 256]"
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
-        raise _bad(key, value, allowed)
-    return value
+    return _parse_int(key, value, 1, 256)
+
+
+def _parse_seconds(key: str, value: Any, *, positive: bool) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        raise _bad(key, value, f"a finite number of seconds {'> 0' if positive else '>= 0'}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -95,7 +76,15 @@ class FsTierConfig:
         enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``) for blocks written or
             removed by this tier.
         stale_tmp_age_s: a temporary file of a writer that may still be alive (another host or
-            a live process) is deleted by the start-up scan only once it is this old.
+            a live process) is deleted by the scan only once it is this old.
+        reconcile_interval_s: seconds between two steps of the background reconcile, which
+            re-reads the run directory to learn what other instances (or operators) wrote and
+            deleted.
+        reconcile_batch: directory entries (files and directories) one reconcile step examines;
+            a full pass over ``E`` entries takes ``ceil(E / reconcile_batch)`` steps.
+        max_read_failures: consecutive failed reads (transient errors such as EACCES or EIO) of
+            one block file after which the tier stops serving it: lookups miss, it becomes the
+            first eviction victim, and the next store of the block replaces it.
     """
 
     root_dir: str
@@ -106,6 +95,9 @@ class FsTierConfig:
     o_direct: ODirectMode = "auto"
     enable_events: bool = False
     stale_tmp_age_s: float = 600.0
+    reconcile_interval_s: float = 1.0
+    reconcile_batch: int = 1024
+    max_read_failures: int = 3
 
     @classmethod
     def from_kwargs(
@@ -119,6 +111,9 @@ class FsTierConfig:
         o_direct: Any = "auto",
         enable_events: Any = False,
         stale_tmp_age_s: Any = 600.0,
+        reconcile_interval_s: Any = 1.0,
+        reconcile_batch: Any = 1024,
+        max_read_failures: Any = 3,
     ) -> FsTierConfig:
         """Validate raw config values (e.g. decoded JSON) and normalise them.
 
@@ -141,13 +136,6 @@ class FsTierConfig:
             raise _bad("enable_events", enable_events, "a bool")
         if not (isinstance(o_direct, bool) or (isinstance(o_direct, str) and o_direct == "auto")):
             raise _bad("o_direct", o_direct, "'auto', true or false")
-        if (
-            isinstance(stale_tmp_age_s, bool)
-            or not isinstance(stale_tmp_age_s, (int, float))
-            or not math.isfinite(stale_tmp_age_s)
-            or stale_tmp_age_s < 0
-        ):
-            raise _bad("stale_tmp_age_s", stale_tmp_age_s, "a finite number of seconds >= 0")
         return cls(
             root_dir=os.path.realpath(os.path.abspath(os.path.expanduser(root_dir))),
             n_read_threads=_parse_threads("n_read_threads", n_read_threads),
@@ -160,5 +148,10 @@ class FsTierConfig:
             ),
             o_direct=cast(ODirectMode, o_direct),
             enable_events=enable_events,
-            stale_tmp_age_s=float(stale_tmp_age_s),
+            stale_tmp_age_s=_parse_seconds("stale_tmp_age_s", stale_tmp_age_s, positive=False),
+            reconcile_interval_s=_parse_seconds(
+                "reconcile_interval_s", reconcile_interval_s, positive=True
+            ),
+            reconcile_batch=_parse_int("reconcile_batch", reconcile_batch, 1, 1 << 24),
+            max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
         )

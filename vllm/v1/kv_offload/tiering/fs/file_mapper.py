@@ -7,8 +7,10 @@ Layout under ``root_dir``::
 
 * ``<digest>``: the first 16 hex digits of the SHA-256 of the run fields as canonical JSON
   (sorted keys, compact separators). The fields are exactly those that change a block file's
-  bytes (model, dtype, KV layout, geometry, block sizes, parallel sizes, row size, file format
-  version), so different runs never share a directory and runs with equal fields share files.
+  bytes (model, dtype, KV layout, geometry, block sizes, sliding windows, parallel sizes, row
+  size, file format version), so different runs never share a directory and runs with equal
+  fields share files. ``sliding_windows`` is only a field when some group has a window, so the
+  digests of full-attention runs are those of the layouts that predate the field.
   The full 32-byte digest is also written into every block header.
 * ``<model>``: the model name reduced to ``[A-Za-z0-9._-]`` (other characters become ``_``),
   without leading dots or dashes, at most 64 characters. Only a readable prefix: the digest is
@@ -42,7 +44,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
     make_offload_key,
 )
-from vllm.v1.kv_offload.tiering.fs.block_file import FORMAT_VERSION
+from vllm.v1.kv_offload.tiering.block_format import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
@@ -79,7 +81,7 @@ def run_fields_from_spec(spec: OffloadingSpec, row_bytes: int) -> dict[str, Any]
         row_bytes: bytes of one primary row, i.e. of a block file's payload.
     """
     run = spec.run
-    return {
+    fields: dict[str, Any] = {
         "inference_engine": "vllm",
         "format_version": FORMAT_VERSION,
         "model_name": run.model_name,
@@ -96,6 +98,13 @@ def run_fields_from_spec(spec: OffloadingSpec, row_bytes: int) -> dict[str, Any]
         "pipeline_parallel_size": run.pipeline_parallel_size,
         "row_bytes": row_bytes,
     }
+    # A window changes what the model computed into a group's blocks (a sliding-window layer
+    # attends to fewer tokens), so runs that differ only in a window must not share files. Only
+    # added when a window is set: full-attention runs (``()`` or all None) keep the digest they
+    # had before windows existed, so their existing caches stay warm.
+    if any(w is not None for w in run.sliding_windows):
+        fields["sliding_windows"] = list(run.sliding_windows)
+    return fields
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,10 +28,14 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import OffloadKey
+
+BucketOf = Callable[[OffloadKey], tuple[Hashable, Hashable]]
+"""The directory a key's file lives in, as ``(outer, inner)`` (``<hhh>``, ``<hh>_g<group>``):
+the reconcile re-reads one directory at a time and asks which keys the index holds there."""
 
 ChangeCallback = Callable[[OffloadKey, bool], None]
 """``(key, present)`` called (under the index lock, so in order) when this tier really wrote
@@ -101,6 +105,8 @@ class CapacityIndex:
     sum(reserved + replaced of writes in progress)``, and, when ``max_bytes`` is set, every
     successful ``reserve`` leaves ``used_bytes <= max_bytes``. Observed files (written by others)
     may push ``used_bytes`` above ``max_bytes`` until the next ``reserve`` or ``evict_to_fit``.
+    This bounds the index's view; the directory as a whole, which the view may lag, is bounded
+    by the capacity slots, which ask for more victims with ``evict_lru`` when it is full.
 
     Protection: a pinned key (a load in flight) is never chosen as a victim; nor is a key being
     written (it is not indexed until ``commit``).
@@ -110,6 +116,8 @@ class CapacityIndex:
         on_change: called under the lock for every file this tier really wrote or removed.
         change_window: how many recent changes are remembered to judge observation tickets;
             an observation older than the window is conservatively treated as stale.
+        bucket_of: groups indexed keys by directory (``keys_in_bucket``, ``inner_buckets``,
+            ``outer_buckets``); None: no grouping.
     """
 
     def __init__(
@@ -117,12 +125,15 @@ class CapacityIndex:
         max_bytes: int | None,
         on_change: ChangeCallback | None = None,
         change_window: int = 1 << 16,
+        bucket_of: BucketOf | None = None,
     ) -> None:
         assert max_bytes is None or max_bytes > 0, f"max_bytes={max_bytes}"
         assert change_window > 0, f"change_window={change_window}"
         self._lock = threading.Lock()
         self._max_bytes = max_bytes
         self._on_change = on_change
+        self._bucket_of = bucket_of
+        self._buckets: dict[Hashable, dict[Hashable, set[OffloadKey]]] = {}
         # key -> file size, least recently used first.
         self._entries: OrderedDict[OffloadKey, int] = OrderedDict()
         self._writing: dict[OffloadKey, _Write] = {}
@@ -167,6 +178,21 @@ class CapacityIndex:
         with self._lock:
             return list(self._entries)
 
+    def keys_in_bucket(self, outer: Hashable, inner: Hashable) -> list[OffloadKey]:
+        """Indexed keys whose ``bucket_of`` is ``(outer, inner)`` (O(those keys))."""
+        with self._lock:
+            return list(self._buckets.get(outer, {}).get(inner, ()))
+
+    def inner_buckets(self, outer: Hashable) -> list[Hashable]:
+        """The ``inner`` of every non-empty bucket ``(outer, inner)`` (O(those))."""
+        with self._lock:
+            return list(self._buckets.get(outer, ()))
+
+    def outer_buckets(self) -> list[Hashable]:
+        """The ``outer`` of every non-empty bucket (O(those): at most 4096 x groups)."""
+        with self._lock:
+            return list(self._buckets)
+
     def snapshot(self) -> IndexSnapshot:
         """Counters, read under the lock."""
         with self._lock:
@@ -193,6 +219,17 @@ class CapacityIndex:
                 assert key not in self._entries, f"key {key.hex()} both indexed and being removed"
             for key, count in self._pins.items():
                 assert count > 0, f"key {key.hex()} has pin count {count}"
+            if self._bucket_of is not None:
+                grouped = 0
+                for outer, inners in self._buckets.items():
+                    assert inners, f"empty bucket {outer!r}"
+                    for inner, keys in inners.items():
+                        assert keys, f"empty bucket {(outer, inner)!r}"
+                        grouped += len(keys)
+                        for key in keys:
+                            assert key in self._entries
+                            assert self._bucket_of(key) == (outer, inner)
+                assert grouped == len(self._entries), f"{grouped} grouped keys"
 
     # -----------------------------------------------------------------------------------------
     # Observations (files found by a stat)
@@ -230,12 +267,12 @@ class CapacityIndex:
             old = self._entries.get(key)
             if size is None:
                 if old is not None:
-                    del self._entries[key]
+                    self._pop(key)
                     self._used -= old
                     self._record_change(key)
                 return False
             if old is None:
-                self._entries[key] = size
+                self._add(key, size)
                 self._used += size
                 if not hot:
                     self._entries.move_to_end(key, last=False)
@@ -277,11 +314,11 @@ class CapacityIndex:
                     if sum(v for _, v in victims) < excess:
                         return Reservation(ReserveStatus.NO_ROOM)
             for victim, victim_size in victims:
-                del self._entries[victim]
+                self._pop(victim)
                 self._used -= victim_size
                 self._removing[victim] = victim_size
             if replaced is not None:
-                del self._entries[key]
+                self._pop(key)
             self._writing[key] = _Write(size, replaced)
             self._used += size
             return Reservation(ReserveStatus.OK, tuple(victims))
@@ -292,7 +329,7 @@ class CapacityIndex:
             write = self._writing.pop(key, None)
             assert write is not None, f"commit of key {key.hex()} that is not being written"
             self._used -= write.size + (write.replaced or 0)
-            self._entries[key] = size
+            self._add(key, size)
             self._used += size
             self._record_change(key)
             if self._on_change is not None:
@@ -305,24 +342,32 @@ class CapacityIndex:
             assert write is not None, f"abort of key {key.hex()} that is not being written"
             self._used -= write.size
             if write.replaced is not None:
-                self._entries[key] = write.replaced
+                self._add(key, write.replaced)
 
     # -----------------------------------------------------------------------------------------
     # Removals
     # -----------------------------------------------------------------------------------------
 
-    def begin_remove(self, key: OffloadKey) -> bool:
+    def begin_remove(self, key: OffloadKey, *, unless_pinned: bool = False) -> bool:
         """Mark ``key``'s file as being removed by this tier (e.g. found corrupt by a load).
 
+        Args:
+            key: the block.
+            unless_pinned: refuse if a load of ``key`` is in flight (an eviction; a corrupt file
+                is removed even while pinned: its load fails anyway).
+
         Returns:
-            False if this tier is writing (the write will replace the file) or already removing
-            it: the caller must not unlink.
+            False if this tier is writing (the write will replace the file), already removing
+            it, or (``unless_pinned``) loading it: the caller must not unlink.
         """
         with self._lock:
             if key in self._writing or key in self._removing:
                 return False
-            size = self._entries.pop(key, None)
+            if unless_pinned and key in self._pins:
+                return False
+            size = self._entries.get(key)
             if size is not None:
+                self._pop(key)
                 self._used -= size
             self._removing[key] = size or 0
             return True
@@ -339,7 +384,7 @@ class CapacityIndex:
             had = self._removing.pop(key, None)
             assert had is not None, f"finish_remove of key {key.hex()} that is not being removed"
             if outcome is RemoveOutcome.KEPT and size is not None:
-                self._entries[key] = size
+                self._add(key, size)
                 self._used += size
             self._record_change(key)
             if outcome is RemoveOutcome.REMOVED and self._on_change is not None:
@@ -354,9 +399,24 @@ class CapacityIndex:
         with self._lock:
             if self._max_bytes is None or self._used <= self._max_bytes:
                 return []
-            victims = self._pick_victims(self._used - self._max_bytes, exclude=None)
+            return self._take_victims(self._used - self._max_bytes)
+
+    def evict_lru(self, count: int = 1) -> list[tuple[OffloadKey, int]]:
+        """Choose up to ``count`` least recently used unpinned blocks as victims, whatever
+        ``used_bytes`` (the directory is full by a measure this index does not see).
+
+        Returns:
+            The victims, being removed; the caller unlinks each and calls ``finish_remove``.
+        """
+        with self._lock:
+            victims: list[tuple[OffloadKey, int]] = []
+            for key, size in self._entries.items():
+                if len(victims) >= count:
+                    break
+                if key not in self._pins:
+                    victims.append((key, size))
             for victim, victim_size in victims:
-                del self._entries[victim]
+                self._pop(victim)
                 self._used -= victim_size
                 self._removing[victim] = victim_size
             return victims
@@ -384,6 +444,12 @@ class CapacityIndex:
                 else:
                     pins[key] = count - 1
 
+    def demote(self, key: OffloadKey) -> None:
+        """Make ``key`` (if indexed) the least recently used block: the next victim."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key, last=False)
+
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """Mark indexed ``keys`` as recently used; the first key ends up the most recent."""
         with self._lock:
@@ -410,6 +476,40 @@ class CapacityIndex:
             victims.append((key, size))
             freed += size
         return victims
+
+    def _take_victims(self, needed: int) -> list[tuple[OffloadKey, int]]:
+        victims = self._pick_victims(needed, exclude=None)
+        for victim, victim_size in victims:
+            self._pop(victim)
+            self._used -= victim_size
+            self._removing[victim] = victim_size
+        return victims
+
+    def _add(self, key: OffloadKey, size: int) -> None:
+        """Index ``key`` (not indexed yet) as most recently used."""
+        self._entries[key] = size
+        if self._bucket_of is not None:
+            outer, inner = self._bucket_of(key)
+            inners = self._buckets.get(outer)
+            if inners is None:
+                inners = self._buckets[outer] = {}
+            keys = inners.get(inner)
+            if keys is None:
+                keys = inners[inner] = set()
+            keys.add(key)
+
+    def _pop(self, key: OffloadKey) -> None:
+        """Forget indexed ``key``."""
+        del self._entries[key]
+        if self._bucket_of is not None:
+            outer, inner = self._bucket_of(key)
+            inners = self._buckets[outer]
+            keys = inners[inner]
+            keys.discard(key)
+            if not keys:
+                del inners[inner]
+                if not inners:
+                    del self._buckets[outer]
 
     def _record_change(self, key: OffloadKey) -> None:
         self._seq += 1

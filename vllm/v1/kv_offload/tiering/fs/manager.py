@@ -11,18 +11,26 @@ Threads:
     * ``n_read_threads`` + ``n_write_threads`` I/O threads (``DualQueueThreadPool``) copy between
       primary rows and files;
     * the async-lookup thread ``stat`` s files for ``lookup``;
-    * the start-up scan thread rebuilds the capacity index and removes crash leftovers.
+    * the scan thread rebuilds the capacity index at start and removes crash leftovers, then
+      keeps reconciling it with the directory (files other instances wrote or deleted), a
+      bounded number of entries per interval (``reconcile``).
 
 Guarantees:
     * A block file is published atomically (tmp file, fsync, rename, directory fsync); a reader
       never sees a partial file, and a crash leaves only temporary files, which are never served
       and are removed by the next start-up scan.
     * Every load is verified (header, key, run digest, size, CRC-32 of the payload). A corrupt,
-      truncated or foreign file fails the job and is deleted; a transient error (any ``OSError``:
-      EACCES, EIO, ELOOP, EMFILE, ...) fails the job and keeps the file. A failed load job may
-      have written part of its rows; the tiering manager frees them, so they are never served.
-    * ``max_bytes`` is enforced by LRU eviction that never removes a block being loaded; the
-      accounting stays exact under concurrency and when files vanish (a vanished file is a miss).
+      truncated or foreign file fails the job and is deleted; a file of the wrong size is deleted
+      wherever the tier meets it and never indexed. A transient error (any ``OSError``: EACCES,
+      EIO, ELOOP, EMFILE, ...) fails the job and keeps the file; after ``max_read_failures``
+      failed reads in a row the file is no longer served and the next store replaces it. A
+      failed load job may have written part of its rows; the tiering manager frees them, so
+      they are never served.
+    * ``max_bytes`` is enforced by LRU eviction that never removes a block being loaded. It
+      bounds the directory as a whole, however many instances share it: every block file holds
+      one of ``max_bytes // file size`` capacity slots from before its first byte is written
+      (``slots``). The accounting stays exact under concurrency and converges to the directory
+      within a bounded interval when others change it (a vanished file is a miss).
     * Events (medium ``"STORAGE"``) are recorded only for files this tier really wrote or
       removed.
 """
@@ -34,8 +42,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -44,20 +51,27 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
     ReqContext,
-    RequestOffloadingContext,
     TierStats,
 )
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
-from vllm.v1.kv_offload.tiering.fs.block_file import file_size
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.tiering.block_format import file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
+from vllm.v1.kv_offload.tiering.fs.block_jobs import JobRecord, block_tasks
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper, run_fields_from_spec
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, IndexSnapshot
-from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool, IoTask
+from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
 from vllm.v1.kv_offload.tiering.fs.lookup import FsLookupManager
+from vllm.v1.kv_offload.tiering.fs.reconcile import Reconciler
 from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
-from vllm.v1.kv_offload.tiering.fs.scan import ScanStats, scan_rank_dir
+from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket, scan_rank_dir
+from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
 from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+from vllm.v1.kv_offload.tiering.tier_plumbing import (
+    AsyncLookupTier,
+    check_job_rows,
+    primary_view_rows,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
@@ -68,47 +82,7 @@ STORAGE_MEDIUM = "STORAGE"
 """Medium name of the filesystem tier in ``OffloadingEvent.medium``."""
 
 
-@dataclass(slots=True)
-class _JobRecord:
-    """A submitted job until reported; ``failed_keys`` is appended to by I/O threads."""
-
-    is_promotion: bool
-    failed_keys: list[OffloadKey] = field(default_factory=list)
-
-
-class _BlockTask(IoTask):
-    """Moves one block between primary row ``block_id`` and ``key``'s file."""
-
-    __slots__ = ("_block_id", "_key", "_record", "_tier")
-
-    def __init__(
-        self, tier: FileSystemSecondaryTier, record: _JobRecord, key: OffloadKey, block_id: int
-    ) -> None:
-        self._tier = tier
-        self._record = record
-        self._key = key
-        self._block_id = block_id
-
-    @override
-    def run(self) -> bool:
-        ok = False
-        try:
-            ok = self._tier._run_block(self._key, self._block_id, self._record.is_promotion)
-        finally:
-            if self._record.is_promotion:
-                self._tier._index.unpin((self._key,))
-            if not ok:
-                self._record.failed_keys.append(self._key)
-        return ok
-
-    @override
-    def cancel(self) -> None:
-        if self._record.is_promotion:
-            self._tier._index.unpin((self._key,))
-        self._record.failed_keys.append(self._key)
-
-
-class FileSystemSecondaryTier(SecondaryTierManager):
+class FileSystemSecondaryTier(AsyncLookupTier):
     """A secondary tier that keeps each block in a file under ``root_dir``.
 
     Ownership: the tier borrows the primary view until ``shutdown()``; it reads a row only while
@@ -129,6 +103,10 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         enable_events: record ``OffloadingEvent`` s, medium ``"STORAGE"`` (default false).
         stale_tmp_age_s: age after which a possibly live writer's temporary file is removed by
             the start-up scan (default 600).
+        reconcile_interval_s: seconds between two steps of the background reconcile (default 1).
+        reconcile_batch: directory entries examined per reconcile step (default 1024).
+        max_read_failures: consecutive failed reads after which a block file is no longer
+            served and the next store replaces it (default 3).
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape,
@@ -156,6 +134,9 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         o_direct: bool | str = "auto",
         enable_events: bool = False,
         stale_tmp_age_s: float = 600.0,
+        reconcile_interval_s: float = 1.0,
+        reconcile_batch: int = 1024,
+        max_read_failures: int = 3,
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
@@ -168,15 +149,12 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             o_direct=o_direct,
             enable_events=enable_events,
             stale_tmp_age_s=stale_tmp_age_s,
+            reconcile_interval_s=reconcile_interval_s,
+            reconcile_batch=reconcile_batch,
+            max_read_failures=max_read_failures,
         )
         view = primary_kv_view
-        shape = view.shape or ()
-        if view.format != "B" or len(shape) != 2 or not view.c_contiguous or shape[1] <= 0:
-            raise ValueError(
-                "fs tier: the primary view must be a C-contiguous memoryview of format 'B' and "
-                f"shape (num_blocks, row_bytes), got format {view.format!r}, shape {shape}"
-            )
-        self._num_rows, self._row_bytes = shape
+        self._num_rows, self._row_bytes = primary_view_rows(view, "fs")
         if config.max_bytes is not None and config.max_bytes < file_size(self._row_bytes):
             raise ValueError(
                 f"fs tier: max_bytes={config.max_bytes} is smaller than one block file "
@@ -186,6 +164,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             config.root_dir, run_fields_from_spec(offloading_spec, self._row_bytes)
         )
         self._writer = register_writer()
+        self._slots: CapacitySlots | None = None
         try:
             self._run_dir = RunDirectory.open(config.root_dir, self._mapper, self._writer)
             try:
@@ -193,6 +172,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
                     config.o_direct, view, self._row_bytes, self._writer
                 )
                 min_free = self._run_dir.resolve_min_free_bytes(config.min_free_bytes)
+                self._slots = self._open_slots()
             except BaseException:
                 self._run_dir.close()
                 raise
@@ -204,7 +184,9 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         self._flat: memoryview = view.cast("B")
         self._events: deque[tuple[OffloadKey, bool]] = deque()
         self._index = CapacityIndex(
-            config.max_bytes, on_change=self._record_event if config.enable_events else None
+            config.max_bytes,
+            on_change=self._record_event if config.enable_events else None,
+            bucket_of=leaf_bucket,
         )
         self._store = BlockStore(
             self._run_dir.rank_fd,
@@ -216,29 +198,53 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             writer=self._writer,
             root_dir=config.root_dir,
             max_bytes=config.max_bytes,
+            max_read_failures=config.max_read_failures,
+            slots=self._slots,
         )
         # Scheduler thread only.
-        self._jobs: dict[int, _JobRecord] = {}
+        self._jobs: dict[int, JobRecord] = {}
         self._closed = False
         self._pool = DualQueueThreadPool(
             config.n_read_threads, config.n_write_threads, f"vllm_fs_tier_{tier_type}"
         )
+        if self._slots is not None:
+            self._slots.bind_remover(self._store.remove_block_file)
         self._lookups = FsLookupManager(tier_type, self._store.probe)
-        self._scan_stats: ScanStats | None = None
-        self._scan_stop = threading.Event()
-        self._scan_done = threading.Event()
-        self._scan_thread = threading.Thread(
-            target=self._run_scan, name=f"vllm_fs_tier_{tier_type}_scan", daemon=True
+        self._walker = RankDirWalker(
+            self._run_dir.rank_fd,
+            self._index,
+            run_digest=self._mapper.run_digest,
+            payload_len=self._row_bytes,
+            stale_tmp_age_s=config.stale_tmp_age_s,
+            store=self._store,
+            slots=self._slots,
         )
-        self._scan_thread.start()
+        self._reconciler = Reconciler(
+            self._walker,
+            first_pass=self._first_pass,
+            after_first=self._after_scan,
+            # Without slots, this is how files others wrote get evicted; with them, the directory
+            # is bounded already and a view that briefly counts a file twice must not evict.
+            after_step=self._evict_to_fit if self._slots is None else None,
+            interval_s=config.reconcile_interval_s,
+            batch=config.reconcile_batch,
+            name=f"vllm_fs_tier_{tier_type}_scan",
+        )
+        self._scan_thread = self._reconciler.thread
+        self._scan_started = time.monotonic()
+        self._reconciler.start()
         logger.info(
-            "fs tier: %s (O_DIRECT %s, max_bytes=%s, min_free_bytes=%d, %d+%d I/O threads)",
+            "fs tier: %s (O_DIRECT %s, max_bytes=%s in %s slots, min_free_bytes=%d, %d+%d I/O "
+            "threads, reconcile %d entries every %.3g s)",
             self._run_dir.rank_dir,
             "on" if o_direct_on else "off",
             config.max_bytes,
+            "no" if self._slots is None else self._slots.capacity,
             min_free,
             config.n_read_threads,
             config.n_write_threads,
+            config.reconcile_batch,
+            config.reconcile_interval_s,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -287,11 +293,24 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         """Cumulative per-block counters (see ``BlockStore.counters``)."""
         return self._store.counters()
 
+    @property
+    def slots(self) -> CapacitySlots | None:
+        """The capacity slots bounding the directory (None without ``max_bytes``, or where the
+        filesystem has no hard links)."""
+        return self._slots
+
     def wait_for_scan(self, timeout: float | None = None) -> ScanStats | None:
         """Block until the start-up scan ended (tests); None if ``timeout`` expired."""
-        if not self._scan_done.wait(timeout):
-            return None
-        return self._scan_stats
+        return self._reconciler.wait_for_scan(timeout)
+
+    def wait_reconciled(self, timeout: float | None = None) -> bool:
+        """Block until a complete reconcile pass that started after this call ended (tests,
+        tools); False if ``timeout`` expired first."""
+        return self._reconciler.wait_for_pass(timeout)
+
+    def last_reconcile(self) -> ScanStats | None:
+        """What the last complete reconcile pass found and did."""
+        return self._reconciler.last_pass
 
     @override
     def get_stats(self) -> TierStats:
@@ -303,6 +322,7 @@ class FileSystemSecondaryTier(SecondaryTierManager):
             used_bytes=usage.used_bytes,
             block_bytes=self.block_file_size,
             counters=self.stats(),
+            capacity_bytes=usage.max_bytes,
         )
 
     @override
@@ -310,10 +330,6 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         """Wait for the start-up scan (``wait_for_scan``): the index then counts every block
         file already on disk."""
         return self.wait_for_scan(timeout_s) is not None
-
-    def wait_lookups_idle(self, timeout: float | None = None) -> bool:
-        """Block until the lookup thread processed every flushed batch (tests)."""
-        return self._lookups.wait_idle(timeout)
 
     @override
     def __repr__(self) -> str:
@@ -369,21 +385,8 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         self._pool.wait_idle()
 
     @override
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
-    @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._index.touch(keys)
-
-    @override
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookups.cleanup(req_context.req_id)
-
-    @override
-    def on_schedule_end(self) -> None:
-        """Post this step's lookups to the lookup thread as one batch."""
-        self._lookups.flush()
 
     @override
     def has_pending_work(self) -> bool:
@@ -424,13 +427,13 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         stuck: list[str] = []
         if not self._lookups.shutdown(timeout):
             stuck.append("a lookup")
-        self._scan_stop.set()
-        self._scan_thread.join(timeout)
-        if self._scan_thread.is_alive():
-            stuck.append("the start-up scan")
+        if not self._reconciler.stop(timeout):
+            stuck.append("the start-up scan or reconcile")
         self._pool.shutdown()
         self._flat.release()
         if not stuck:
+            if self._slots is not None:
+                self._slots.close()
             self._run_dir.close()
         else:
             # A thread stuck in the filesystem still resolves paths relative to these
@@ -448,21 +451,13 @@ class FileSystemSecondaryTier(SecondaryTierManager):
     # Internals
     # -----------------------------------------------------------------------------------------
 
-    def _new_record(self, job: JobMetadata) -> _JobRecord:
+    def _new_record(self, job: JobMetadata) -> JobRecord:
         assert job.job_id not in self._jobs, f"fs tier: job {job.job_id} submitted twice"
-        if len(job.block_ids):
-            lo, hi = int(job.block_ids.min()), int(job.block_ids.max())
-            assert lo >= 0 and hi < self._num_rows, (
-                f"fs tier: job {job.job_id} names primary rows [{lo}, {hi}] outside "
-                f"[0, {self._num_rows})"
-            )
-        return _JobRecord(is_promotion=job.is_promotion)
+        check_job_rows(job, self._num_rows, "fs")
+        return JobRecord(is_promotion=job.is_promotion)
 
-    def _submit(self, job: JobMetadata, record: _JobRecord, *, is_load: bool) -> None:
-        tasks: Sequence[IoTask] = [
-            _BlockTask(self, record, key, block_id)
-            for key, block_id in zip(job.keys, job.block_ids.tolist(), strict=True)
-        ]
+    def _submit(self, job: JobMetadata, record: JobRecord, *, is_load: bool) -> None:
+        tasks = block_tasks(job, record, self._run_block, self._index)
         self._jobs[job.job_id] = record
         try:
             self._pool.submit(job.job_id, tasks, is_load=is_load)
@@ -485,36 +480,66 @@ class FileSystemSecondaryTier(SecondaryTierManager):
         # Called under the index lock: events are in the order of the changes.
         self._events.append((key, present))
 
-    def _run_scan(self) -> None:
-        """Scan thread: rebuild the index, clean leftovers, then evict down to max_bytes."""
-        try:
-            start = time.monotonic()
-            stats = scan_rank_dir(
-                self._run_dir.rank_fd,
-                self._index,
-                run_digest=self._mapper.run_digest,
-                payload_len=self._row_bytes,
-                stale_tmp_age_s=self._config.stale_tmp_age_s,
-                stop=self._scan_stop,
+    def _open_slots(self) -> CapacitySlots | None:
+        """The capacity slots of a bounded tier, if the filesystem has hard links."""
+        max_bytes = self._config.max_bytes
+        if max_bytes is None:
+            return None
+        if not self._run_dir.supports_hard_links(self._writer):
+            logger.warning(
+                "fs tier: no hard links under %s: max_bytes bounds this instance's view of the "
+                "directory only; instances sharing it may exceed it together by what they "
+                "write within one reconcile pass",
+                self._config.root_dir,
             )
-            if stats.completed:
-                victims = self._index.evict_to_fit()
-                if victims:
-                    self._store.remove_victims(victims)
-            self._scan_stats = stats
-            logger.info(
-                "fs tier: start-up scan of %s %s in %.2f s: %d blocks (%d bytes), %d leftover "
-                "temporary and %d invalid files removed, %d errors",
-                self._run_dir.rank_dir,
-                "done" if stats.completed else "stopped",
-                time.monotonic() - start,
-                stats.blocks,
-                stats.bytes,
-                stats.tmp_removed,
-                stats.invalid_removed,
-                stats.errors,
-            )
-        except Exception:
-            logger.exception("fs tier: start-up scan of %s failed", self._run_dir.rank_dir)
-        finally:
-            self._scan_done.set()
+            return None
+        return CapacitySlots(
+            self._run_dir.rank_fd,
+            max_bytes // file_size(self._row_bytes),
+            self._writer,
+            self._mapper,
+            self._row_bytes,
+            self._config.stale_tmp_age_s,
+        )
+
+    def _first_pass(self, stop: threading.Event) -> ScanStats:
+        """Scan thread: pass 0, the start-up scan, at full speed."""
+        self._scan_started = time.monotonic()
+        return scan_rank_dir(
+            self._run_dir.rank_fd,
+            self._index,
+            run_digest=self._mapper.run_digest,
+            payload_len=self._row_bytes,
+            stale_tmp_age_s=self._config.stale_tmp_age_s,
+            stop=stop,
+            walker=self._walker,
+        )
+
+    def _after_scan(self, stats: ScanStats) -> None:
+        """Scan thread: evict down to max_bytes once everything is known, then log."""
+        if stats.completed:
+            self._evict_to_fit()
+        logger.info(
+            "fs tier: start-up scan of %s %s in %.2f s: %d blocks (%d bytes), %d leftover "
+            "temporary and "
+            "%d invalid files removed, %d files given a slot and %d evicted for want of one, "
+            "%d garbage slots freed, %d errors",
+            self._run_dir.rank_dir,
+            "done" if stats.completed else "stopped",
+            time.monotonic() - self._scan_started,
+            stats.blocks,
+            stats.bytes,
+            stats.tmp_removed,
+            stats.invalid_removed,
+            stats.adopted,
+            stats.unslotted_removed,
+            stats.slots.reclaimed,
+            stats.errors,
+        )
+
+    def _evict_to_fit(self) -> None:
+        """Scan thread: evict LRU blocks until the index is within max_bytes (files others wrote,
+        newly found, may have pushed it over)."""
+        victims = self._index.evict_to_fit()
+        if victims:
+            self._store.remove_victims(victims)

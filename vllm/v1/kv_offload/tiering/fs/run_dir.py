@@ -113,6 +113,23 @@ class RunDirectory:
             )
         return works and aligned
 
+    def supports_hard_links(self, writer: str) -> bool:
+        """Whether ``link(2)`` works in the block directory (capacity slots need it; some FUSE
+        and SMB filesystems lack it)."""
+        src, dst = tmp_name("probe", writer), tmp_name("probe", writer)
+        try:
+            os.close(os.open(src, _NEW_FILE_FLAGS, 0o644, dir_fd=self.rank_fd))
+            os.link(src, dst, src_dir_fd=self.rank_fd, dst_dir_fd=self.rank_fd,
+                    follow_symlinks=False)  # fmt: skip
+        except OSError as e:
+            logger.info("fs tier: hard links do not work under %s: %s", self.root_dir, e)
+            return False
+        finally:
+            for name in (src, dst):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.rank_fd)
+        return True
+
     def resolve_min_free_bytes(self, configured: int | None) -> int:
         """``configured``, or by default ``min(1 GiB, 5 % of the filesystem)``."""
         if configured is not None:

@@ -1,21 +1,34 @@
-"""The start-up scan: rebuild the capacity index from the rank directory and clean leftovers.
+"""Reading the rank directory back into the index: the start-up scan and every reconcile pass.
 
 The directory is the index of the filesystem tier: a new tier over an existing root serves the
-blocks already there from its first lookup (lookups ``stat`` the files). What the scan rebuilds is
-the *accounting* (bytes used, LRU order) needed to enforce ``max_bytes``. It runs on its own
-daemon thread, so it never delays the scheduler; until it ends, ``max_bytes`` applies to the
-files known so far, and it evicts down to the bound when it ends.
+blocks already there from its first lookup (lookups ``stat`` the files). What a pass rebuilds is
+the *accounting* (bytes used, LRU order), and with other instances on the same root it keeps
+that accounting converging to the directory: files others wrote are added, files others deleted
+are forgotten. ``RankDirWalker.walk`` does one pass, one directory per step; the start-up scan
+(``scan_rank_dir``) runs a pass at full speed, the reconcile thread (``reconcile``) runs pass
+after pass, a bounded number of entries per interval.
 
-What it does with each entry below ``<rank_dir>/<hhh>/<hh>_g<group>/``:
+A pass reads the capacity slot directories first (``slots.walk_subdir``: garbage slots freed,
+so that the block files below can be adopted), then every leaf directory
+``<rank_dir>/<hhh>/<hh>_g<group>/``. In a leaf, under one ticket taken before listing it:
 
-* a block file (well-formed name in the right directory, regular file): indexed with its size,
-  as least recently used (files found at start rank colder than anything used since);
-* a temporary file that ``is_stale_tmp`` calls a leftover (a dead writer's, or too old): deleted;
+* a block file (well-formed name in the right directory, regular file) of exactly one block
+  file's size: indexed (``observe``). A file new to this instance ranks as least recently used,
+  unless modified since the previous pass began (another instance just wrote it: recent);
+* a block name of any other size: deleted as invalid, counted, never indexed (one 2 GiB file
+  named like a block would otherwise make the tier evict every valid block to fit it);
+* with capacity slots, a block file that holds none (link count 1: written without
+  ``max_bytes``, or from before slots existed): given a free slot, or evicted if none is free;
 * a digested block name (``z<digest>.bin``) whose header cannot be read: deleted (nothing could
   ever load it); its key is taken from the header otherwise;
-* anything else: left alone and not counted.
+* a temporary file that ``is_stale_tmp`` calls a leftover (a dead writer's, or too old): deleted;
+* anything else: left alone and not counted;
+* an indexed key of this leaf that the listing lacks: forgotten (another instance or an operator
+  deleted it). The ticket keeps this tier's own changes made meanwhile.
 
-Symlinks are never followed: directories are opened with ``O_NOFOLLOW`` relative to their parent.
+Indexed keys of directories that no longer exist (the listing of their parent lacks them) are
+forgotten too. Symlinks are never followed: directories are opened with ``O_NOFOLLOW`` relative to
+their parent.
 """
 
 from __future__ import annotations
@@ -25,57 +38,313 @@ import logging
 import os
 import stat
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileCorrupt
+from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
-    is_stale_tmp,
+    is_stale_tmp_file,
     open_dir,
     read_header_key,
-    unlink_if_same,
+    unlink_block,
 )
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
+from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots, SlotWalkStats
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.tiering.fs.store import BlockStore
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScanStats:
-    """What one scan found.
+    """What one pass found and did.
 
     Attributes:
-        blocks: block files indexed.
+        blocks: block files indexed (or confirmed).
         bytes: their total size.
         tmp_removed: leftover temporary files deleted.
-        invalid_removed: unreadable digested-name block files deleted.
+        invalid_removed: block files deleted because they were of the wrong size or (digested
+            names) had an unreadable header.
+        adopted: slotless block files given a capacity slot.
+        unslotted_removed: slotless block files evicted because no slot was free.
+        forgotten: indexed keys whose file was gone.
+        entries: directory entries (files and directories) examined.
         errors: directories or files that could not be examined (left alone).
-        completed: False if the scan was stopped before the end.
+        completed: False if the pass was stopped before the end.
+        slots: what the slot walk did.
     """
 
     blocks: int = 0
     bytes: int = 0
     tmp_removed: int = 0
     invalid_removed: int = 0
+    adopted: int = 0
+    unslotted_removed: int = 0
+    forgotten: int = 0
+    entries: int = 0
     errors: int = 0
     completed: bool = False
+    slots: SlotWalkStats = field(default_factory=SlotWalkStats)
 
 
-def _maybe_remove_tmp(dir_fd: int, name: str, max_age_s: float, stats: ScanStats) -> None:
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(st.st_mode):
-        return
-    if is_stale_tmp(name, time.time() - st.st_mtime, max_age_s):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=dir_fd)
-            stats.tmp_removed += 1
+def leaf_bucket(key: OffloadKey) -> tuple[Hashable, Hashable]:
+    """The leaf directory ``(hhh, hh_g<group>)`` of ``key``'s file: the index's bucket."""
+    path = FileMapper.block_path(key)
+    return (path.dir1, path.dir2)
+
+
+class RankDirWalker:
+    """Walks one rank directory for one tier, a leaf directory per step.
+
+    Thread-safety: one pass at a time (the scan/reconcile thread); the index, store and slots
+    it calls are thread-safe. Borrowed: ``rank_fd`` and everything else passed in.
+
+    Args:
+        rank_fd: the rank directory.
+        index: where files are recorded (``observe`` under a ticket per leaf directory).
+        run_digest: to validate headers of digested-name files.
+        payload_len: payload bytes of a block file.
+        stale_tmp_age_s: passed to ``is_stale_tmp``.
+        store: deletes invalid and unslotted files through the index (events, counters, slots);
+            None (tests of the scan alone): invalid files are unlinked directly.
+        slots: the capacity slots, walked first; None: no slots.
+    """
+
+    def __init__(
+        self,
+        rank_fd: int,
+        index: CapacityIndex,
+        *,
+        run_digest: bytes,
+        payload_len: int,
+        stale_tmp_age_s: float,
+        store: BlockStore | None = None,
+        slots: CapacitySlots | None = None,
+    ) -> None:
+        self._rank_fd = rank_fd
+        self._index = index
+        self._run_digest = run_digest
+        self._payload_len = payload_len
+        self._file_size = file_size(payload_len)
+        self._stale_tmp_age_s = stale_tmp_age_s
+        self._store = store
+        self._slots = slots
+
+    def walk(
+        self,
+        stats: ScanStats,
+        *,
+        hot_since: float | None,
+        on_progress: Callable[[ScanStats], None] | None = None,
+    ) -> Generator[int, None, None]:
+        """One pass; yields the number of entries examined after each directory.
+
+        Stopping early is closing the generator. ``stats.completed`` is set at the end.
+
+        Args:
+            stats: updated as the pass goes.
+            hot_since: wall time since which a newly found file counts as recently used (None:
+                every newly found file ranks as least recently used).
+            on_progress: called after each ``<hhh>`` directory (tests).
+        """
+        if self._slots is not None:
+            for sub in self._slots.subdirs():
+                n = self._slots.walk_subdir(sub, stats.slots)
+                stats.entries += n
+                yield n
+        with os.scandir(self._rank_fd) as top:
+            top_entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in top)
+        listed = {name for name, is_dir in top_entries if is_dir}
+        for dir1 in self._index.outer_buckets():
+            if dir1 not in listed:
+                self._forget_if_gone(str(dir1), None, stats)
+        for dir1, is_dir in top_entries:
+            if not is_dir:
+                if dir1.endswith(TMP_SUFFIX):
+                    self._maybe_remove_tmp(self._rank_fd, dir1, stats)
+                continue
+            if len(dir1) != 3:
+                continue
+            try:
+                fd1 = open_dir(dir1, self._rank_fd, create=False)
+            except OSError as e:
+                logger.warning("fs tier scan: cannot open %s: %s", dir1, e)
+                stats.errors += 1
+                continue
+            try:
+                with os.scandir(fd1) as it:
+                    dir2_names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+                listed = set(dir2_names)
+                for dir2 in self._index.inner_buckets(dir1):
+                    if dir2 not in listed:
+                        self._forget_if_gone(dir1, str(dir2), stats)
+                for dir2 in dir2_names:
+                    n = self._leaf(fd1, dir1, dir2, stats, hot_since)
+                    stats.entries += n
+                    yield n
+            finally:
+                os.close(fd1)
+            if on_progress is not None:
+                on_progress(stats)
+        stats.completed = True
+
+    # -----------------------------------------------------------------------------------------
+    # One leaf directory
+    # -----------------------------------------------------------------------------------------
+
+    def _leaf(
+        self, fd1: int, dir1: str, dir2: str, stats: ScanStats, hot_since: float | None
+    ) -> int:
+        index = self._index
+        ticket = index.ticket()
+        try:
+            fd2 = open_dir(dir2, fd1, create=False)
+        except FileNotFoundError:
+            return 1
+        except OSError as e:
+            logger.warning("fs tier scan: cannot open %s/%s: %s", dir1, dir2, e)
+            stats.errors += 1
+            return 1
+        try:
+            with os.scandir(fd2) as it:
+                names = [e.name for e in it]
+            seen: set[OffloadKey] = set()
+            for name in names:
+                parsed = FileMapper.parse_block_path(dir1, dir2, name)
+                try:
+                    if name.endswith(TMP_SUFFIX):
+                        self._maybe_remove_tmp(fd2, name, stats)
+                    elif parsed is not None:
+                        key = self._file(fd2, BlockPath(dir1, dir2, name), parsed[0], ticket,
+                                         stats, hot_since)  # fmt: skip
+                        if key is not None:
+                            seen.add(key)
+                except OSError as e:
+                    # One bad entry must not stop every pass at the same place; its key (if
+                    # any) is kept as it is.
+                    logger.warning("fs tier scan: cannot examine %s/%s/%s: %s", dir1, dir2, name, e)
+                    stats.errors += 1
+                    if parsed is not None and parsed[0] is not None:
+                        seen.add(parsed[0])
+            for key in index.keys_in_bucket(dir1, dir2):
+                if key not in seen and not index.observe(key, None, ticket, hot=False):
+                    stats.forgotten += 1
+            return len(names) + 1
+        finally:
+            os.close(fd2)
+
+    def _file(
+        self,
+        fd2: int,
+        path: BlockPath,
+        key: OffloadKey | None,
+        ticket: int,
+        stats: ScanStats,
+        hot_since: float | None,
+    ) -> OffloadKey | None:
+        """Examine one well-named file; returns its key if it still exists (indexed or not)."""
+        name = path.name
+        try:
+            st = os.stat(name, dir_fd=fd2, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return key
+            if st.st_size != self._file_size:
+                if key is not None and self._store is not None:
+                    if self._store.remove_invalid(fd2, key, path, st):
+                        stats.invalid_removed += 1
+                    return None
+                raise BlockFileCorrupt(
+                    f"{st.st_size} bytes instead of {self._file_size}", (st.st_dev, st.st_ino)
+                )
+            if key is None:
+                key = OffloadKey(
+                    read_header_key(
+                        fd2, name, run_digest=self._run_digest, payload_len=self._payload_len
+                    )
+                )
+                if FileMapper.block_path(key) != path:
+                    return None  # a valid file in the wrong place: not ours to judge
+        except FileNotFoundError:
+            return None
+        except BlockFileCorrupt as e:
+            self._remove_unreadable(fd2, path, e, stats)
+            return None
+        except OSError as e:
+            logger.warning("fs tier scan: cannot examine %s: %s", path.rel, e)
+            stats.errors += 1
+            return key
+        if self._slots is not None and st.st_nlink <= 1:
+            try:
+                adopted = self._slots.adopt(fd2, name, st)
+            except OSError as e:
+                logger.warning("fs tier scan: cannot give %s a slot: %s", path.rel, e)
+                stats.errors += 1
+                return key
+            if adopted:
+                stats.adopted += 1
+            else:
+                assert self._store is not None, "slots need a store to evict through"
+                if self._store.remove_unslotted(fd2, key, path, st):
+                    stats.unslotted_removed += 1
+                return None
+        # Only a file new to this instance is placed by its age; a known one keeps its rank.
+        hot = hot_since is not None and st.st_mtime >= hot_since and key not in self._index
+        if self._index.observe(key, st.st_size, ticket, hot=hot):
+            stats.blocks += 1
+            stats.bytes += st.st_size
+        return key
+
+    def _remove_unreadable(
+        self, fd2: int, path: BlockPath, e: BlockFileCorrupt, stats: ScanStats
+    ) -> None:
+        logger.warning("fs tier scan: removing invalid %s: %s", path.rel, e)
+        # Only the inode found corrupt: a writer may have renamed a good file over it since.
+        try:
+            removed = unlink_block(fd2, path.name, e.file_id)
+        except OSError as unlink_error:
+            logger.warning("fs tier scan: cannot remove %s: %s", path.rel, unlink_error)
+            stats.errors += 1
+            return
+        if removed is None:
+            return
+        stats.invalid_removed += 1
+        if self._store is not None:
+            self._store.count("corrupt_removed")
+        if self._slots is not None:
+            with contextlib.suppress(OSError):  # else garbage, freed by a later slot walk
+                self._slots.release_inode(removed.st_ino)
+
+    def _maybe_remove_tmp(self, dir_fd: int, name: str, stats: ScanStats) -> None:
+        if is_stale_tmp_file(dir_fd, name, self._stale_tmp_age_s):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
+                stats.tmp_removed += 1
+
+    def _forget_if_gone(self, dir1: str, dir2: str | None, stats: ScanStats) -> None:
+        """Indexed keys live under ``dir1/dir2`` (``dir2`` None: anywhere under ``dir1``) but
+        the listing lacked it: forget them if it is really gone (removed by someone), not just
+        created after the listing."""
+        rel = dir1 if dir2 is None else f"{dir1}/{dir2}"
+        ticket = self._index.ticket()
+        try:
+            st = os.stat(rel, dir_fd=self._rank_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                return  # created after the listing: the next pass reads it
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError:
+            return
+        inners = [dir2] if dir2 is not None else self._index.inner_buckets(dir1)
+        for inner in inners:
+            for key in self._index.keys_in_bucket(dir1, inner):
+                if not self._index.observe(key, None, ticket, hot=False):
+                    stats.forgotten += 1
 
 
 def scan_rank_dir(
@@ -87,118 +356,37 @@ def scan_rank_dir(
     stale_tmp_age_s: float,
     stop: threading.Event,
     on_progress: Callable[[ScanStats], None] | None = None,
+    walker: RankDirWalker | None = None,
 ) -> ScanStats:
-    """Walk the rank directory once; index block files and delete leftovers.
+    """One complete pass at full speed (the start-up scan): index files, delete leftovers.
 
     Args:
         rank_fd: descriptor of ``<root>/<model>_<digest>_r<rank>`` (not closed here).
-        index: where found files are recorded (``observe`` with a ticket per file).
+        index: where found files are recorded.
         run_digest: to validate headers of digested-name files.
         payload_len: payload bytes of a block file.
         stale_tmp_age_s: passed to ``is_stale_tmp``.
-        stop: checked between entries; when set the scan returns early (``completed=False``).
+        stop: checked between directories; when set the scan returns early
+            (``completed=False``).
         on_progress: called after each ``<hhh>`` directory (tests).
+        walker: the tier's walker (with its store and slots); None: a plain one from the
+            arguments above.
     """
+    if walker is None:
+        walker = RankDirWalker(
+            rank_fd,
+            index,
+            run_digest=run_digest,
+            payload_len=payload_len,
+            stale_tmp_age_s=stale_tmp_age_s,
+        )
     stats = ScanStats()
-    with os.scandir(rank_fd) as top:
-        top_entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in top]
-    for dir1, is_dir in top_entries:
-        if stop.is_set():
-            return stats
-        if not is_dir:
-            if dir1.endswith(TMP_SUFFIX):
-                _maybe_remove_tmp(rank_fd, dir1, stale_tmp_age_s, stats)
-            continue
-        if len(dir1) != 3:
-            continue
-        try:
-            fd1 = open_dir(dir1, rank_fd, create=False)
-        except OSError as e:
-            logger.warning("fs tier scan: cannot open %s: %s", dir1, e)
-            stats.errors += 1
-            continue
-        try:
-            _scan_dir1(fd1, dir1, index, run_digest, payload_len, stale_tmp_age_s, stop, stats)
-        finally:
-            os.close(fd1)
-        if on_progress is not None:
-            on_progress(stats)
-    stats.completed = not stop.is_set()
+    steps = walker.walk(stats, hot_since=None, on_progress=on_progress)
+    try:
+        while not stop.is_set():
+            if next(steps, None) is None:
+                return stats
+    finally:
+        steps.close()
+    stats.completed = False
     return stats
-
-
-def _scan_dir1(
-    fd1: int,
-    dir1: str,
-    index: CapacityIndex,
-    run_digest: bytes,
-    payload_len: int,
-    stale_tmp_age_s: float,
-    stop: threading.Event,
-    stats: ScanStats,
-) -> None:
-    with os.scandir(fd1) as it:
-        dir2_names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
-    for dir2 in dir2_names:
-        if stop.is_set():
-            return
-        try:
-            fd2 = open_dir(dir2, fd1, create=False)
-        except OSError as e:
-            logger.warning("fs tier scan: cannot open %s/%s: %s", dir1, dir2, e)
-            stats.errors += 1
-            continue
-        try:
-            with os.scandir(fd2) as it:
-                names = [e.name for e in it]
-            for name in names:
-                if name.endswith(TMP_SUFFIX):
-                    _maybe_remove_tmp(fd2, name, stale_tmp_age_s, stats)
-                    continue
-                parsed = FileMapper.parse_block_path(dir1, dir2, name)
-                if parsed is None:
-                    continue
-                key: OffloadKey | None = parsed[0]
-                ticket = index.ticket()
-                try:
-                    st = os.stat(name, dir_fd=fd2, follow_symlinks=False)
-                    if not stat.S_ISREG(st.st_mode):
-                        continue
-                    if key is None:
-                        key = OffloadKey(
-                            read_header_key(
-                                fd2, name, run_digest=run_digest, payload_len=payload_len
-                            )
-                        )
-                        if FileMapper.block_path(key) != BlockPath(dir1, dir2, name):
-                            continue  # a valid file in the wrong place: not ours to judge
-                except FileNotFoundError:
-                    continue
-                except BlockFileCorrupt as e:
-                    logger.warning(
-                        "fs tier scan: removing unreadable %s/%s/%s: %s", dir1, dir2, name, e
-                    )
-                    # Only the inode found corrupt: a writer may have renamed a good file
-                    # over it since.
-                    try:
-                        if unlink_if_same(fd2, name, e.file_id):
-                            stats.invalid_removed += 1
-                    except OSError as unlink_error:
-                        logger.warning(
-                            "fs tier scan: cannot remove %s/%s/%s: %s",
-                            dir1,
-                            dir2,
-                            name,
-                            unlink_error,
-                        )
-                        stats.errors += 1
-                    continue
-                except OSError as e:
-                    logger.warning("fs tier scan: cannot examine %s/%s/%s: %s", dir1, dir2, name, e)
-                    stats.errors += 1
-                    continue
-                if index.observe(key, st.st_size, ticket, hot=False):
-                    stats.blocks += 1
-                    stats.bytes += st.st_size
-        finally:
-            os.close(fd2)

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -26,6 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
     ReqId,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     LoadResult,
@@ -110,8 +114,18 @@ class OffloadingConnector:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """See ``OffloadingConnectorScheduler.get_num_new_matched_tokens``."""
-        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        """See ``OffloadingConnectorScheduler.get_num_new_matched_tokens``.
+
+        Each call is timed, and deferrals are tracked per request, for the lookup metrics (one
+        clock read pair per call, not per key).
+        """
+        scheduler = self.connector_scheduler
+        start = time.perf_counter()
+        result = scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        scheduler.stats_collector.on_lookup(
+            request.request_id, result[0] is None, time.perf_counter() - start
+        )
+        return result
 
     def update_state_after_alloc(
         self, request: Request, blocks: GroupBlockIds, num_external_tokens: int
@@ -131,6 +145,7 @@ class OffloadingConnector:
         self, request: Request, block_ids: GroupBlockIds | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
         """See ``OffloadingConnectorScheduler.request_finished``; always ``(False, None)``."""
+        self.connector_scheduler.stats_collector.on_request_finished(request.request_id)
         return self.connector_scheduler.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -152,6 +167,21 @@ class OffloadingConnector:
     def get_stats(self) -> dict[str, int | float]:
         """Connector and manager counters (scheduler role)."""
         return self.connector_scheduler.get_stats()
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """vLLM's ``KVConnectorStats`` of this half since the last call, or None if nothing.
+
+        Worker role: the transfers this rank finished (the engine forwards them in
+        ``KVConnectorOutput.kv_connector_stats``). Scheduler role: the workers' stats received
+        since, plus this side's, the manager's and the tiers' metrics (see ``stats_collector``).
+        """
+        if self._scheduler is not None:
+            return self._scheduler.get_kv_connector_stats()
+        return self.connector_worker.get_kv_connector_stats()
+
+    def observe_step_seconds(self, seconds: float) -> None:
+        """Record the time the engine spent in this (scheduler-side) connector during a step."""
+        self.connector_scheduler.stats_collector.observe_step_seconds(seconds)
 
     def get_tier_stats(self) -> list[TierStats]:
         """Point-in-time reports of the spec's secondary tiers, in lookup order (scheduler role;

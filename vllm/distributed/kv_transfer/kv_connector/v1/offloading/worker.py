@@ -9,6 +9,7 @@ Per engine step, on every worker rank::
                                offloading never delays this step's sampling
     get_finished()             poll the handlers; report finished loads by request
     build_connector_worker_meta()   {job_id: 1} per finished job, and transfer totals
+    get_kv_connector_stats()        per-job transfer stats since the last call (for monitoring)
 
 A store job reads GPU blocks that the forward pass of the step that created it has just
 written; deferring its submission to the next step keeps it off the critical path. Waiting for
@@ -26,6 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
     ReqId,
     TransferJob,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+    record_worker_transfer,
 )
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec, WorkerHandlers
@@ -65,6 +70,8 @@ class OffloadingConnectorWorker:
         self._unsubmitted_store_jobs: list[tuple[JobId, TransferJob]] = []
         self._worker_meta = OffloadingWorkerMetadata()
         self._load_errors: dict[int, set[int]] = {}
+        # Per-job transfer stats, handed out by get_kv_connector_stats().
+        self._stats = OffloadingConnectorStats()
 
     # -----------------------------------------------------------------------------------------
     # Registration
@@ -157,6 +164,13 @@ class OffloadingConnectorWorker:
                     result.transfer_size if result.success else 0,
                     result.transfer_time if result.success else 0.0,
                 )
+                if result.success:
+                    record_worker_transfer(
+                        self._stats,
+                        result.transfer_type,
+                        result.transfer_size or 0,
+                        result.transfer_time or 0.0,
+                    )
             load = self._load_jobs.pop(result.job_id, None)
             if load is None:
                 continue
@@ -183,6 +197,13 @@ class OffloadingConnectorWorker:
             return None
         self._worker_meta = OffloadingWorkerMetadata()
         return meta
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """The transfers finished since the last call (one histogram sample per job), or None;
+        the engine puts them into ``KVConnectorOutput.kv_connector_stats``."""
+        if self._stats.is_empty():
+            return None
+        return self._stats.clone_and_reset()
 
     def has_jobs_in_flight(self) -> bool:
         """Whether jobs were submitted or deferred and not reported yet."""

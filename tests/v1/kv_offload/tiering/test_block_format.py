@@ -7,14 +7,19 @@ import mmap
 
 import pytest
 
-from vllm.v1.kv_offload.tiering.fs.block_file import (
+from vllm.v1.kv_offload.tiering.block_format import (
+    CHECKSUM_CRC32,
+    CHECKSUM_CRC32C,
     HEADER_SIZE,
     MAX_KEY_BYTES,
     BlockFileCorrupt,
+    PayloadChecksum,
     decode_header,
+    encode_block_header,
     encode_header,
     file_size,
     payload_checksum,
+    verify_block,
 )
 
 DIGEST = hashlib.sha256(b"run").digest()
@@ -34,7 +39,7 @@ def test_round_trip_and_zero_padding() -> None:
     buf = _header()
     assert decode_header(memoryview(buf), key=KEY, run_digest=DIGEST, payload_len=PAYLOAD_LEN) == (
         KEY,
-        1234,
+        PayloadChecksum(CHECKSUM_CRC32, 1234),
     )
     assert (
         decode_header(memoryview(buf), key=None, run_digest=DIGEST, payload_len=PAYLOAD_LEN)[0]
@@ -84,15 +89,38 @@ def test_key_length_limits() -> None:
         _header(key=longest + b"k")
 
 
-def test_checksum_sees_a_single_bit_flip_anywhere() -> None:
+@pytest.mark.parametrize("kind", [CHECKSUM_CRC32, CHECKSUM_CRC32C])
+def test_checksum_sees_a_single_bit_flip_anywhere(kind: int) -> None:
     mm = mmap.mmap(-1, PAYLOAD_LEN)
     view = memoryview(mm)
     view[:] = hashlib.shake_128(b"payload").digest(PAYLOAD_LEN)
-    reference = payload_checksum(view)
+    reference = payload_checksum(view, kind)
     for offset in (0, 4095, PAYLOAD_LEN // 2, PAYLOAD_LEN - 1):
         view[offset] ^= 0x01
-        assert payload_checksum(view) != reference
+        assert payload_checksum(view, kind) != reference
         view[offset] ^= 0x01
-    assert payload_checksum(view) == reference
+    assert payload_checksum(view, kind) == reference
     view.release()
     mm.close()
+
+
+@pytest.mark.parametrize("kind", [CHECKSUM_CRC32, CHECKSUM_CRC32C])
+def test_verify_block_accepts_both_kinds_and_rejects_any_mismatch(kind: int) -> None:
+    payload = memoryview(hashlib.shake_128(b"p").digest(PAYLOAD_LEN))
+    block = encode_block_header(KEY, DIGEST, payload, kind) + payload.tobytes()
+    assert verify_block(block, key=KEY, run_digest=DIGEST, payload_len=PAYLOAD_LEN) == payload
+    flipped = bytearray(block)
+    flipped[-1] ^= 0x80
+    bad: list[tuple[bytes, dict[str, object], str]] = [
+        (block[:-1], {}, "bytes, expected"),  # truncated
+        (block + b"x", {}, "bytes, expected"),  # padded
+        (bytes(flipped), {}, "payload checksum"),
+        (block, {"key": KEY[:-1] + b"\x04"}, "holds key"),  # another key's valid block
+        (block, {"run_digest": bytes(32)}, "another run"),
+        (b"garbage" * 10, {}, "bytes, expected"),
+    ]
+    for value, override, reason in bad:
+        args: dict[str, object] = {"key": KEY, "run_digest": DIGEST, "payload_len": PAYLOAD_LEN}
+        args.update(override)
+        with pytest.raises(BlockFileCorrupt, match=reason):
+            verify_block(value, **args)  # type: ignore[arg-type]

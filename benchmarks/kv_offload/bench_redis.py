@@ -1,0 +1,254 @@
+"""Throughput of the redis tier against raw pipelined SET/GET of the same bytes.
+
+For each block size, in the same run, against the same server, through the same client (the tier's
+own ``redis.Redis``, with its packer and read buffer), the four measurements are interleaved, round
+after round, so that a noisy neighbour slows all of them alike:
+
+* raw store: pipelined ``SET key row`` of every row, as many per pipeline as a tier job has
+  blocks (``--blocks-per-job``), the row passed as a memoryview;
+* tier store: ``RedisSecondaryTier.submit_store`` of every block (jobs of ``--blocks-per-job``),
+  then ``drain_jobs()``; the queued jobs run in batches, each with one ``EXISTS`` round trip, then
+  ``SET`` rounds of header + row, with the CRC-32C of each row computed;
+* raw load: pipelined ``GET`` of every raw key, pipelines as above (the reply bytes are only
+  received);
+* tier load: ``submit_load`` + ``drain_jobs()``: ``GET`` rounds, every value verified (size,
+  header, key, CRC-32C) and copied into its primary row; the rows are then compared with what was
+  stored.
+
+The server is flushed before each store, so that the tier writes every block. Throughput counts
+payload bytes (the rows); the tier's 4 KiB header per value is overhead it pays. Reported: the
+median of ``--repeat`` rounds of each, the tier/raw ratio of the medians, and the ratio of the
+fastest rounds (the ones least disturbed by other processes).
+
+Usage::
+
+    python benchmarks/kv_offload/bench_redis.py [--url redis://host:port] [--sizes 256K,2M]
+
+Without ``--url`` it starts its own ``redis-server`` (``--save '' --appendonly no``) on a free
+loopback port and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import redis
+from _common import bench_keys, bench_spec
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.sizes import parse_size
+from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
+from vllm.v1.kv_offload.tiering.redis.transfer import MAX_ROUND_BYTES
+
+GB = 1e9
+
+
+@dataclass
+class Result:
+    """Throughputs in GB/s of payload (medians of the rounds) and the tier/raw ratios."""
+
+    block_bytes: int
+    num_blocks: int
+    rounds: int
+    raw_store_gb_s: float
+    tier_store_gb_s: float
+    raw_load_gb_s: float
+    tier_load_gb_s: float
+    store_ratio: float
+    load_ratio: float
+    store_ratio_best: float
+    load_ratio_best: float
+
+
+@contextmanager
+def own_server() -> Iterator[str]:
+    """A throwaway ``redis-server`` on a free loopback port; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server not found: `sudo apt-get install redis-server`, or pass --url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="bench_redis_")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir, "--logfile", f"{workdir}/redis.log"],
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + 15
+        while True:  # bounded poll: the server has no readiness signal to wait on
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"redis-server did not start (see {workdir}/redis.log)")
+                time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _jobs(
+    keys: list[OffloadKey], per_job: int, first_id: int, *, load: bool, row_offset: int = 0
+) -> list[JobMetadata]:
+    ctx = ReqContext("bench")
+    return [
+        JobMetadata(
+            first_id + n,
+            keys[start : start + per_job],
+            np.arange(start, min(start + per_job, len(keys)), dtype=np.int64) + row_offset,
+            load,
+            ctx,
+        )
+        for n, start in enumerate(range(0, len(keys), per_job))
+    ]
+
+
+def _run_jobs(tier: RedisSecondaryTier, jobs: list[JobMetadata]) -> float:
+    start = time.perf_counter()
+    for job in jobs:
+        (tier.submit_load if job.is_promotion else tier.submit_store)(job)
+    tier.drain_jobs()
+    elapsed = time.perf_counter() - start
+    failed = [r.job_id for r in tier.get_finished_jobs() if not r.success]
+    if failed:
+        raise RuntimeError(f"tier jobs failed: {failed} ({tier.stats()})")
+    return elapsed
+
+
+def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, rounds: int) -> Result:
+    n = max(1, total_bytes // block_bytes)
+    # Rows [0, n) hold the data; rows [n, 2n) receive the tier's loads.
+    mm = mmap.mmap(-1, 2 * n * block_bytes)
+    view = memoryview(mm).cast("B", (2 * n, block_bytes))
+    rows = np.frombuffer(mm, dtype=np.uint8).reshape(2 * n, block_bytes)
+    rows[:n] = np.random.default_rng(0).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    tier = RedisSecondaryTier(
+        bench_spec(block_bytes, 2 * n),
+        view,
+        "redis",
+        url=url,
+        max_inflight_bytes=2 * n * block_bytes,
+    )
+    client = tier.client
+    assert isinstance(client, redis.Redis)
+    flat = view.cast("B")
+    keys = bench_keys(n, "tier")
+    raw_keys = [f"raw:{i}".encode() for i in range(n)]
+    # The raw pipelines carry what one tier job carries (a job is one round trip when it fits).
+    per_round = max(1, min(per_job, MAX_ROUND_BYTES // (HEADER_SIZE + block_bytes)))
+    times: dict[str, list[float]] = {
+        "raw_store": [],
+        "tier_store": [],
+        "raw_load": [],
+        "tier_load": [],
+    }
+    job_id = 0
+
+    def raw(load: bool) -> float:
+        start = time.perf_counter()
+        for lo in range(0, n, per_round):
+            pipe = client.pipeline(transaction=False)
+            for i in range(lo, min(lo + per_round, n)):
+                if load:
+                    pipe.get(raw_keys[i])
+                else:
+                    pipe.set(raw_keys[i], flat[i * block_bytes : (i + 1) * block_bytes])
+            replies = pipe.execute()
+            assert all(r is not None for r in replies)
+        return time.perf_counter() - start
+
+    try:
+        for _ in range(rounds):
+            client.flushall()
+            times["raw_store"].append(raw(load=False))
+            times["tier_store"].append(_run_jobs(tier, _jobs(keys, per_job, job_id, load=False)))
+            job_id += n
+            times["raw_load"].append(raw(load=True))
+            rows[n:] = 0
+            times["tier_load"].append(
+                _run_jobs(tier, _jobs(keys, per_job, job_id, load=True, row_offset=n))
+            )
+            job_id += n
+            if not np.array_equal(rows[n:], rows[:n]):
+                raise RuntimeError("tier load returned other bytes than were stored")
+        client.flushall()
+    finally:
+        del rows
+        flat.release()
+        tier.shutdown()
+        view.release()
+        mm.close()
+    med = {name: n * block_bytes / statistics.median(t) / GB for name, t in times.items()}
+    best = {name: n * block_bytes / min(t) / GB for name, t in times.items()}
+    return Result(
+        block_bytes=block_bytes,
+        num_blocks=n,
+        rounds=rounds,
+        raw_store_gb_s=round(med["raw_store"], 3),
+        tier_store_gb_s=round(med["tier_store"], 3),
+        raw_load_gb_s=round(med["raw_load"], 3),
+        tier_load_gb_s=round(med["tier_load"], 3),
+        store_ratio=round(med["tier_store"] / med["raw_store"], 3),
+        load_ratio=round(med["tier_load"] / med["raw_load"], 3),
+        store_ratio_best=round(best["tier_store"] / best["raw_store"], 3),
+        load_ratio_best=round(best["tier_load"] / best["raw_load"], 3),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="an existing server (default: start one)")
+    parser.add_argument("--sizes", default="2MiB,256KiB", help="block sizes, comma-separated")
+    parser.add_argument("--total", default="128MiB", help="bytes moved per measurement")
+    parser.add_argument("--blocks-per-job", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=7, help="interleaved rounds")
+    parser.add_argument("--json", action="store_true", help="one JSON object per size")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    total = parse_size(args.total)
+
+    def run(url: str) -> None:
+        for size in sizes:
+            r = bench_size(url, size, total, args.blocks_per_job, args.repeat)
+            if args.json:
+                print(json.dumps(asdict(r)))
+            else:
+                print(
+                    f"{size >> 10:>6} KiB x {r.num_blocks:>4}: store raw {r.raw_store_gb_s:.2f} "
+                    f"tier {r.tier_store_gb_s:.2f} GB/s (x{r.store_ratio:.2f}) | load raw "
+                    f"{r.raw_load_gb_s:.2f} tier {r.tier_load_gb_s:.2f} GB/s (x{r.load_ratio:.2f}) "
+                    f"| best rounds: store x{r.store_ratio_best:.2f} load x{r.load_ratio_best:.2f}"
+                )
+
+    if args.url:
+        run(args.url)
+    else:
+        with own_server() as url:
+            run(url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

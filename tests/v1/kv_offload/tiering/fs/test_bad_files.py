@@ -1,0 +1,173 @@
+"""One bad file must not wipe the fs tier (issue #12, part 2).
+
+* A file named like a block whose size is not exactly one block file of this geometry is deleted
+  and counted as corrupt wherever the tier meets it (start-up scan, lookup probe, store); it is
+  never indexed, so it can never make the tier evict valid blocks to "fit" it.
+* A block file that keeps failing to read (a transient error such as EACCES) is retried a bounded
+  number of times (``max_read_failures``), then no longer served, and the next store replaces it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.fs import block_io
+
+from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, resolve_lookups, store
+
+FILE_SIZE = HEADER_SIZE + ROW_BYTES
+HUGE = 2 << 30  # 2 GiB, sparse: no real disk space is used
+
+
+def _plant(path: str, size: int) -> None:
+    """A file of ``size`` bytes (sparse) at ``path``, directories created."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+@pytest.mark.parametrize("size", [HUGE, FILE_SIZE + 1, FILE_SIZE - 1, 0], ids=str)
+def test_scan_deletes_a_wrong_size_file_instead_of_evicting_valid_blocks(
+    make_tier: TierFactory, primary: Primary, size: int
+) -> None:
+    keys = [key_of(i) for i in range(8)]
+    first = make_tier()
+    assert store(first, primary, keys[:4], [0, 1, 2, 3])
+    assert store(first, primary, keys[4:], [4, 5, 6, 7])
+    bad_path = first.block_file_path(key_of(100))
+    first.shutdown()
+    _plant(bad_path, size)
+
+    second = make_tier(max_bytes=8 * FILE_SIZE)
+    scan = second.wait_for_scan(10)
+    assert scan is not None and scan.completed
+    assert not os.path.exists(bad_path), "the wrong-size file is deleted"
+    assert scan.invalid_removed == 1 and second.stats()["corrupt_removed"] == 1
+    assert scan.blocks == 8, "the wrong-size file is never indexed"
+    assert second.usage().used_bytes == 8 * FILE_SIZE
+    assert second.stats().get("blocks_evicted", 0) == 0, "no valid block was evicted"
+    assert load(second, primary, keys[:4], [8, 9, 10, 11])
+    assert all(primary.holds(8 + i, key) for i, key in enumerate(keys[:4]))
+    second.index.check_invariants()
+
+
+def test_lookup_probe_deletes_a_wrong_size_file_and_never_indexes_it(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    tier = make_tier(max_bytes=4 * FILE_SIZE)
+    keys = [key_of(i) for i in range(3)]
+    assert store(tier, primary, keys, [0, 1, 2])
+    bad = key_of(100)
+    _plant(tier.block_file_path(bad), HUGE)
+    assert resolve_lookups(tier, [bad, *keys]) == [False, True, True, True]
+    assert not os.path.exists(tier.block_file_path(bad))
+    assert tier.usage().used_bytes == 3 * FILE_SIZE and bad not in tier.index
+    assert tier.stats()["corrupt_removed"] == 1
+    # The next store has room without evicting anything.
+    assert store(tier, primary, [key_of(3)], [3])
+    assert all(os.path.exists(tier.block_file_path(key)) for key in keys)
+    tier.index.check_invariants()
+
+
+def test_store_deletes_a_truncated_file_before_rewriting_it(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    tier = make_tier(max_bytes=4 * FILE_SIZE)
+    key = key_of(1)
+    assert store(tier, primary, [key], [0])
+    os.truncate(tier.block_file_path(key), 100)
+    assert store(tier, primary, [key], [0])
+    assert tier.stats()["corrupt_removed"] == 1
+    assert tier.usage().used_bytes == FILE_SIZE
+    assert load(tier, primary, [key], [1]) and primary.holds(1, key)
+
+
+class _FailingOpen:
+    """Makes ``os.open`` of one block file name fail with EACCES while ``on``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.name = name
+        self.on = True
+        self.calls = 0
+        real_open = os.open
+
+        def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+            if self.on and path == self.name:
+                self.calls += 1
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), path)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(block_io.os, "open", fake_open)
+
+
+def test_a_block_that_keeps_failing_to_read_is_dropped_then_replaced(
+    make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier(max_read_failures=3)
+    key, other = key_of(1), key_of(2)
+    assert store(tier, primary, [key, other], [0, 1])
+    path = tier.block_file_path(key)
+    inode = os.stat(path).st_ino
+    failing = _FailingOpen(monkeypatch, Path(path).name)
+    for attempt in range(3):
+        # Each new request finds the block (the file is there, whole) and tries to load it.
+        assert resolve_lookups(tier, [key]) == [True], f"attempt {attempt}"
+        assert not load(tier, primary, [key], [4])
+        assert os.path.exists(path), "a transient error never deletes the file"
+    assert failing.calls == 3
+    # Bounded: after three failed reads the block is no longer served ...
+    assert resolve_lookups(tier, [key, other]) == [False, True]
+    assert failing.calls == 3
+    # ... it stays accounted (it still occupies the disk) but is the first eviction victim ...
+    assert tier.index.keys_lru_order()[0] == key
+    assert tier.usage().used_bytes == 2 * FILE_SIZE
+    # ... and the next store replaces it instead of skipping it as already present.
+    written = tier.stats()["blocks_written"]
+    assert store(tier, primary, [key], [0])
+    assert tier.stats()["blocks_written"] == written + 1
+    assert os.stat(path).st_ino != inode
+    failing.on = False
+    assert resolve_lookups(tier, [key]) == [True]
+    assert load(tier, primary, [key], [5]) and primary.holds(5, key)
+    assert tier.usage().used_bytes == 2 * FILE_SIZE
+    tier.index.check_invariants()
+
+
+def test_read_failures_must_be_consecutive(
+    make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier(max_read_failures=2)
+    key = key_of(1)
+    assert store(tier, primary, [key], [0])
+    failing = _FailingOpen(monkeypatch, Path(tier.block_file_path(key)).name)
+    for _ in range(3):
+        failing.on = True
+        assert not load(tier, primary, [key], [4])
+        failing.on = False
+        assert load(tier, primary, [key], [4]) and primary.holds(4, key)
+    assert resolve_lookups(tier, [key]) == [True]
+
+
+def test_a_block_replaced_by_another_instance_is_served_again(
+    make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier(max_read_failures=1)
+    other = make_tier()
+    key = key_of(1)
+    assert store(tier, primary, [key], [0])
+    path = tier.block_file_path(key)
+    failing = _FailingOpen(monkeypatch, Path(path).name)
+    assert not load(tier, primary, [key], [4])
+    assert resolve_lookups(tier, [key]) == [False]
+    failing.on = False
+    # Another instance rewrites the file (a new inode): this tier serves it again.
+    os.unlink(path)
+    assert store(other, primary, [key], [0])
+    assert resolve_lookups(tier, [key]) == [True]
+    assert load(tier, primary, [key], [5]) and primary.holds(5, key)

@@ -1,0 +1,44 @@
+"""The manager's ``OffloadingEvent`` s as KV-cache events (``BlockStored`` / ``BlockRemoved``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+
+
+def to_kv_events(events: Iterable[OffloadingEvent], block_size: int) -> list[KVCacheEvent]:
+    """One KV event per (manager event, KV-cache group), with the keys' block hashes.
+
+    Args:
+        events: the manager's events, in order.
+        block_size: tokens per offloaded block.
+    """
+    out: list[KVCacheEvent] = []
+    for event in events:
+        by_group: dict[int, list[bytes]] = {}
+        for key in event.keys:
+            by_group.setdefault(get_offload_group_idx(key), []).append(get_offload_block_hash(key))
+        for group_idx, hashes in by_group.items():
+            if event.removed:
+                out.append(
+                    BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group_idx)
+                )
+            else:
+                out.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=block_size,
+                        lora_id=None,
+                        medium=event.medium,
+                        group_idx=group_idx,
+                    )
+                )
+    return out

@@ -1,0 +1,213 @@
+"""``RequestOffloadState``: what the scheduler-side connector tracks for one request.
+
+Besides the request's progress (what was offered to ``prepare_store``, what its lookups found
+being promoted, its jobs in flight), the state maps the request's offloaded blocks to their keys
+and GPU blocks, and turns its finished load job into a ``LoadResult``.
+
+Block geometry: an *offloaded block* holds ``B = offloaded_block_size`` tokens, i.e.
+``factor[g] = B // gpu_block_size[g]`` GPU blocks of KV-cache group ``g``. The key of offloaded
+block ``i`` in group ``g`` is ``make_offload_key(block_hashes[(i + 1) * B // h - 1], g)``, where
+``h`` is the request's hash block size: the hash of the last hashed block it covers, which covers
+the whole token prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId, ReqId
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
+    GPUBlockRef,
+    TransferJobStatus,
+)
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    make_offload_key,
+)
+from vllm.v1.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class PromotedBlock:
+    """An offloaded block of a finished load that was promoted from a secondary tier for it.
+
+    Attributes:
+        start_token, end_token: the tokens of the load that the block holds.
+        tier: type name of the tier it was promoted from (e.g. ``"redis"``); None when the
+            manager could not tell.
+        key: the key that was promoted (of the first KV-cache group that was).
+        stored_here: whether this connector had stored the key itself (from the GPU) before the
+            load finished; None when the connector does not track its stores
+            (``OffloadingConnectorScheduler.stored_keys``).
+    """
+
+    start_token: int
+    end_token: int
+    tier: str | None
+    key: OffloadKey
+    stored_here: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Outcome of a finished load job, as reported by ``update_connector_output``.
+
+    Attributes:
+        req_id: the request that loaded.
+        num_blocks: offloaded blocks the load spans (an SWA group loads only some of them).
+        num_tokens: tokens loaded.
+        num_promoted_tokens: of those, tokens of blocks this request's lookups found being
+            promoted from a secondary tier (rather than being stored by this connector).
+        success: every worker loaded every block.
+        promoted_blocks: the promoted blocks, by which the engine attributes served tokens to
+            the tier they came from.
+    """
+
+    req_id: ReqId
+    num_blocks: int
+    num_tokens: int
+    num_promoted_tokens: int
+    success: bool
+    promoted_blocks: tuple[PromotedBlock, ...] = ()
+
+
+@dataclass(eq=False)
+class RequestOffloadState:
+    """What the connector tracks for one request, from first sight until it is dropped.
+
+    A request's state is dropped once the request finished and none of its jobs is in flight.
+
+    Attributes:
+        req: the engine's request (read-only here).
+        req_context: the one ``ReqContext`` used for all of the request's manager calls.
+        offloading_context: the manager's policy for the request.
+        offload_keys: per group, the keys of the request's full offloaded blocks (extended
+            lazily as the request's block hashes grow, by ``extend_offload_keys``).
+        block_ids: per group, the GPU block ids the request holds, in logical order.
+        next_stored_block_idx: offloaded blocks below this index were already offered to
+            ``prepare_store`` (or were loaded, under BLOCK_LEVEL).
+        num_locally_computed_tokens: tokens served by the GPU prefix cache at the latest
+            (re)start of the request.
+        expect_fresh_alloc: set by a lookup; the next ``update_state_after_alloc`` is a (re)start
+            whose block list replaces the previous one.
+        promoted_keys: keys whose lookup said "not readable yet" while no store job of this
+            connector was writing them: they were being promoted from a secondary tier, with
+            the tier's type name when the manager told it (``promotion_source``).
+        transfer_jobs: ids of the request's jobs in flight.
+        finished: ``request_finished`` was called.
+    """
+
+    req: Request
+    req_context: ReqContext
+    offloading_context: RequestOffloadingContext
+    offload_keys: list[list[OffloadKey]]
+    block_ids: list[list[int]]
+    next_stored_block_idx: int = 0
+    num_locally_computed_tokens: int = 0
+    expect_fresh_alloc: bool = False
+    promoted_keys: dict[OffloadKey, str | None] = field(default_factory=dict)
+    transfer_jobs: set[JobId] = field(default_factory=set)
+    finished: bool = False
+
+    def extend_offload_keys(self, hashes_per_block: int) -> int:
+        """Extend the keys to every full offloaded block; return their count.
+
+        Args:
+            hashes_per_block: hashed blocks of ``req.block_hashes`` per offloaded block.
+        """
+        hashes = self.req.block_hashes
+        num_blocks = len(hashes) // hashes_per_block
+        keys0 = self.offload_keys[0]
+        if len(keys0) < num_blocks:
+            step = hashes_per_block
+            new_hashes = [hashes[(i + 1) * step - 1] for i in range(len(keys0), num_blocks)]
+            for g, keys in enumerate(self.offload_keys):
+                keys.extend(make_offload_key(h, g) for h in new_hashes)
+        return num_blocks
+
+    def keys_of(self, start: int, end: int) -> list[OffloadKey]:
+        """Keys of offloaded blocks ``[start, end)`` of every group, group-major."""
+        return [key for keys in self.offload_keys for key in keys[start:end]]
+
+    def gpu_spec(
+        self, blocks_per_group: Sequence[Sequence[int]]
+    ) -> tuple[GPULoadStoreSpec, list[GPUBlockRef]]:
+        """GPU spec for logical GPU block indices ``blocks_per_group[g]`` of each group.
+
+        Within a group the indices must be increasing; ``block_indices[g]`` is the first one.
+
+        Returns:
+            The spec, and the ``(group, GPU block id)`` of each of its blocks.
+        """
+        flat: list[int] = []
+        refs: list[GPUBlockRef] = []
+        sizes: list[int] = []
+        firsts: list[int] = []
+        for g, indices in enumerate(blocks_per_group):
+            table = self.block_ids[g]
+            assert not indices or indices[-1] < len(table), (
+                f"request {self.req.request_id}: group {g} block index {indices[-1]} beyond its "
+                f"{len(table)} GPU blocks"
+            )
+            ids = [table[i] for i in indices]
+            flat.extend(ids)
+            refs.extend((g, b) for b in ids)
+            sizes.append(len(ids))
+            firsts.append(indices[0] if indices else 0)
+        return GPULoadStoreSpec(flat, sizes, firsts), refs
+
+    def note_promoted(self, key: OffloadKey, tier: str | None) -> None:
+        """Remember that ``key`` is being promoted for this request (from ``tier`` if known).
+
+        A lookup may answer "not readable yet" before the tier's probe came back (no tier
+        known yet) and again once the promotion started: a known tier is never forgotten.
+        """
+        if tier is not None or key not in self.promoted_keys:
+            self.promoted_keys[key] = tier
+
+    def finish_load(
+        self,
+        job: TransferJobStatus,
+        offloaded_block_size: int,
+        stored_keys: set[OffloadKey] | None = None,
+    ) -> LoadResult:
+        """The outcome of the request's load ``job``, every worker having reported it.
+
+        Forgets ``promoted_keys``: they concern this load only (a request loads at most once
+        per (re)start).
+
+        Args:
+            job: the finished load job.
+            offloaded_block_size: tokens per offloaded block.
+            stored_keys: the keys this connector stored so far, when it tracks them.
+        """
+        block_size = offloaded_block_size
+        start_tok, end_tok = job.token_range
+        first = start_tok // block_size
+        # Every group's keys of a block, not job.keys: an SWA group loads only its window.
+        num_blocks = -(-end_tok // block_size) - first
+        promoted = self.promoted_keys
+        promoted_tokens = 0
+        blocks: list[PromotedBlock] = []
+        for i in range(first, first + num_blocks):
+            # The first group whose key of block i was promoted (an SWA group may not be).
+            key = next((keys[i] for keys in self.offload_keys if keys[i] in promoted), None)
+            if key is None:
+                continue
+            lo, hi = max(i * block_size, start_tok), min((i + 1) * block_size, end_tok)
+            promoted_tokens += hi - lo
+            stored_here = None if stored_keys is None else key in stored_keys
+            blocks.append(PromotedBlock(lo, hi, promoted[key], key, stored_here))
+        promoted.clear()
+        return LoadResult(
+            job.req_id,
+            num_blocks,
+            end_tok - start_tok,
+            promoted_tokens,
+            job.success,
+            tuple(blocks),
+        )

@@ -1,0 +1,211 @@
+"""``SchedulerStatsCollector``: builds the scheduler side's ``OffloadingConnectorStats``.
+
+Counting stays cheap where it happens: the connector, the managers and the tiers keep plain
+cumulative integers (``OffloadingSchedulerMetrics``, the managers' ``get_stats()``,
+``TieringStats``, ``TierStats.counters``), and histogram samples are taken once per job, lookup
+call or step, never per key. Once per step ``collect`` turns all of it into one
+``OffloadingConnectorStats``: counters as the increments since the previous ``collect``, gauges
+as their current level, histograms as the samples taken since. The workers' stats received in
+between (``add_worker_stats``) are folded in.
+
+Metric names are those of ``metric_catalog``; which source feeds which metric is listed in
+``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from typing_extensions import override
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    MAX_PENDING_SAMPLES,
+    OffloadingConnectorStats,
+    OffloadingSchedulerMetrics,
+)
+from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.metrics import PRIMARY_TIER_LABEL, MetricsRecorder
+from vllm.v1.kv_offload.spec import OffloadingSpec
+
+_GPU_TO_CPU = ("GPU_to_CPU",)
+_CPU_TO_GPU = ("CPU_to_GPU",)
+_PRIMARY = (PRIMARY_TIER_LABEL,)
+_MAX_UNMERGED = 64
+
+# Metric names (see metric_catalog for their meaning).
+TRANSFER_JOBS = "vllm:kv_offload_transfer_jobs"
+TRANSFER_BLOCKS = "vllm:kv_offload_transfer_blocks"
+TRANSFER_BYTES = "vllm:kv_offload_transfer_bytes"
+TRANSFER_FAILED_BLOCKS = "vllm:kv_offload_transfer_failed_blocks"
+TRANSFER_FAILED_JOBS = "vllm:kv_offload_transfer_failed_jobs"
+TRANSFER_LATENCY = "vllm:kv_offload_transfer_latency_seconds"
+TRANSFER_SIZE = "vllm:kv_offload_transfer_size_bytes"
+SCHEDULER_STEP_SECONDS = "vllm:kv_offload_scheduler_step_seconds"
+
+
+class SchedulerStatsCollector:
+    """Per-step stats of one scheduler-side connector (scheduler thread only).
+
+    Args:
+        spec: the offloading spec (``row_bytes`` sizes the primary tier's blocks).
+        manager: the connector's manager: its ``get_stats()`` keys feed the CPU tier's metrics,
+            and its ``report_metrics`` anything more (a tiering manager: every secondary tier).
+        metrics: the connector's cumulative counters.
+    """
+
+    def __init__(
+        self,
+        spec: OffloadingSpec,
+        manager: OffloadingManager,
+        metrics: OffloadingSchedulerMetrics,
+    ) -> None:
+        self._manager = manager
+        self._metrics = metrics
+        self._row_bytes: int = spec.row_bytes
+        self._pending = OffloadingConnectorStats()
+        self._worker_stats: list[OffloadingConnectorStats] = []
+        # (name, labels) -> the cumulative value already emitted as increments.
+        self._emitted: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._lookup_seconds: list[float] = []
+        # req_id -> (deferred lookups so far, perf_counter() of the first one).
+        self._waits: dict[str, tuple[int, float]] = {}
+
+    # -----------------------------------------------------------------------------------------
+    # Inputs between two collections
+    # -----------------------------------------------------------------------------------------
+
+    def add_worker_stats(self, stats: KVConnectorStats) -> None:
+        """Fold in the workers' stats of one step (already aggregated over ranks)."""
+        assert isinstance(stats, OffloadingConnectorStats), (
+            f"unexpected connector stats {type(stats).__name__}"
+        )
+        # Merged at collection, off update_connector_output's path (folded early only when
+        # nobody collects, to bound memory).
+        self._worker_stats.append(stats)
+        if len(self._worker_stats) >= _MAX_UNMERGED:
+            for step in self._worker_stats:
+                self._pending.aggregate(step)
+            self._worker_stats = []
+
+    def on_lookup(self, req_id: str, deferred: bool, seconds: float) -> None:
+        """One ``get_num_new_matched_tokens`` call took ``seconds``; ``deferred``: it answered
+        "ask again next step". A request's wait ends with its first non-deferred answer."""
+        if len(self._lookup_seconds) < MAX_PENDING_SAMPLES:
+            self._lookup_seconds.append(seconds)
+        if deferred:
+            wait = self._waits.get(req_id)
+            self._waits[req_id] = (
+                (1, time.perf_counter()) if wait is None else (wait[0] + 1, wait[1])
+            )
+        elif self._waits:
+            self._end_wait(req_id)
+
+    def on_request_finished(self, req_id: str) -> None:
+        """The request finished; a wait still open ends here (upstream's async delay does too)."""
+        if self._waits:
+            self._end_wait(req_id)
+
+    def _end_wait(self, req_id: str) -> None:
+        wait = self._waits.pop(req_id, None)
+        if wait is not None:
+            steps, start = wait
+            self._pending.observe_histogram("vllm:kv_offload_lookup_wait_steps", steps)
+            self._pending.observe_histogram(
+                "vllm:kv_offload_lookup_async_delay_seconds", time.perf_counter() - start
+            )
+
+    def observe_step_seconds(self, seconds: float) -> None:
+        """The whole scheduler-side connector took ``seconds`` in one engine step (the engine
+        measures it around every connector call)."""
+        self._pending.observe_histogram(SCHEDULER_STEP_SECONDS, seconds)
+
+    # -----------------------------------------------------------------------------------------
+    # Collection
+    # -----------------------------------------------------------------------------------------
+
+    def _count(
+        self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: float
+    ) -> None:
+        """Emit the increase of cumulative ``total`` since the last emission. A total that went
+        down was reset (``reset_cache`` zeroes the managers' counters): it counts from zero."""
+        key = (name, labels)
+        last = self._emitted.get(key, 0)
+        delta = total - last if total >= last else total
+        self._emitted[key] = total
+        if delta:
+            stats.increase_counter(name, delta, labels)
+
+    def collect(self, jobs_in_flight: int) -> OffloadingConnectorStats | None:
+        """Everything since the previous call, as one stats object. It always holds the gauges
+        (levels now), so the None of vLLM's interface is never returned here."""
+        stats, self._pending = self._pending, OffloadingConnectorStats()
+        worker_stats, self._worker_stats = self._worker_stats, []
+        for step in worker_stats:
+            stats.aggregate(step)
+        m = self._metrics
+        self._count(stats, TRANSFER_BLOCKS, _GPU_TO_CPU, m.stored_blocks)
+        self._count(stats, TRANSFER_BLOCKS, _CPU_TO_GPU, m.loaded_blocks)
+        self._count(stats, TRANSFER_FAILED_BLOCKS, _GPU_TO_CPU, m.failed_store_blocks)
+        self._count(stats, TRANSFER_FAILED_BLOCKS, _CPU_TO_GPU, m.failed_load_blocks)
+        self._count(stats, TRANSFER_FAILED_JOBS, _GPU_TO_CPU, m.failed_store_jobs)
+        self._count(stats, TRANSFER_FAILED_JOBS, _CPU_TO_GPU, m.failed_load_jobs)
+        self._count(stats, "vllm:kv_offload_allocation_failure", (), m.deferred_stores)
+        self._count(stats, "vllm:kv_offload_flushed_jobs", (), m.flushed_jobs)
+        self._count(stats, "vllm:kv_offload_lookup_deferrals", (), m.deferred_lookups)
+        self._count(stats, "vllm:kv_offload_manager_seconds", (), m.manager_seconds)
+        samples, m.schedule_end_seconds = m.schedule_end_seconds, []
+        stats.observe_many("vllm:kv_offload_schedule_end_seconds", samples)
+        samples, self._lookup_seconds = self._lookup_seconds, []
+        stats.observe_many("vllm:kv_offload_lookup_sync_delay_seconds", samples)
+        stats.set_gauge("vllm:kv_offload_jobs_in_flight", jobs_in_flight)
+        self._collect_primary(stats)
+        self._manager.report_metrics(_Recorder(self, stats))
+        return None if stats.is_empty() else stats
+
+    def _collect_primary(self, stats: OffloadingConnectorStats) -> None:
+        """The CPU (primary) tier, from the manager's ``get_stats()`` keys, where present."""
+        ms = self._manager.get_stats() or {}
+        if "hits" in ms and "misses" in ms:
+            self._count(
+                stats, "vllm:kv_offload_tiering_chunk_queries", _PRIMARY, ms["hits"] + ms["misses"]
+            )
+            self._count(stats, "vllm:kv_offload_tiering_chunk_hits", _PRIMARY, ms["hits"])
+        if "evictions" in ms:
+            self._count(stats, "vllm:kv_offload_tier_evicted_blocks", _PRIMARY, ms["evictions"])
+        if "stores_skipped" in ms:
+            self._count(stats, "vllm:kv_offload_stores_skipped", (), ms["stores_skipped"])
+        if "num_blocks" in ms and "used_blocks" in ms:
+            total, used = ms["num_blocks"], ms["used_blocks"]
+            stats.set_gauge("vllm:kv_offload_tier_used_blocks", used, _PRIMARY)
+            stats.set_gauge("vllm:kv_offload_tier_used_bytes", used * self._row_bytes, _PRIMARY)
+            stats.set_gauge("vllm:kv_offload_tier_capacity_blocks", total, _PRIMARY)
+            stats.set_gauge(
+                "vllm:kv_offload_tier_capacity_bytes", total * self._row_bytes, _PRIMARY
+            )
+            stats.set_gauge("vllm:kv_offload_cpu_cache_usage_perc", used / total if total else 0.0)
+
+
+class _Recorder(MetricsRecorder):
+    """The ``MetricsRecorder`` a manager reports to during one ``collect``."""
+
+    def __init__(self, collector: SchedulerStatsCollector, stats: OffloadingConnectorStats) -> None:
+        self._collector = collector
+        self._stats = stats
+
+    @override
+    def counter_total(self, name: str, total: float, labels: tuple[str, ...] = ()) -> None:
+        self._collector._count(self._stats, name, labels, total)
+
+    @override
+    def count(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        if value:
+            self._stats.increase_counter(name, value, labels)
+
+    @override
+    def gauge(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        self._stats.set_gauge(name, value, labels)
+
+    @override
+    def observe(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        self._stats.observe_histogram(name, value, labels)

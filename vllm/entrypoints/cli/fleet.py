@@ -1,0 +1,493 @@
+"""Fleet mode of ``vllm-kv-offload run``: ``--engines N`` engine instances in N processes.
+
+Each instance (``cli/fleet_instance.py``) runs in a process of its own (multiprocessing's
+``spawn`` context: a fresh interpreter, nothing inherited but what is sent) with its own GPU
+pool, CPU tier (a shared region named ``fleet-<pid>-<index>``) and fs directory
+(``<--fs-root>/engine-<index>``); the instances share only the redis server of ``--redis-url``.
+
+The clients run here, in the command's process, as in a single-engine run; a router sends each
+turn of a session to instance ``(session number + turn) % N``: round-robin per turn, so a
+session never stays on one instance and its next turn finds its prefix only where another
+instance put it (the redis tier) or by recomputing. The routing is a function of the workload
+alone, so the baseline (N engines without offloading) serves every request on the same
+instance as the offloaded run, and their outputs compare request by request and instance by
+instance.
+
+Cross-instance reuse: every instance records the keys of the blocks it stored from its GPU pool
+(it computed them), and, per block promoted from a tier, whether it had stored that key itself
+before loading it (``EngineConfig.record_block_origins``). Keys are a function of the token
+prefix, so every instance names a block alike; a block promoted from the redis tier that this
+instance had not stored but another instance of the fleet did is KV another instance computed.
+
+Shutdown: the instances are always stopped before ``serve_fleet`` returns or raises, cancelled
+(Ctrl-C, SIGTERM) included: each is told ``exit`` and shuts its engine down (unlinking its
+shared region); one that does not end within ``STOP_TIMEOUT_S`` gets SIGTERM, then SIGKILL, and
+every process is joined; the region of one that did not end cleanly (killed, crashed) is
+unlinked here. An instance that ends while it is needed fails the run with its exit code.
+A Ctrl-C reaches every process of the terminal's process group, so the instances are started
+with SIGINT ignored: only this process decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
+from vllm.entrypoints.cli.options import RunOptions
+from vllm.entrypoints.cli.progress import Progress
+from vllm.entrypoints.cli.report import (
+    Direction,
+    FsTierState,
+    InstanceResult,
+    Report,
+    RunResult,
+    StepSample,
+    Tier,
+    TransferFigures,
+    token_shares,
+)
+from vllm.entrypoints.cli.run import ClientLog, serve_clients, tick
+from vllm.entrypoints.cli.run_figures import REDIS_TIER_TYPE
+from vllm.entrypoints.cli.workloads import Session, Workload
+from vllm.v1.engine.async_llm import GenerateOutput
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 60.0
+"""How long an instance gets to shut down after ``exit`` (then SIGTERM) and after SIGTERM (then
+SIGKILL): shutting down drains the fs tier's writes."""
+SHARED_TIER_TYPES = (REDIS_TIER_TYPE,)
+"""Tiers the instances share: only blocks promoted from these can be another instance's."""
+
+
+def instance_options(opts: RunOptions, index: int) -> RunOptions:
+    """The options instance ``index`` runs with: its own fs directory under ``--fs-root``."""
+    fs_root = None if opts.fs_root is None else opts.fs_root / f"engine-{index}"
+    return dataclasses.replace(
+        opts, fs_root=fs_root, progress=False, json_path=None, plot_path=None
+    )
+
+
+def route(session_number: int, turn: int, engines: int) -> int:
+    """The instance that serves turn ``turn`` of the ``session_number``-th session."""
+    return (session_number + turn) % engines
+
+
+class InstanceGone(RuntimeError):
+    """An instance's process ended (or its pipe broke) while it was needed."""
+
+
+@dataclass(eq=False)
+class _Instance:
+    """The command's side of one instance: its process, pipe and pending answers."""
+
+    index: int
+    process: BaseProcess
+    conn: Connection
+    replies: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+    streams: dict[str, asyncio.Queue[Message]] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    gone: bool = False
+
+    def send(self, message: Message) -> None:
+        if self.gone:
+            raise InstanceGone(self.gone_message())
+        try:
+            self.conn.send(message)
+        except OSError:
+            self.gone = True
+            raise InstanceGone(self.gone_message()) from None
+
+    def gone_message(self) -> str:
+        # Its pipe closed: the process ended or is ending; reaped for its exit code (bounded).
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        how = "" if code is None else f" (exit code {code})"
+        return f"engine {self.index} ended unexpectedly{how}; see its messages above"
+
+    def on_readable(self) -> None:
+        """Reader callback: route every complete message; a closed pipe fails every waiter."""
+        try:
+            while self.conn.poll():
+                self._dispatch(self.conn.recv())
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            self.gone = True
+            gone = ("gone",)
+            self.replies.put_nowait(gone)
+            for queue in self.streams.values():
+                queue.put_nowait(gone)
+
+    def _dispatch(self, message: Message) -> None:
+        kind = message[0]
+        if kind in ("first", "done", "failed"):
+            queue = self.streams.get(message[1])
+            if kind == "done":
+                self.tokens = message[3]
+            if queue is not None:  # None: the client gave up on it already
+                queue.put_nowait(message)
+        else:
+            self.replies.put_nowait(message)
+
+    async def reply(self, expected: str) -> Message:
+        """The instance's next answer, which must be ``expected``."""
+        message = await self.replies.get()
+        if message[0] == "error":
+            raise RuntimeError(f"engine {self.index}: {message[1]}")
+        if message[0] == "gone":
+            raise InstanceGone(self.gone_message())
+        assert message[0] == expected, f"engine {self.index}: {message[0]!r}, not {expected!r}"
+        return message
+
+
+class Fleet:
+    """The instances' processes and the router (see the module docstring).
+
+    Args:
+        opts: the command's options (``opts.engines`` instances).
+        workload: what the clients send (its sessions' order numbers the router's sessions).
+    """
+
+    def __init__(self, opts: RunOptions, workload: Workload) -> None:
+        self.opts = opts
+        self.workload = workload
+        self.instances: list[_Instance] = []
+        self.routes: dict[str, int] = {}
+        self._session_numbers = {s.session_id: n for n, s in enumerate(workload.sessions)}
+
+    def start(self) -> None:
+        """Start every instance's process (they import and wait for ``start``)."""
+        ctx = multiprocessing.get_context("spawn")
+        loop = asyncio.get_running_loop()
+        for index in range(self.opts.engines):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            process = ctx.Process(
+                target=process_target,
+                args=(child_end, instance_options(self.opts, index), index, os.getpid()),
+                name=f"vllm-kv-offload engine {index}",
+                # Terminated by multiprocessing's exit handler should this process end without
+                # stopping it (a second Ctrl-C during the shutdown).
+                daemon=True,
+            )
+            # Ignored while it starts: the child inherits SIG_IGN through exec, so a Ctrl-C
+            # during its start-up (imports) cannot kill it with a traceback; it keeps ignoring.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                process.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+                child_end.close()
+            instance = _Instance(index, process, parent_end)
+            self.instances.append(instance)
+            loop.add_reader(parent_end.fileno(), instance.on_readable)
+
+    async def stop(self) -> None:
+        """End every instance (``exit``, then SIGTERM, then SIGKILL) and join it."""
+        for instance in self.instances:
+            with contextlib.suppress(InstanceGone):
+                instance.send(("exit",))
+        await asyncio.gather(*(self._end(i) for i in self.instances))
+
+    async def _end(self, instance: _Instance) -> None:
+        process = instance.process
+        for escalate in (process.terminate, process.kill, None):
+            if await _wait_exit(process, STOP_TIMEOUT_S):
+                break
+            if escalate is not None:
+                escalate()
+        process.join()
+        asyncio.get_running_loop().remove_reader(instance.conn.fileno())
+        instance.conn.close()
+        if process.exitcode != 0:
+            # The region's name is normally gone already (removed once its scheduler side and
+            # worker joined); this covers an instance killed before that: this process knows
+            # the name, so nothing is left in /dev/shm either way.
+            path = SharedOffloadRegion.region_path(fleet_instance_id(os.getpid(), instance.index))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                logger.warning(
+                    "engine %d ended with exit code %s; removed its shared region %s",
+                    instance.index,
+                    process.exitcode,
+                    path,
+                )
+
+    async def generate(
+        self, session: Session, t: int, prompt: list[int]
+    ) -> AsyncIterator[GenerateOutput]:
+        """The router's ``GenerateFn``: serve the turn on its instance, stream its outputs."""
+        req_id = session.request_id(t)
+        index = route(self._session_numbers[session.session_id], t, len(self.instances))
+        self.routes[req_id] = index
+        instance = self.instances[index]
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        instance.streams[req_id] = queue
+        finished = False
+        try:
+            instance.send(("gen", req_id, prompt, session.turns[t].max_tokens))
+            while not finished:
+                message = await queue.get()
+                kind = message[0]
+                if kind == "gone":
+                    raise InstanceGone(instance.gone_message())
+                if kind == "failed":
+                    raise RuntimeError(f"engine {index}: request {req_id}: {message[2]}")
+                finished = kind == "done"
+                tokens = tuple(message[2])
+                yield GenerateOutput(req_id, () if finished else tokens, tokens, finished, None)
+        finally:
+            instance.streams.pop(req_id, None)
+            if not finished and not instance.gone:
+                instance.send(("abort", req_id))
+
+    async def run(
+        self, offload: bool, on_fs_start: Callable[[FsTierState], None] | None = None
+    ) -> list[RunResult]:
+        """One run of the fleet (every instance baseline, or every one offloading).
+
+        Returns:
+            Each instance's result, with its share of the requests, outputs and timings.
+        """
+        opts, workload = self.opts, self.workload
+        label = "offload" if offload else "baseline"
+        for instance in self.instances:
+            instance.send(("start", offload))
+            instance.tokens = {}
+        ready = [await i.reply("ready") for i in self.instances]
+        if offload and opts.fs_root is not None and on_fs_start is not None:
+            fs = FsTierState(str(opts.fs_root), _total_bound(opts))
+            fs.files_at_start = sum(r[1] for r in ready)
+            fs.bytes_at_start = sum(r[2] for r in ready)
+            on_fs_start(fs)
+        log = ClientLog()
+        done = 0
+        with Progress(workload.num_requests, label, enabled=opts.progress) as progress:
+
+            def on_done() -> None:
+                nonlocal done
+                done += 1
+                tokens: dict[str, int] = {}
+                for instance in self.instances:
+                    for name, n in instance.tokens.items():
+                        tokens[name] = tokens.get(name, 0) + n
+                progress.update(done, token_shares(tokens))
+
+            ticker = asyncio.ensure_future(tick(progress))
+            try:
+                t0 = time.monotonic()
+                for instance in self.instances:
+                    instance.send(("go", t0))
+                if not await serve_clients(self.generate, workload, log, on_done, opts.timeout_s):
+                    raise RuntimeError(
+                        f"{label} run: {done} of {workload.num_requests} requests finished "
+                        f"within the --timeout of {opts.timeout_s:g} s"
+                    )
+            finally:
+                ticker.cancel()
+                await asyncio.gather(ticker, return_exceptions=True)
+        for instance in self.instances:
+            instance.send(("finish",))
+        answers = [await i.reply("result") for i in self.instances]
+        wall_s = max(log.last_output_time - t0, 0.0)
+        results: list[RunResult] = []
+        for index, (_, result, _, _) in enumerate(answers):
+            mine = sorted(r for r, i in self.routes.items() if i == index and r in log.outputs)
+            result.wall_s = wall_s
+            result.num_requests = sum(1 for i in self.routes.values() if i == index)
+            result.outputs = {r: log.outputs[r] for r in mine}
+            result.ttft_ms = [log.timings_ms[r][0] for r in mine]
+            result.latency_ms = [log.timings_ms[r][1] for r in mine]
+            results.append(result)
+        if offload:
+            stored = [a[2] for a in answers]
+            for index, (result, answer) in enumerate(zip(results, answers, strict=True)):
+                others = [s for j, s in enumerate(stored) if j != index]
+                result.cross_instance_tokens = cross_instance_tokens(answer[3], others)
+        return results
+
+
+def cross_instance_tokens(
+    served_not_stored_here: dict[tuple[str, bytes], int],
+    stored_by_others: Sequence[frozenset[bytes]],
+) -> int:
+    """Tokens an instance served from shared-tier blocks that another instance stored.
+
+    Args:
+        served_not_stored_here: the instance's ``EngineStats.served_not_stored_here``.
+        stored_by_others: the keys each other instance stored from its GPU pool.
+    """
+    return sum(
+        n
+        for (tier, key), n in served_not_stored_here.items()
+        if tier in SHARED_TIER_TYPES and any(key in keys for keys in stored_by_others)
+    )
+
+
+async def _wait_exit(process: BaseProcess, timeout_s: float) -> bool:
+    # The sentinel becomes readable when the process ends: no polling.
+    if process.exitcode is not None:
+        return True
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+    sentinel = process.sentinel
+
+    def on_end() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    loop.add_reader(sentinel, on_end)
+    try:
+        await asyncio.wait_for(ended, timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(sentinel)
+
+
+def _total_bound(opts: RunOptions) -> int | None:
+    # --fs-max-bytes bounds each instance's directory.
+    return None if opts.fs_max_bytes is None else opts.fs_max_bytes * opts.engines
+
+
+def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunResult:
+    """The fleet's run: the instances' figures added up (samples merged on one time axis)."""
+    total = RunResult(label=label, offload=offload)
+    # Untimed (None) until an instance's figures say otherwise.
+    total.transfers = {d: TransferFigures(busy_s=None) for d in Direction}
+    total.wall_s = max((p.wall_s for p in parts), default=0.0)
+    for p in parts:
+        for name in (
+            "num_requests",
+            "num_finished",
+            "prompt_tokens",
+            "computed_tokens",
+            "output_tokens",
+            "steps",
+            "preemptions",
+            "blocks_verified",
+            "blocks_mismatched",
+            "corrupt_blocks_detected",
+            "failed_loads",
+            "blocks_verified_from_redis",
+        ):
+            setattr(total, name, getattr(total, name) + getattr(p, name))
+        for t in Tier:
+            total.served[t] += p.served[t]
+            total.lookup_tokens[t] += p.lookup_tokens[t]
+        for d in Direction:
+            a, b = total.transfers[d], p.transfers[d]
+            total.transfers[d] = TransferFigures(
+                blocks=a.blocks + b.blocks,
+                bytes=a.bytes + b.bytes,
+                busy_s=(
+                    None
+                    if a.busy_s is None and b.busy_s is None
+                    else (a.busy_s or 0.0) + (b.busy_s or 0.0)
+                ),
+                failed_blocks=a.failed_blocks + b.failed_blocks,
+                skipped_blocks=a.skipped_blocks + b.skipped_blocks,
+            )
+        total.overhead_us += p.overhead_us
+        total.worker_overhead_us += p.worker_overhead_us
+        total.ttft_ms += p.ttft_ms
+        total.latency_ms += p.latency_ms
+        total.outputs.update(p.outputs)
+        total.redis_url = total.redis_url or p.redis_url
+        if p.cross_instance_tokens is not None:
+            total.cross_instance_tokens = (total.cross_instance_tokens or 0) + (
+                p.cross_instance_tokens
+            )
+    total.samples = _merge_samples([p.samples for p in parts])
+    return total
+
+
+def _merge_samples(series: Sequence[Sequence[StepSample]]) -> list[StepSample]:
+    # Every instance's samples on the run's one time axis; the cumulative token counts of a
+    # merged sample add each instance's latest counts.
+    latest: list[dict[str, int]] = [{} for _ in series]
+    events = sorted((s.t_s, i, s) for i, samples in enumerate(series) for s in samples)
+    merged: list[StepSample] = []
+    for t_s, i, sample in events:
+        latest[i] = sample.tokens
+        tokens: dict[str, int] = {}
+        for counts in latest:
+            for name, n in counts.items():
+                tokens[name] = tokens.get(name, 0) + n
+        merged.append(StepSample(t_s=t_s, tokens=tokens, bytes_moved=dict(sample.bytes_moved)))
+    return merged
+
+
+def _fleet_fs(opts: RunOptions, parts: Sequence[RunResult]) -> FsTierState | None:
+    states = [p.fs for p in parts if p.fs is not None]
+    if opts.fs_root is None or not states:
+        return None
+    fs = FsTierState(str(opts.fs_root), _total_bound(opts))
+    for s in states:
+        fs.files_at_start += s.files_at_start
+        fs.bytes_at_start += s.bytes_at_start
+        fs.files_at_end += s.files_at_end
+        fs.bytes_at_end += s.bytes_at_end
+    return fs
+
+
+async def serve_fleet(
+    opts: RunOptions,
+    workload: Workload,
+    settings: dict[str, Any],
+    on_fs_start: Callable[[FsTierState], None] | None = None,
+) -> Report:
+    """Serve ``workload`` on the fleet without, then with offloading; the report of both.
+
+    The instances are started once and serve both runs (each run builds fresh engines), and
+    are stopped before this returns or raises.
+
+    Args:
+        opts: the command's options.
+        workload: what the clients send.
+        settings: the settings echoed in the report.
+        on_fs_start: called with the instances' fs directories' state (added up) once every
+            instance scanned its own, before the offloaded run's first request.
+    """
+    fleet = Fleet(opts, workload)
+    try:
+        fleet.start()
+        baseline_parts = await fleet.run(offload=False)
+        offload_parts = await fleet.run(offload=True, on_fs_start=on_fs_start)
+    finally:
+        await fleet.stop()
+    baseline = merge_results("baseline", False, baseline_parts)
+    offload = merge_results("offload", True, offload_parts)
+    offload.fs = _fleet_fs(opts, offload_parts)
+    for part in (*baseline_parts, *offload_parts):
+        part.samples = []  # the merged run carries them (and the JSON would repeat them)
+    baseline.check_accounting()
+    offload.check_accounting()
+    instances = [
+        InstanceResult(i, b, o)
+        for i, (b, o) in enumerate(zip(baseline_parts, offload_parts, strict=True))
+    ]
+    return Report(settings=settings, baseline=baseline, offload=offload, instances=instances)
+
+
+__all__ = [
+    "Fleet",
+    "InstanceGone",
+    "cross_instance_tokens",
+    "merge_results",
+    "route",
+    "serve_fleet",
+]

@@ -1,0 +1,228 @@
+"""One engine instance of a fleet (``vllm-kv-offload run --engines N``), in a process of its own.
+
+``cli/fleet.py`` starts one process per instance (multiprocessing's ``spawn`` context) with
+``instance_main`` as its target and talks to it over a pipe (a ``multiprocessing`` connection).
+The instance owns an ``EngineCore`` behind an ``AsyncLLM``, its own CPU tier (a shared region
+named after ``fleet_instance_id``), its own fs directory and GPU pool; the only thing it
+shares with the other instances is the redis server.
+
+Messages, parent -> instance (tuples, the first item names them):
+    ``("start", offload)``: build the engine of a run (baseline or offloaded); answered with
+        ``("ready", fs_files, fs_bytes)`` once the fs tier scanned its directory.
+    ``("go", t0)``: the run starts at ``time.monotonic() == t0`` (one clock for the machine).
+    ``("gen", request_id, prompt, max_tokens)``: serve a request; answered with
+        ``("first", request_id, token_ids)`` at its first tokens and
+        ``("done", request_id, output_token_ids, cumulative_tokens_by_source)``.
+    ``("abort", request_id)``: the client gave up on a request.
+    ``("finish",)``: every request was answered: wait for the transfers, shut the engine down
+        and answer ``("result", RunResult, stored_keys, served_not_stored_here)``.
+    ``("exit",)``, or the pipe closing: shut down and end the process.
+Instance -> parent, besides the answers: ``("error", message)`` when the run failed.
+
+Signals: SIGINT is ignored (a Ctrl-C reaches the whole process group, and the parent decides:
+it sends ``exit``); SIGTERM shuts the engine down cleanly, like ``exit``. An instance whose
+parent died sees its pipe close and shuts down too, so no instance outlives the command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
+from vllm.entrypoints.cli.options import RunOptions
+from vllm.entrypoints.cli.report import FsTierState, RunResult, redact_url
+from vllm.entrypoints.cli.run import IDLE_TIMEOUT_S, engine_config
+from vllm.entrypoints.cli.run_figures import (
+    StepSampler,
+    fill_result,
+    fs_usage_after_scan,
+    snapshot_engine,
+)
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core import EngineCore
+
+Message = tuple[Any, ...]
+
+
+def fleet_instance_id(fleet_pid: int, index: int) -> str:
+    """The id naming instance ``index``'s shared region: the command's pid, then the index."""
+    return f"fleet-{fleet_pid}-{index}"
+
+
+class _Exit(Exception):
+    """The parent asked the instance to end (or went away)."""
+
+
+class _Instance:
+    """The instance's side of the pipe and its runs (everything on the process's event loop)."""
+
+    def __init__(self, conn: Connection, opts: RunOptions, index: int, fleet_pid: int) -> None:
+        self.conn = conn
+        self.opts = opts
+        self.index = index
+        self.instance_id = fleet_instance_id(fleet_pid, index)
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+
+    def send(self, message: Message) -> None:
+        """Send ``message`` to the parent (a closed pipe means the parent is gone: dropped)."""
+        with contextlib.suppress(OSError):
+            self.conn.send(message)
+
+    def on_readable(self) -> None:
+        """Reader callback: queue every complete message; a closed pipe queues ``exit``."""
+        try:
+            while self.conn.poll():
+                self.inbox.put_nowait(self.conn.recv())
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            self.inbox.put_nowait(("exit",))
+
+    async def next_message(self) -> Message:
+        """The next message; ``exit`` raises ``_Exit``."""
+        message = await self.inbox.get()
+        if message[0] == "exit":
+            raise _Exit
+        return message
+
+    async def main(self) -> None:
+        """Serve runs until the parent says ``exit`` (or goes away)."""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.conn.fileno(), self.on_readable)
+        try:
+            while True:
+                message = await self.next_message()
+                assert message[0] == "start", f"unexpected {message[0]!r} between runs"
+                await self.serve(offload=bool(message[1]))
+        except _Exit:
+            return
+        finally:
+            loop.remove_reader(self.conn.fileno())
+
+    async def serve(self, offload: bool) -> None:
+        """One run: build the engine, serve the parent's requests, answer the result."""
+        opts = self.opts
+        engine = EngineCore(engine_config(opts, offload, self.instance_id if offload else None))
+        result = RunResult(label="offload" if offload else "baseline", offload=offload)
+        if offload:
+            result.redis_url = None if opts.redis_url is None else redact_url(opts.redis_url)
+            if opts.fs_root is not None:
+                result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
+        sampler = StepSampler(t0=time.monotonic())
+        requests: dict[str, asyncio.Task[None]] = {}
+        async with AsyncLLM(engine, step_callback=sampler) as llm:
+            try:
+                if result.fs is not None:
+                    files, size = await llm.call(fs_usage_after_scan)
+                    result.fs.files_at_start, result.fs.bytes_at_start = files, size
+                self.send(
+                    (
+                        "ready",
+                        result.fs.files_at_start if result.fs else 0,
+                        result.fs.bytes_at_start if result.fs else 0,
+                    )
+                )
+                while True:
+                    message = await self.next_message()
+                    kind = message[0]
+                    if kind == "go":
+                        sampler.t0 = message[1]
+                    elif kind == "gen":
+                        _, req_id, prompt, max_tokens = message
+                        requests[req_id] = asyncio.ensure_future(
+                            self.generate(llm, sampler, req_id, prompt, max_tokens)
+                        )
+                    elif kind == "abort":
+                        task = requests.pop(message[1], None)
+                        if task is not None:
+                            task.cancel()
+                    elif kind == "finish":
+                        break
+                    else:
+                        raise AssertionError(f"unexpected message {kind!r} during a run")
+                await asyncio.gather(*requests.values())
+                try:
+                    await asyncio.wait_for(llm.wait_until_idle(), IDLE_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(
+                        f"transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the last output"
+                    ) from None
+                snapshot = await llm.call(snapshot_engine)
+            finally:
+                for task in requests.values():
+                    task.cancel()
+                await asyncio.gather(*requests.values(), return_exceptions=True)
+        result.num_requests = len(requests)
+        result.samples = sampler.samples
+        result.overhead_us = sampler.overhead_us
+        result.worker_overhead_us = sampler.worker_overhead_us
+        fill_result(result, snapshot, opts)
+        result.check_accounting()
+        origins = snapshot.engine_stats.served_not_stored_here or {}
+        self.send(("result", result, snapshot.stored_keys, origins))
+
+    async def generate(
+        self,
+        llm: AsyncLLM,
+        sampler: StepSampler,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+    ) -> None:
+        """Serve one request, telling the parent its first tokens and its whole output."""
+        first = True
+        output: tuple[int, ...] = ()
+        try:
+            async for out in llm.generate(req_id, prompt, max_tokens):
+                if first and out.new_token_ids:
+                    first = False
+                    self.send(("first", req_id, out.new_token_ids))
+                output = out.output_token_ids
+        except Exception as e:
+            # The client waits for this request: tell it why it will not come.
+            self.send(("failed", req_id, f"{type(e).__name__}: {e}"))
+            return
+        # The engine thread appends samples: the last one is a snapshot of the counters.
+        tokens = dict(sampler.samples[-1].tokens) if sampler.samples else {}
+        self.send(("done", req_id, output, tokens))
+
+
+def instance_main(conn: Connection, opts: RunOptions, index: int, fleet_pid: int) -> int:
+    """Process target of instance ``index``: serve until told to exit; the exit code.
+
+    Returns (as the process's exit code): 0 after ``exit``, 1 after an error (reported to the
+    parent first), 143 after SIGTERM (everything shut down first).
+    """
+    # Ignored before anything else: the parent stops the instances on a Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(levelname)s engine {index} %(name)s: %(message)s"
+    )
+    instance = _Instance(conn, opts, index, fleet_pid)
+    try:
+        run_interruptible(instance.main(), signals=(signal.SIGTERM,))
+        return 0
+    except Interrupted as e:
+        return e.exit_code
+    except (OSError, ValueError, RuntimeError) as e:
+        instance.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+    except BaseException as e:
+        # Unexpected: the traceback goes to stderr (inherited) for the bug report.
+        traceback.print_exc(file=sys.stderr)
+        instance.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+    finally:
+        conn.close()
+
+
+def process_target(conn: Connection, opts: RunOptions, index: int, fleet_pid: int) -> None:
+    # multiprocessing ignores a target's return value: the exit code goes through sys.exit.
+    sys.exit(instance_main(conn, opts, index, fleet_pid))

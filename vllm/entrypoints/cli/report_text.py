@@ -1,0 +1,370 @@
+"""The text of ``vllm-kv-offload run``'s report: every line at most ``WIDTH`` (80) columns.
+
+The report comes in three parts so that the command can print each as soon as it is known: the
+header (what runs, before the baseline starts), the fs tier's state at start (once the offloaded
+run's tier has scanned its root) and the body (the figures, at the end). ``render_report`` joins
+them. Tables have fixed columns that fit 80 columns with the largest figures a run can produce
+(counts up to 999,999,999 blocks and 10 digits of tokens, sizes up to 1023.0 TiB); prose is
+wrapped with ``textwrap``. Only a path longer than a line is printed whole (on its own
+line), so that it can still be copied.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from vllm.entrypoints.cli.report import (
+    Direction,
+    Distribution,
+    FsTierState,
+    Report,
+    RunResult,
+    Tier,
+    compare_outputs,
+)
+
+WIDTH = 80
+"""Widest line of the report (a classic terminal)."""
+
+PROG = "vllm-kv-offload"
+
+_LABEL = 32
+_CELL = 22
+_TIER_LABELS = {
+    Tier.GPU: "GPU prefix cache",
+    Tier.CPU: "CPU tier",
+    Tier.FS: "fs tier",
+    Tier.REDIS: "redis tier",
+}
+_REDIS_DIRECTIONS = (Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes with a binary unit, e.g. ``"1.5 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def show_path(path: str, home: str | None = None) -> str:
+    """``path`` with the user's home directory written ``~`` (shorter, and what users type)."""
+    home = (os.path.expanduser("~") if home is None else home).rstrip("/")
+    if home and (path == home or path.startswith(home + "/")):
+        return "~" + path[len(home) :]
+    return path
+
+
+def _count(value: Any) -> str:
+    # Settings of a report read back from elsewhere may lack a figure: shown as "None".
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _row(label: str, *cells: str) -> str:
+    return f"  {label:<{_LABEL}}" + "".join(f"{c:>{_CELL}}" for c in cells)
+
+
+def _wrap(text: str, indent: int = 2, hanging: int = 2) -> Iterator[str]:
+    # Prose: wrapped at WIDTH, continuation lines indented a little more than the first.
+    yield from textwrap.wrap(
+        text,
+        WIDTH,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * (indent + hanging),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def _tokens_cell(run: RunResult, n: int, enabled: bool = True) -> str:
+    if not enabled:
+        return "-"
+    share = n / run.prompt_tokens if run.prompt_tokens else 0.0
+    return f"{n:,} ({_pct(share)})"
+
+
+def render_header(
+    settings: Mapping[str, Any], num_requests: int, home: str | None = None
+) -> list[str]:
+    """What runs: the workload, the model stand-in, the pools and where the fs tier lives."""
+    s = settings
+    lines = [f"{PROG} run"]
+    lines += _wrap(
+        f"workload {s.get('workload')} (seed {s.get('seed')}): {num_requests:,} requests from "
+        f"{s.get('num_clients')} concurrent client{'' if s.get('num_clients') == 1 else 's'}; "
+        f"device {s.get('device')}"
+    )
+    lines += _wrap(
+        f"model stand-in: {s.get('num_layers')} layers x {s.get('num_kv_heads')} KV heads x "
+        f"{s.get('head_size')} head size, {s.get('dtype')}"
+    )
+    lines.append(
+        f"  GPU pool: {_count(s.get('gpu_blocks'))} blocks of {s.get('block_size')} tokens "
+        f"({format_bytes(s.get('block_bytes', 0))} each)"
+    )
+    lines.append(
+        f"  CPU tier: {format_bytes(s.get('cpu_bytes', 0))} in /dev/shm "
+        f"({s.get('eviction_policy')})"
+    )
+    root = s.get("fs_root")
+    if root is None:
+        lines.append("  fs tier:  none")
+    else:
+        max_bytes = s.get("fs_max_bytes")
+        bound = f"up to {format_bytes(max_bytes)}" if max_bytes is not None else "unbounded"
+        engines = s.get("engines", 1)
+        if isinstance(engines, int) and engines > 1:
+            # Each instance has its own directory, and the bound is each one's.
+            bound, root = f"{bound} each", os.path.join(root, "engine-<i>")
+        line = f"  fs tier:  {bound} in {show_path(root, home)}"
+        if len(line) > WIDTH:  # a long path goes whole on its own line
+            lines += [f"  fs tier:  {bound} in", f"    {show_path(root, home)}"]
+        else:
+            lines.append(line)
+    url = s.get("redis_url")
+    if url is not None:
+        lines += _wrap(f"redis tier: {url}, shared by every engine instance", hanging=4)
+    engines = s.get("engines", 1)
+    if isinstance(engines, int) and engines > 1:
+        lines += _wrap(
+            f"fleet: {engines} engine instances, one process each, each with its own GPU "
+            "pool, CPU tier and fs directory; requests routed round-robin per turn (a "
+            "session moves between instances)",
+            hanging=4,
+        )
+    return lines
+
+
+def render_fs_start(fs: FsTierState | None) -> list[str]:
+    """Whether the offloaded run's fs tier started warm (empty without an fs tier)."""
+    if fs is None:
+        return []
+    if fs.warm:
+        return list(
+            _wrap(
+                f"fs tier started WARM: {fs.files_at_start:,} blocks "
+                f"({format_bytes(fs.bytes_at_start)}) on disk from earlier runs"
+            )
+        )
+    return ["  fs tier started cold (no blocks of this geometry on disk)"]
+
+
+def render_report(report: Report, home: str | None = None) -> Iterator[str]:
+    """The whole report: header, the fs tier's state at start, and the body."""
+    yield from render_header(report.settings, report.baseline.num_requests, home)
+    yield from render_fs_start(report.offload.fs)
+    yield from render_body(report, home)
+
+
+def render_body(report: Report, home: str | None = None) -> Iterator[str]:
+    """The figures of both runs, the transfers, what is on disk, and the verdict."""
+    yield ""
+    yield from _side_by_side(report)
+    yield ""
+    b = report.baseline
+    saved = report.prefill_tokens_saved
+    frac = saved / b.computed_tokens if b.computed_tokens else 0.0
+    yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
+    reason = report.no_savings_reason
+    if reason is not None:
+        yield from _wrap(f"why: {reason}", indent=4)
+    yield ""
+    yield from _transfers(report.offload)
+    yield from _disk(report, home)
+    yield from _instances(report)
+    yield ""
+    yield from _verdict(report)
+
+
+def _side_by_side(report: Report) -> Iterable[str]:
+    b, o = report.baseline, report.offload
+    yield _row("", "baseline (no offload)", "offload")
+    yield _row("wall time", f"{b.wall_s:.1f} s", f"{o.wall_s:.1f} s")
+    yield _row(
+        "requests finished",
+        f"{b.num_finished}/{b.num_requests}",
+        f"{o.num_finished}/{o.num_requests}",
+    )
+    yield _row("prompt tokens", f"{b.prompt_tokens:,}", f"{o.prompt_tokens:,}")
+    yield _row("  computed", _tokens_cell(b, b.computed_tokens), _tokens_cell(o, o.computed_tokens))
+    tiers = [t for t in Tier if t is not Tier.REDIS or o.redis_url is not None]
+    for tier in tiers:
+        yield _row(
+            f"  served from {_TIER_LABELS[tier]}",
+            _tokens_cell(b, b.served[tier], b.offload or tier is Tier.GPU),
+            _tokens_cell(
+                o, o.served[tier], o.offload and (tier is not Tier.FS or o.fs is not None)
+            ),
+        )
+        if tier is Tier.REDIS and o.cross_instance_tokens is not None:
+            # A part of the redis tier's tokens: the fleet's point (see the note below).
+            yield _row(
+                "    computed by another instance", "-", _tokens_cell(o, o.cross_instance_tokens)
+            )
+    for tier in tiers:
+        yield _row(
+            f"hit rate, {_TIER_LABELS[tier]}",
+            _pct(b.hit_rate(tier)) if (b.offload or tier is Tier.GPU) else "-",
+            _pct(o.hit_rate(tier)) if (tier is not Tier.FS or o.fs is not None) else "-",
+        )
+    yield "    (hit rate: served / reached the tier, i.e. missed the faster tiers)"
+    if o.cross_instance_tokens is not None and o.redis_url is not None:
+        yield from _wrap(
+            "(computed by another instance: served from KV another instance of the fleet "
+            "computed and stored in the redis tier during this run: cross-instance reuse)",
+            indent=4,
+            hanging=1,
+        )
+    yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
+    yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
+    yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
+    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
+    yield _row(
+        "TTFT median / p99",
+        f"{bt.median:.0f} / {bt.p99:.0f} ms",
+        f"{ot.median:.0f} / {ot.p99:.0f} ms",
+    )
+    ov = Distribution.of(o.overhead_us)
+    wv = Distribution.of(o.worker_overhead_us)
+    yield _row("connector+manager per step", "-", f"{ov.median:.0f} / {ov.p99:.0f} us")
+    yield _row("  worker-side connector per step", "-", f"{wv.median:.0f} / {wv.p99:.0f} us")
+    yield "    (median / p99 over the steps that scheduled tokens)"
+    if report.settings.get("device") == "cpu":
+        yield from _wrap(
+            "(on CPU the model stand-in computes almost for free: wall time and TTFT mostly "
+            "measure copies and checks; prefill tokens saved is what carries over to a GPU)",
+            indent=4,
+            hanging=1,
+        )
+
+
+# label, blocks, bytes, busy, throughput, average: 2 + 20 + 12 + 11 + 9 + 13 + 13 = 80 columns,
+# for up to 999,999,999 blocks, "1023.0 TiB", "99999 s" and "1023.0 TiB/s".
+_TRANSFER_COLUMNS = (20, 12, 11, 9, 13, 13)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s < 100 else f"{s:.0f} s"
+
+
+def _transfer_row(*cells: str) -> str:
+    label, *rest = cells
+    return f"  {label:<{_TRANSFER_COLUMNS[0]}}" + "".join(
+        f"{c:>{w}}" for c, w in zip(rest, _TRANSFER_COLUMNS[1:], strict=True)
+    )
+
+
+def _transfers(o: RunResult) -> Iterable[str]:
+    yield "  transfers in the offload run"
+    yield _transfer_row("", "blocks", "bytes", "busy", "throughput", "average")
+    notes: list[str] = []
+    for d in Direction:
+        if d in _REDIS_DIRECTIONS and o.redis_url is None:
+            continue
+        t = o.transfers[d]
+        tp = t.throughput()
+        avg = t.bytes / o.wall_s if o.wall_s > 0 else 0.0
+        yield _transfer_row(
+            d.label,
+            f"{t.blocks:,}",
+            format_bytes(t.bytes),
+            "-" if t.busy_s is None else _seconds(t.busy_s),
+            "-" if tp is None else format_bytes(tp) + "/s",
+            format_bytes(avg) + "/s",
+        )
+        extra = [f"{t.failed_blocks:,} failed"] if t.failed_blocks else []
+        if t.skipped_blocks:
+            extra.append(f"{t.skipped_blocks:,} already there")
+        if extra:
+            notes.append(f"{d.label}: {', '.join(extra)}")
+    yield "    (throughput: while transferring; average: over the run's wall time)"
+    for note in notes:
+        yield from _wrap(f"({note})", indent=4, hanging=1)
+
+
+def _disk(report: Report, home: str | None) -> Iterable[str]:
+    fs = report.offload.fs
+    if fs is None:
+        return
+    root = show_path(fs.root_dir, home)
+    bound = f"up to {format_bytes(fs.max_bytes)}" if fs.max_bytes is not None else "unbounded"
+    from vllm.entrypoints.cli.option_values import default_fs_root
+
+    flag = "" if fs.root_dir == str(default_fs_root()) else f" --fs-root {root}"
+    yield ""
+    yield from _wrap(
+        f"on disk: {format_bytes(fs.bytes_at_end)} in {fs.files_at_end:,} block files "
+        f"({bound}) in {root}; the next run starts warm from them. To delete them: "
+        f"{PROG} run{flag} --fs-clear",
+    )
+
+
+# engine, requests, prompt tokens, computed, redis tier, another's, verdict:
+# 2 + 6 + 12 + 14 + 13 + 13 + 12 + 8 = 80 columns.
+_INSTANCE_COLUMNS = (6, 12, 14, 13, 13, 12, 8)
+
+
+def _instance_row(*cells: str) -> str:
+    return "  " + "".join(f"{c:>{w}}" for c, w in zip(cells, _INSTANCE_COLUMNS, strict=True))
+
+
+def _instances(report: Report) -> Iterable[str]:
+    if not report.instances:
+        return
+    yield ""
+    yield "  per engine instance (offload run; verdict: its own checks and outputs)"
+    yield _instance_row(
+        "engine", "requests", "prompt tokens", "computed", "redis tier", "another's", "verdict"
+    )
+    for inst in report.instances:
+        o = inst.offload
+        yield _instance_row(
+            str(inst.index),
+            f"{o.num_finished:,}/{o.num_requests:,}",
+            f"{o.prompt_tokens:,}",
+            f"{o.computed_tokens:,}",
+            f"{o.served[Tier.REDIS]:,}" if o.redis_url is not None else "-",
+            f"{o.cross_instance_tokens or 0:,}" if o.redis_url is not None else "-",
+            "PASS" if inst.verdict.passed else "FAIL",
+        )
+    yield "    (another's: tokens served from KV another instance computed)"
+
+
+def _verdict(report: Report) -> Iterable[str]:
+    b, o = report.baseline, report.offload
+    verdict = report.verdict
+    differing = compare_outputs(b.outputs, o.outputs)
+    yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
+    from_redis = (
+        f" ({o.blocks_verified_from_redis:,} of them promoted from the redis tier)"
+        if o.redis_url is not None
+        else ""
+    )
+    yield from _wrap(
+        f"{o.blocks_verified:,} loaded blocks checked bit-exact against recomputation"
+        f"{from_redis}, {o.blocks_mismatched:,} differed",
+        indent=4,
+    )
+    yield from _wrap(
+        f"outputs of {len(o.outputs):,} requests identical to the baseline's"
+        if not differing
+        else f"outputs of {len(differing):,} requests differ from the baseline's",
+        indent=4,
+    )
+    yield from _wrap(
+        f"storage integrity: {'PASS' if verdict.storage_intact else 'FAIL'} - "
+        f"{o.corrupt_blocks_detected:,} corrupt block(s) detected "
+        + ("on disk or in redis" if o.redis_url is not None else "on disk")
+        + (" (discarded and recomputed, never served)" if o.corrupt_blocks_detected else "")
+    )
+    for reason in verdict.reasons:
+        yield from _wrap(f"- {reason}", indent=4)
+    yield f"  verdict: {'PASS' if verdict.passed else 'FAIL'}"

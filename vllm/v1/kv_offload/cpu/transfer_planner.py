@@ -1,0 +1,203 @@
+"""Planning of GPU <-> CPU transfer jobs: a job's specs -> one ``copy_blocks`` call.
+
+Job semantics (both directions), for a GPU spec with ``group_sizes`` ``n_g`` and ``block_indices``
+``i_g`` and a CPU spec: GPU block ids are ordered by group; so are CPU block ids, group ``g`` taking
+``ceil((s_g + n_g) / k_g)`` of them, where ``k_g`` is the group's block-size factor and
+``s_g = i_g % k_g`` sub-blocks of the group's first CPU block are skipped (a load whose first
+offloaded block is only partly needed). GPU block ``m`` of the group (0-based) pairs with
+sub-block ``(s_g + m) % k_g`` of the group's CPU block ``(s_g + m) // k_g``. Every layer (canonical
+tensor) of the group moves in the same job.
+
+Memory on both sides is described in ``vllm.v1.kv_offload.cpu.gpu_worker`` (CPU views) and
+``vllm.v1.kv_offload.worker.canonical`` (GPU pages); the resulting regions follow
+``vllm.kv_copy.regions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One job as a ``copy_blocks`` call.
+
+    Attributes:
+        regions: ``REGION_DTYPE`` array, one region per (group, canonical tensor of the group).
+        src_ids, dst_ids: the pairs' ids (GPU block ids on the GPU side, CPU sub-block ids
+            ``row * k + j`` on the CPU side).
+        num_bytes: bytes the job moves.
+    """
+
+    regions: ops.RegionArray
+    src_ids: npt.NDArray[np.int64]
+    dst_ids: npt.NDArray[np.int64]
+    num_bytes: int
+
+
+class JobPlanner:
+    """Turns a job's specs into one ``copy_blocks`` call for one direction.
+
+    Region templates (everything but the pair range) are built once per group; a job only fills
+    in pair ranges and id arrays, so planning costs O(blocks of the job + regions).
+
+    Args:
+        kv_caches: the worker's canonical GPU KV caches.
+        cpu_views: one CPU view per canonical tensor (see ``gpu_worker``); the planner reads their
+            addresses and row strides only.
+        factors: block-size factor ``k_g`` per group.
+        num_cpu_blocks: CPU rows.
+        store: True for GPU -> CPU jobs, False for CPU -> GPU.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        cpu_views: Sequence[torch.Tensor],
+        factors: tuple[int, ...],
+        num_cpu_blocks: int,
+        store: bool,
+    ) -> None:
+        self._factors = factors
+        self._max_factor = max(factors)
+        self._num_cpu_blocks = num_cpu_blocks
+        self._store = store
+        self._templates: list[ops.RegionArray] = []
+        self._group_bytes: list[int] = []
+        self._num_gpu_blocks: list[int] = []
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            regions = []
+            for ref in refs:
+                t = kv_caches.tensors[ref.tensor_idx]
+                view = cpu_views[ref.tensor_idx]
+                gpu = ops.BlockSide(
+                    base=t.ptr,
+                    block_stride=t.row_stride_bytes,
+                    num_blocks=t.num_blocks,
+                    sub_stride=t.page_size_bytes,
+                )
+                cpu = ops.BlockSide(
+                    base=view.data_ptr(),
+                    block_stride=int(view.stride(0)),
+                    num_blocks=num_cpu_blocks,
+                    sub_blocks=factors[g],
+                    sub_stride=t.page_size_bytes,
+                )
+                src, dst = (gpu, cpu) if store else (cpu, gpu)
+                regions.append(ops.CopyRegion(src, dst, ref.page_size_bytes, 0, 0))
+            template = ops.make_regions(regions)
+            # Validates everything but ids once, with the real extents.
+            ops.check_copy_blocks(template, np.zeros(0, np.int64), np.zeros(0, np.int64))
+            self._templates.append(template)
+            self._group_bytes.append(sum(ref.page_size_bytes for ref in refs))
+            self._num_gpu_blocks.append(
+                min(kv_caches.tensors[r.tensor_idx].num_blocks for r in refs)
+            )
+        # Groups sharing a tensor can write the same bytes: their destinations are checked for
+        # collisions together (connected components of "shares a tensor").
+        parent = list(range(kv_caches.num_groups))
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        first_user: dict[int, int] = {}
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            for ref in refs:
+                other = first_user.setdefault(ref.tensor_idx, g)
+                parent[find(g)] = find(other)
+        self._cluster = [find(g) for g in range(kv_caches.num_groups)]
+
+    def plan(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> TransferPlan:
+        """The ``copy_blocks`` call of one job (see the module docstring for the pairing).
+
+        Raises:
+            ValueError: the specs do not fit the KV cache (group count, block ranges, CPU block
+                count), or the job would write one GPU block or CPU sub-block twice.
+        """
+        num_groups = len(self._templates)
+        if len(gpu_spec.group_sizes) != num_groups:
+            raise ValueError(
+                f"the GPU spec has {len(gpu_spec.group_sizes)} groups, the KV cache has "
+                f"{num_groups}"
+            )
+        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+        gpu_parts: list[npt.NDArray[np.int64]] = []
+        cpu_parts: list[npt.NDArray[np.int64]] = []
+        region_parts: list[ops.RegionArray] = []
+        dst_keys: dict[int, list[npt.NDArray[np.int64]]] = {}
+        gpu_off = cpu_off = pairs = num_bytes = 0
+        for g, n in enumerate(gpu_spec.group_sizes):
+            if n == 0:
+                continue
+            k = self._factors[g]
+            skip = gpu_spec.block_indices[g] % k
+            n_cpu = -(-(skip + n) // k)
+            cpu_g = cpu_ids[cpu_off : cpu_off + n_cpu]
+            if len(cpu_g) != n_cpu:
+                raise ValueError(
+                    f"group {g}: {n} GPU blocks starting at sub-block {skip} need {n_cpu} CPU "
+                    f"blocks, the CPU spec has {len(cpu_ids) - cpu_off} left"
+                )
+            if int(cpu_g.max()) >= self._num_cpu_blocks:
+                raise ValueError(
+                    f"group {g}: CPU block {int(cpu_g.max())} is outside "
+                    f"[0, {self._num_cpu_blocks})"
+                )
+            gpu_g = gpu_ids[gpu_off : gpu_off + n]
+            if int(gpu_g.max()) >= self._num_gpu_blocks[g]:
+                raise ValueError(
+                    f"group {g}: GPU block {int(gpu_g.max())} is outside "
+                    f"[0, {self._num_gpu_blocks[g]})"
+                )
+            if k == 1:
+                sub = cpu_g
+            else:
+                sub = (cpu_g[:, None] * k + np.arange(k, dtype=np.int64)).ravel()[skip : skip + n]
+            gpu_parts.append(gpu_g)
+            cpu_parts.append(sub)
+            template = self._templates[g].copy()
+            template["pair_begin"] = pairs
+            template["pair_count"] = n
+            region_parts.append(template)
+            # Destination slots in a group-independent numbering, to catch two groups of one
+            # cluster writing the same page.
+            key = gpu_g if not self._store else (sub // k) * self._max_factor + sub % k
+            dst_keys.setdefault(self._cluster[g], []).append(key)
+            num_bytes += n * self._group_bytes[g]
+            pairs += n
+            gpu_off += n
+            cpu_off += n_cpu
+        if cpu_off != len(cpu_ids):
+            raise ValueError(f"the CPU spec has {len(cpu_ids)} blocks, the job uses {cpu_off}")
+        for keys in dst_keys.values():
+            flat = np.concatenate(keys) if len(keys) > 1 else keys[0]
+            uniq, counts = np.unique(flat, return_counts=True)
+            if len(uniq) != len(flat):
+                dup = [int(x) for x in uniq[counts > 1][:4]]
+                k_max = self._max_factor
+                where = (
+                    [f"CPU row {d // k_max} sub-block {d % k_max}" for d in dup]
+                    if self._store
+                    else [f"GPU block {d}" for d in dup]
+                )
+                raise ValueError(f"the job writes more than once to: {', '.join(where)}")
+        if not region_parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return TransferPlan(np.zeros(0, dtype=ops.REGION_DTYPE), empty, empty, 0)
+        gpu_all = np.concatenate(gpu_parts)
+        cpu_all = np.concatenate(cpu_parts)
+        src, dst = (gpu_all, cpu_all) if self._store else (cpu_all, gpu_all)
+        return TransferPlan(np.concatenate(region_parts), src, dst, num_bytes)

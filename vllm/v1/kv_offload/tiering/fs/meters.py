@@ -1,0 +1,119 @@
+"""Small thread-safe meters of the filesystem tier: a rate-limited log and an I/O busy clock."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_LOG_INTERVAL_S = 10.0
+
+
+class RateLimitedLog:
+    """Logs at most one message per kind every ``_LOG_INTERVAL_S``; counts the rest.
+
+    Args:
+        log: the logger to write to (default: this module's).
+    """
+
+    def __init__(self, log: logging.Logger | None = None) -> None:
+        self._logger = log or logger
+        self._lock = threading.Lock()
+        self._last: dict[Any, float] = {}
+        self._suppressed: Counter[Any] = Counter()
+
+    def __call__(self, level: int, kind: Any, msg: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < _LOG_INTERVAL_S:
+                self._suppressed[kind] += 1
+                return
+            self._last[kind] = now
+            suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            msg += f" ({suppressed} similar message(s) suppressed)"
+        self._logger.log(level, msg, *args, exc_info=exc_info)
+
+
+class BusyClock:
+    """Wall time during which at least one operation was running; overlaps count once.
+
+    The fs tier's I/O threads run several blocks at once, so summing per-block durations would
+    count the same second once per thread. Thread-safe; use as a context manager around each
+    operation.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.monotonic()
+            self._active += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._active -= 1
+            assert self._active >= 0, "BusyClock: more exits than entries"
+            if self._active == 0:
+                self._total += time.monotonic() - self._since
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the running stretch included."""
+        with self._lock:
+            running = time.monotonic() - self._since if self._active else 0.0
+            return self._total + running
+
+
+class FreeSpaceGuard:
+    """Whether the filesystem has room for one more block file above ``min_free_bytes``.
+
+    Logs once when space runs low and once when it is back (not once per store). Thread-safe.
+
+    Args:
+        dir_fd: a directory on the filesystem (borrowed).
+        min_free_bytes: free bytes to leave.
+        file_size: bytes of one block file.
+        root_dir: for log messages.
+    """
+
+    def __init__(self, dir_fd: int, min_free_bytes: int, file_size: int, root_dir: str) -> None:
+        self._dir_fd = dir_fd
+        self._min_free_bytes = min_free_bytes
+        self._needed = min_free_bytes + file_size
+        self._root_dir = root_dir
+        self._low = False
+        self._lock = threading.Lock()
+
+    def has_room(self) -> bool:
+        """False (logged once per episode) when a write would leave too little free space."""
+        try:
+            st = os.statvfs(self._dir_fd)
+        except OSError:
+            return True  # cannot tell: the write itself will tell
+        free = st.f_bavail * st.f_frsize
+        low = free < self._needed
+        if low != self._low:
+            with self._lock:
+                if low and not self._low:
+                    logger.warning(
+                        "fs tier: %d bytes free under %s (min_free_bytes=%d): stopped storing "
+                        "blocks until space is freed",
+                        free,
+                        self._root_dir,
+                        self._min_free_bytes,
+                    )
+                elif not low and self._low:
+                    logger.info("fs tier: space freed under %s: storing resumed", self._root_dir)
+                self._low = low
+        return not low

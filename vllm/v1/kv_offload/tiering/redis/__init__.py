@@ -1,0 +1,7 @@
+"""Redis secondary tier (type ``"redis"``): blocks shared through a Redis server or cluster.
+
+Modules: ``config`` (tier kwargs), ``client`` (client settings, zero-copy values, error kinds),
+``health`` (circuit breaker, health thread), ``transfer`` (pipelined stores and verified loads),
+``manager`` (``RedisSecondaryTier``). Values use the shared ``tiering.block_format``. See
+``docs/redis_tier.md``.
+"""

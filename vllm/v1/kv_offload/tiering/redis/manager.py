@@ -1,0 +1,452 @@
+"""``RedisSecondaryTier``: a secondary tier on a Redis (or Valkey) server or Redis Cluster.
+
+Registered as tier type ``"redis"``. One key per block, ``kvo:<namespace>:<hex of the key>``, whose
+value is the shared block format (``tiering.block_format``: a 4 KiB header binding the value to
+its key and run, with a CRC-32C of the payload, then the primary row). Several engine instances
+pointed at the same server and namespace share their blocks: what one stored, the others find.
+
+Capacity belongs to the server (``maxmemory`` and its eviction policy, see docs/redis_tier.md):
+the tier never evicts; a block the server evicted is a miss.
+
+Threads:
+    * the scheduler thread calls the ``SecondaryTierManager`` methods; they only queue work and
+      never touch the network;
+    * the lookup thread (``AsyncLookupManager``) resolves each step's lookups with one pipelined
+      round trip of ``EXISTS``;
+    * the I/O thread runs jobs one at a time, loads before stores (``transfer.BlockTransfer``);
+    * the health thread probes an unreachable server and refreshes the server figures.
+
+Guarantees:
+    * Never a wrong byte: every loaded value is verified (size, header, key, run, checksum) before
+      its row is written, and a job that fails leaves its rows to the manager, which frees them.
+    * Never blocks the scheduler: while the server is unreachable (circuit breaker open) lookups
+      answer False at once and jobs fail at once; otherwise each command is bounded by
+      ``timeout_s``; ``shutdown()`` waits at most a few ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, TierStats
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.fs.file_mapper import (
+    DIGEST_HEX_CHARS,
+    canonical_json,
+    run_fields_from_spec,
+    sanitize_model_name,
+)
+from vllm.v1.kv_offload.tiering.redis.client import (
+    RedisClient,
+    Router,
+    is_unreachable,
+)
+from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
+from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, HealthThread
+from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
+from vllm.v1.kv_offload.tiering.tier_plumbing import (
+    AsyncLookupTier,
+    check_job_rows,
+    primary_view_rows,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.spec import OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "kvo"
+"""First component of every key the tier writes."""
+
+STORE_BATCH_BYTES = 64 << 20
+"""Most bytes of queued store jobs the I/O thread takes as one batch (``store_many``)."""
+
+
+class _RedisLookups(AsyncLookupManager):
+    """Answers a whole step's lookups with one pipelined round trip of ``EXISTS``.
+
+    ``EXISTS k1 k2 ...`` would only count, and ``MGET`` would carry the values; pipelined
+    single-key ``EXISTS`` answers per key (the cluster client groups them per master).
+    """
+
+    def __init__(self, tier: RedisSecondaryTier) -> None:
+        self._tier = tier
+        super().__init__(tier.tier_type)
+
+    @override
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self.step_lookup([(keys, req_context)])[0]
+
+    @override
+    def step_lookup(self, groups: list[tuple[list[OffloadKey], ReqContext]]) -> list[list[bool]]:
+        return self._tier._probe(groups)
+
+
+class RedisSecondaryTier(AsyncLookupTier):
+    """A secondary tier that keeps each block as one Redis value.
+
+    Ownership: the tier borrows the primary view until ``shutdown()``; its I/O thread reads a row
+    only while a store job naming it is in flight (the manager pins the row) and writes a row only
+    while a load job naming it is in flight (the manager keeps the row unreadable). Keys under the
+    namespace are shared with every instance using it; the tier deletes only values it found
+    invalid.
+
+    Tier kwargs (the ``secondary_tiers`` entry of type ``"redis"``; see ``RedisTierConfig``):
+        url: required; ``redis://``, ``rediss://`` or ``unix://``.
+        cluster: use Redis Cluster (default false).
+        namespace: key namespace (default: the run's identity, ``<model>_<digest>``).
+        ttl_s: expiry of stored blocks (default none).
+        timeout_s: connect and command timeout (default 2).
+        max_inflight_bytes: bytes per round trip and of queued stores (default 256 MiB).
+
+    Raises (construction):
+        ValueError: an unknown or invalid config key, a primary view of the wrong shape, or
+            ``max_inflight_bytes`` below one value.
+        redis.exceptions.RedisError: ``cluster`` and the cluster cannot be reached.
+    """
+
+    _STOP_TIMEOUT_FACTOR = 3
+    """``shutdown()`` waits for each thread at most this many ``timeout_s`` (a command in
+    flight is bounded by the socket timeout, plus one retry)."""
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        url: str | None = None,
+        cluster: bool = False,
+        namespace: str | None = None,
+        ttl_s: float | None = None,
+        timeout_s: float = 2.0,
+        max_inflight_bytes: int | str = 256 << 20,
+        **tier_kwargs: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
+        self._config = config = RedisTierConfig.from_kwargs(
+            url=url,
+            cluster=cluster,
+            namespace=namespace,
+            ttl_s=ttl_s,
+            timeout_s=timeout_s,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        view = primary_kv_view
+        self._num_rows, self._row_bytes = primary_view_rows(view, "redis")
+        self.value_bytes = HEADER_SIZE + self._row_bytes
+        if config.max_inflight_bytes < self.value_bytes:
+            raise ValueError(
+                f"redis tier: max_inflight_bytes={config.max_inflight_bytes} is smaller than one "
+                f"value ({self.value_bytes} bytes: a 4 KiB header and one row)"
+            )
+        # The run's identity, as the fs tier computes it: equal fields, equal namespace.
+        fields = run_fields_from_spec(offloading_spec, self._row_bytes)
+        digest = hashlib.sha256(canonical_json(fields).encode())
+        self.run_digest = digest.digest()
+        self.namespace = config.namespace or (
+            f"{sanitize_model_name(fields['model_name'])}_{digest.hexdigest()[:DIGEST_HEX_CHARS]}"
+        )
+        self._name = f"{tier_type}@{config.url}"
+        self._router = Router(config)
+        self._client: RedisClient = self._router.client
+        self._counters = Counters()
+        self._breaker = CircuitBreaker(self._name)
+        self._flat: memoryview = view.cast("B")
+        self.transfer = BlockTransfer(
+            self._router,
+            self._flat,
+            row_bytes=self._row_bytes,
+            run_digest=self.run_digest,
+            key_prefix=f"{KEY_PREFIX}:{self.namespace}:".encode(),
+            ttl_ms=None if config.ttl_s is None else max(1, round(config.ttl_s * 1000)),
+            max_round_bytes=config.max_inflight_bytes,
+            breaker=self._breaker,
+            counters=self._counters,
+            name=self._name,
+        )
+        # Server figures for get_stats (keys, used memory, maxmemory or 0), replaced whole by
+        # the health thread.
+        self._server_figures = (0, 0, 0)
+        # Scheduler thread only: jobs submitted and not yet reported.
+        self._jobs: dict[int, JobMetadata] = {}
+        self._closed = False
+        # Scheduler <-> I/O thread, under _cond: queued jobs, results, store bytes queued.
+        self._cond = threading.Condition()
+        self._loads: deque[JobMetadata] = deque()
+        self._stores: deque[JobMetadata] = deque()
+        self._results: list[tuple[JobMetadata, Outcome]] = []
+        self._store_bytes_queued = 0
+        self._running = 0
+        self._stopping = False
+        self._io_thread = threading.Thread(
+            target=self._io_loop, name=f"vllm_redis_tier_{tier_type}_io", daemon=True
+        )
+        self._lookups = _RedisLookups(self)
+        self._health = HealthThread(tier_type, self._breaker, self._ping, self._refresh_stats)
+        self._io_thread.start()
+        self._health.start()
+        logger.info(
+            "redis tier: %s%s, namespace %s, %d-byte values, ttl %s, timeout %.3g s, "
+            "max_inflight_bytes %d",
+            config.url,
+            " (cluster)" if config.cluster else "",
+            self.namespace,
+            self.value_bytes,
+            "none" if config.ttl_s is None else f"{config.ttl_s:g} s",
+            config.timeout_s,
+            config.max_inflight_bytes,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Introspection (tests, benchmarks, operators)
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> RedisTierConfig:
+        """The validated configuration."""
+        return self._config
+
+    @property
+    def client(self) -> RedisClient:
+        """The client (thread-safe; for tests and tools)."""
+        return self._client
+
+    @property
+    def breaker_open(self) -> bool:
+        """Whether the server is considered unreachable now."""
+        return self._breaker.is_open
+
+    def wait_reachable(self, timeout: float | None = None) -> bool:
+        """Block until the circuit breaker is closed (tests, tools); False on timeout."""
+        return self._breaker.closed.wait(timeout)
+
+    def redis_key(self, key: OffloadKey) -> bytes:
+        """The Redis key that holds block ``key``."""
+        return self.transfer.redis_key(key)
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters (``transfer.COUNTER_NAMES``)."""
+        counters = self._counters.snapshot()
+        counters["breaker_trips"] = self._breaker.trips
+        return counters
+
+    @override
+    def get_stats(self) -> TierStats:
+        """Keys, used memory and ``maxmemory`` (None if unlimited) of the server, refreshed every
+        few seconds in the background (on a dedicated server the keys are the blocks), one
+        value's size, and ``stats()``."""
+        num_keys, used_memory, maxmemory = self._server_figures
+        return TierStats(
+            tier_type=self.tier_type,
+            num_blocks=num_keys,
+            used_bytes=used_memory,
+            block_bytes=self.value_bytes,
+            counters=self.stats(),
+            capacity_bytes=maxmemory or None,
+        )
+
+    @override
+    def __repr__(self) -> str:
+        return f"RedisSecondaryTier({self._config.url!r}, namespace={self.namespace!r})"
+
+    # -----------------------------------------------------------------------------------------
+    # SecondaryTierManager (scheduler thread)
+    # -----------------------------------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """False at once while the server is unreachable; otherwise None until this step's
+        batched probe answered (a later step), then True/False."""
+        if self._breaker.is_open:
+            return False
+        return self._lookups.lookup(key, req_context)
+
+    @override
+    def submit_store(self, job: JobMetadata) -> None:
+        """Queue the job; fail it at once if the server is unreachable or more than
+        ``max_inflight_bytes`` of stores are already queued (back-pressure)."""
+        nbytes = len(job.keys) * self.value_bytes
+        self._add_job(job)
+        with self._cond:
+            over = self._store_bytes_queued + nbytes > self._config.max_inflight_bytes
+            if self._breaker.is_open or (over and self._store_bytes_queued > 0):
+                self._results.append((job, Outcome(False)))
+                self._counters.add(stores_dropped=len(job.keys))
+                return
+            self._store_bytes_queued += nbytes
+            self._stores.append(job)
+            self._cond.notify()
+
+    @override
+    def submit_load(self, job: JobMetadata) -> None:
+        """Queue the job (before any queued store); fail it at once while unreachable."""
+        self._add_job(job)
+        with self._cond:
+            if self._breaker.is_open:
+                self._results.append((job, Outcome(False, list(job.keys))))
+                return
+            self._loads.append(job)
+            self._cond.notify()
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Jobs finished since the last call; a failed load's keys become lookup misses."""
+        with self._cond:
+            done, self._results = self._results, []
+        results: list[JobResult] = []
+        for job, outcome in done:
+            assert self._jobs.pop(job.job_id, None) is job, f"redis tier: job {job.job_id} unknown"
+            if job.is_promotion and not outcome.success:
+                # Stop requests from retrying blocks the server could not deliver.
+                self._lookups.mark_miss(outcome.failed_keys or job.keys)
+            results.append(JobResult(job.job_id, outcome.success))
+        return results
+
+    @override
+    def drain_jobs(self) -> None:
+        """Block until every queued job finished (each bounded by the command timeouts)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._loads or self._stores or self._running))
+
+    @override
+    def has_pending_work(self) -> bool:
+        with self._cond:
+            return bool(self._loads or self._stores or self._running)
+
+    @override
+    def shutdown(self) -> None:
+        """Stop the threads, fail queued jobs, release the primary view and close the
+        connections. Idempotent; never waits on the server beyond a few ``timeout_s``.
+
+        A job already running finishes (it holds primary rows and its commands are bounded by
+        the socket timeout); queued ones are reported as failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        limit = self._STOP_TIMEOUT_FACTOR * self._config.timeout_s
+        self._lookups.shutdown(limit)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._io_thread.join()
+        self._health.stop(limit)
+        self._flat.release()
+        self._router.close()
+
+    # -----------------------------------------------------------------------------------------
+    # Internals
+    # -----------------------------------------------------------------------------------------
+
+    def _add_job(self, job: JobMetadata) -> None:
+        assert job.job_id not in self._jobs, f"redis tier: job {job.job_id} submitted twice"
+        if self._closed:
+            raise RuntimeError("redis tier: submit after shutdown")
+        check_job_rows(job, self._num_rows, "redis")
+        self._jobs[job.job_id] = job
+
+    def _io_loop(self) -> None:
+        """I/O thread: run queued jobs, loads first; queued stores run together (one batch, up
+        to ``STORE_BATCH_BYTES``); on shutdown fail what is still queued."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._loads or self._stores or self._stopping)
+                if self._stopping:
+                    for job in (*self._loads, *self._stores):
+                        self._results.append((job, Outcome(False, list(job.keys))))
+                    self._loads.clear()
+                    self._stores.clear()
+                    self._cond.notify_all()
+                    return
+                if self._loads:
+                    batch = [self._loads.popleft()]
+                else:
+                    batch = [self._stores.popleft()]
+                    nbytes = len(batch[0].keys) * self.value_bytes
+                    while self._stores:
+                        more = len(self._stores[0].keys) * self.value_bytes
+                        if nbytes + more > STORE_BATCH_BYTES:
+                            break
+                        nbytes += more
+                        batch.append(self._stores.popleft())
+                self._running += len(batch)
+            outcomes = self._run_jobs(batch)
+            with self._cond:
+                self._running -= len(batch)
+                for job, outcome in zip(batch, outcomes, strict=True):
+                    if not job.is_promotion:
+                        self._store_bytes_queued -= len(job.keys) * self.value_bytes
+                    self._results.append((job, outcome))
+                self._cond.notify_all()
+
+    def _run_jobs(self, batch: list[JobMetadata]) -> list[Outcome]:
+        """One load job, or a batch of store jobs."""
+        if self._breaker.is_open:
+            for job in batch:
+                if not job.is_promotion:
+                    self._counters.add(stores_dropped=len(job.keys))
+            return [Outcome(False, list(job.keys)) for job in batch]
+        try:
+            if batch[0].is_promotion:
+                (job,) = batch
+                return [self.transfer.load(list(job.keys), job.block_ids.tolist())]
+            return self.transfer.store_many([(list(j.keys), j.block_ids.tolist()) for j in batch])
+        except Exception:
+            logger.exception(
+                "redis tier %s: jobs %s failed", self._name, [job.job_id for job in batch]
+            )
+            return [Outcome(False, list(job.keys)) for job in batch]
+
+    def _probe(self, groups: list[tuple[list[OffloadKey], ReqContext]]) -> list[list[bool]]:
+        """Lookup thread: presence of every key of the step, in one pipelined round trip."""
+        misses = [[False] * len(keys) for keys, _ in groups]
+        if self._breaker.is_open:
+            return misses
+        rkeys = [self.transfer.redis_key(key) for keys, _ in groups for key in keys]
+        try:
+            replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+        except Exception as e:
+            logger.warning("redis tier %s: lookup failed: %s", self._name, e)
+            return misses
+        down = self._router.all_down(replies)
+        if down is not None:
+            self._breaker.trip(down)
+            return misses
+        it = iter(replies)
+        # A failed EXISTS (e.g. its master is down or the slot moved) is a miss.
+        answers = [
+            [not isinstance(r, Exception) and bool(r) for _, r in zip(keys, it, strict=False)]
+            for keys, _ in groups
+        ]
+        found = sum(map(sum, answers))
+        self._counters.add(lookups=sum(len(k) for k, _ in groups), lookup_hits=found)
+        return answers
+
+    def _ping(self) -> None:
+        """Health thread: raises unless the server answers."""
+        self._router.ping()
+
+    def _refresh_stats(self) -> None:
+        """Health thread: the server's key count and memory, for ``get_stats``."""
+        try:
+            num_keys = int(self._client.dbsize())
+            info: Any = self._client.info("memory")
+        except Exception as e:
+            if is_unreachable(e):
+                raise
+            return
+        nodes = [info] if "used_memory" in info else list(info.values())  # cluster: per node
+        used = sum(int(node.get("used_memory", 0)) for node in nodes)
+        maxmemory = sum(int(node.get("maxmemory", 0)) for node in nodes)
+        if any(int(node.get("maxmemory", 0)) == 0 for node in nodes):
+            maxmemory = 0  # a node without a limit: the tier is unbounded
+        self._server_figures = (num_keys, used, maxmemory)

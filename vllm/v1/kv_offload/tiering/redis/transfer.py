@@ -1,0 +1,319 @@
+"""Moving blocks between primary rows and Redis: pipelined stores and verified loads.
+
+Runs on the tier's I/O thread only. Each job is split into rounds of at most
+``min(max_inflight_bytes, MAX_ROUND_BYTES)`` of values, and each round is ONE pipelined round trip
+per server (in a cluster, one per master that owns keys of the round: ``client.Router``).
+
+* Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
+  bytes never sent), then ``SET key value [PX ttl]`` rounds. A value is the block format's header
+  followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
+* Load: ``GET`` rounds; every value is verified (size, header, key, run, checksum of the payload,
+  ``block_format.verify_block``) before its payload is copied into the job's primary row. A
+  missing value (evicted or expired since the lookup) fails the job and is counted as a server
+  miss; an invalid one fails the job, is deleted, counted and logged.
+
+A job succeeds or fails as a whole. Nothing is retried here: a failed load is recomputed by the
+connector, a failed store only means the block is absent from Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import redis.exceptions as rexc
+from redis.client import Pipeline
+
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.tiering.block_format import (
+    HEADER_SIZE,
+    BlockFileCorrupt,
+    encode_block_header,
+    verify_block,
+)
+from vllm.v1.kv_offload.tiering.redis.client import (
+    BlockValue,
+    Router,
+    is_oom,
+    is_unreachable,
+)
+from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker
+
+logger = logging.getLogger(__name__)
+
+MAX_ROUND_BYTES = 32 << 20
+"""Most value bytes in one pipelined round trip (also bounded by ``max_inflight_bytes``): the
+server holds a pipeline's replies in its output buffer until they are read, unbounded for normal
+clients, so a round is kept small; 16 values of 2 MiB already reach full speed."""
+
+COUNTER_NAMES = (
+    "blocks_written",
+    "blocks_skipped",
+    "bytes_written",
+    "blocks_loaded",
+    "bytes_loaded",
+    "server_misses",
+    "corrupt_removed",
+    "store_failures",
+    "load_failures",
+    "stores_dropped",
+    "oom_refusals",
+    "breaker_trips",
+    "lookups",
+    "lookup_hits",
+)
+"""The tier's cumulative counters (``get_stats().counters``); see docs/redis_tier.md. Those the fs
+tier also keeps have its names (``blocks_written``, ``blocks_loaded``, ...), which the metrics
+(``metrics.report_tier_stats``) and the run report read."""
+
+
+class Counters:
+    """Thread-safe cumulative counters (I/O and lookup threads add, the scheduler reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a job did: ``failed_keys`` are keys a load could not deliver (for ``mark_miss``)."""
+
+    success: bool
+    failed_keys: list[OffloadKey] = field(default_factory=list)
+
+
+class BlockTransfer:
+    """Stores and loads whole jobs. Owned by the tier; used by its I/O thread only.
+
+    Ownership: ``flat`` is the primary region as one flat byte view, borrowed from the tier; a
+    job touches only rows ``[b * row_bytes, (b + 1) * row_bytes)`` of its own block ids, which the
+    tiering manager keeps pinned (store) or reserved (load) until the job is reported.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        flat: memoryview,
+        *,
+        row_bytes: int,
+        run_digest: bytes,
+        key_prefix: bytes,
+        ttl_ms: int | None,
+        max_round_bytes: int,
+        breaker: CircuitBreaker,
+        counters: Counters,
+        name: str,
+    ) -> None:
+        self._router = router
+        self._flat = flat
+        self._row_bytes = row_bytes
+        self._run_digest = run_digest
+        self._prefix = key_prefix
+        self._ttl_ms = ttl_ms
+        self._value_bytes = HEADER_SIZE + row_bytes
+        self._per_round = max(1, min(max_round_bytes, MAX_ROUND_BYTES) // self._value_bytes)
+        self._breaker = breaker
+        self._counters = counters
+        self._name = name
+        self._logged_kinds: set[str] = set()
+
+    def redis_key(self, key: OffloadKey) -> bytes:
+        """The Redis key of block ``key``: ``<prefix><hex of the key>``."""
+        return self._prefix + key.hex().encode()
+
+    # -----------------------------------------------------------------------------------------
+    # Store
+    # -----------------------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> Outcome:
+        """Write the blocks Redis does not hold yet; success if every block is there afterwards."""
+        return self.store_many([(keys, block_ids)])[0]
+
+    def store_many(
+        self, jobs: Sequence[tuple[Sequence[OffloadKey], Sequence[int]]]
+    ) -> list[Outcome]:
+        """Store several jobs together: one ``EXISTS`` round trip for all their keys, then
+        ``SET`` rounds that may span jobs. Each job still succeeds or fails on its own keys.
+
+        Why together: under load every round trip waits for the server to be scheduled, and
+        stores queue up exactly then; one presence check per batch instead of per job keeps
+        small-block stores close to the raw pipeline's speed.
+        """
+        blocks: dict[OffloadKey, int] = {}  # a key may repeat within and across jobs
+        for keys, block_ids in jobs:
+            for key, block_id in zip(keys, block_ids, strict=True):
+                blocks.setdefault(key, block_id)
+        failed: set[OffloadKey] = set()
+        try:
+            present = self._exists(list(blocks))
+            todo = [
+                (k, b) for (k, b), there in zip(blocks.items(), present, strict=True) if not there
+            ]
+            self._counters.add(blocks_skipped=len(blocks) - len(todo))
+            rounds = list(self._rounds(todo))
+            for n, chunk in enumerate(rounds):
+                try:
+                    failed.update(self._set_round(chunk))
+                except Exception:
+                    # The server went away: nothing after this round is attempted.
+                    failed.update(k for later in rounds[n:] for k, _ in later)
+                    raise
+        except Exception as e:
+            self._failed("store", len(blocks), e)
+            failed = set(blocks)
+        outcomes = [Outcome(not any(key in failed for key in keys)) for keys, _ in jobs]
+        self._counters.add(store_failures=sum(not o.success for o in outcomes))
+        return outcomes
+
+    def _exists(self, keys: list[OffloadKey]) -> list[bool]:
+        rkeys = [self.redis_key(key) for key in keys]
+        replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+        self._raise_if_unreachable(replies)
+        # A failed EXISTS (e.g. its master is down) is "absent": the SET then decides.
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
+
+    def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
+        """One pipelined round of SETs; returns the keys whose SET failed (OOM, READONLY, a dead
+        master); raises when the whole server is unreachable."""
+        rb = self._row_bytes
+        rkeys = [self.redis_key(key) for key, _ in chunk]
+        px = self._ttl_ms
+
+        def add(pipe: Pipeline, i: int) -> None:
+            key, block_id = chunk[i]
+            row = self._flat[block_id * rb : (block_id + 1) * rb]
+            header = encode_block_header(key, self._run_digest, row)
+            value = self._router.value(BlockValue(header, row))
+            pipe.set(rkeys[i], value, px=px)  # type: ignore[arg-type]
+
+        replies = self._router.execute(rkeys, add)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        stored = len(replies) - len(errors)
+        self._counters.add(blocks_written=stored, bytes_written=stored * self._value_bytes)
+        if not errors:
+            return []
+        self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
+        self._raise_if_unreachable(replies)
+        self._failed("store", len(errors), errors[0])
+        return [key for (key, _), r in zip(chunk, replies, strict=True) if isinstance(r, Exception)]
+
+    # -----------------------------------------------------------------------------------------
+    # Load
+    # -----------------------------------------------------------------------------------------
+
+    def load(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> Outcome:
+        """Fill the job's rows from Redis; every value is verified before its row is written."""
+        failed: list[OffloadKey] = []
+        pairs = list(zip(keys, block_ids, strict=True))
+        try:
+            for chunk in self._rounds(pairs):
+                failed.extend(self._get_round(chunk))
+                if failed:
+                    break  # the job fails as a whole: skip the rest of its bytes
+        except Exception as e:
+            self._failed("load", len(pairs), e)
+            self._counters.add(load_failures=1)
+            return Outcome(False, [k for k, _ in pairs])
+        if failed:
+            self._counters.add(load_failures=1)
+            return Outcome(False, failed)
+        return Outcome(True)
+
+    def _get_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
+        rkeys = [self.redis_key(key) for key, _ in chunk]
+        replies = self._router.execute(rkeys, lambda pipe, i: pipe.get(rkeys[i]))
+        self._raise_if_unreachable(replies)
+        rb = self._row_bytes
+        failed: list[OffloadKey] = []
+        corrupt: list[bytes] = []
+        loaded = 0
+        for (key, block_id), value in zip(chunk, replies, strict=True):
+            if isinstance(value, Exception):
+                raise value
+            if value is None:
+                # Evicted or expired between the lookup and now: normal under allkeys-lru.
+                self._counters.add(server_misses=1)
+                failed.append(key)
+                continue
+            try:
+                payload = verify_block(value, key=key, run_digest=self._run_digest, payload_len=rb)
+            except BlockFileCorrupt as e:
+                logger.warning(
+                    "redis tier %s: value of %s is invalid (%s); deleted, the load fails",
+                    self._name,
+                    self.redis_key(key).decode(),
+                    e.reason,
+                )
+                corrupt.append(self.redis_key(key))
+                failed.append(key)
+                continue
+            self._flat[block_id * rb : (block_id + 1) * rb] = payload
+            loaded += 1
+        self._counters.add(blocks_loaded=loaded, bytes_loaded=loaded * rb)
+        if corrupt:
+            self._delete(corrupt)
+        return failed
+
+    def _delete(self, redis_keys: list[bytes]) -> None:
+        """Delete invalid values so that no lookup finds them again (best effort)."""
+        try:
+            self._router.execute(redis_keys, lambda pipe, i: pipe.delete(redis_keys[i]))
+        except Exception as e:
+            self._failed("delete of invalid values", len(redis_keys), e)
+            return
+        self._counters.add(corrupt_removed=len(redis_keys))
+
+    # -----------------------------------------------------------------------------------------
+    # Helpers
+    # -----------------------------------------------------------------------------------------
+
+    def _rounds(
+        self, items: list[tuple[OffloadKey, int]]
+    ) -> Iterator[list[tuple[OffloadKey, int]]]:
+        n = self._per_round
+        for start in range(0, len(items), n):
+            yield items[start : start + n]
+
+    def _raise_if_unreachable(self, replies: list[object]) -> None:
+        """Raise when the whole server (every master) is unreachable, so the breaker opens; a
+        cluster whose other masters answered only fails (or misses) the keys of the dead one."""
+        exc = self._router.all_down(replies)
+        if exc is not None:
+            raise exc
+
+    def _failed(self, what: str, num_blocks: int, exc: BaseException) -> None:
+        if is_unreachable(exc):
+            # The breaker logs the state change once; no line per failed job.
+            self._breaker.trip(exc)
+            return
+        if isinstance(exc, rexc.RedisError):
+            # Refusals (OOM at maxmemory, READONLY, MOVED during a resharding) can repeat for
+            # every job for a while: the first of each kind is a warning, the rest debug.
+            kind = str(exc).split(" ", 1)[0]
+            level = logging.DEBUG if kind in self._logged_kinds else logging.WARNING
+            self._logged_kinds.add(kind)
+            logger.log(
+                level,
+                "redis tier %s: %s of %d block(s) failed: %s: %s",
+                self._name,
+                what,
+                num_blocks,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            logger.exception(
+                "redis tier %s: %s of %d block(s) failed", self._name, what, num_blocks
+            )
