@@ -39,6 +39,8 @@ def serve(manager: CPUOffloadingManager, num_requests: int) -> None:
         out = manager.prepare_store(keys[hits:], CTX)
         assert out is not None
         manager.complete_store(out.keys_to_store, CTX, success=r % 7 != 0)
+        if r % 50 == 0:
+            manager.check_invariants()
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

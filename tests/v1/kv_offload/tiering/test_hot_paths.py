@@ -78,6 +78,8 @@ def test_reserve_row_is_a_one_key_prepare_store(
             else:
                 for m in (by_store, by_reserve):
                     m.touch([key], CTX)
+            by_store.check_invariants()
+            by_reserve.check_invariants()
             assert list(by_store.take_events()) == list(by_reserve.take_events())
             assert by_store.get_stats() == by_reserve.get_stats()
             assert sorted((key, b.block_id, b.ref_cnt) for key, b in by_store.policy.items()) == (

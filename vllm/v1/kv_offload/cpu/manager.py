@@ -531,6 +531,16 @@ class CPUOffloadingManager(OffloadingManager):
                 assert block.ref_cnt == pins.get(key, 0), (
                     f"key {key.hex()}: ref_cnt {block.ref_cnt} != {pins.get(key, 0)} pins"
                 )
+        # The row status pool: a resident block's status is its row's; a row held by no block
+        # is ready to be written (ref_cnt -1), so allocation need not reset it.
+        for key, block in policy.items():
+            assert self._rows[block.block_id] is block, (
+                f"key {key.hex()}: its status is not row {block.block_id}'s"
+            )
+        for row, block in enumerate(self._rows):
+            assert row in rows or block.ref_cnt == -1, (
+                f"free row {row} has ref_cnt {block.ref_cnt}, not -1"
+            )
         assert set(writers) <= {k for k, b in policy.items() if b.ref_cnt < 0}
         assert set(pins) <= {k for k, b in policy.items() if b.ref_cnt > 0}
 
