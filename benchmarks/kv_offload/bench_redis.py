@@ -8,11 +8,11 @@ after round, so that a noisy neighbour slows all of them alike:
   blocks (``--blocks-per-job``), the row passed as a memoryview;
 * tier store: ``RedisSecondaryTier.submit_store`` of every block (jobs of ``--blocks-per-job``),
   then ``drain_jobs()``; the queued jobs run in batches, each with one ``EXISTS`` round trip, then
-  ``SET`` rounds of header + row, with the CRC-32C of each row computed;
-* raw load: pipelined ``GET`` of every raw key, pipelines as above (the reply bytes are only
-  received);
-* tier load: ``submit_load`` + ``drain_jobs()``: ``GET`` rounds, every value verified (size,
-  header, key, CRC-32C) and copied into its primary row; the rows are then compared with what was
+  ``SET`` rounds of header + row, each sent once the CRC-32C of its row is computed;
+* raw load: pipelined ``GET`` of every raw key, pipelines as above, parsed by redis-py (the reply
+  bytes are only received);
+* tier load: ``submit_load`` + ``drain_jobs()``: ``GET`` rounds, every value received into its
+  primary row and verified (size, header, key, CRC-32C); the rows are then compared with what was
   stored.
 
 The server is flushed before each store, so that the tier writes every block. Throughput counts

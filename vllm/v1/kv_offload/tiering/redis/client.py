@@ -10,9 +10,13 @@ Client settings (measured on redis-py 8, see docs/redis_tier.md):
   primary row; ``BlockPacker`` writes them as one RESP bulk string, header bytes then the row's
   memoryview, so the 2 MiB row goes from the primary region to the socket with no Python copy.
   hiredis's packer (redis-py's default) would convert the memoryview to bytes and concatenate
-  (two copies: SET ran at about a third of the speed). Replies are still parsed by hiredis.
+  (two copies: SET ran at about a third of the speed).
   The cluster client does not accept a packer, so there a value is joined once into bytes.
-* **A larger read buffer** (256 KiB instead of 64 KiB) for multi-MiB GET replies.
+* **Values are received without copying them either.** ``GET`` replies are read from the
+  connection's socket straight into the block's header buffer and primary row
+  (``direct_io``), not through hiredis, which would gather each value in its buffer, then copy
+  it into a ``bytes`` object that the tier copied again into the row. Other replies are parsed by
+  hiredis, with a larger read buffer (256 KiB instead of 64 KiB).
 * **Cluster: one pipeline per master** (``Router``). redis-py's cluster pipeline raises as a whole
   when one master is down; the tier groups keys by the master of their slot itself, so the keys of
   the masters that are up keep being served while the others miss. A ``MOVED`` or ``ASK`` reply
@@ -37,6 +41,13 @@ from redis.retry import Retry
 from typing_extensions import override
 
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
+from vllm.v1.kv_offload.tiering.redis.direct_io import (
+    Destination,
+    DirectReply,
+    direct_get_supported,
+    get_into,
+    set_streamed,
+)
 
 RedisClient = redis.Redis | RedisCluster
 """A standalone or a cluster client (both thread-safe; their pipelines are not)."""
@@ -112,6 +123,10 @@ def make_client(config: RedisTierConfig) -> RedisClient:
         "socket_connect_timeout": config.timeout_s,
         "socket_read_size": SOCKET_READ_SIZE,
         "health_check_interval": 0,
+        # RESP2, which every Redis and Valkey server speaks (redis-py 8 defaults to RESP3): the
+        # tier needs nothing of RESP3, and direct_io reads RESP2 GET replies itself. A URL's
+        # ``?protocol=3`` still wins; GETs then go through redis-py's parser.
+        "protocol": 2,
     }
     if config.cluster:
         return RedisCluster.from_url(
@@ -186,6 +201,63 @@ class Router:
             The reply of each key's command, in order; a command that failed (or whose server
             failed as a whole: refused, reset, timed out) gives the exception instead.
         """
+
+        def run(client: redis.Redis, indices: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for i in indices:
+                add(pipe, i)
+            try:
+                return pipe.execute(raise_on_error=False)
+            finally:
+                pipe.reset()  # drop the queued arguments (they may reference primary rows)
+
+        return self._per_server(rkeys, run)
+
+    def get_into(
+        self, rkeys: Sequence[bytes], destinations: Sequence[Destination]
+    ) -> list[DirectReply]:
+        """``GET`` every key, value ``i`` received straight into ``destinations[i]`` (see
+        ``direct_io.get_into``), one round trip per server.
+
+        Returns:
+            Per key: True (value received, of the destination's size), None (no such key), the
+            size of a value of another size (dropped), or the exception of a failed command or
+            server, as ``execute``.
+        """
+
+        def run(client: redis.Redis, indices: list[int]) -> list[DirectReply]:
+            keys = [rkeys[i] for i in indices]
+            dests = [destinations[i] for i in indices]
+            if direct_get_supported(client):
+                return get_into(client, keys, dests)
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            values = pipe.execute(raise_on_error=False)
+            return [_copy_value(v, d) for v, d in zip(values, dests, strict=True)]
+
+        return self._per_server(rkeys, run)
+
+    def set_streamed(
+        self, rkeys: Sequence[bytes], value: Callable[[int], object], *, px: int | None
+    ) -> list[Any]:
+        """``SET rkeys[i] value(i) [PX px]`` for every key, each sent as soon as its value is
+        made (see ``direct_io.set_streamed``), one round trip per server.
+
+        Returns:
+            Per key: True, or the exception of a failed command or server, as ``execute``.
+        """
+
+        def run(client: redis.Redis, indices: list[int]) -> list[Any]:
+            keys = [rkeys[i] for i in indices]
+            return set_streamed(client, keys, lambda j: value(indices[j]), px=px)
+
+        return self._per_server(rkeys, run)
+
+    def _per_server(
+        self, rkeys: Sequence[bytes], run: Callable[[redis.Redis, list[int]], list[Any]]
+    ) -> list[Any]:
+        """``run(client, indices)`` once per server that owns some of ``rkeys``, in order."""
         replies: list[Any] = [None] * len(rkeys)
         for name, client, indices in self._groups(rkeys):
             retry_at = self._down.get(name)
@@ -194,15 +266,10 @@ class Router:
                 for i in indices:
                     replies[i] = down
                 continue
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                add(pipe, i)
             try:
-                out = pipe.execute(raise_on_error=False)
+                out = run(client, indices)
             except Exception as e:
                 out = [e] * len(indices)
-            finally:
-                pipe.reset()  # drop the queued arguments (they may reference primary rows)
             for i, reply in zip(indices, out, strict=True):
                 replies[i] = reply
                 if isinstance(reply, (rexc.MovedError, rexc.AskError)):
@@ -270,6 +337,19 @@ class Router:
                 group = groups[node.name] = (node.name, conn, [])
             group[2].append(i)
         return list(groups.values())
+
+
+def _copy_value(value: bytes | Exception | None, dest: Destination) -> DirectReply:
+    """Copy a value redis-py received into its destination (the path without ``get_into``)."""
+    if value is None or isinstance(value, Exception):
+        return value
+    header, payload = dest
+    if len(value) != len(header) + len(payload):
+        return len(value)
+    view = memoryview(value)
+    header[:] = view[: len(header)]
+    payload[:] = view[len(header) :]
+    return True
 
 
 def all_unreachable(replies: Sequence[Any]) -> BaseException | None:

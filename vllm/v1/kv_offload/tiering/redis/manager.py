@@ -17,8 +17,9 @@ Threads:
     * the health thread probes an unreachable server and refreshes the server figures.
 
 Guarantees:
-    * Never a wrong byte: every loaded value is verified (size, header, key, run, checksum) before
-      its row is written, and a job that fails leaves its rows to the manager, which frees them.
+    * Never a wrong byte: every loaded value is verified (size, header, key, run, checksum) after
+      it is received into its reserved row and before the job reports success; a job that fails
+      leaves its rows to the manager, which frees them without serving them.
     * Never blocks the scheduler: while the server is unreachable (circuit breaker open) lookups
       answer False at once and jobs fail at once; otherwise each command is bounded by
       ``timeout_s``; ``shutdown()`` waits at most a few ``timeout_s``.

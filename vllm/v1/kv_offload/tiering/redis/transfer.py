@@ -5,12 +5,15 @@ Runs on the tier's I/O thread only. Each job is split into rounds of at most
 per server (in a cluster, one per master that owns keys of the round: ``client.Router``).
 
 * Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
-  bytes never sent), then ``SET key value [PX ttl]`` rounds. A value is the block format's header
+  bytes never sent), then ``SET key value [PX ttl]`` rounds, each command sent as soon as its
+  value's header is made (``direct_io.set_streamed``). A value is the block format's header
   followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
-* Load: ``GET`` rounds; every value is verified (size, header, key, run, checksum of the payload,
-  ``block_format.verify_block``) before its payload is copied into the job's primary row. A
-  missing value (evicted or expired since the lookup) fails the job and is counted as a server
-  miss; an invalid one fails the job, is deleted, counted and logged.
+* Load: ``GET`` rounds whose values are received straight into the job's primary rows (header
+  aside, ``direct_io``), then verified (size, header, key, run, checksum of the payload, as
+  ``block_format.verify_block`` does); the rows are reserved for the job, and the manager frees
+  the rows of a failed job without serving them. A missing value (evicted or expired since the
+  lookup) fails the job and is counted as a server miss; an invalid one fails the job, is
+  deleted, counted and logged.
 
 A job succeeds or fails as a whole. Nothing is retried here: a failed load is recomputed by the
 connector, a failed store only means the block is absent from Redis.
@@ -24,14 +27,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.exceptions as rexc
-from redis.client import Pipeline
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
+    decode_header,
     encode_block_header,
-    verify_block,
 )
 from vllm.v1.kv_offload.tiering.redis.client import (
     BlockValue,
@@ -186,19 +188,19 @@ class BlockTransfer:
 
     def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
         """One pipelined round of SETs; returns the keys whose SET failed (OOM, READONLY, a dead
-        master); raises when the whole server is unreachable."""
+        master); raises when the whole server is unreachable. Each value's header (a checksum
+        pass over its row) is made just before the value is sent, so the server stores one value
+        while the next is checksummed."""
         rb = self._row_bytes
         rkeys = [self.redis_key(key) for key, _ in chunk]
-        px = self._ttl_ms
 
-        def add(pipe: Pipeline, i: int) -> None:
+        def value(i: int) -> object:
             key, block_id = chunk[i]
             row = self._flat[block_id * rb : (block_id + 1) * rb]
             header = encode_block_header(key, self._run_digest, row)
-            value = self._router.value(BlockValue(header, row))
-            pipe.set(rkeys[i], value, px=px)  # type: ignore[arg-type]
+            return self._router.value(BlockValue(header, row))
 
-        replies = self._router.execute(rkeys, add)
+        replies = self._router.set_streamed(rkeys, value, px=self._ttl_ms)
         errors = [r for r in replies if isinstance(r, Exception)]
         stored = len(replies) - len(errors)
         self._counters.add(blocks_written=stored, bytes_written=stored * self._value_bytes)
@@ -214,7 +216,7 @@ class BlockTransfer:
     # -----------------------------------------------------------------------------------------
 
     def load(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> Outcome:
-        """Fill the job's rows from Redis; every value is verified before its row is written."""
+        """Fill the job's rows from Redis; success only if every value arrived and verified."""
         failed: list[OffloadKey] = []
         pairs = list(zip(keys, block_ids, strict=True))
         try:
@@ -232,23 +234,38 @@ class BlockTransfer:
         return Outcome(True)
 
     def _get_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
-        rkeys = [self.redis_key(key) for key, _ in chunk]
-        replies = self._router.execute(rkeys, lambda pipe, i: pipe.get(rkeys[i]))
-        self._raise_if_unreachable(replies)
+        """One pipelined round of GETs straight into the chunk's rows; returns the keys that
+        failed (missing or invalid). A row is written as its value arrives and verified after,
+        like the fs tier's reads: the rows are reserved for this job, and a job that fails leaves
+        them to the manager, which frees them without serving them."""
         rb = self._row_bytes
+        rkeys = [self.redis_key(key) for key, _ in chunk]
+        headers = memoryview(bytearray(HEADER_SIZE * len(chunk)))
+        dests = [
+            (headers[n * HEADER_SIZE : (n + 1) * HEADER_SIZE], self._flat[b * rb : (b + 1) * rb])
+            for n, (_, b) in enumerate(chunk)
+        ]
+        replies = self._router.get_into(rkeys, dests)
+        self._raise_if_unreachable(replies)
         failed: list[OffloadKey] = []
         corrupt: list[bytes] = []
         loaded = 0
-        for (key, block_id), value in zip(chunk, replies, strict=True):
-            if isinstance(value, Exception):
-                raise value
-            if value is None:
+        for (key, _), reply, (header, row) in zip(chunk, replies, dests, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            if reply is None:
                 # Evicted or expired between the lookup and now: normal under allkeys-lru.
                 self._counters.add(server_misses=1)
                 failed.append(key)
                 continue
             try:
-                payload = verify_block(value, key=key, run_digest=self._run_digest, payload_len=rb)
+                if reply is not True:
+                    raise BlockFileCorrupt(f"{reply} bytes, expected {self._value_bytes}")
+                _, checksum = decode_header(
+                    header, key=key, run_digest=self._run_digest, payload_len=rb
+                )
+                if not checksum.matches(row):
+                    raise BlockFileCorrupt("payload checksum mismatch")
             except BlockFileCorrupt as e:
                 logger.warning(
                     "redis tier %s: value of %s is invalid (%s); deleted, the load fails",
@@ -259,7 +276,6 @@ class BlockTransfer:
                 corrupt.append(self.redis_key(key))
                 failed.append(key)
                 continue
-            self._flat[block_id * rb : (block_id + 1) * rb] = payload
             loaded += 1
         self._counters.add(blocks_loaded=loaded, bytes_loaded=loaded * rb)
         if corrupt:
@@ -286,7 +302,7 @@ class BlockTransfer:
         for start in range(0, len(items), n):
             yield items[start : start + n]
 
-    def _raise_if_unreachable(self, replies: list[object]) -> None:
+    def _raise_if_unreachable(self, replies: Sequence[object]) -> None:
         """Raise when the whole server (every master) is unreachable, so the breaker opens; a
         cluster whose other masters answered only fails (or misses) the keys of the dead one."""
         exc = self._router.all_down(replies)
