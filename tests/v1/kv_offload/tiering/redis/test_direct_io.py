@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.tiering.redis.direct_io import (
     _ReplyReader,
     direct_get_supported,
     get_into,
+    set_streamed,
 )
 
 
@@ -178,3 +179,29 @@ def test_resp3_clients_fall_back_to_redis_py_and_stay_bit_exact(
     reader.manager.on_new_request(req)
     assert reader.promote(keys, req) == [True] * 3
     reader.assert_cpu_holds(keys, req)
+
+
+def test_streamed_sets_report_refusals_per_key_and_keep_the_connection(
+    server: RedisServer,
+) -> None:
+    admin = server.client()
+    admin.set(b"filler", b"x" * (3 << 20))
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1 << 20)  # already over it: every write is refused (OOM)
+    client = _client(server)
+    made: list[int] = []
+
+    def value(i: int) -> bytes:
+        made.append(i)
+        return b"v%d" % i
+
+    replies = set_streamed(client, [b"a", b"b", b"c"], value, px=60_000)
+    assert made == [0, 1, 2]
+    assert all(isinstance(r, rexc.OutOfMemoryError) for r in replies), replies
+    (conn,) = client.connection_pool._available_connections  # fully read, pooled
+    admin.config_set("maxmemory", 0)
+    assert set_streamed(client, [b"a", b"b"], value, px=60_000) == [True, True]
+    assert client.connection_pool._available_connections == [conn], "the same connection"
+    assert admin.get(b"b") == b"v1" and 0 < admin.pttl(b"b") <= 60_000
+    client.close()
+    admin.close()
