@@ -22,6 +22,7 @@ from tests.v1.kv_offload.tiering.redis.servers import RedisCluster3, RedisServer
 from tests.v1.kv_offload.utils import make_tiering_spec, store_and_cascade
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
 
@@ -104,6 +105,35 @@ class Engine:
     def shutdown(self) -> None:
         self.rows = None
         self.manager.shutdown()
+
+
+def job(job_id: int, keys: Sequence[bytes], rows: list[int], *, load: bool) -> JobMetadata:
+    """A job naming primary ``rows`` directly (tests that drive the tier, not the manager)."""
+    return JobMetadata(job_id, keys, np.array(rows, dtype=np.int64), load, ReqContext("t"))  # type: ignore[arg-type]
+
+
+def collect(engine: Engine, ids: set[int]) -> dict[int, bool]:
+    """Every job of ``ids`` reported exactly once (drain_jobs, then one poll): id -> success."""
+    engine.tier.drain_jobs()
+    results: list[JobResult] = list(engine.tier.get_finished_jobs())
+    got = [r.job_id for r in results]
+    assert sorted(got) == sorted(ids), f"reported {got}, expected {sorted(ids)}"
+    return {r.job_id: r.success for r in results}
+
+
+def seeded_engine(
+    tmp_path: Path, url: str, engines: list[Engine], num_keys: int, **tier_kwargs: Any
+) -> tuple[Engine, npt.NDArray[np.uint8], list[OffloadKey]]:
+    """An engine (shut down by the ``engines`` fixture) whose rows ``i`` hold ``key_of(i)``'s
+    pattern for ``i < num_keys``; returns it, its rows and those keys."""
+    engine = Engine(tmp_path / "e", url, **tier_kwargs)
+    engines.append(engine)
+    rows = engine.rows
+    assert rows is not None
+    keys = [key_of(i) for i in range(num_keys)]
+    for i, key in enumerate(keys):
+        rows[i] = pattern(key)
+    return engine, rows, keys
 
 
 @pytest.fixture

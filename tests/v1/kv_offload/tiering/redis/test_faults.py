@@ -5,72 +5,49 @@ the server, the tier recovers by itself, and shutdown never hangs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
-from tests.v1.kv_offload.tiering.redis.conftest import ROW_BYTES, Engine, key_of, pattern
+from tests.v1.kv_offload.tiering.redis.conftest import (
+    ROW_BYTES,
+    Engine,
+    collect,
+    job,
+    key_of,
+    pattern,
+    seeded_engine,
+)
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.base import ReqContext
 
 SCHEDULER_CALL_LIMIT_S = 0.05
 """What one lookup / on_schedule_end may take with the server hung (a few ms; slack for a loaded
 2-core box)."""
 
 
-def _job(job_id: int, keys: Sequence[bytes], rows: list[int], *, load: bool) -> JobMetadata:
-    return JobMetadata(job_id, keys, np.array(rows, dtype=np.int64), load, ReqContext("t"))  # type: ignore[arg-type]
-
-
-def _collect(engine: Engine, ids: set[int], timeout_s: float = 20.0) -> dict[int, bool]:
-    """Every job of ``ids`` reported exactly once (drain_jobs, then one poll)."""
-    engine.tier.drain_jobs()
-    results: list[JobResult] = list(engine.tier.get_finished_jobs())
-    got = [r.job_id for r in results]
-    assert sorted(got) == sorted(ids), f"reported {got}, expected {sorted(ids)}"
-    return {r.job_id: r.success for r in results}
-
-
-def _seeded_engine(
-    tmp_path: Path, url: str, engines: list[Engine], num_keys: int
-) -> tuple[Engine, npt.NDArray[np.uint8], list[OffloadKey]]:
-    """An engine (shut down by the ``engines`` fixture) whose rows ``i`` hold ``key_of(i)``'s
-    pattern for ``i < num_keys``; returns it, its rows and those keys."""
-    engine = Engine(tmp_path / "e", url)
-    engines.append(engine)
-    rows = engine.rows
-    assert rows is not None
-    keys = [key_of(i) for i in range(num_keys)]
-    for i, key in enumerate(keys):
-        rows[i] = pattern(key)
-    return engine, rows, keys
-
-
 @pytest.mark.slow
 def test_server_killed_mid_run_and_restarted(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine, rows, keys = _seeded_engine(tmp_path, server.url, engines, 8)
+    engine, rows, keys = seeded_engine(tmp_path, server.url, engines, 8)
     tier = engine.tier
-    tier.submit_store(_job(1, keys[:4], [0, 1, 2, 3], load=False))
-    assert _collect(engine, {1}) == {1: True}
+    tier.submit_store(job(1, keys[:4], [0, 1, 2, 3], load=False))
+    assert collect(engine, {1}) == {1: True}
     # Jobs in flight when the server dies: a big store and a load.
-    tier.submit_store(_job(2, keys[4:], [4, 5, 6, 7], load=False))
+    tier.submit_store(job(2, keys[4:], [4, 5, 6, 7], load=False))
     rows[4:8] = 0
-    tier.submit_load(_job(3, keys[:4], [4, 5, 6, 7], load=True))
+    tier.submit_load(job(3, keys[:4], [4, 5, 6, 7], load=True))
     server.kill()
-    results = _collect(engine, {2, 3})
+    results = collect(engine, {2, 3})
     # Whatever each job managed before the kill, a load that succeeded delivered exact bytes.
     if results[3]:
         for row, key in zip(range(4, 8), keys[:4], strict=True):
             assert np.array_equal(rows[row], pattern(key))
     # Unreachable: the next jobs fail and lookups answer False at once, without the network.
-    tier.submit_load(_job(4, keys[:1], [4], load=True))
-    assert _collect(engine, {4}) == {4: False}
+    tier.submit_load(job(4, keys[:1], [4], load=True))
+    assert collect(engine, {4}) == {4: False}
     assert not tier.wait_reachable(0.0)
     ctx = ReqContext("r")
     t0 = time.monotonic()
@@ -81,11 +58,11 @@ def test_server_killed_mid_run_and_restarted(
     server.start()
     assert tier.wait_reachable(15.0)
     assert engine.probe(keys[:1], ctx) == [False]  # the restarted server lost everything
-    tier.submit_store(_job(5, keys[:2], [0, 1], load=False))
-    assert _collect(engine, {5}) == {5: True}
+    tier.submit_store(job(5, keys[:2], [0, 1], load=False))
+    assert collect(engine, {5}) == {5: True}
     rows[2:4] = 0
-    tier.submit_load(_job(6, keys[:2], [2, 3], load=True))
-    assert _collect(engine, {6}) == {6: True}
+    tier.submit_load(job(6, keys[:2], [2, 3], load=True))
+    assert collect(engine, {6}) == {6: True}
     assert np.array_equal(rows[2], pattern(keys[0])) and np.array_equal(rows[3], pattern(keys[1]))
 
 
@@ -93,12 +70,12 @@ def test_server_killed_mid_run_and_restarted(
 def test_client_pause_never_blocks_the_scheduler_thread(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine, _, keys = _seeded_engine(tmp_path, server.url, engines, 4)
+    engine, _, keys = seeded_engine(tmp_path, server.url, engines, 4)
     tier = engine.tier
     admin = server.client()
     admin.client_pause(3000)  # every other client's commands wait 3 s
     t_pause = time.monotonic()
-    tier.submit_store(_job(1, keys, [0, 1, 2, 3], load=False))
+    tier.submit_store(job(1, keys, [0, 1, 2, 3], load=False))
     ctx = ReqContext("r")
     worst = 0.0
     steps = 0
@@ -120,7 +97,7 @@ def test_client_pause_never_blocks_the_scheduler_thread(
     # The hung store timed out (timeout_s = 1) and failed, reported once; the tier serves again.
     engine.tier.drain_jobs()
     assert tier.wait_reachable(15.0)
-    tier.submit_store(_job(2, keys[:1], [0], load=False))
+    tier.submit_store(job(2, keys[:1], [0], load=False))
     tier.drain_jobs()
     assert any(r.job_id == 2 and r.success for r in tier.get_finished_jobs())
 
@@ -133,7 +110,7 @@ def test_shutdown_with_the_server_dead_does_not_hang(
     assert rows is not None
     keys = [key_of(i) for i in range(4)]
     server.kill()
-    engine.tier.submit_store(_job(1, keys, [0, 1, 2, 3], load=False))
+    engine.tier.submit_store(job(1, keys, [0, 1, 2, 3], load=False))
     engine.tier.lookup(keys[0], ReqContext("r"))
     engine.tier.on_schedule_end()
     t0 = time.monotonic()
@@ -146,17 +123,17 @@ def test_maxmemory_noeviction_fails_stores_cleanly(tmp_path: Path, engines: list
         tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
     )
     try:
-        engine, rows, keys = _seeded_engine(tmp_path, server.url, engines, 8)
-        engine.tier.submit_store(_job(1, keys, list(range(8)), load=False))
-        assert _collect(engine, {1}) == {1: False}
+        engine, rows, keys = seeded_engine(tmp_path, server.url, engines, 8)
+        engine.tier.submit_store(job(1, keys, list(range(8)), load=False))
+        assert collect(engine, {1}) == {1: False}
         counters = engine.tier.get_stats().counters
         assert counters["oom_refusals"] > 0 and counters["store_failures"] == 1
         assert not engine.tier.breaker_open, "a full server is reachable: no breaker trip"
         # What was stored before the server filled up loads bit-exact.
         stored = [k for k in keys if server.client().exists(engine.tier.redis_key(k))]
         assert stored and len(stored) < len(keys)
-        engine.tier.submit_load(_job(2, stored[:1], [7], load=True))
-        assert _collect(engine, {2}) == {2: True}
+        engine.tier.submit_load(job(2, stored[:1], [7], load=True))
+        assert collect(engine, {2}) == {2: True}
         assert np.array_equal(rows[7], pattern(stored[0]))
         assert ROW_BYTES * len(stored) <= 4 << 20
     finally:
@@ -170,10 +147,10 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         tmp_path / "lru", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"
     )
     try:
-        engine, rows, first = _seeded_engine(tmp_path, server.url, engines, 4)
+        engine, rows, first = seeded_engine(tmp_path, server.url, engines, 4)
         tier = engine.tier
-        tier.submit_store(_job(1, first, [0, 1, 2, 3], load=False))
-        assert _collect(engine, {1}) == {1: True}
+        tier.submit_store(job(1, first, [0, 1, 2, 3], load=False))
+        assert collect(engine, {1}) == {1: True}
         ctx = ReqContext("r")
         assert [tier.lookup(k, ctx) for k in first] == [None] * 4
         tier.on_schedule_end()
@@ -184,15 +161,15 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         for n, start in enumerate(range(0, 8, 4)):
             for i, key in enumerate(later[start : start + 4]):
                 rows[4 + i] = pattern(key)
-            tier.submit_store(_job(10 + n, later[start : start + 4], [4, 5, 6, 7], load=False))
-            _collect(engine, {10 + n})
+            tier.submit_store(job(10 + n, later[start : start + 4], [4, 5, 6, 7], load=False))
+            collect(engine, {10 + n})
         client = server.client()
         gone = [k for k in first if not client.exists(tier.redis_key(k))]
         client.close()
         assert gone, "the server evicted some of the first blocks"
         rows[4] = 0
-        tier.submit_load(_job(20, gone[:1], [4], load=True))
-        assert _collect(engine, {20}) == {20: False}
+        tier.submit_load(job(20, gone[:1], [4], load=True))
+        assert collect(engine, {20}) == {20: False}
         assert not rows[4].any(), "nothing was written for a missing value"
         counters = tier.get_stats().counters
         assert counters["server_misses"] == 1 and counters["load_failures"] == 1
@@ -201,20 +178,20 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         server.stop()
 
 
-def test_queued_stores_run_as_one_batch_with_outcomes_per_job(
+def test_queued_stores_run_as_one_batch_with_outcomes_perjob(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine, rows, keys = _seeded_engine(tmp_path, server.url, engines, 6)
+    engine, rows, keys = seeded_engine(tmp_path, server.url, engines, 6)
     tier = engine.tier
     # Three jobs queued together; one key is in two of them (rows 1 and 6 hold the same block).
     rows[6] = pattern(keys[1])
-    tier.submit_store(_job(1, keys[:2], [0, 1], load=False))
-    tier.submit_store(_job(2, [keys[2], keys[1]], [2, 6], load=False))
-    tier.submit_store(_job(3, keys[3:6], [3, 4, 5], load=False))
-    assert _collect(engine, {1, 2, 3}) == {1: True, 2: True, 3: True}
+    tier.submit_store(job(1, keys[:2], [0, 1], load=False))
+    tier.submit_store(job(2, [keys[2], keys[1]], [2, 6], load=False))
+    tier.submit_store(job(3, keys[3:6], [3, 4, 5], load=False))
+    assert collect(engine, {1, 2, 3}) == {1: True, 2: True, 3: True}
     counters = tier.get_stats().counters
     assert counters["blocks_written"] == 6 and counters["store_failures"] == 0
     rows[7] = 0
-    tier.submit_load(_job(4, keys[1:2], [7], load=True))
-    assert _collect(engine, {4}) == {4: True}
+    tier.submit_load(job(4, keys[1:2], [7], load=True))
+    assert collect(engine, {4}) == {4: True}
     assert np.array_equal(rows[7], pattern(keys[1]))

@@ -19,16 +19,19 @@ Client settings (measured on redis-py 8, see docs/redis_tier.md):
   hiredis, with a larger read buffer (256 KiB instead of 64 KiB).
 * **Cluster: one pipeline per master** (``Router``). redis-py's cluster pipeline raises as a whole
   when one master is down; the tier groups keys by the master of their slot itself, so the keys of
-  the masters that are up keep being served while the others miss. A ``MOVED`` or ``ASK`` reply
-  (slots moving during a resharding) fails that command and makes the router reload the slot map
-  before its next round trip.
+  the masters that are up keep being served while the others miss. Because the tier bypasses the
+  cluster client's command path, it follows redirections itself, once each: ``ASK`` (the slot is
+  being migrated and the key is already on the target) resends the command to the target after
+  ``ASKING``, and ``MOVED`` (the slot belongs to another master now: a resharding or a failover)
+  reloads the slot map and resends the command to the new owner. A second redirection of the same
+  command is its reply (an error: the job fails or the key misses).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -177,7 +180,8 @@ class Router:
 
     Standalone: every key goes to the one server. Cluster: keys are grouped by the master that
     owns their slot (the cluster client's slot map); each group is one pipeline on that master's
-    own connection pool. Thread-safe (the lookup and I/O threads share it): clients are
+    own connection pool, and the commands redirected by ``ASK`` or ``MOVED`` are resent once
+    (see the module docstring). Thread-safe (the lookup and I/O threads share it): clients are
     thread-safe and each call builds its own pipelines.
 
     Attributes:
@@ -197,27 +201,21 @@ class Router:
     def execute(self, rkeys: Sequence[bytes], add: Callable[[Pipeline, int], object]) -> list[Any]:
         """Run one command per key, ``add(pipe, i)`` queuing the command of ``rkeys[i]``.
 
+        ``add`` may be called more than once for a key: a command redirected by ``ASK`` or
+        ``MOVED`` is queued again for the node it was redirected to (once per redirection).
+
         Returns:
             The reply of each key's command, in order; a command that failed (or whose server
             failed as a whole: refused, reset, timed out) gives the exception instead.
         """
-
-        def run(client: redis.Redis, indices: list[int]) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                add(pipe, i)
-            try:
-                return pipe.execute(raise_on_error=False)
-            finally:
-                pipe.reset()  # drop the queued arguments (they may reference primary rows)
-
-        return self._per_server(rkeys, run)
+        return self._run(rkeys, add)
 
     def get_into(
         self, rkeys: Sequence[bytes], destinations: Sequence[Destination]
     ) -> list[DirectReply]:
         """``GET`` every key, value ``i`` received straight into ``destinations[i]`` (see
-        ``direct_io.get_into``), one round trip per server.
+        ``direct_io.get_into``), one round trip per server; redirected commands as ``execute``
+        (through a pipeline, and one copy of their values).
 
         Returns:
             Per key: True (value received, of the destination's size), None (no such key), the
@@ -225,58 +223,137 @@ class Router:
             server, as ``execute``.
         """
 
-        def run(client: redis.Redis, indices: list[int]) -> list[DirectReply]:
-            keys = [rkeys[i] for i in indices]
-            dests = [destinations[i] for i in indices]
-            if direct_get_supported(client):
-                return get_into(client, keys, dests)
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            values = pipe.execute(raise_on_error=False)
-            return [_copy_value(v, d) for v, d in zip(values, dests, strict=True)]
+        def add(pipe: Pipeline, i: int) -> None:
+            pipe.get(rkeys[i])
 
-        return self._per_server(rkeys, run)
+        def convert(i: int, reply: Any) -> DirectReply:
+            return _copy_value(reply, destinations[i])
+
+        def direct(client: redis.Redis, group: list[int]) -> list[DirectReply]:
+            if not direct_get_supported(client):
+                out = _pipelined(client, group, add, asking=False)
+                return [convert(i, r) for i, r in zip(group, out, strict=True)]
+            return get_into(client, [rkeys[i] for i in group], [destinations[i] for i in group])
+
+        return self._run(rkeys, add, direct, convert)
 
     def set_streamed(
         self, rkeys: Sequence[bytes], value: Callable[[int], object], *, px: int | None
     ) -> list[Any]:
         """``SET rkeys[i] value(i) [PX px]`` for every key, each sent as soon as its value is
-        made (see ``direct_io.set_streamed``), one round trip per server.
+        made (see ``direct_io.set_streamed``), one round trip per server; redirected commands
+        as ``execute`` (``value(i)`` is then called again).
 
         Returns:
             Per key: True, or the exception of a failed command or server, as ``execute``.
         """
 
-        def run(client: redis.Redis, indices: list[int]) -> list[Any]:
-            keys = [rkeys[i] for i in indices]
-            return set_streamed(client, keys, lambda j: value(indices[j]), px=px)
+        def add(pipe: Pipeline, i: int) -> None:
+            pipe.set(rkeys[i], value(i), px=px)  # type: ignore[arg-type]
 
-        return self._per_server(rkeys, run)
+        def direct(client: redis.Redis, group: list[int]) -> list[Any]:
+            keys = [rkeys[i] for i in group]
+            return set_streamed(client, keys, lambda j: value(group[j]), px=px)
 
-    def _per_server(
-        self, rkeys: Sequence[bytes], run: Callable[[redis.Redis, list[int]], list[Any]]
+        return self._run(rkeys, add, direct)
+
+    def _run(
+        self,
+        rkeys: Sequence[bytes],
+        add: Callable[[Pipeline, int], object],
+        direct: Callable[[redis.Redis, list[int]], list[Any]] | None = None,
+        convert: Callable[[int, Any], Any] | None = None,
     ) -> list[Any]:
-        """``run(client, indices)`` once per server that owns some of ``rkeys``, in order."""
+        """One command per key, sent to the server that owns it, redirections followed once.
+
+        Args:
+            add: queues key ``i``'s command on a pipeline (redirected commands always go this
+                way).
+            direct: runs the commands of ``group`` (indices of keys of one server) on that
+                server's client and returns their replies; None: a pipeline of ``add``.
+            convert: turns a pipeline reply of key ``i`` into what ``direct`` would have
+                returned for it (applied to redirected commands); None: replies as they are.
+        """
         replies: list[Any] = [None] * len(rkeys)
-        for name, client, indices in self._groups(rkeys):
+        self._send(rkeys, range(len(rkeys)), add, direct, convert, replies)
+        moved = [i for i, reply in enumerate(replies) if isinstance(reply, rexc.MovedError)]
+        if moved and self._reload_slot_map(after_moved=True):
+            # The slot map was stale (the slots moved in a resharding or a failover): send
+            # those commands once more, to the new owners.
+            self._send(rkeys, moved, add, direct, convert, replies)
+        return replies
+
+    def _send(
+        self,
+        rkeys: Sequence[bytes],
+        indices: Iterable[int],
+        add: Callable[[Pipeline, int], object],
+        direct: Callable[[redis.Redis, list[int]], list[Any]] | None,
+        convert: Callable[[int, Any], Any] | None,
+        replies: list[Any],
+    ) -> None:
+        """One round trip per master for the commands of ``indices`` (then one per ``ASK``
+        target), each reply stored at its index in ``replies``."""
+        asked: dict[tuple[str, int], list[int]] = {}
+        for name, client, group in self._groups(rkeys, indices):
             retry_at = self._down.get(name)
             if retry_at is not None and time.monotonic() < retry_at:
                 down = rexc.ConnectionError(f"cluster master {name} is unreachable")
-                for i in indices:
+                for i in group:
                     replies[i] = down
                 continue
-            try:
-                out = run(client, indices)
-            except Exception as e:
-                out = [e] * len(indices)
-            for i, reply in zip(indices, out, strict=True):
+            if direct is None:
+                out = _pipelined(client, group, add, asking=False)
+            else:
+                try:
+                    out = direct(client, group)
+                except Exception as e:
+                    out = [e] * len(group)
+            for i, reply in zip(group, out, strict=True):
                 replies[i] = reply
-                if isinstance(reply, (rexc.MovedError, rexc.AskError)):
+                if isinstance(reply, rexc.MovedError):
                     self._stale_slots = True
+                elif isinstance(reply, rexc.AskError):
+                    asked.setdefault((reply.host, int(reply.port)), []).append(i)
             if name:
                 self._mark(name, down=all_unreachable(out) is not None)
-        return replies
+        if not asked or not isinstance(self.client, RedisCluster):
+            return
+        # ASK: the slot is migrating and these keys are not (or no longer) on its owner. The
+        # target serves each command once, after ASKING; the slot map stays as it is (the owner
+        # changes only when the migration ends, which the first MOVED then reports).
+        for (host, port), group in asked.items():
+            node = self.client.nodes_manager.get_node(host=host, port=port)
+            if node is None:
+                continue  # not a node of the map: the ASK error stays the reply
+            conn = node.redis_connection or self.client.get_redis_connection(node)
+            out = _pipelined(conn, group, add, asking=True)
+            for i, reply in zip(group, out, strict=True):
+                replies[i] = reply if convert is None else convert(i, reply)
+
+    def _reload_slot_map(self, *, after_moved: bool = False) -> bool:
+        """Reload the cluster's slot map if a ``MOVED`` marked it stale (one thread reloads, the
+        others find it fresh); False if there is none to reload or the reload failed (then it is
+        tried again before the next round trip).
+
+        ``after_moved``: the caller saw a ``MOVED`` and resends next, so it also waits for a
+        reload another thread started after that reply (its flag is cleared already, but the
+        map is new only once that reload returns).
+        """
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            return False
+        if not (self._stale_slots or after_moved):
+            return True  # the fast path of every round trip: no lock
+        with self._refresh_lock:
+            if self._stale_slots:
+                self._stale_slots = False
+                try:
+                    client.nodes_manager.initialize()
+                except Exception:
+                    self._stale_slots = True
+                    return False
+        return True
 
     def all_down(self, replies: Sequence[Any]) -> BaseException | None:
         """The error to open the circuit breaker with, if ``replies`` show the tier cut off: the
@@ -314,29 +391,50 @@ class Router:
     def close(self) -> None:
         close_client(self.client)
 
-    def _groups(self, rkeys: Sequence[bytes]) -> list[tuple[str, redis.Redis, list[int]]]:
-        """``(master name, its client, indices of its keys)``; the name is "" standalone."""
+    def _groups(
+        self, rkeys: Sequence[bytes], indices: Iterable[int]
+    ) -> list[tuple[str, redis.Redis, list[int]]]:
+        """``(master name, its client, those of indices that are its keys)``; the name is ""
+        standalone."""
         client = self.client
         if not isinstance(client, RedisCluster):
-            return [("", client, list(range(len(rkeys))))]
-        if self._stale_slots:
-            with self._refresh_lock:
-                if self._stale_slots:
-                    self._stale_slots = False
-                    try:
-                        client.nodes_manager.initialize()
-                    except Exception:
-                        self._stale_slots = True  # retried before the next round trip
+            return [("", client, list(indices))]
+        self._reload_slot_map()  # a no-op unless a MOVED marked it stale
         nodes = client.nodes_manager
         groups: dict[str, tuple[str, redis.Redis, list[int]]] = {}
-        for i, rkey in enumerate(rkeys):
-            node = nodes.get_node_from_slot(client.keyslot(rkey))
+        for i in indices:
+            node = nodes.get_node_from_slot(client.keyslot(rkeys[i]))
             group = groups.get(node.name)
             if group is None:
                 conn = node.redis_connection or client.get_redis_connection(node)
                 group = groups[node.name] = (node.name, conn, [])
             group[2].append(i)
         return list(groups.values())
+
+
+def _pipelined(
+    client: redis.Redis,
+    indices: list[int],
+    add: Callable[[Pipeline, int], object],
+    *,
+    asking: bool,
+) -> list[Any]:
+    """The replies of the commands ``add`` queues for ``indices``, in one pipelined round trip
+    on ``client`` (each preceded by ``ASKING`` if ``asking``); a round trip that failed as a
+    whole gives its exception for every command."""
+    pipe = client.pipeline(transaction=False)
+    for i in indices:
+        if asking:
+            pipe.execute_command("ASKING")
+        add(pipe, i)
+    try:
+        out = pipe.execute(raise_on_error=False)
+    except Exception as e:
+        return [e] * len(indices)
+    finally:
+        pipe.reset()  # drop the queued arguments (they may reference primary rows)
+    # After ASKING, a command's reply is the second of its pair.
+    return out[1::2] if asking else out
 
 
 def _copy_value(value: bytes | Exception | None, dest: Destination) -> DirectReply:

@@ -69,8 +69,9 @@ class RedisTierConfig:
 
     Attributes:
         url: the server (or, with ``cluster``, any node of the cluster).
-        cluster: talk to a Redis Cluster through the client's cluster support (slot map,
-            redirections); a TLS or TCP URL only.
+        cluster: talk to a Redis Cluster: keys go to the master of their slot (the cluster
+            client's slot map), ``MOVED``/``ASK`` redirections are followed once; a TLS or TCP
+            URL only.
         namespace: prefix of every key; None means the run's identity (model name and digest of
             the fields that determine a block's bytes), so two models never share keys.
         ttl_s: expiry of every stored block (``SET ... PX``); None stores blocks without expiry

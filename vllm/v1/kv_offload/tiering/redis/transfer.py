@@ -2,7 +2,8 @@
 
 Runs on the tier's I/O thread only. Each job is split into rounds of at most
 ``min(max_inflight_bytes, MAX_ROUND_BYTES)`` of values, and each round is ONE pipelined round trip
-per server (in a cluster, one per master that owns keys of the round: ``client.Router``).
+per server (in a cluster, one per master that owns keys of the round, plus one per node that a
+redirection during a resharding or failover sends keys to: ``client.Router``).
 
 * Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
   bytes never sent), then ``SET key value [PX ttl]`` rounds, each command sent as soon as its
@@ -315,9 +316,14 @@ class BlockTransfer:
             self._breaker.trip(exc)
             return
         if isinstance(exc, rexc.RedisError):
-            # Refusals (OOM at maxmemory, READONLY, MOVED during a resharding) can repeat for
-            # every job for a while: the first of each kind is a warning, the rest debug.
-            kind = str(exc).split(" ", 1)[0]
+            # Refusals (OOM at maxmemory, READONLY, a redirection not followed) can repeat for
+            # every job for a while: the first of each kind is a warning, the rest debug. The
+            # kind is the error class, or the error code for a plain ResponseError (redis-py
+            # strips the code of the errors it has a class for: a MOVED message starts with
+            # its slot, which would make every slot a kind of its own).
+            kind = type(exc).__name__
+            if type(exc) is rexc.ResponseError:
+                kind = str(exc).split(" ", 1)[0]
             level = logging.DEBUG if kind in self._logged_kinds else logging.WARNING
             self._logged_kinds.add(kind)
             logger.log(
