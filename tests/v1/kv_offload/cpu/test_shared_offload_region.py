@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from queue import Empty
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,6 +170,24 @@ def _joiner_main(directory: str, queue: Any) -> None:
         queue.put(("error", repr(e), None))
 
 
+def _child_result(child: Any, queue: Any, limit_s: float = 600.0) -> Any:
+    """The child's one message: waits as long as the child lives (a spawned interpreter that
+    imports torch can take minutes on a loaded 2-core machine), fails at once if it died."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except Empty:
+            if not child.is_alive():
+                try:  # it may have exited right after sending
+                    return queue.get(timeout=5.0)
+                except Empty:
+                    raise AssertionError(
+                        f"joiner exited ({child.exitcode}) without a result"
+                    ) from None
+    raise AssertionError(f"no result from the joiner in {limit_s:.0f} s")
+
+
 def test_create_and_join_across_processes(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     creator = SharedOffloadRegion(**_GEOMETRY, rank=0, directory=tmp_path)
@@ -181,7 +200,7 @@ def test_create_and_join_across_processes(tmp_path: Path) -> None:
         queue = ctx.Queue()
         child = ctx.Process(target=_joiner_main, args=(str(tmp_path), queue))
         child.start()
-        status, is_creator, seen = queue.get(timeout=120)
+        status, is_creator, seen = _child_result(child, queue)
         child.join(timeout=60)
         assert status == "ok", is_creator
         assert child.exitcode == 0

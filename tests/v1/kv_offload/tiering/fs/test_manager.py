@@ -652,6 +652,7 @@ def test_shutdown_discards_queued_tasks_and_reports_them_failed(
     make_tier: TierFactory,
     primary: Primary,
     gate: Gate,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tier = make_tier(n_read_threads=1, n_write_threads=1)
     keys = [key_of(i) for i in range(4)]
@@ -663,10 +664,25 @@ def test_shutdown_discards_queued_tasks_and_reports_them_failed(
     queued = [job([keys[1]], [5], load=True), job([keys[3]], [3], load=False)]
     for j in queued:
         (tier.submit_load if j.is_promotion else tier.submit_store)(j)
+    # Release the held I/O only once shutdown has dropped the queued jobs: released earlier,
+    # the freed I/O threads would run them first (shutdown stops lookups and the reconciler
+    # before the pool). If shutdown never drops them, the gate is never released and the
+    # stopper stays blocked, which fails the test below.
+    pool = tier._pool
+    real_done = pool._task_done
+    dropped: set[int] = set()
+
+    def task_done(j: Any, ok: bool) -> None:
+        real_done(j, ok)
+        if not ok and j.job_id in {q.job_id for q in queued}:
+            dropped.add(j.job_id)
+            if len(dropped) == len(queued):
+                gate.release.set()
+
+    monkeypatch.setattr(pool, "_task_done", task_done)
     stopper = threading.Thread(target=tier.shutdown)
     stopper.start()
-    gate.release.set()
-    stopper.join(10)
+    stopper.join(20)
     assert not stopper.is_alive()
     results = {r.job_id: r.success for r in tier.get_finished_jobs()}
     assert results == {

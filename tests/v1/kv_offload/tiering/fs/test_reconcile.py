@@ -386,7 +386,7 @@ def test_two_slots_of_one_inode_are_reduced_to_one(
     slot = _slot_of(tier, key)
     other = 0 if slot.name != "000" else 1
     sub, name = slot_location(other)
-    os.link(slot, Path(tier.rank_dir) / SLOTS_DIR / sub / name)
-    assert os.stat(tier.block_file_path(key)).st_nlink == 3
+    os.link(slot, Path(tier.rank_dir) / SLOTS_DIR / sub / name)  # raises unless linked
+    # (No st_nlink == 3 check here: the background reconcile may already have run.)
     assert tier.wait_reconciled(10)
     assert os.stat(tier.block_file_path(key)).st_nlink == 2 and len(_slot_names(tier)) == 1
