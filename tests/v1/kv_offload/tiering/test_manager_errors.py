@@ -92,7 +92,7 @@ def snapshot(manager: TieringOffloadingManager) -> Any:
         sorted(manager._jobs),
         dict(manager._promotions.promoting),
         manager._promotions.queued_keys(),
-        {r: (s.pending_primary_stores, s.queued_promotions) for r, s in manager._req_state.items()},
+        {r: (s.queued_promotions, s.finished_req_context) for r, s in manager._req_state.items()},
         [len(t.submitted) for t in manager.secondary_tiers if isinstance(t, HoldingTier)],
     )
 

@@ -168,7 +168,7 @@ class TieringManagerMachine(RuleBasedStateMachine):
             dict(manager._promotions.promoting),
             manager._promotions.queued_keys(),
             {
-                r: (s.pending_primary_stores, s.queued_promotions, s.finished_req_context)
+                r: (s.queued_promotions, s.finished_req_context)
                 for r, s in manager._req_state.items()
             },
             [(len(t.submitted), sorted(t.unreported()), list(t._blocks)) for t in self.tiers],
@@ -509,9 +509,8 @@ class TieringManagerMachine(RuleBasedStateMachine):
             req_id = ctx.req_id
             assert sorted(self.primary.pending_stores(req_id)) == sorted(self.stores[req_id])
             assert self.primary.load_pins(req_id) == +self.pins[req_id]
-            state = self.manager._req_state.get(req_id)
-            pending = 0 if state is None else state.pending_primary_stores
-            assert pending == len(self.stores[req_id]), f"{req_id}: {pending} pending stores"
+            pending = self.primary.has_pending_stores(req_id)
+            assert pending == bool(self.stores[req_id]), f"{req_id}: pending stores {pending}"
 
     @invariant()
     def ref_counts_are_pins_plus_cascades(self) -> None:

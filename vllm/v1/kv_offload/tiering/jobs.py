@@ -40,13 +40,17 @@ logger = logging.getLogger(__name__)
 # Owner ids of internal pins and reservations. The angle brackets keep them apart from the
 # engine's request ids (the engine's own "<...>" ids would still only collide with the same
 # job's owner, which it cannot know).
-_CASCADE_OWNER = "<tiering cascade job {}>"
+_CASCADE_OWNER = "<tiering cascades to tier #{}>"
 _PROMOTION_OWNER = "<tiering promotion batch {}>"
 
 
-def cascade_owner(job_id: JobId) -> ReqContext:
-    """The owner of a cascade's ``prepare_read`` pins: one per job (O(1) release)."""
-    return ReqContext(_CASCADE_OWNER.format(job_id))
+def cascade_owner(tier_idx: int) -> ReqContext:
+    """The owner of the ``prepare_read`` pins of the cascades to one tier.
+
+    One per tier, built once: a job allocates nothing more. Its pins are released by the job's
+    own key tuple, which tiers mostly report in submission order, so the release finds it first.
+    """
+    return ReqContext(_CASCADE_OWNER.format(tier_idx))
 
 
 def promotion_owner(batch: int) -> ReqContext:

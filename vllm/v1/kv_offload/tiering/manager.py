@@ -70,16 +70,17 @@ logger = logging.getLogger(__name__)
 class _RequestState:
     """Per-request bookkeeping that delays secondary tiers' ``on_request_finished``.
 
+    The request's pending GPU stores (whose ``complete_store`` submits their cascades) are the
+    primary's (``has_pending_stores``), key by key: the engine may complete one
+    ``prepare_store`` in several parts. Promotions' rows are owned by their batches, not the
+    request, so they are not among them.
+
     Attributes:
-        pending_primary_stores: keys ``prepare_store`` allocated whose ``complete_store``
-            (which submits their cascades) has not come yet. Counted per key: the engine may
-            complete one ``prepare_store`` in several parts.
         queued_promotions: (tier, request) promotion batches queued but not submitted yet.
-        finished_req_context: set once the request finished; tiers are told when both counters
-            are zero.
+        finished_req_context: set once the request finished; tiers are told when no store or
+            promotion batch of it is pending.
     """
 
-    pending_primary_stores: int = 0
     queued_promotions: int = 0
     finished_req_context: ReqContext | None = None
 
@@ -126,6 +127,8 @@ class TieringOffloadingManager(OffloadingManager):
     ) -> None:
         self._primary = primary_tier
         self._tiers: tuple[SecondaryTierManager, ...] = tuple(secondary_tiers or ())
+        # Who owns the cascades' pins in the primary, per tier (never a request).
+        self._cascade_owners = tuple(cascade_owner(i) for i in range(len(self._tiers)))
         # The step's queued promotions and the keys being promoted.
         self._promotions = PromotionQueue(len(self._tiers))
         self._processed_jobs_this_step = False
@@ -192,11 +195,11 @@ class TieringOffloadingManager(OffloadingManager):
     ) -> None:
         """Write ready primary blocks ``keys`` through to the given tiers, one pin per tier.
 
-        Each job's pins are owned by the job (``cascade_owner``), not by the request.
+        The pins are owned by the tier's cascade owner (``cascade_owner``), not by the request.
         """
         for tier_idx in tier_indices:
             job_id = self._jobs.new_id()
-            owner = cascade_owner(job_id)
+            owner = self._cascade_owners[tier_idx]
             spec = self._primary.prepare_read(keys, owner)
             assert isinstance(spec, CPULoadStoreSpec), f"primary returned {type(spec).__name__}"
             job = JobMetadata(
@@ -252,7 +255,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _maybe_finish_secondary_tiers(self, req_id: str) -> None:
         """Tell the tiers a request finished once no cascade or promotion of it is pending."""
         state = self._req_state.get(req_id)
-        if state is None or state.pending_primary_stores or state.queued_promotions:
+        if state is None or state.queued_promotions or self._primary.has_pending_stores(req_id):
             return
         del self._req_state[req_id]
         req_context = state.finished_req_context
@@ -378,8 +381,6 @@ class TieringOffloadingManager(OffloadingManager):
         if output is None:
             return None
         req_id = req_context.req_id
-        if output.keys_to_store:
-            self._get_req_state(req_id).pending_primary_stores += len(output.keys_to_store)
         request_level_tiers = self._request_level_tiers.get(req_id)
         if request_level_tiers:
             new_keys = set(output.keys_to_store)
@@ -419,23 +420,15 @@ class TieringOffloadingManager(OffloadingManager):
             self._primary.complete_store(keys, req_context, success)
         except OffloadKeyStateError as error:
             raise explain_refusal(error, self._promotions.promoting, self._tiers) from None
-        done = keys if type(keys) is tuple else tuple(keys)
-        if not done:
+        if not keys:
             return
-        num_keys = len(set(done))
-        if num_keys != len(done):
-            done = tuple(dict.fromkeys(done))
         if success and self._tiers:
+            done = keys if type(keys) is tuple else tuple(keys)
+            if len(set(done)) != len(done):
+                done = tuple(dict.fromkeys(done))  # a tier job names each key once
             self._cascade(done, req_context, range(len(self._tiers)))
-        req_id = req_context.req_id
-        state = self._req_state.get(req_id)
-        # The primary accepted, so prepare_store counted these keys for this request.
-        assert state is not None and state.pending_primary_stores >= num_keys, (
-            f"complete_store: request {req_id!r} completed {num_keys} keys, "
-            f"{state and state.pending_primary_stores} pending"
-        )
-        state.pending_primary_stores -= num_keys
-        self._maybe_finish_secondary_tiers(req_id)
+        if self._req_state:
+            self._maybe_finish_secondary_tiers(req_context.req_id)
 
     def _shut_down_error(self, method: str) -> RuntimeError:
         return RuntimeError(f"TieringOffloadingManager.{method}: the manager is shut down")
