@@ -35,6 +35,7 @@ def check_alloc(
     blocks: GroupBlockIds,
     num_external_tokens: int,
     offloaded_block_size: int,
+    gpu_block_sizes: tuple[int, ...],
 ) -> RequestOffloadState:
     """Validate an ``update_state_after_alloc`` call; return the request's state.
 
@@ -43,7 +44,8 @@ def check_alloc(
             has the wrong number of groups, a group's earlier blocks changed without a restart
             (only freed sliding-window blocks may become ``NULL_BLOCK_ID``), or a load
             (``num_external_tokens > 0``) is requested without a lookup since the last
-            (re)start, or does not end on an offloaded block boundary.
+            (re)start, does not end on an offloaded block boundary, goes beyond the blocks the
+            request has hashes for, or beyond the GPU blocks allocated.
     """
     method = "update_state_after_alloc"
     if state is None:
@@ -81,6 +83,18 @@ def check_alloc(
                 f"{method}: request {req_id!r}: load ends at token {end_tokens}, not on an "
                 f"offloaded block boundary ({offloaded_block_size})"
             )
+        num_known = min(len(keys) for keys in state.offload_keys)
+        if end_tokens > num_known * offloaded_block_size:
+            raise ValueError(
+                f"{method}: request {req_id!r}: load ends at token {end_tokens}, beyond its "
+                f"{num_known} offloaded blocks with keys"
+            )
+        for g, (group_blocks, size) in enumerate(zip(blocks, gpu_block_sizes, strict=True)):
+            if end_tokens > len(group_blocks) * size:
+                raise ValueError(
+                    f"{method}: request {req_id!r}: load ends at token {end_tokens}, beyond "
+                    f"its {len(group_blocks)} GPU blocks of group {g}"
+                )
     return state
 
 
@@ -94,8 +108,10 @@ def check_scheduler_output(
     Raises:
         ValueError: a newly scheduled request was never looked up or its blocks differ from
             those ``update_state_after_alloc`` recorded; a running request is unknown; a
-            scheduled or preempted request has a load job in flight (the engine runs a request
-            only once its load was reported).
+            scheduled request was not allocated (``update_state_after_alloc``) since its last
+            lookup; a request is scheduled twice, or scheduled and preempted; a scheduled or
+            preempted request has a load job in flight (the engine runs a request only once its
+            load was reported).
     """
     method = "build_connector_meta"
     scheduled: list[ReqId] = []
@@ -119,6 +135,17 @@ def check_scheduler_output(
                 "up, or finished)"
             )
         scheduled.append(req_id)
+    if len(set(scheduled)) != len(scheduled):
+        raise ValueError(f"{method}: a request is scheduled twice in one step: {scheduled}")
+    both = set(scheduled) & scheduler_output.preempted_req_ids
+    if both:
+        raise ValueError(f"{method}: requests {sorted(both)} are both scheduled and preempted")
+    for req_id in scheduled:
+        if req_status[req_id].expect_fresh_alloc:
+            raise ValueError(
+                f"{method}: request {req_id!r} is scheduled without update_state_after_alloc "
+                "since its last lookup"
+            )
     for what, req_ids in (
         ("scheduled", scheduled),
         ("preempted", scheduler_output.preempted_req_ids),

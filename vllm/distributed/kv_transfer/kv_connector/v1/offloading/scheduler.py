@@ -296,6 +296,7 @@ class OffloadingConnectorScheduler:
             blocks,
             num_external_tokens,
             self.offloaded_block_size,
+            self.gpu_block_sizes,
         )
         num_local = state.num_locally_computed_tokens
         block_size = self.offloaded_block_size
