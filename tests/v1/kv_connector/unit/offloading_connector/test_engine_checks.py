@@ -278,3 +278,61 @@ def test_reset_cache_in_the_middle_of_a_step() -> None:
         sched.reset_cache,
     )
     assert manager.lookup(_keys(request)[0], ReqContext("x")) is True  # not reset
+
+
+# -- found by test_engine_checks_fuzz ----------------------------------------------------------
+
+
+def test_a_load_past_the_allocated_or_keyed_blocks() -> None:
+    sched, manager = _setup()
+    request = _looked_up(sched, manager)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49': load ends at token 48, beyond its 2 GPU blocks",
+        lambda: sched.update_state_after_alloc(request, ([1, 2],), 48),
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49': load ends at token 64, beyond its 3 offloaded",
+        lambda: sched.update_state_after_alloc(request, ([1, 2, 3, 4, 5],), 64),
+    )
+
+
+def _running(cached: list[str], preempted: set[str] | None = None) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(cached, [None] * len(cached), [48] * len(cached)),
+        num_scheduled_tokens=dict.fromkeys(cached, 1),
+        preempted_req_ids=preempted or set(),
+    )
+
+
+def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
+    sched, manager = _setup()
+    request = _looked_up(sched, manager)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled without update_state_after_alloc",
+        lambda: sched.build_connector_meta(_running(["r49"])),
+    )
+    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"scheduled twice in one step",
+        lambda: sched.build_connector_meta(_running(["r49", "r49"])),
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"\['r49'\] are both scheduled and preempted",
+        lambda: sched.build_connector_meta(_running(["r49"], {"r49"})),
+    )
+    sched.build_connector_meta(_running(["r49"]))  # the right call works
