@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.tiering.example.manager import (
 )
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
+    SecondaryTierReportError,
     TieringOffloadingManager,
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -799,7 +800,7 @@ class TestTieringOffloadingManager:
 
     def test_unknown_job_report_is_an_error(self) -> None:
         self.tiers[0]._finished.append(JobResult(job_id=12345, success=True))
-        with pytest.raises(AssertionError, match="unknown job 12345"):
+        with pytest.raises(SecondaryTierReportError, match=r"#0 \(example\).*unknown job 12345"):
             self.manager.on_schedule_end()
 
     def test_shutdown_order(self) -> None:
@@ -1144,9 +1145,7 @@ class TieringMachine(RuleBasedStateMachine):
         return pins
 
     def _queued_promotion_keys(self) -> list[OffloadKey]:
-        return [
-            k for pending in self.m._pending_promotions for e in pending.values() for k in e.keys
-        ]
+        return self.m._promotions.queued_keys()
 
     def _ready_keys(self) -> list[OffloadKey]:
         get = self.primary.policy.get

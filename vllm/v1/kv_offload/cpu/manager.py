@@ -492,6 +492,10 @@ class CPUOffloadingManager(OffloadingManager):
         """
         return [key for store in self._pending_stores.get(req_id, ()) for key in store]
 
+    def has_pending_stores(self, req_id: str) -> bool:
+        """Whether request ``req_id`` has a prepared store it has not completed (O(1))."""
+        return req_id in self._pending_stores
+
     def check_invariants(self) -> None:
         """Assert every internal invariant; O(cache size), for tests and debugging.
 

@@ -24,10 +24,8 @@ and report through ``get_finished_jobs()``.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 from typing_extensions import override
@@ -36,6 +34,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
+    OffloadKeyStateError,
     OffloadPolicy,
     PrepareStoreOutput,
     ReqContext,
@@ -44,50 +43,46 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.metrics import MetricsRecorder
-from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobMetadata, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.jobs import (
+    SecondaryTierReportError,
+    TierJobTable,
+    cascade_owner,
+)
 
 # Re-exported: the primary tier lived here before it got its own module, and callers still
 # import it from here.
 from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.promotions import PromotionQueue
 from vllm.v1.kv_offload.tiering.stats import TieringStats
+from vllm.v1.kv_offload.tiering.validation import check_keys_before_poll, explain_refusal
 
-__all__ = ["CPUPrimaryTierOffloadingManager", "TieringOffloadingManager"]
+__all__ = [
+    "CPUPrimaryTierOffloadingManager",
+    "SecondaryTierReportError",
+    "TieringOffloadingManager",
+]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _PendingPromotion:
-    """Promotions one request queued for one tier during the current step."""
-
-    req_context: ReqContext
-    keys: list[OffloadKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class _RequestState:
     """Per-request bookkeeping that delays secondary tiers' ``on_request_finished``.
 
+    The request's pending GPU stores (whose ``complete_store`` submits their cascades) are the
+    primary's (``has_pending_stores``), key by key: the engine may complete one
+    ``prepare_store`` in several parts. Promotions' rows are owned by their batches, not the
+    request, so they are not among them.
+
     Attributes:
-        pending_primary_stores: ``prepare_store`` calls that allocated blocks and whose
-            ``complete_store`` (which submits the cascades) has not come yet.
         queued_promotions: (tier, request) promotion batches queued but not submitted yet.
-        finished_req_context: set once the request finished; tiers are told when both counters
-            are zero.
+        finished_req_context: set once the request finished; tiers are told when no store or
+            promotion batch of it is pending.
     """
 
-    pending_primary_stores: int = 0
     queued_promotions: int = 0
     finished_req_context: ReqContext | None = None
-
-
-class _InFlightJob(NamedTuple):
-    """A job submitted and not reported yet (a named tuple: one is built per job)."""
-
-    tier_idx: int
-    job: JobMetadata
-    submitted_at: float = 0.0  # perf_counter() at submit, for the job's latency sample
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -107,6 +102,18 @@ class TieringOffloadingManager(OffloadingManager):
           readable (or is freed) when the tier reports the load.
         * A tier that raises inside ``submit_*`` is treated as having failed the job at once:
           pins are released / reserved rows freed, and no job is left behind.
+        * Those pins and reserved rows are owned in the primary by internal contexts, not by the
+          request (``tiering/jobs.py``): the engine's ``complete_load`` / ``complete_store`` for
+          the request can release or publish only what its own ``prepare_*`` calls took.
+
+    Errors: every public method validates its arguments and the keys' states before it changes
+    anything (as ``CPUOffloadingManager`` does), including before it submits any tier job:
+    ``TypeError`` for values that are not keys, ``OffloadKeyStateError`` (a ``ValueError``) for
+    a key in the wrong state (e.g. ``complete_store`` of a key being promoted, or of one never
+    prepared), ``RuntimeError`` after ``shutdown()``. A tier that breaks the job contract
+    (reports an unknown job, another tier's job, or a job twice) gets
+    ``SecondaryTierReportError`` from the poll that saw it, after the valid reports were
+    applied; the bad reports change nothing.
 
     Args:
         primary_tier: the CPU primary tier (owned from now on; shut down last).
@@ -120,30 +127,24 @@ class TieringOffloadingManager(OffloadingManager):
     ) -> None:
         self._primary = primary_tier
         self._tiers: tuple[SecondaryTierManager, ...] = tuple(secondary_tiers or ())
-        self._next_job_id: JobId = 0
-        # Every submitted, unreported primary <-> secondary job.
-        self._jobs: dict[JobId, _InFlightJob] = {}
-        # Per tier (by index): req_id -> promotions queued this step, submitted at step end.
-        self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self._tiers]
-        self._num_queued_promotion_batches = 0
+        # Who owns the cascades' pins in the primary, per tier (never a request).
+        self._cascade_owners = tuple(cascade_owner(i) for i in range(len(self._tiers)))
+        # The step's queued promotions and the keys being promoted.
+        self._promotions = PromotionQueue(len(self._tiers))
         self._processed_jobs_this_step = False
         # req_id -> indices of the tiers that asked for REQUEST_LEVEL offloading.
         self._request_level_tiers: dict[str, tuple[int, ...]] = {}
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
-        # key -> index of the tier it is being promoted from, from lookup until the tier reports
-        # the load (for promotion_source).
-        self._promoting: dict[OffloadKey, int] = {}
         # The primary policy's lookup, bound once: lookup() calls it directly.
         self._primary_policy_lookup = primary_tier.policy.lookup
         # Counters for get_stats(); lookups are the primary's hits and misses.
         self._lookup_hits = 0
         self._lookup_misses = 0
-        self._cascades_submitted = 0
-        self._promotions_submitted = 0
-        self._jobs_failed = 0
         # Per-tier counters and job samples for monitoring (``tiering_stats``).
         self._tiering_stats = TieringStats(len(self._tiers))
+        # Every submitted, unreported primary <-> secondary job.
+        self._jobs = TierJobTable(self._tiers, primary_tier, self._promotions, self._tiering_stats)
 
     # -----------------------------------------------------------------------------------------
     # Introspection
@@ -173,11 +174,6 @@ class TieringOffloadingManager(OffloadingManager):
     # Job plumbing
     # -----------------------------------------------------------------------------------------
 
-    def _new_job_id(self) -> JobId:
-        job_id = self._next_job_id
-        self._next_job_id += 1
-        return job_id
-
     def _maybe_process_finished_jobs(self) -> None:
         """Poll every tier's finished jobs, at most once between two resets of the gate.
 
@@ -191,80 +187,29 @@ class TieringOffloadingManager(OffloadingManager):
         self._process_finished_jobs()
 
     def _process_finished_jobs(self) -> None:
-        """Apply every result the tiers report now (unconditionally; O(results))."""
-        now = time.perf_counter()  # one clock read per poll, not per job
-        for tier_idx, tier in enumerate(self._tiers):
-            for result in tier.get_finished_jobs():
-                entry = self._jobs.pop(result.job_id, None)
-                assert entry is not None, (
-                    f"secondary tier #{tier_idx} ({tier.tier_type}) reported unknown job "
-                    f"{result.job_id} (never submitted, already reported, or its submit raised)"
-                )
-                assert entry.tier_idx == tier_idx, (
-                    f"secondary tier #{tier_idx} ({tier.tier_type}) reported job {result.job_id} "
-                    f"submitted to tier #{entry.tier_idx}"
-                )
-                self._finish_job(entry.job, result.success)
-                self._tiering_stats.on_finish(
-                    tier_idx,
-                    entry.job.is_promotion,
-                    len(entry.job.keys),
-                    now - entry.submitted_at,
-                    result.success,
-                )
-
-    def _finish_job(self, job: JobMetadata, success: bool) -> None:
-        if not success:
-            self._jobs_failed += 1
-        if job.is_promotion:
-            for key in job.keys:
-                self._promoting.pop(key, None)
-            # Success makes the rows readable; failure frees them (never serve a partial row).
-            self._primary.complete_write(job.keys, job.req_context, success)
-        else:
-            # A failed cascade is dropped: the block is just absent from that tier.
-            self._primary.complete_read(job.keys, job.req_context)
-
-    def _submit(self, tier_idx: int, job: JobMetadata) -> None:
-        """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
-        tier = self._tiers[tier_idx]
-        self._jobs[job.job_id] = _InFlightJob(tier_idx, job, time.perf_counter())
-        self._tiering_stats.on_submit(tier_idx, job.is_promotion)
-        try:
-            if job.is_promotion:
-                tier.submit_load(job)
-            else:
-                tier.submit_store(job)
-        except Exception:
-            logger.exception(
-                "secondary tier #%d (%s) raised in submit_%s of job %d (%d blocks); "
-                "treating the job as failed",
-                tier_idx,
-                tier.tier_type,
-                "load" if job.is_promotion else "store",
-                job.job_id,
-                len(job.keys),
-            )
-            del self._jobs[job.job_id]
-            self._finish_job(job, success=False)
-            self._tiering_stats.on_finish(tier_idx, job.is_promotion, len(job.keys), 0.0, False)
+        """Apply every result the tiers report now (``TierJobTable.poll``; O(results))."""
+        self._jobs.poll()
 
     def _cascade(
         self, keys: tuple[OffloadKey, ...], req_context: ReqContext, tier_indices: Iterable[int]
     ) -> None:
-        """Write ready primary blocks ``keys`` through to the given tiers, one pin per tier."""
+        """Write ready primary blocks ``keys`` through to the given tiers, one pin per tier.
+
+        The pins are owned by the tier's cascade owner (``cascade_owner``), not by the request.
+        """
         for tier_idx in tier_indices:
-            spec = self._primary.prepare_read(keys, req_context)
+            job_id = self._jobs.new_id()
+            owner = self._cascade_owners[tier_idx]
+            spec = self._primary.prepare_read(keys, owner)
             assert isinstance(spec, CPULoadStoreSpec), f"primary returned {type(spec).__name__}"
             job = JobMetadata(
-                job_id=self._new_job_id(),
+                job_id=job_id,
                 keys=keys,
                 block_ids=spec.block_ids,
                 is_promotion=False,
                 req_context=req_context,
             )
-            self._cascades_submitted += 1
-            self._submit(tier_idx, job)
+            self._jobs.submit(tier_idx, job, owner)
 
     def _initiate_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool:
         """Reserve ``key``'s primary row now and queue its load for the end of the step.
@@ -272,47 +217,30 @@ class TieringOffloadingManager(OffloadingManager):
         Returns:
             False if the primary tier cannot make room (the caller reports a miss).
         """
-        row = self._primary.reserve_row(key, req_context)
-        if row is None:
+        opened = self._promotions.queue(self._primary, tier_idx, key, req_context)
+        if opened is None:
             return False
-        req_id = req_context.req_id
-        pending = self._pending_promotions[tier_idx]
-        entry = pending.get(req_id)
-        if entry is None:
-            entry = pending[req_id] = _PendingPromotion(req_context)
-            self._num_queued_promotion_batches += 1
-            self._get_req_state(req_id).queued_promotions += 1
-        entry.keys.append(key)
-        entry.block_ids.append(row)
-        self._promoting[key] = tier_idx
+        if opened:
+            self._get_req_state(req_context.req_id).queued_promotions += 1
         return True
 
     def _flush_pending_promotions(self) -> None:
         """Submit the step's promotions: one ``submit_load`` per (tier, request)."""
-        if not self._num_queued_promotion_batches:
-            return
-        for tier_idx, pending in enumerate(self._pending_promotions):
-            if not pending:
-                continue
-            self._pending_promotions[tier_idx] = {}
-            for req_id, entry in pending.items():
-                self._num_queued_promotion_batches -= 1
-                job = JobMetadata(
-                    job_id=self._new_job_id(),
-                    keys=tuple(entry.keys),
-                    block_ids=np.array(entry.block_ids, dtype=np.int64),
-                    is_promotion=True,
-                    req_context=entry.req_context,
-                )
-                self._promotions_submitted += 1
-                self._submit(tier_idx, job)
-                state = self._req_state.get(req_id)
-                assert state is not None and state.queued_promotions > 0, (
-                    f"request {req_id}: promotion batch submitted without queued-batch count"
-                )
-                state.queued_promotions -= 1
-                self._maybe_finish_secondary_tiers(req_id)
-        assert self._num_queued_promotion_batches == 0, self._num_queued_promotion_batches
+        for tier_idx, req_id, batch in self._promotions.take_all():
+            job = JobMetadata(
+                job_id=self._jobs.new_id(),
+                keys=tuple(batch.keys),
+                block_ids=np.array(batch.block_ids, dtype=np.int64),
+                is_promotion=True,
+                req_context=batch.req_context,
+            )
+            self._jobs.submit(tier_idx, job, batch.owner)
+            state = self._req_state.get(req_id)
+            assert state is not None and state.queued_promotions > 0, (
+                f"request {req_id}: promotion batch submitted without queued-batch count"
+            )
+            state.queued_promotions -= 1
+            self._maybe_finish_secondary_tiers(req_id)
 
     # -----------------------------------------------------------------------------------------
     # Request state
@@ -327,7 +255,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _maybe_finish_secondary_tiers(self, req_id: str) -> None:
         """Tell the tiers a request finished once no cascade or promotion of it is pending."""
         state = self._req_state.get(req_id)
-        if state is None or state.pending_primary_stores or state.queued_promotions:
+        if state is None or state.queued_promotions or self._primary.has_pending_stores(req_id):
             return
         del self._req_state[req_id]
         req_context = state.finished_req_context
@@ -355,8 +283,11 @@ class TieringOffloadingManager(OffloadingManager):
         # the primary policy's lookup. The primary's hit/miss counters are kept here, since
         # its own lookup() is bypassed (get_stats and the tier metrics add them).
         if self._shut_down:
-            raise RuntimeError("TieringOffloadingManager.lookup: the manager is shut down")
+            raise self._shut_down_error("lookup")
         if not self._processed_jobs_this_step:
+            # Refuse a non-key before the step's poll (later, only a miss can be one).
+            if key.__class__ is not bytes:
+                check_offload_key("lookup", key, req_context)
             self._maybe_process_finished_jobs()
         block = self._primary_policy_lookup(key)
         if block is not None:
@@ -386,24 +317,45 @@ class TieringOffloadingManager(OffloadingManager):
 
     @override
     def promotion_source(self, key: OffloadKey) -> str | None:
-        tier_idx = self._promoting.get(key)
+        tier_idx = self._promotions.promoting.get(key)
         return None if tier_idx is None else self._tiers[tier_idx].tier_type
 
     @override
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
-        self._maybe_process_finished_jobs()
+        """Pin ready blocks ``keys`` for the request (finished tier jobs are applied first).
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            OffloadKeyStateError: a key is not readable (absent, being stored or promoted).
+            RuntimeError: the manager is shut down.
+        """
+        if self._shut_down:
+            raise self._shut_down_error("prepare_load")
+        if not self._processed_jobs_this_step:
+            check_keys_before_poll("prepare_load", keys, req_context)
+            self._maybe_process_finished_jobs()
         return self._primary.prepare_load(keys, req_context)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._shut_down:
+            raise self._shut_down_error("touch")
         self._primary.touch(keys, req_context)
         for tier in self._tiers:
             tier.touch(keys, req_context)
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Release pins the request took with ``prepare_load`` (never a cascade's pins).
+
+        Raises:
+            OffloadKeyStateError: the request does not hold that many pins on a key.
+            TypeError, RuntimeError: as ``prepare_load``.
+        """
+        if self._shut_down:
+            raise self._shut_down_error("complete_load")
         self._primary.complete_load(keys, req_context)
 
     @override
@@ -414,15 +366,21 @@ class TieringOffloadingManager(OffloadingManager):
 
         For tiers that asked for REQUEST_LEVEL offloading, the keys already ready in primary are
         cascaded to those tiers now (new keys are cascaded by ``complete_store``).
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey`` (nothing is allocated).
+            RuntimeError: the manager is shut down.
         """
-        # Release finished cascades' pins before the primary picks eviction victims.
-        self._maybe_process_finished_jobs()
+        if self._shut_down:
+            raise self._shut_down_error("prepare_store")
+        if not self._processed_jobs_this_step:
+            check_keys_before_poll("prepare_store", keys, req_context)
+            # Release finished cascades' pins before the primary picks eviction victims.
+            self._maybe_process_finished_jobs()
         output = self._primary.prepare_store(keys, req_context)
         if output is None:
             return None
         req_id = req_context.req_id
-        if output.keys_to_store:
-            self._get_req_state(req_id).pending_primary_stores += 1
         request_level_tiers = self._request_level_tiers.get(req_id)
         if request_level_tiers:
             new_keys = set(output.keys_to_store)
@@ -442,21 +400,44 @@ class TieringOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """Finish a primary store; on success cascade ``keys`` to every tier (one pin each)."""
-        self._primary.complete_store(keys, req_context, success)
-        if success and self._tiers and keys:
-            self._cascade(tuple(keys), req_context, range(len(self._tiers)))
-        req_id = req_context.req_id
-        state = self._req_state.get(req_id)
-        assert state is not None and state.pending_primary_stores > 0, (
-            f"complete_store for request {req_id} without a pending prepare_store"
-        )
-        state.pending_primary_stores -= 1
-        self._maybe_finish_secondary_tiers(req_id)
+        """Finish a primary store; on success cascade ``keys`` to every tier (one pin each).
+
+        ``keys`` may be any part of the keys the request's ``prepare_store`` calls allocated and
+        it has not completed yet (the rest may come in later calls).
+
+        Raises:
+            OffloadKeyStateError: a key is not pending for this request: never prepared, already
+                completed, prepared by another request, or being promoted from a secondary tier
+                (its row is written by the tier, not by a GPU store). Nothing changed.
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            RuntimeError: the manager is shut down.
+        """
+        if self._shut_down:
+            raise self._shut_down_error("complete_store")
+        # The primary validates every key before it changes anything; only then are cascades
+        # submitted. Promoted rows are owned by their batch, so the primary refuses them too.
+        try:
+            self._primary.complete_store(keys, req_context, success)
+        except OffloadKeyStateError as error:
+            raise explain_refusal(error, self._promotions.promoting, self._tiers) from None
+        if not keys:
+            return
+        if success and self._tiers:
+            done = keys if type(keys) is tuple else tuple(keys)
+            if len(set(done)) != len(done):
+                done = tuple(dict.fromkeys(done))  # a tier job names each key once
+            self._cascade(done, req_context, range(len(self._tiers)))
+        if self._req_state:
+            self._maybe_finish_secondary_tiers(req_context.req_id)
+
+    def _shut_down_error(self, method: str) -> RuntimeError:
+        return RuntimeError(f"TieringOffloadingManager.{method}: the manager is shut down")
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """REQUEST_LEVEL if any tier asks for it (those tiers get every block), else BLOCK_LEVEL."""
+        if self._shut_down:
+            raise self._shut_down_error("on_new_request")
         primary_policy = self._primary.on_new_request(req_context).policy
         request_level = tuple(
             tier_idx
@@ -472,6 +453,8 @@ class TieringOffloadingManager(OffloadingManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Tell the primary now and the tiers once the request's cascades were all submitted."""
+        if self._shut_down:
+            raise self._shut_down_error("on_request_finished")
         self._primary.on_request_finished(req_context)
         state = self._get_req_state(req_context.req_id)
         state.finished_req_context = req_context
@@ -486,19 +469,31 @@ class TieringOffloadingManager(OffloadingManager):
 
     @override
     def on_schedule_end(self) -> None:
-        """End of a scheduler step: poll -> reset gate -> flush promotions -> tier hooks."""
-        self._maybe_process_finished_jobs()
-        self._processed_jobs_this_step = False
-        self._flush_pending_promotions()
-        for tier in self._tiers:
-            tier.on_schedule_end()
+        """End of a scheduler step: poll -> reset gate -> flush promotions -> tier hooks.
+
+        A ``SecondaryTierReportError`` from the poll is raised after the rest of the step ran.
+        """
+        if self._shut_down:
+            raise self._shut_down_error("on_schedule_end")
+        try:
+            self._maybe_process_finished_jobs()
+        finally:
+            self._processed_jobs_this_step = False
+            self._flush_pending_promotions()
+            for tier in self._tiers:
+                tier.on_schedule_end()
 
     @override
     def has_pending_work(self) -> bool:
-        """True while a tier job is in flight or queued, or the primary or a tier says so."""
+        """True while a tier job is in flight or queued, or the primary or a tier says so.
+
+        False after ``shutdown()``: nothing can progress any more.
+        """
+        if self._shut_down:
+            return False
         return (
             bool(self._jobs)
-            or self._num_queued_promotion_batches > 0
+            or bool(self._promotions)
             or self._primary.has_pending_work()
             or any(tier.has_pending_work() for tier in self._tiers)
         )
@@ -510,22 +505,27 @@ class TieringOffloadingManager(OffloadingManager):
         Blocks until every tier job has finished (``drain_jobs``). Secondary tiers keep their
         data. Requests that already finished get their delayed ``on_request_finished`` and are
         forgotten; running requests keep their REQUEST_LEVEL tiers.
+
+        Raises:
+            SecondaryTierReportError: a tier misreported a job, or did not report every job
+                after ``drain_jobs()``; nothing was reset (rows a tier may still touch stay
+                pinned or reserved).
+            RuntimeError: the manager is shut down.
         """
+        if self._shut_down:
+            raise self._shut_down_error("reset_cache")
         for tier in self._tiers:
             tier.drain_jobs()
         self._process_finished_jobs()
-        assert not self._jobs, (
-            "reset_cache: tiers did not report jobs after drain_jobs(): "
-            + ", ".join(
-                f"job {job_id} on tier #{entry.tier_idx} ({self._tiers[entry.tier_idx].tier_type})"
-                for job_id, entry in self._jobs.items()
+        if self._jobs:
+            raise SecondaryTierReportError(
+                [
+                    "reset_cache: tiers did not report jobs after drain_jobs(): "
+                    + ", ".join(self._jobs.unreported())
+                ]
             )
-        )
         # Never submitted: no I/O touches their reserved rows, which the primary reset frees.
-        for tier_idx in range(len(self._tiers)):
-            self._pending_promotions[tier_idx] = {}
-        self._num_queued_promotion_batches = 0
-        self._promoting.clear()
+        self._promotions.clear()
         req_states, self._req_state = self._req_state, {}
         for req_id, state in req_states.items():
             if state.finished_req_context is not None:
@@ -553,9 +553,9 @@ class TieringOffloadingManager(OffloadingManager):
         stats["hits"] += self._lookup_hits
         stats["misses"] += self._lookup_misses
         stats["tiering_jobs_in_flight"] = len(self._jobs)
-        stats["tiering_cascades_submitted"] = self._cascades_submitted
-        stats["tiering_promotions_submitted"] = self._promotions_submitted
-        stats["tiering_jobs_failed"] = self._jobs_failed
+        stats["tiering_cascades_submitted"] = self._jobs.num_cascades
+        stats["tiering_promotions_submitted"] = self._jobs.num_promotions
+        stats["tiering_jobs_failed"] = self._jobs.num_failed
         return stats
 
     @override

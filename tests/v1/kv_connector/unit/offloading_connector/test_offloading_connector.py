@@ -69,14 +69,20 @@ def test_facade_selects_its_half_by_role(tmp_path: Path) -> None:
         assert spec is not None
         scheduler_side = engine.connector
         assert scheduler_side is not None and scheduler_side.role is KVConnectorRole.SCHEDULER
-        with pytest.raises(AssertionError, match="not a worker-side connector"):
+        with pytest.raises(RuntimeError, match="worker-side call on a scheduler connector"):
             scheduler_side.start_load_kv()
         worker_side = engine.workers[0].connector
         assert worker_side is not None and worker_side.role is KVConnectorRole.WORKER
-        with pytest.raises(AssertionError, match="not the scheduler-side connector"):
+        with pytest.raises(RuntimeError, match="scheduler-side call on a worker connector"):
             worker_side.build_connector_meta(None)  # type: ignore[arg-type]
-        with pytest.raises(AssertionError, match="no connector metadata is bound"):
+        with pytest.raises(RuntimeError, match="no connector metadata is bound"):
             worker_side.start_load_kv()
+        with pytest.raises(TypeError, match=r"bind_connector_metadata: metadata is object"):
+            worker_side.bind_connector_metadata(object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"handle_preemptions: metadata is NoneType"):
+            worker_side.handle_preemptions(None)  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="no connector metadata is bound"):
+            worker_side.start_load_kv()  # the refused binding bound nothing
         worker_side.bind_connector_metadata(OffloadingConnectorMetadata())
         worker_side.wait_for_layer_load("model.layers.g0.0.attn")
         worker_side.save_kv_layer("model.layers.g0.0.attn")

@@ -97,14 +97,24 @@ class OffloadingConnector:
 
     @property
     def connector_scheduler(self) -> OffloadingConnectorScheduler:
-        """The scheduler-side half (scheduler role only)."""
-        assert self._scheduler is not None, "not the scheduler-side connector"
+        """The scheduler-side half (scheduler role only).
+
+        Raises:
+            RuntimeError: this is a worker-side connector.
+        """
+        if self._scheduler is None:
+            raise RuntimeError("OffloadingConnector: a scheduler-side call on a worker connector")
         return self._scheduler
 
     @property
     def connector_worker(self) -> OffloadingConnectorWorker:
-        """The worker-side half (worker role only)."""
-        assert self._worker is not None, "not a worker-side connector"
+        """The worker-side half (worker role only).
+
+        Raises:
+            RuntimeError: this is the scheduler-side connector.
+        """
+        if self._worker is None:
+            raise RuntimeError("OffloadingConnector: a worker-side call on a scheduler connector")
         return self._worker
 
     # -----------------------------------------------------------------------------------------
@@ -186,13 +196,13 @@ class OffloadingConnector:
     def get_tier_stats(self) -> list[TierStats]:
         """Point-in-time reports of the spec's secondary tiers, in lookup order (scheduler role;
         see ``OffloadingSpec.get_tier_stats``)."""
-        assert self._scheduler is not None, "not the scheduler-side connector"
+        self.connector_scheduler  # noqa: B018 (raises on a worker connector)
         return self.spec.get_tier_stats()
 
     def wait_for_tiers_ready(self, timeout_s: float | None = None) -> bool:
         """Block until the secondary tiers finished their start-up work; False on timeout
         (scheduler role; see ``OffloadingSpec.wait_for_tiers_ready``)."""
-        assert self._scheduler is not None, "not the scheduler-side connector"
+        self.connector_scheduler  # noqa: B018 (raises on a worker connector)
         return self.spec.wait_for_tiers_ready(timeout_s)
 
     # -----------------------------------------------------------------------------------------
@@ -204,24 +214,32 @@ class OffloadingConnector:
         self.connector_worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
-        """Attach the step's metadata for the hooks below."""
-        assert isinstance(metadata, OffloadingConnectorMetadata), (
-            f"unexpected metadata {type(metadata).__name__}"
-        )
-        self._metadata = metadata
+        """Attach the step's metadata for the hooks below.
+
+        Raises:
+            TypeError: ``metadata`` is not ``OffloadingConnectorMetadata`` (nothing is bound).
+        """
+        self._metadata = _check_metadata("bind_connector_metadata", metadata)
 
     def clear_connector_metadata(self) -> None:
         """Detach the step's metadata."""
         self._metadata = None
 
     def _get_metadata(self) -> OffloadingConnectorMetadata:
-        assert self._metadata is not None, "no connector metadata is bound"
+        if self._metadata is None:
+            raise RuntimeError(
+                "OffloadingConnector: no connector metadata is bound (bind_connector_metadata "
+                "must come first in the step)"
+            )
         return self._metadata
 
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
-        """See ``OffloadingConnectorWorker.handle_preemptions`` (called before binding)."""
-        assert isinstance(metadata, OffloadingConnectorMetadata)
-        self.connector_worker.handle_preemptions(metadata)
+        """See ``OffloadingConnectorWorker.handle_preemptions`` (called before binding).
+
+        Raises:
+            TypeError: ``metadata`` is not ``OffloadingConnectorMetadata``.
+        """
+        self.connector_worker.handle_preemptions(_check_metadata("handle_preemptions", metadata))
 
     def start_load_kv(self) -> None:
         """Submit deferred stores, then this step's loads."""
@@ -259,3 +277,13 @@ class OffloadingConnector:
             self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _check_metadata(method: str, metadata: KVConnectorMetadata) -> OffloadingConnectorMetadata:
+    """``metadata`` as ``OffloadingConnectorMetadata``; TypeError if it is anything else."""
+    if not isinstance(metadata, OffloadingConnectorMetadata):
+        raise TypeError(
+            f"OffloadingConnector.{method}: metadata is {type(metadata).__name__}, expected "
+            "OffloadingConnectorMetadata"
+        )
+    return metadata

@@ -27,7 +27,8 @@ reported, even if the request is aborted.
 The books of the jobs in flight (ids, worker reports, the fence index, the jobs issued before a
 ``reset_cache``) are kept by a ``jobs.TransferJobTable``, the statistics by a
 ``metrics.OffloadingSchedulerMetrics``; which requests and GPU blocks a step's store jobs cover is
-computed by ``store_jobs``; completing a reported job, by ``completions``.
+computed by ``store_jobs``; completing a reported job, by ``completions``. Engine calls that
+contradict the books raise before any change (``engine_checks``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferSpec,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.completions import complete_job
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.engine_checks import (
+    check_alloc,
+    check_scheduler_output,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
@@ -76,7 +81,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.store_jobs import (
     store_gpu_indices,
 )
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
-from vllm.v1.kv_cache_interface import NULL_BLOCK_ID
 from vllm.v1.kv_offload.base import (
     OffloadingManager,
     OffloadKey,
@@ -279,44 +283,53 @@ class OffloadingConnectorScheduler:
             blocks: every GPU block the request holds now, per group.
             num_external_tokens: tokens to load, as returned by ``get_num_new_matched_tokens``
                 (0 for none).
+
+        Raises:
+            ValueError: the call contradicts the connector's books (``engine_checks.check_alloc``),
+                loads keys another load job is loading, or the manager refused the load (its
+                ``prepare_load`` raised): nothing changed.
         """
-        state = self._req_status.get(request.request_id)
-        assert state is not None, (
-            f"update_state_after_alloc: request {request.request_id} was never looked up"
-        )
-        assert len(blocks) == self.num_groups, (
-            f"request {request.request_id}: {len(blocks)} block groups, expected {self.num_groups}"
+        req_id = request.request_id
+        state = check_alloc(
+            req_id,
+            self._req_status.get(req_id),
+            blocks,
+            num_external_tokens,
+            self.offloaded_block_size,
+            self.gpu_block_sizes,
         )
         num_local = state.num_locally_computed_tokens
+        block_size = self.offloaded_block_size
+        end_tokens = num_local + num_external_tokens
+        start, end = num_local // block_size, end_tokens // block_size
+        keys = self.layout.load_keys(state.offload_keys, start, end) if num_external_tokens else []
+        if self._jobs.any_being_loaded(keys):
+            # The lookup answered None for such a request: the engine must not load it now.
+            raise ValueError(
+                f"update_state_after_alloc: request {req_id!r} loads blocks that another "
+                "request's load job is still loading (its lookup was deferred)"
+            )
+        old_block_ids, fresh = state.block_ids, state.expect_fresh_alloc
+        num_allocated_before = len(self._current_batch_allocated_blocks)
+        state.block_ids = []
         for g, group_blocks in enumerate(blocks):
-            if state.expect_fresh_alloc:
-                first_new = num_local // self.gpu_block_sizes[g]
-            else:
-                first_new = len(state.block_ids[g])
-                # The engine may have freed SWA blocks meanwhile (NULL_BLOCK_ID in their place).
-                assert all(
-                    new in (old, NULL_BLOCK_ID)
-                    for new, old in zip(group_blocks[:first_new], state.block_ids[g], strict=True)
-                ), f"request {request.request_id}: group {g} blocks changed without a restart"
+            # After a restart the blocks past the local prefix are new; otherwise those past the
+            # ones recorded (the engine may have freed SWA blocks: NULL_BLOCK_ID in their place).
+            first_new = num_local // self.gpu_block_sizes[g] if fresh else len(old_block_ids[g])
             self._current_batch_allocated_blocks.extend((g, b) for b in group_blocks[first_new:])
-            state.block_ids[g] = list(group_blocks)
-        fresh = state.expect_fresh_alloc
+            state.block_ids.append(list(group_blocks))
         state.expect_fresh_alloc = False
         if num_external_tokens == 0:
             return
-        assert fresh, f"request {request.request_id}: a load without a lookup"
-
-        block_size = self.offloaded_block_size
-        end_tokens = num_local + num_external_tokens
-        assert end_tokens % block_size == 0, (
-            f"request {request.request_id}: load ends at token {end_tokens}, not on an offloaded "
-            f"block boundary ({block_size})"
-        )
-        start, end = num_local // block_size, end_tokens // block_size
-        keys = self.layout.load_keys(state.offload_keys, start, end)
         gpu_indices = self.layout.load_gpu_indices(num_local, end_tokens)
-        dst_spec, gpu_refs = state.gpu_spec(gpu_indices)
-        src_spec = self._metrics.timed(self.manager.prepare_load, keys, state.req_context)
+        try:
+            dst_spec, gpu_refs = state.gpu_spec(gpu_indices)
+            src_spec = self._metrics.timed(self.manager.prepare_load, keys, state.req_context)
+        except Exception:
+            # Refused (e.g. more tokens than the lookup found): undo the allocation's books.
+            state.block_ids, state.expect_fresh_alloc = old_block_ids, fresh
+            del self._current_batch_allocated_blocks[num_allocated_before:]
+            raise
 
         job_id = self._jobs.add_load(request.request_id, keys, gpu_refs, (num_local, end_tokens))
         self._current_batch_load_jobs[job_id] = TransferJob(
@@ -340,12 +353,6 @@ class OffloadingConnectorScheduler:
         """Apply the step's block allocations and preemptions; return the preempted requests'
         jobs, to flush."""
         jobs_to_flush: set[JobId] = set()
-        for new_req in scheduler_output.scheduled_new_reqs:
-            state = self._req_status.get(new_req.req_id)
-            assert state is not None, f"scheduled request {new_req.req_id} was never looked up"
-            assert all(
-                list(ids) == state.block_ids[g] for g, ids in enumerate(new_req.block_ids)
-            ), f"request {new_req.req_id}: scheduled blocks differ from the allocated ones"
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -363,10 +370,6 @@ class OffloadingConnectorScheduler:
             if preempted is None:
                 continue
             preempted.block_ids = [[] for _ in range(self.num_groups)]
-            for job_id in preempted.transfer_jobs:
-                assert self._jobs[job_id].is_store, (
-                    f"preempted request {req_id} has load job {job_id} in flight"
-                )
             # Its GPU blocks are free already and may be rewritten in this very step.
             jobs_to_flush.update(preempted.transfer_jobs)
         return jobs_to_flush
@@ -401,11 +404,9 @@ class OffloadingConnectorScheduler:
             keys_to_store = output.keys_to_store
             if not keys_to_store:
                 continue
-            for job_id in state.transfer_jobs:
-                assert self._jobs[job_id].is_store, (
-                    f"request {req_id}: a store can only be issued when no load is pending "
-                    f"(load job {job_id})"
-                )
+            # check_scheduler_output refused scheduled requests with a load in flight; a
+            # deferred one is undeferred by the lookup that precedes any load.
+            assert all(self._jobs[j].is_store for j in state.transfer_jobs), f"{req_id}: a load"
             gpu_indices = store_gpu_indices(
                 req_id, state, keys_to_store, start, end, self.block_size_factors
             )
@@ -435,7 +436,12 @@ class OffloadingConnectorScheduler:
         jobs left over by ``reset_cache`` and fenced jobs reading reallocated GPU blocks, build
         the store jobs (``prepare_store``), then ``manager.on_schedule_end()``, exactly once and
         as the last manager call.
+
+        Raises:
+            ValueError: the step's output contradicts the connector's books
+                (``engine_checks.check_scheduler_output``); nothing changed.
         """
+        check_scheduler_output(scheduler_output, self._req_status, self._jobs)
         jobs_to_flush = self._update_req_states(scheduler_output)
         jobs_to_flush |= self._jobs.take_flushes(self._current_batch_allocated_blocks)
         self._metrics.flushed_jobs += len(jobs_to_flush)
@@ -502,6 +508,9 @@ class OffloadingConnectorScheduler:
         Returns:
             ``(False, None)``: never delay freeing. The GPU blocks its store jobs still read are
             fenced instead (see the module docstring).
+
+        Raises:
+            ValueError: the request already finished (nothing changed).
         """
         state = self._req_status.get(request.request_id)
         if state is None:
@@ -512,7 +521,8 @@ class OffloadingConnectorScheduler:
             self._metrics.timed(self.manager.on_new_request, ctx)
             self._metrics.timed(self.manager.on_request_finished, ctx)
             return False, None
-        assert not state.finished, f"request {request.request_id} finished twice"
+        if state.finished:
+            raise ValueError(f"request_finished: request {request.request_id!r} finished twice")
         state.finished = True
         self._jobs.fence(state.transfer_jobs)
         self._metrics.timed(self.manager.on_request_finished, state.req_context)
@@ -537,9 +547,11 @@ class OffloadingConnectorScheduler:
         copy still reads or writes. Stores need no such gate: workers run a step's stores only
         after waiting for the flushed jobs.
         """
-        assert not self._current_batch_load_jobs and not self._current_batch_allocated_blocks, (
-            "reset_cache called in the middle of a step"
-        )
+        if self._current_batch_load_jobs or self._current_batch_allocated_blocks:
+            raise RuntimeError(
+                "reset_cache: called in the middle of a step (after update_state_after_alloc, "
+                "before build_connector_meta); nothing was reset"
+            )
         self._jobs.reset()
         for req_id in [r for r, s in self._req_status.items() if s.finished]:
             del self._req_status[req_id]

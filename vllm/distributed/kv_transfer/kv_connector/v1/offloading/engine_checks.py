@@ -1,0 +1,162 @@
+"""Checks of the engine's calls into ``OffloadingConnectorScheduler``, before any state change.
+
+The engine (vLLM's scheduler, or this repository's stand-in) is outside the connector: a call
+out of order or with arguments that contradict what the connector was told earlier must raise
+an exception naming the request, never an ``assert`` (gone under ``python -O``, and no help to
+the caller), and must leave the connector and its manager exactly as they were.
+
+* ``check_alloc``: ``update_state_after_alloc`` (a request never looked up, the wrong number of
+  block groups, blocks changed without a restart, a load without a lookup, a load that does not
+  end on an offloaded block boundary);
+* ``check_scheduler_output``: ``build_connector_meta`` (a scheduled or preempted request the
+  connector never saw, or that is scheduled while its load is in flight).
+
+Errors: ``ValueError`` for a call that contradicts the connector's books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import ReqId
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import TransferJobTable
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
+    RequestOffloadState,
+)
+from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
+from vllm.v1.kv_cache_interface import NULL_BLOCK_ID
+
+__all__ = ["check_alloc", "check_scheduler_output"]
+
+
+def check_alloc(
+    req_id: ReqId,
+    state: RequestOffloadState | None,
+    blocks: GroupBlockIds,
+    num_external_tokens: int,
+    offloaded_block_size: int,
+    gpu_block_sizes: tuple[int, ...],
+) -> RequestOffloadState:
+    """Validate an ``update_state_after_alloc`` call; return the request's state.
+
+    Raises:
+        ValueError: the request was never looked up (``get_num_new_matched_tokens``), ``blocks``
+            has the wrong number of groups, a group's earlier blocks changed without a restart
+            (only freed sliding-window blocks may become ``NULL_BLOCK_ID``), or a load
+            (``num_external_tokens > 0``) is requested without a lookup since the last
+            (re)start, does not end on an offloaded block boundary, goes beyond the blocks the
+            request has hashes for, or beyond the GPU blocks allocated.
+    """
+    method = "update_state_after_alloc"
+    if state is None:
+        raise ValueError(
+            f"{method}: request {req_id!r} was never looked up (get_num_new_matched_tokens)"
+        )
+    num_groups = len(state.block_ids)
+    if len(blocks) != num_groups:
+        raise ValueError(
+            f"{method}: request {req_id!r} has {len(blocks)} block groups, expected {num_groups}"
+        )
+    if num_external_tokens < 0:
+        raise ValueError(
+            f"{method}: request {req_id!r}: num_external_tokens={num_external_tokens} < 0"
+        )
+    if not state.expect_fresh_alloc:
+        for g, (group_blocks, old) in enumerate(zip(blocks, state.block_ids, strict=True)):
+            kept = group_blocks[: len(old)]
+            if len(kept) < len(old) or not all(
+                new in (was, NULL_BLOCK_ID) for new, was in zip(kept, old, strict=True)
+            ):
+                raise ValueError(
+                    f"{method}: request {req_id!r}: group {g} blocks changed without a restart "
+                    f"(had {len(old)} blocks, now {len(group_blocks)})"
+                )
+    if num_external_tokens:
+        if not state.expect_fresh_alloc:
+            raise ValueError(
+                f"{method}: request {req_id!r}: a load of {num_external_tokens} tokens without a "
+                "lookup (get_num_new_matched_tokens) since its last allocation"
+            )
+        end_tokens = state.num_locally_computed_tokens + num_external_tokens
+        if end_tokens % offloaded_block_size:
+            raise ValueError(
+                f"{method}: request {req_id!r}: load ends at token {end_tokens}, not on an "
+                f"offloaded block boundary ({offloaded_block_size})"
+            )
+        num_known = min(len(keys) for keys in state.offload_keys)
+        if end_tokens > num_known * offloaded_block_size:
+            raise ValueError(
+                f"{method}: request {req_id!r}: load ends at token {end_tokens}, beyond its "
+                f"{num_known} offloaded blocks with keys"
+            )
+        for g, (group_blocks, size) in enumerate(zip(blocks, gpu_block_sizes, strict=True)):
+            if end_tokens > len(group_blocks) * size:
+                raise ValueError(
+                    f"{method}: request {req_id!r}: load ends at token {end_tokens}, beyond "
+                    f"its {len(group_blocks)} GPU blocks of group {g}"
+                )
+    return state
+
+
+def check_scheduler_output(
+    scheduler_output: SchedulerOutput,
+    req_status: Mapping[ReqId, RequestOffloadState],
+    jobs: TransferJobTable,
+) -> None:
+    """Validate the step's ``SchedulerOutput`` before ``build_connector_meta`` applies it.
+
+    Raises:
+        ValueError: a newly scheduled request was never looked up or its blocks differ from
+            those ``update_state_after_alloc`` recorded; a running request is unknown; a
+            scheduled request was not allocated (``update_state_after_alloc``) since its last
+            lookup; a request is scheduled twice, or scheduled and preempted; a scheduled or
+            preempted request has a load job in flight (the engine runs a request only once its
+            load was reported).
+    """
+    method = "build_connector_meta"
+    scheduled: list[ReqId] = []
+    for new_req in scheduler_output.scheduled_new_reqs:
+        state = req_status.get(new_req.req_id)
+        if state is None:
+            raise ValueError(
+                f"{method}: scheduled request {new_req.req_id!r} was never looked up "
+                "(get_num_new_matched_tokens)"
+            )
+        if [list(ids) for ids in new_req.block_ids] != state.block_ids:
+            raise ValueError(
+                f"{method}: request {new_req.req_id!r}: scheduled blocks differ from the ones "
+                "update_state_after_alloc recorded"
+            )
+        scheduled.append(new_req.req_id)
+    for req_id in scheduler_output.scheduled_cached_reqs.req_ids:
+        if req_id not in req_status:
+            raise ValueError(
+                f"{method}: running request {req_id!r} is unknown to the connector (never looked "
+                "up, or finished)"
+            )
+        scheduled.append(req_id)
+    if len(set(scheduled)) != len(scheduled):
+        raise ValueError(f"{method}: a request is scheduled twice in one step: {scheduled}")
+    both = set(scheduled) & scheduler_output.preempted_req_ids
+    if both:
+        raise ValueError(f"{method}: requests {sorted(both)} are both scheduled and preempted")
+    for req_id in scheduled:
+        if req_status[req_id].expect_fresh_alloc:
+            raise ValueError(
+                f"{method}: request {req_id!r} is scheduled without update_state_after_alloc "
+                "since its last lookup"
+            )
+    for what, req_ids in (
+        ("scheduled", scheduled),
+        ("preempted", scheduler_output.preempted_req_ids),
+    ):
+        for req_id in req_ids:
+            state = req_status.get(req_id)
+            if state is None:
+                continue  # a preempted request the connector never saw: nothing to flush
+            for job_id in state.transfer_jobs:
+                if not jobs[job_id].is_store:
+                    raise ValueError(
+                        f"{method}: request {req_id!r} is {what} while its load job {job_id} "
+                        "is in flight"
+                    )
