@@ -13,41 +13,23 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
-    OffloadKeyStateError,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
     check_offload_key,
     check_offload_keys,
 )
+from vllm.v1.kv_offload.cpu import request_ledger
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager_invariants import check_manager_invariants
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
+from vllm.v1.kv_offload.cpu.request_ledger import Ledger, take_call
 from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreReuseFilter
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
-
-
-def _take_call(
-    calls_by_req: dict[str, list[tuple[OffloadKey, ...]]], req_id: str, keys: tuple[OffloadKey, ...]
-) -> bool:
-    """Remove ``keys`` from ``calls_by_req[req_id]`` if one outstanding call had exactly them.
-
-    The fast path of ``complete_load`` / ``complete_store``: the connector completes each job
-    with exactly the keys it prepared. Returns whether such a call was found and removed.
-    """
-    calls = calls_by_req.get(req_id)
-    if calls is None:
-        return False
-    try:
-        calls.remove(keys)
-    except ValueError:
-        return False
-    if not calls:
-        del calls_by_req[req_id]
-    return True
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -88,7 +70,9 @@ class CPUOffloadingManager(OffloadingManager):
     refused (``OffloadKeyStateError``) instead of unpinning a row another reader still copies
     from, or publishing a row a worker still writes. Completions that match one outstanding
     call exactly (what the connector sends) cost O(keys); partial ones O(the request's
-    outstanding keys).
+    outstanding keys). The ledgers' operations (exact-match removal, partial completions, the
+    error messages naming a key's holders) are in ``vllm.v1.kv_offload.cpu.request_ledger``;
+    the full invariant check in ``vllm.v1.kv_offload.cpu.manager_invariants``.
 
     Errors from callers: every public method checks its arguments and the keys' states before
     it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
@@ -155,9 +139,9 @@ class CPUOffloadingManager(OffloadingManager):
             StoreReuseFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         )
         # req_id -> the key tuples of its outstanding prepare_load calls (its pins).
-        self._pending_loads: dict[str, list[tuple[OffloadKey, ...]]] = {}
+        self._pending_loads: Ledger = {}
         # req_id -> the keys_to_store tuples of its pending stores.
-        self._pending_stores: dict[str, list[tuple[OffloadKey, ...]]] = {}
+        self._pending_stores: Ledger = {}
         self._shut_down = False
         self._hits = 0
         self._misses = 0
@@ -246,7 +230,7 @@ class CPUOffloadingManager(OffloadingManager):
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
             return
-        if not _take_call(self._pending_loads, req_id, done):
+        if not take_call(self._pending_loads, req_id, done):
             self._release_partial_load("complete_load", done, req_context)
         policy = self._policy
         get = policy.get
@@ -354,7 +338,7 @@ class CPUOffloadingManager(OffloadingManager):
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
             return
-        if not _take_call(self._pending_stores, req_id, done):
+        if not take_call(self._pending_stores, req_id, done):
             done = self._finish_partial_store(done, req_context)
 
         policy = self._policy
@@ -479,110 +463,41 @@ class CPUOffloadingManager(OffloadingManager):
 
         A snapshot, O(the request's outstanding keys); for tests and diagnostics.
         """
-        pins: dict[OffloadKey, int] = {}
-        for load in self._pending_loads.get(req_id, ()):
-            for key in load:
-                pins[key] = pins.get(key, 0) + 1
-        return pins
+        return request_ledger.load_pins(self._pending_loads, req_id)
 
     def pending_stores(self, req_id: str) -> list[OffloadKey]:
         """The keys request ``req_id`` prepared to store and has not completed, in order.
 
         A snapshot, O(the request's pending keys); for tests and diagnostics.
         """
-        return [key for store in self._pending_stores.get(req_id, ()) for key in store]
+        return request_ledger.pending_stores(self._pending_stores, req_id)
 
     def check_invariants(self) -> None:
         """Assert every internal invariant; O(cache size), for tests and debugging.
 
         Slot accounting; each ready block's ``ref_cnt`` equals its pins in outstanding loads;
-        each block being written is pending in exactly one request's stores; no empty entries.
-        Internal invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure
-        is a bug of the manager, never of its caller.
+        each block being written is pending in exactly one request's stores; no empty entries;
+        the row status pool (``vllm.v1.kv_offload.cpu.manager_invariants``). Internal
+        invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure is a bug
+        of the manager, never of its caller.
         """
-        policy = self._policy
-        assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
-        assert len(set(self._free_list)) == len(self._free_list), "a row is free-listed twice"
-        pins: dict[OffloadKey, int] = {}
-        for req_id, loads in self._pending_loads.items():
-            assert loads and all(loads), f"request {req_id!r}: empty pending-load entry"
-            for load in loads:
-                for key in load:
-                    pins[key] = pins.get(key, 0) + 1
-        writers: dict[OffloadKey, str] = {}
-        for req_id, stores in self._pending_stores.items():
-            assert stores and all(stores), f"request {req_id!r}: empty pending-store entry"
-            for store in stores:
-                for key in store:
-                    assert key not in writers, (
-                        f"key {key.hex()} pending for requests {writers[key]!r} and {req_id!r}"
-                    )
-                    writers[key] = req_id
-        rows: set[int] = set()
-        for key, block in policy.items():
-            assert block.block_id not in rows, f"row {block.block_id} held twice"
-            rows.add(block.block_id)
-            if block.ref_cnt < 0:
-                assert block.ref_cnt == -1, f"key {key.hex()}: ref_cnt {block.ref_cnt}"
-                assert key in writers, f"key {key.hex()} is being written by no request"
-                assert key not in pins, f"key {key.hex()} is pinned while being written"
-            else:
-                assert key not in writers, f"key {key.hex()} is ready but pending"
-                assert block.ref_cnt == pins.get(key, 0), (
-                    f"key {key.hex()}: ref_cnt {block.ref_cnt} != {pins.get(key, 0)} pins"
-                )
-        # The row status pool: a resident block's status is its row's; a row held by no block
-        # is ready to be written (ref_cnt -1), so allocation need not reset it.
-        for key, block in policy.items():
-            assert self._rows[block.block_id] is block, (
-                f"key {key.hex()}: its status is not row {block.block_id}'s"
-            )
-        for row, block in enumerate(self._rows):
-            assert row in rows or block.ref_cnt == -1, (
-                f"free row {row} has ref_cnt {block.ref_cnt}, not -1"
-            )
-        assert set(writers) <= {k for k, b in policy.items() if b.ref_cnt < 0}
-        assert set(pins) <= {k for k, b in policy.items() if b.ref_cnt > 0}
-
-    def _describe(self, key: OffloadKey) -> str:
-        """The state of ``key`` in words, naming the requests that hold it (slow path)."""
-        block = self._policy.get(key)
-        if block is None:
-            return "not offloaded"
-        if block.ref_cnt < 0:
-            writers = [
-                req_id
-                for req_id, stores in self._pending_stores.items()
-                if any(key in store for store in stores)
-            ]
-            return f"being written (its store is pending for request {writers[0]!r})"
-        if block.ref_cnt == 0:
-            return "ready and not pinned"
-        holders = {}
-        for req_id, loads in self._pending_loads.items():
-            count = sum(load.count(key) for load in loads)
-            if count:
-                holders[req_id] = count
-        by = ", ".join(f"{req_id!r} x{count}" for req_id, count in holders.items())
-        return f"ready and pinned {block.ref_cnt} time(s), by request(s) {by}"
+        check_manager_invariants(
+            self._policy,
+            self._rows,
+            self._num_allocated,
+            self._free_list,
+            self._pending_loads,
+            self._pending_stores,
+            self._pool_error(),
+        )
 
     def _refuse_load(
         self, method: str, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> OffloadKeyStateError:
+    ) -> Exception:
         """The error for a ``prepare_load`` naming a key that is not readable (slow path)."""
-        check_offload_keys(method, keys, req_context)
-        get = self._policy.get
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref_cnt < 0:
-                return OffloadKeyStateError(
-                    method,
-                    key,
-                    req_context.req_id,
-                    self._describe(key),
-                    "a ready block (lookup() returned True)",
-                )
-        raise AssertionError(f"{method}: no unreadable key among {len(keys)} keys")
+        return request_ledger.refuse_load(
+            self._policy, self._pending_loads, self._pending_stores, method, keys, req_context
+        )
 
     def _release_partial_load(
         self, method: str, keys: tuple[OffloadKey, ...], req_context: ReqContext
@@ -592,37 +507,9 @@ class CPUOffloadingManager(OffloadingManager):
         Validates first: raises (changing nothing) unless the request holds at least as many
         pins on each key as ``keys`` releases.
         """
-        check_offload_keys(method, keys, req_context)
-        req_id = req_context.req_id
-        held = self.load_pins(req_id)
-        need: dict[OffloadKey, int] = {}
-        for key in keys:
-            need[key] = need.get(key, 0) + 1
-            if need[key] > held.get(key, 0):
-                state = self._describe(key)
-                held_here = held.get(key, 0)
-                raise OffloadKeyStateError(
-                    method,
-                    key,
-                    req_id,
-                    f"{state}; this request holds {held_here} pin(s) on it and the call "
-                    f"releases {need[key]}",
-                    "a key this request pinned with prepare_load and has not released",
-                )
-        remaining: list[tuple[OffloadKey, ...]] = []
-        for load in self._pending_loads[req_id]:
-            kept = []
-            for key in load:
-                if need.get(key):
-                    need[key] -= 1
-                else:
-                    kept.append(key)
-            if kept:
-                remaining.append(tuple(kept))
-        if remaining:
-            self._pending_loads[req_id] = remaining
-        else:
-            del self._pending_loads[req_id]
+        request_ledger.release_partial_load(
+            self._policy, self._pending_loads, self._pending_stores, method, keys, req_context
+        )
 
     def _finish_partial_store(
         self, keys: tuple[OffloadKey, ...], req_context: ReqContext
@@ -631,33 +518,9 @@ class CPUOffloadingManager(OffloadingManager):
 
         Validates first: raises (changing nothing) unless every key is pending for the request.
         """
-        check_offload_keys("complete_store", keys, req_context)
-        req_id = req_context.req_id
-        unique = tuple(dict.fromkeys(keys))
-        pending = set(self.pending_stores(req_id))
-        for key in unique:
-            if key not in pending:
-                raise OffloadKeyStateError(
-                    "complete_store",
-                    key,
-                    req_id,
-                    self._describe(key),
-                    "a key whose store this request prepared and has not completed",
-                )
-        done = set(unique)
-        remaining = [
-            kept
-            for kept in (
-                tuple(key for key in store if key not in done)
-                for store in self._pending_stores[req_id]
-            )
-            if kept
-        ]
-        if remaining:
-            self._pending_stores[req_id] = remaining
-        else:
-            del self._pending_stores[req_id]
-        return unique
+        return request_ledger.finish_partial_store(
+            self._policy, self._pending_loads, self._pending_stores, keys, req_context
+        )
 
     def _reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """Allocate a row for ``key``, which is not resident, and return it; None if full.
