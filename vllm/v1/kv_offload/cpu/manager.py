@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from itertools import repeat
 from operator import attrgetter
-from typing import cast
+from typing import Any, cast
 
 from typing_extensions import override
 
@@ -129,6 +129,9 @@ class CPUOffloadingManager(OffloadingManager):
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._num_blocks: int = num_blocks
         self._policy: CachePolicy = create_cache_policy(cache_policy, num_blocks)
+        # lookup()'s first probe (see CachePolicy.lookup_table): a hit costs no policy call.
+        table = self._policy.lookup_table()
+        self._lookup_get: Callable[[OffloadKey], Any] = (table if table is not None else {}).get
         self._num_allocated: int = 0
         self._free_list: list[int] = []
         # One status per row, reused by every block the row holds; a row held by no block
@@ -162,6 +165,14 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_list) + self._num_blocks - self._num_allocated
 
     @property
+    def resident_probe(self) -> Callable[[OffloadKey], Any]:
+        """``lookup``'s first probe, ``get`` of the policy's ``lookup_table()`` (or of an empty
+        dict): a result of type exactly ``BlockStatus`` is the key's resident block, anything
+        else means asking ``policy.lookup``. For a manager that fronts this one and answers
+        lookups itself (the tiering manager); read-only."""
+        return self._lookup_get
+
+    @property
     def policy(self) -> CachePolicy:
         """The cache policy (owned by the manager; do not mutate it directly)."""
         return self._policy
@@ -172,7 +183,10 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         if self._shut_down:
             raise self._shut_down_error("lookup")
-        block = self._policy.lookup(key)  # not get: a miss may be a re-reference (ARC ghost)
+        block = self._lookup_get(key)
+        if block.__class__ is not BlockStatus:
+            # Not get: a miss may be a re-reference (ARC ghost).
+            block = self._policy.lookup(key)
         if block is None:
             # Only a miss can be a non-key: every resident key is bytes.
             if key.__class__ is not bytes:
@@ -192,7 +206,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise self._shut_down_error("prepare_load")
         policy = self._policy
         pinned = keys if type(keys) is tuple else tuple(keys)
-        blocks = list(map(policy.get, pinned))
+        blocks = policy.get_many(pinned)
         if not blocks:
             return CPULoadStoreSpec([])
         # Validate every key before pinning any: a None (absent or not a key) has no ref_cnt.
@@ -207,12 +221,16 @@ class CPUOffloadingManager(OffloadingManager):
             self._pending_loads[req_context.req_id] = [pinned]
         else:
             loads.append(pinned)
-        mark_non_evictable = policy.mark_non_evictable
+        # The blocks this call pins first (each once, however often the call names it) leave
+        # the policy's evictable order, reported in one call once all are counted.
+        first_pins = []
         for key, block in zip(pinned, cast("list[BlockStatus]", blocks), strict=True):
             ref_cnt = block.ref_cnt
-            if ref_cnt == 0:
-                mark_non_evictable(key)
+            if not ref_cnt:
+                first_pins.append(key)
             block.ref_cnt = ref_cnt + 1
+        if first_pins:
+            policy.mark_non_evictable_many(first_pins)
         return CPULoadStoreSpec.from_rows(list(map(_BLOCK_ID, blocks)))
 
     @override
@@ -233,18 +251,19 @@ class CPUOffloadingManager(OffloadingManager):
         if not take_call(self._pending_loads, req_id, done):
             self._release_partial_load("complete_load", done, req_context)
         policy = self._policy
-        get = policy.get
-        mark_evictable = policy.mark_evictable
         # Last key first, as in complete_store: a run released together is evicted tail first.
-        for key in reversed(done):
-            block = get(key)
+        last_first = done[::-1]
+        released = []
+        for key, block in zip(last_first, policy.get_many(last_first), strict=True):
             assert block is not None and block.ref_cnt > 0, (
                 f"complete_load: key {key.hex()} pinned by request {req_id!r} has {block}"
             )
-            ref_cnt = block.ref_cnt
-            block.ref_cnt = ref_cnt - 1
-            if ref_cnt == 1:
-                mark_evictable(key)
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if not ref_cnt:
+                released.append(key)
+        if released:
+            policy.mark_evictable_many(released)
 
     @override
     def prepare_store(
@@ -253,11 +272,10 @@ class CPUOffloadingManager(OffloadingManager):
         if self._shut_down:
             raise self._shut_down_error("prepare_store")
         policy = self._policy
-        get = policy.get
         # Order-preserving de-duplication; the dict doubles as the O(1) protected set, which
         # covers every key passed in, already stored ones included.
         requested = dict.fromkeys(keys)
-        keys_to_store = [key for key in requested if get(key) is None]
+        keys_to_store = policy.absent_keys(requested)
         if self._reuse_filter is not None:
             keys_to_store = self._reuse_filter.admit(requested, keys_to_store)
         num_new = len(keys_to_store)
@@ -304,13 +322,11 @@ class CPUOffloadingManager(OffloadingManager):
             if free_list:
                 new_blocks += [rows[s] for s in free_list]
                 free_list.clear()
-            append = new_blocks.append
-            for _, block in victims:
-                assert rows[block.block_id] is block, (
-                    "prepare_store: the policy evicted a status object that is not its row's"
-                )
+            # A victim's status is its row's (check_invariants verifies the row status pool).
+            victim_blocks = [block for _, block in victims]
+            for block in victim_blocks:
                 block.ref_cnt = -1  # a victim was ready (0): now being written
-                append(block)
+            new_blocks += victim_blocks
 
         # Rows held by no block (fresh or free-listed) keep ref_cnt -1 (see _rows), so only the
         # victims' statuses needed resetting.
@@ -342,19 +358,17 @@ class CPUOffloadingManager(OffloadingManager):
             done = self._finish_partial_store(done, req_context)
 
         policy = self._policy
-        get = policy.get
         if success:
-            mark_evictable = policy.mark_evictable
             # Last key first: blocks that become evictable together are queued tail first, so
             # eviction takes a stored run's tail before its head. Evicting the head first
             # (K0 of K0..Kn) would leave K1..Kn occupying rows that no prefix lookup reaches.
-            for key in reversed(done):
-                block = get(key)
+            last_first = done[::-1]
+            for key, block in zip(last_first, policy.get_many(last_first), strict=True):
                 assert block is not None and block.ref_cnt == -1, (
                     f"complete_store: key {key.hex()} pending for request {req_id!r} has {block}"
                 )
                 block.ref_cnt = 0
-                mark_evictable(key)
+            policy.mark_evictable_many(last_first)
             self._stores += len(done)
             if self._events is not None:
                 self._events.append(
@@ -364,6 +378,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         free_list = self._free_list
         remove = policy.remove
+        get = policy.get
         for key in done:
             block = get(key)
             assert block is not None and block.ref_cnt == -1, (

@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.base import (
     check_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.metrics import MetricsRecorder
 from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
 
@@ -134,7 +135,8 @@ class TieringOffloadingManager(OffloadingManager):
         # key -> index of the tier it is being promoted from, from lookup until the tier reports
         # the load (for promotion_source).
         self._promoting: dict[OffloadKey, int] = {}
-        # The primary policy's lookup, bound once: lookup() calls it directly.
+        # The primary's two lookup probes, bound once: lookup() calls them directly.
+        self._primary_lookup_get = primary_tier.resident_probe
         self._primary_policy_lookup = primary_tier.policy.lookup
         # Counters for get_stats(); lookups are the primary's hits and misses.
         self._lookup_hits = 0
@@ -351,14 +353,17 @@ class TieringOffloadingManager(OffloadingManager):
         than retry forever). A tier answering None makes the overall answer None unless a later
         tier starts a promotion.
         """
-        # The common case (the step's poll done, a primary hit) costs one call below this one:
-        # the primary policy's lookup. The primary's hit/miss counters are kept here, since
-        # its own lookup() is bypassed (get_stats and the tier metrics add them).
+        # The common case (the step's poll done, a primary hit) costs no call below this one:
+        # a probe of the primary policy's lookup table. The primary's hit/miss counters are
+        # kept here, since its own lookup() is bypassed (get_stats and the tier metrics add
+        # them).
         if self._shut_down:
             raise RuntimeError("TieringOffloadingManager.lookup: the manager is shut down")
         if not self._processed_jobs_this_step:
             self._maybe_process_finished_jobs()
-        block = self._primary_policy_lookup(key)
+        block = self._primary_lookup_get(key)
+        if block.__class__ is not BlockStatus:
+            block = self._primary_policy_lookup(key)
         if block is not None:
             if block.ref_cnt < 0:
                 return None  # being written (a GPU store or a promotion in flight)
