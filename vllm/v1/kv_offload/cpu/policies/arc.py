@@ -407,11 +407,12 @@ class ARCCachePolicy(CachePolicy):
         append = victims.append
         for key in keys:
             block = entries[key]
-            assert type(block) is BlockStatus and block.ref_cnt == 0, (
+            # A ghost (an int) has no ref_cnt: AttributeError, as loud as a failed type check.
+            assert block.ref_cnt == 0, (  # type: ignore[union-attr]
                 f"evict: key {key.hex()} is in T1's evictable FIFO but is {block!r}"
             )
             entries[key] = _B1
-            append((key, block))
+            append((key, block))  # type: ignore[arg-type]
         self._t1.live -= len(keys)
         self._b1.keys.extend(keys)
         self._b1.live += len(keys)
@@ -496,19 +497,28 @@ class ARCCachePolicy(CachePolicy):
         t2_pop = self._t2_evictable.pop
         t2_pinned_add = self._t2_pinned.add
         t1 = self._t1
+        t1_keys = t1.keys
         t1_stale = t1.stale
         left = 0
+        popped = 0
         for key in keys:
             if t2_pop(key, None) is None:
-                # Evictable and not in T2, so in T1's FIFO: its entry goes stale
-                # (``LazyFIFO.leave``, inlined; the counts are updated once below).
-                t1_stale[key] = t1_stale.get(key, 0) + 1
-                left += 1
+                # Evictable and not in T2, so in T1's FIFO. If its entry is the newest one (a
+                # block pinned right after its store completed: the tiering manager's cascades)
+                # it is dropped outright: a key's live entry follows its stale ones, so the
+                # newest entry, if it is the key's, is the live one. Otherwise the entry goes
+                # stale (``LazyFIFO.leave``, inlined; the counts are updated once below).
+                if t1_keys[-1] == key:
+                    t1_keys.pop()
+                    popped += 1
+                else:
+                    t1_stale[key] = t1_stale.get(key, 0) + 1
+                    left += 1
             else:
                 t2_pinned_add(key)
+        t1.live -= left + popped
         if left:
             t1.num_stale += left
-            t1.live -= left
             t1.maybe_compact(self._COMPACT_SLACK)
 
     # -- helpers -------------------------------------------------------------------------------
