@@ -103,6 +103,15 @@ class ARCCachePolicy(CachePolicy):
     Every FIFO is appended and popped sequentially (cheap, prefetch-friendly memory) and
     compacted once its stale entries exceed its live ones by ``_COMPACT_SLACK``, so memory is
     O(capacity) and every operation O(1) amortised (``evict``: O(n + |protected|) amortised).
+
+    Hot paths, for the manager's calls (measured in docs/benchmarks.md, trace mode): ``_entries``
+    is the manager's ``lookup_table`` (a resident hit costs the manager one probe and no call
+    into the policy); a call's keys are handled in one batch call (``get_many``,
+    ``absent_keys``, ``mark_evictable_many``, ``mark_non_evictable_many``, ``insert_many``)
+    whose loop inlines the per-key work and updates the FIFO counts once; ``evict`` takes its
+    victims in at most three runs (T1, T2, T1) instead of deciding victim by victim. None of
+    this changes a decision: ``tests/v1/kv_offload/cpu/policies/test_arc_differential.py``
+    checks every observable state against a straightforward reference.
     """
 
     _COMPACT_SLACK: int = 64
