@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from itertools import repeat
 from operator import attrgetter
-from typing import cast
+from typing import Any, cast
 
 from typing_extensions import override
 
@@ -13,41 +13,23 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
-    OffloadKeyStateError,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
     check_offload_key,
     check_offload_keys,
 )
+from vllm.v1.kv_offload.cpu import request_ledger
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager_invariants import check_manager_invariants
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
+from vllm.v1.kv_offload.cpu.request_ledger import Ledger, take_call
 from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreReuseFilter
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
-
-
-def _take_call(
-    calls_by_req: dict[str, list[tuple[OffloadKey, ...]]], req_id: str, keys: tuple[OffloadKey, ...]
-) -> bool:
-    """Remove ``keys`` from ``calls_by_req[req_id]`` if one outstanding call had exactly them.
-
-    The fast path of ``complete_load`` / ``complete_store``: the connector completes each job
-    with exactly the keys it prepared. Returns whether such a call was found and removed.
-    """
-    calls = calls_by_req.get(req_id)
-    if calls is None:
-        return False
-    try:
-        calls.remove(keys)
-    except ValueError:
-        return False
-    if not calls:
-        del calls_by_req[req_id]
-    return True
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -88,7 +70,9 @@ class CPUOffloadingManager(OffloadingManager):
     refused (``OffloadKeyStateError``) instead of unpinning a row another reader still copies
     from, or publishing a row a worker still writes. Completions that match one outstanding
     call exactly (what the connector sends) cost O(keys); partial ones O(the request's
-    outstanding keys).
+    outstanding keys). The ledgers' operations (exact-match removal, partial completions, the
+    error messages naming a key's holders) are in ``vllm.v1.kv_offload.cpu.request_ledger``;
+    the full invariant check in ``vllm.v1.kv_offload.cpu.manager_invariants``.
 
     Errors from callers: every public method checks its arguments and the keys' states before
     it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
@@ -145,6 +129,9 @@ class CPUOffloadingManager(OffloadingManager):
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._num_blocks: int = num_blocks
         self._policy: CachePolicy = create_cache_policy(cache_policy, num_blocks)
+        # lookup()'s first probe (see CachePolicy.lookup_table): a hit costs no policy call.
+        table = self._policy.lookup_table()
+        self._lookup_get: Callable[[OffloadKey], Any] = (table if table is not None else {}).get
         self._num_allocated: int = 0
         self._free_list: list[int] = []
         # One status per row, reused by every block the row holds; a row held by no block
@@ -155,9 +142,9 @@ class CPUOffloadingManager(OffloadingManager):
             StoreReuseFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         )
         # req_id -> the key tuples of its outstanding prepare_load calls (its pins).
-        self._pending_loads: dict[str, list[tuple[OffloadKey, ...]]] = {}
+        self._pending_loads: Ledger = {}
         # req_id -> the keys_to_store tuples of its pending stores.
-        self._pending_stores: dict[str, list[tuple[OffloadKey, ...]]] = {}
+        self._pending_stores: Ledger = {}
         self._shut_down = False
         self._hits = 0
         self._misses = 0
@@ -178,6 +165,14 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_list) + self._num_blocks - self._num_allocated
 
     @property
+    def resident_probe(self) -> Callable[[OffloadKey], Any]:
+        """``lookup``'s first probe, ``get`` of the policy's ``lookup_table()`` (or of an empty
+        dict): a result of type exactly ``BlockStatus`` is the key's resident block, anything
+        else means asking ``policy.lookup``. For a manager that fronts this one and answers
+        lookups itself (the tiering manager); read-only."""
+        return self._lookup_get
+
+    @property
     def policy(self) -> CachePolicy:
         """The cache policy (owned by the manager; do not mutate it directly)."""
         return self._policy
@@ -188,7 +183,10 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         if self._shut_down:
             raise self._shut_down_error("lookup")
-        block = self._policy.lookup(key)  # not get: a miss may be a re-reference (ARC ghost)
+        block = self._lookup_get(key)
+        if block.__class__ is not BlockStatus:
+            # Not get: a miss may be a re-reference (ARC ghost).
+            block = self._policy.lookup(key)
         if block is None:
             # Only a miss can be a non-key: every resident key is bytes.
             if key.__class__ is not bytes:
@@ -208,7 +206,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise self._shut_down_error("prepare_load")
         policy = self._policy
         pinned = keys if type(keys) is tuple else tuple(keys)
-        blocks = list(map(policy.get, pinned))
+        blocks = policy.get_many(pinned)
         if not blocks:
             return CPULoadStoreSpec([])
         # Validate every key before pinning any: a None (absent or not a key) has no ref_cnt.
@@ -223,12 +221,16 @@ class CPUOffloadingManager(OffloadingManager):
             self._pending_loads[req_context.req_id] = [pinned]
         else:
             loads.append(pinned)
-        mark_non_evictable = policy.mark_non_evictable
+        # The blocks this call pins first (each once, however often the call names it) leave
+        # the policy's evictable order, reported in one call once all are counted.
+        first_pins = []
         for key, block in zip(pinned, cast("list[BlockStatus]", blocks), strict=True):
             ref_cnt = block.ref_cnt
-            if ref_cnt == 0:
-                mark_non_evictable(key)
+            if not ref_cnt:
+                first_pins.append(key)
             block.ref_cnt = ref_cnt + 1
+        if first_pins:
+            policy.mark_non_evictable_many(first_pins)
         return CPULoadStoreSpec.from_rows(list(map(_BLOCK_ID, blocks)))
 
     @override
@@ -246,21 +248,22 @@ class CPUOffloadingManager(OffloadingManager):
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
             return
-        if not _take_call(self._pending_loads, req_id, done):
+        if not take_call(self._pending_loads, req_id, done):
             self._release_partial_load("complete_load", done, req_context)
         policy = self._policy
-        get = policy.get
-        mark_evictable = policy.mark_evictable
         # Last key first, as in complete_store: a run released together is evicted tail first.
-        for key in reversed(done):
-            block = get(key)
+        last_first = done[::-1]
+        released = []
+        for key, block in zip(last_first, policy.get_many(last_first), strict=True):
             assert block is not None and block.ref_cnt > 0, (
                 f"complete_load: key {key.hex()} pinned by request {req_id!r} has {block}"
             )
-            ref_cnt = block.ref_cnt
-            block.ref_cnt = ref_cnt - 1
-            if ref_cnt == 1:
-                mark_evictable(key)
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if not ref_cnt:
+                released.append(key)
+        if released:
+            policy.mark_evictable_many(released)
 
     @override
     def prepare_store(
@@ -269,11 +272,10 @@ class CPUOffloadingManager(OffloadingManager):
         if self._shut_down:
             raise self._shut_down_error("prepare_store")
         policy = self._policy
-        get = policy.get
         # Order-preserving de-duplication; the dict doubles as the O(1) protected set, which
         # covers every key passed in, already stored ones included.
         requested = dict.fromkeys(keys)
-        keys_to_store = [key for key in requested if get(key) is None]
+        keys_to_store = policy.absent_keys(requested)
         if self._reuse_filter is not None:
             keys_to_store = self._reuse_filter.admit(requested, keys_to_store)
         num_new = len(keys_to_store)
@@ -320,13 +322,11 @@ class CPUOffloadingManager(OffloadingManager):
             if free_list:
                 new_blocks += [rows[s] for s in free_list]
                 free_list.clear()
-            append = new_blocks.append
-            for _, block in victims:
-                assert rows[block.block_id] is block, (
-                    "prepare_store: the policy evicted a status object that is not its row's"
-                )
+            # A victim's status is its row's (check_invariants verifies the row status pool).
+            victim_blocks = [block for _, block in victims]
+            for block in victim_blocks:
                 block.ref_cnt = -1  # a victim was ready (0): now being written
-                append(block)
+            new_blocks += victim_blocks
 
         # Rows held by no block (fresh or free-listed) keep ref_cnt -1 (see _rows), so only the
         # victims' statuses needed resetting.
@@ -354,23 +354,21 @@ class CPUOffloadingManager(OffloadingManager):
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
             return
-        if not _take_call(self._pending_stores, req_id, done):
+        if not take_call(self._pending_stores, req_id, done):
             done = self._finish_partial_store(done, req_context)
 
         policy = self._policy
-        get = policy.get
         if success:
-            mark_evictable = policy.mark_evictable
             # Last key first: blocks that become evictable together are queued tail first, so
             # eviction takes a stored run's tail before its head. Evicting the head first
             # (K0 of K0..Kn) would leave K1..Kn occupying rows that no prefix lookup reaches.
-            for key in reversed(done):
-                block = get(key)
+            last_first = done[::-1]
+            for key, block in zip(last_first, policy.get_many(last_first), strict=True):
                 assert block is not None and block.ref_cnt == -1, (
                     f"complete_store: key {key.hex()} pending for request {req_id!r} has {block}"
                 )
                 block.ref_cnt = 0
-                mark_evictable(key)
+            policy.mark_evictable_many(last_first)
             self._stores += len(done)
             if self._events is not None:
                 self._events.append(
@@ -380,6 +378,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         free_list = self._free_list
         remove = policy.remove
+        get = policy.get
         for key in done:
             block = get(key)
             assert block is not None and block.ref_cnt == -1, (
@@ -479,18 +478,14 @@ class CPUOffloadingManager(OffloadingManager):
 
         A snapshot, O(the request's outstanding keys); for tests and diagnostics.
         """
-        pins: dict[OffloadKey, int] = {}
-        for load in self._pending_loads.get(req_id, ()):
-            for key in load:
-                pins[key] = pins.get(key, 0) + 1
-        return pins
+        return request_ledger.load_pins(self._pending_loads, req_id)
 
     def pending_stores(self, req_id: str) -> list[OffloadKey]:
         """The keys request ``req_id`` prepared to store and has not completed, in order.
 
         A snapshot, O(the request's pending keys); for tests and diagnostics.
         """
-        return [key for store in self._pending_stores.get(req_id, ()) for key in store]
+        return request_ledger.pending_stores(self._pending_stores, req_id)
 
     def has_pending_stores(self, req_id: str) -> bool:
         """Whether request ``req_id`` has a prepared store it has not completed (O(1))."""
@@ -500,93 +495,28 @@ class CPUOffloadingManager(OffloadingManager):
         """Assert every internal invariant; O(cache size), for tests and debugging.
 
         Slot accounting; each ready block's ``ref_cnt`` equals its pins in outstanding loads;
-        each block being written is pending in exactly one request's stores; no empty entries.
-        Internal invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure
-        is a bug of the manager, never of its caller.
+        each block being written is pending in exactly one request's stores; no empty entries;
+        the row status pool (``vllm.v1.kv_offload.cpu.manager_invariants``). Internal
+        invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure is a bug
+        of the manager, never of its caller.
         """
-        policy = self._policy
-        assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
-        assert len(set(self._free_list)) == len(self._free_list), "a row is free-listed twice"
-        pins: dict[OffloadKey, int] = {}
-        for req_id, loads in self._pending_loads.items():
-            assert loads and all(loads), f"request {req_id!r}: empty pending-load entry"
-            for load in loads:
-                for key in load:
-                    pins[key] = pins.get(key, 0) + 1
-        writers: dict[OffloadKey, str] = {}
-        for req_id, stores in self._pending_stores.items():
-            assert stores and all(stores), f"request {req_id!r}: empty pending-store entry"
-            for store in stores:
-                for key in store:
-                    assert key not in writers, (
-                        f"key {key.hex()} pending for requests {writers[key]!r} and {req_id!r}"
-                    )
-                    writers[key] = req_id
-        rows: set[int] = set()
-        for key, block in policy.items():
-            assert block.block_id not in rows, f"row {block.block_id} held twice"
-            rows.add(block.block_id)
-            if block.ref_cnt < 0:
-                assert block.ref_cnt == -1, f"key {key.hex()}: ref_cnt {block.ref_cnt}"
-                assert key in writers, f"key {key.hex()} is being written by no request"
-                assert key not in pins, f"key {key.hex()} is pinned while being written"
-            else:
-                assert key not in writers, f"key {key.hex()} is ready but pending"
-                assert block.ref_cnt == pins.get(key, 0), (
-                    f"key {key.hex()}: ref_cnt {block.ref_cnt} != {pins.get(key, 0)} pins"
-                )
-        # The row status pool: a resident block's status is its row's; a row held by no block
-        # is ready to be written (ref_cnt -1), so allocation need not reset it.
-        for key, block in policy.items():
-            assert self._rows[block.block_id] is block, (
-                f"key {key.hex()}: its status is not row {block.block_id}'s"
-            )
-        for row, block in enumerate(self._rows):
-            assert row in rows or block.ref_cnt == -1, (
-                f"free row {row} has ref_cnt {block.ref_cnt}, not -1"
-            )
-        assert set(writers) <= {k for k, b in policy.items() if b.ref_cnt < 0}
-        assert set(pins) <= {k for k, b in policy.items() if b.ref_cnt > 0}
-
-    def _describe(self, key: OffloadKey) -> str:
-        """The state of ``key`` in words, naming the requests that hold it (slow path)."""
-        block = self._policy.get(key)
-        if block is None:
-            return "not offloaded"
-        if block.ref_cnt < 0:
-            writers = [
-                req_id
-                for req_id, stores in self._pending_stores.items()
-                if any(key in store for store in stores)
-            ]
-            return f"being written (its store is pending for request {writers[0]!r})"
-        if block.ref_cnt == 0:
-            return "ready and not pinned"
-        holders = {}
-        for req_id, loads in self._pending_loads.items():
-            count = sum(load.count(key) for load in loads)
-            if count:
-                holders[req_id] = count
-        by = ", ".join(f"{req_id!r} x{count}" for req_id, count in holders.items())
-        return f"ready and pinned {block.ref_cnt} time(s), by request(s) {by}"
+        check_manager_invariants(
+            self._policy,
+            self._rows,
+            self._num_allocated,
+            self._free_list,
+            self._pending_loads,
+            self._pending_stores,
+            self._pool_error(),
+        )
 
     def _refuse_load(
         self, method: str, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> OffloadKeyStateError:
+    ) -> Exception:
         """The error for a ``prepare_load`` naming a key that is not readable (slow path)."""
-        check_offload_keys(method, keys, req_context)
-        get = self._policy.get
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref_cnt < 0:
-                return OffloadKeyStateError(
-                    method,
-                    key,
-                    req_context.req_id,
-                    self._describe(key),
-                    "a ready block (lookup() returned True)",
-                )
-        raise AssertionError(f"{method}: no unreadable key among {len(keys)} keys")
+        return request_ledger.refuse_load(
+            self._policy, self._pending_loads, self._pending_stores, method, keys, req_context
+        )
 
     def _release_partial_load(
         self, method: str, keys: tuple[OffloadKey, ...], req_context: ReqContext
@@ -596,37 +526,9 @@ class CPUOffloadingManager(OffloadingManager):
         Validates first: raises (changing nothing) unless the request holds at least as many
         pins on each key as ``keys`` releases.
         """
-        check_offload_keys(method, keys, req_context)
-        req_id = req_context.req_id
-        held = self.load_pins(req_id)
-        need: dict[OffloadKey, int] = {}
-        for key in keys:
-            need[key] = need.get(key, 0) + 1
-            if need[key] > held.get(key, 0):
-                state = self._describe(key)
-                held_here = held.get(key, 0)
-                raise OffloadKeyStateError(
-                    method,
-                    key,
-                    req_id,
-                    f"{state}; this request holds {held_here} pin(s) on it and the call "
-                    f"releases {need[key]}",
-                    "a key this request pinned with prepare_load and has not released",
-                )
-        remaining: list[tuple[OffloadKey, ...]] = []
-        for load in self._pending_loads[req_id]:
-            kept = []
-            for key in load:
-                if need.get(key):
-                    need[key] -= 1
-                else:
-                    kept.append(key)
-            if kept:
-                remaining.append(tuple(kept))
-        if remaining:
-            self._pending_loads[req_id] = remaining
-        else:
-            del self._pending_loads[req_id]
+        request_ledger.release_partial_load(
+            self._policy, self._pending_loads, self._pending_stores, method, keys, req_context
+        )
 
     def _finish_partial_store(
         self, keys: tuple[OffloadKey, ...], req_context: ReqContext
@@ -635,33 +537,9 @@ class CPUOffloadingManager(OffloadingManager):
 
         Validates first: raises (changing nothing) unless every key is pending for the request.
         """
-        check_offload_keys("complete_store", keys, req_context)
-        req_id = req_context.req_id
-        unique = tuple(dict.fromkeys(keys))
-        pending = set(self.pending_stores(req_id))
-        for key in unique:
-            if key not in pending:
-                raise OffloadKeyStateError(
-                    "complete_store",
-                    key,
-                    req_id,
-                    self._describe(key),
-                    "a key whose store this request prepared and has not completed",
-                )
-        done = set(unique)
-        remaining = [
-            kept
-            for kept in (
-                tuple(key for key in store if key not in done)
-                for store in self._pending_stores[req_id]
-            )
-            if kept
-        ]
-        if remaining:
-            self._pending_stores[req_id] = remaining
-        else:
-            del self._pending_stores[req_id]
-        return unique
+        return request_ledger.finish_partial_store(
+            self._policy, self._pending_loads, self._pending_stores, keys, req_context
+        )
 
     def _reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """Allocate a row for ``key``, which is not resident, and return it; None if full.

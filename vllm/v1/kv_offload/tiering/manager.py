@@ -42,6 +42,7 @@ from vllm.v1.kv_offload.base import (
     check_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.metrics import MetricsRecorder
 from vllm.v1.kv_offload.tiering.base import JobMetadata, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.jobs import (
@@ -136,7 +137,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._request_level_tiers: dict[str, tuple[int, ...]] = {}
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
-        # The primary policy's lookup, bound once: lookup() calls it directly.
+        # The primary's two lookup probes, bound once: lookup() calls them directly.
+        self._primary_lookup_get = primary_tier.resident_probe
         self._primary_policy_lookup = primary_tier.policy.lookup
         # Counters for get_stats(); lookups are the primary's hits and misses.
         self._lookup_hits = 0
@@ -279,9 +281,10 @@ class TieringOffloadingManager(OffloadingManager):
         than retry forever). A tier answering None makes the overall answer None unless a later
         tier starts a promotion.
         """
-        # The common case (the step's poll done, a primary hit) costs one call below this one:
-        # the primary policy's lookup. The primary's hit/miss counters are kept here, since
-        # its own lookup() is bypassed (get_stats and the tier metrics add them).
+        # The common case (the step's poll done, a primary hit) costs no call below this one:
+        # a probe of the primary policy's lookup table. The primary's hit/miss counters are
+        # kept here, since its own lookup() is bypassed (get_stats and the tier metrics add
+        # them).
         if self._shut_down:
             raise self._shut_down_error("lookup")
         if not self._processed_jobs_this_step:
@@ -289,7 +292,9 @@ class TieringOffloadingManager(OffloadingManager):
             if key.__class__ is not bytes:
                 check_offload_key("lookup", key, req_context)
             self._maybe_process_finished_jobs()
-        block = self._primary_policy_lookup(key)
+        block = self._primary_lookup_get(key)
+        if block.__class__ is not BlockStatus:
+            block = self._primary_policy_lookup(key)
         if block is not None:
             if block.ref_cnt < 0:
                 return None  # being written (a GPU store or a promotion in flight)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from itertools import chain, repeat
 
 from typing_extensions import override
 
 from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.cpu.policies.arc_lists import LazyFIFO, T1Walk
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy, reversed_keys
 
 _B1 = 1
@@ -30,93 +32,6 @@ class _GCAnchor(BlockStatus):
 _ANCHOR_KEY = OffloadKey(b"")
 """``_entries``' permanent entry (no offload key is empty), see ``ARCCachePolicy.__init__``."""
 _ANCHOR = _GCAnchor(-1)
-
-
-class _LazyFIFO:
-    """An order of keys, oldest first, with lazy deletion: T1's evictable blocks, B1, B2.
-
-    ``keys`` holds one entry per time a key joined the list. Leaving the list (from anywhere)
-    only marks the key's entry stale: ``stale`` counts each key's stale entries, and since a key
-    rejoins only after it left, its stale entries all precede its live one. ``live`` is the
-    number of live entries.
-    """
-
-    __slots__ = ("keys", "live", "num_stale", "stale")
-
-    def __init__(self) -> None:
-        self.keys: deque[OffloadKey] = deque()
-        self.stale: dict[OffloadKey, int] = {}
-        self.num_stale = 0
-        self.live = 0
-
-    def append(self, key: OffloadKey) -> None:
-        self.keys.append(key)
-        self.live += 1
-
-    def leave(self, key: OffloadKey) -> None:
-        """``key``'s live entry goes stale."""
-        stale = self.stale
-        stale[key] = stale.get(key, 0) + 1
-        self.num_stale += 1
-        self.live -= 1
-
-    def trim(self, excess: int, entries: dict[OffloadKey, BlockStatus | int], marker: int) -> None:
-        """Forget the ``excess`` oldest live ghosts (dropping their ``entries``).
-
-        ``marker`` is the list's ghost value (``_B1`` or ``_B2``); a ghost may also hold twice
-        that value (seen).
-        """
-        assert 0 <= excess <= self.live, f"trim {excess} of {self.live} ghosts"
-        self.live -= excess
-        keys = self.keys
-        stale = self.stale
-        while excess:
-            key = keys.popleft()
-            if stale:
-                num_stale = stale.get(key)
-                if num_stale is not None:
-                    if num_stale == 1:
-                        del stale[key]
-                    else:
-                        stale[key] = num_stale - 1
-                    self.num_stale -= 1
-                    continue
-            ghost = entries.pop(key)
-            assert ghost == marker or ghost == 2 * marker, (
-                f"ghost FIFO: key {key.hex()} maps to {ghost!r}"
-            )
-            excess -= 1
-
-    def maybe_compact(self, slack: int) -> None:
-        """Rebuild the FIFO once its stale entries exceed its live ones by ``slack``."""
-        if self.num_stale <= self.live + slack:
-            return
-        # In place, not a new deque: a container built at start-up stays the one an
-        # application's gc.freeze() took out of the collector's sight.
-        live = self.live_keys()
-        self.keys.clear()
-        self.keys.extend(live)
-        self.stale.clear()
-        self.num_stale = 0
-
-    def live_keys(self) -> list[OffloadKey]:
-        """The live entries' keys, oldest first (O(len))."""
-        pending = dict(self.stale)
-        live: list[OffloadKey] = []
-        for key in self.keys:
-            num_stale = pending.get(key)
-            if num_stale:
-                pending[key] = num_stale - 1
-            else:
-                live.append(key)
-        assert len(live) == self.live, f"ghost FIFO holds {len(live)} live keys, not {self.live}"
-        return live
-
-    def clear(self) -> None:
-        self.keys.clear()
-        self.stale.clear()
-        self.num_stale = 0
-        self.live = 0
 
 
 class ARCCachePolicy(CachePolicy):
@@ -177,17 +92,26 @@ class ARCCachePolicy(CachePolicy):
     * T1's evictable blocks (``ref_cnt == 0``) are a FIFO of keys, oldest first: T1 has no
       move-to-end (a touch promotes to T2), so a block enters at the MRU end and leaves from
       the LRU end, or from anywhere (promotion, pin, removal, eviction behind a protected key)
-      by lazy deletion (``_LazyFIFO``).
+      by lazy deletion (``LazyFIFO``).
     * T2's evictable blocks: an ``OrderedDict``, least recently used first (touches move them).
       A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
     * A ghost's *seen* state is its ``_entries`` value, so it costs no memory and no probe.
-    * B1 / B2 order: a ``_LazyFIFO`` of keys per list, with lazy deletion counted like T1's
+    * B1 / B2 order: a ``LazyFIFO`` of keys per list, with lazy deletion counted like T1's
       (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
       pops from the left, skipping stale entries.
 
     Every FIFO is appended and popped sequentially (cheap, prefetch-friendly memory) and
     compacted once its stale entries exceed its live ones by ``_COMPACT_SLACK``, so memory is
     O(capacity) and every operation O(1) amortised (``evict``: O(n + |protected|) amortised).
+
+    Hot paths, for the manager's calls (measured in docs/benchmarks.md, trace mode): ``_entries``
+    is the manager's ``lookup_table`` (a resident hit costs the manager one probe and no call
+    into the policy); a call's keys are handled in one batch call (``get_many``,
+    ``absent_keys``, ``mark_evictable_many``, ``mark_non_evictable_many``, ``insert_many``)
+    whose loop inlines the per-key work and updates the FIFO counts once; ``evict`` takes its
+    victims in at most three runs (T1, T2, T1) instead of deciding victim by victim. None of
+    this changes a decision: ``tests/v1/kv_offload/cpu/policies/test_arc_differential.py``
+    checks every observable state against a straightforward reference.
     """
 
     _COMPACT_SLACK: int = 64
@@ -204,14 +128,14 @@ class ARCCachePolicy(CachePolicy):
         # later full collection would traverse all its entries. The anchor keeps it tracked.
         self._entries[_ANCHOR_KEY] = _ANCHOR
         self._num_resident = 0
-        self._t1 = _LazyFIFO()  # T1's evictable blocks
+        self._t1 = LazyFIFO()  # T1's evictable blocks
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
         self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         # T2 blocks that are not evictable: pinned (ref_cnt > 0), or being written after a
         # ghost hit (ref_cnt -1).
         self._t2_pinned: set[OffloadKey] = set()
-        self._b1 = _LazyFIFO()
-        self._b2 = _LazyFIFO()
+        self._b1 = LazyFIFO()
+        self._b2 = LazyFIFO()
         self.target_t1_size: float = 0.0
 
     # -- introspection (O(size): tests and debugging only) -----------------------------------
@@ -259,6 +183,23 @@ class ARCCachePolicy(CachePolicy):
         return None
 
     @override
+    def lookup_table(self) -> Mapping[OffloadKey, object]:
+        # Resident blocks map to their BlockStatus; ghosts (ints) and the anchor (a subclass)
+        # fall back to lookup(), which counts a ghost hit.
+        return self._entries
+
+    @override
+    def get_many(self, keys: Iterable[OffloadKey]) -> list[BlockStatus | None]:
+        status = BlockStatus
+        return [e if type(e) is status else None for e in map(self._entries.get, keys)]
+
+    @override
+    def absent_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        get = self._entries.get
+        status = BlockStatus
+        return [key for key in keys if type(get(key)) is not status]
+
+    @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.insert_many(((key, block),))
 
@@ -279,13 +220,33 @@ class ARCCachePolicy(CachePolicy):
         # trims of the blocks before it dropped decides what it finds (and the list sizes its
         # adaptation sees). From the first ghost on, the bounds are restored after every block,
         # as insert() does.
-        per_block = False
-        for key, block in items:
-            old = entries.get(key)
-            if old is not None and not per_block:
-                per_block = True
-                self._bound_directory(t1_size, num_resident)
-                old = entries.get(key)  # the trim may have dropped this very ghost
+        it = iter(items)
+        setdefault = entries.setdefault
+        added = 0
+        first_old: tuple[OffloadKey, BlockStatus] | None = None
+        for key, block in it:
+            # One probe: a new key gets its block; a ghost (or, a caller's bug, a resident
+            # key) keeps its entry, and the batch goes on block by block from it.
+            if setdefault(key, block) is not block:
+                first_old = (key, block)
+                break
+            added += 1
+            if block.ref_cnt == 0:
+                t1_append(key)
+                t1.live += 1
+        t1_size += added
+        num_resident += added
+        if first_old is None:
+            assert num_resident <= self.cache_capacity, (
+                f"insert: {num_resident} resident blocks exceed the capacity "
+                f"{self.cache_capacity} (the caller evicts before it inserts)"
+            )
+            self._num_resident = num_resident
+            self._bound_directory(t1_size, num_resident)
+            return
+        self._bound_directory(t1_size, num_resident)
+        for key, block in chain((first_old,), it):
+            old = entries.get(key)  # the trims may have dropped this very ghost
             if old is None:  # a new key joins T1
                 entries[key] = block
                 t1_size += 1
@@ -305,18 +266,14 @@ class ARCCachePolicy(CachePolicy):
                 else:
                     self._t2_pinned.add(key)
             num_resident += 1
-            if per_block:
-                self._bound_directory(t1_size, num_resident)
+            self._bound_directory(t1_size, num_resident)
         assert num_resident <= self.cache_capacity, (
             f"insert: {num_resident} resident blocks exceed the capacity {self.cache_capacity} "
             "(the caller evicts before it inserts)"
         )
         self._num_resident = num_resident
-        if per_block:
-            b1.maybe_compact(self._COMPACT_SLACK)
-            b2.maybe_compact(self._COMPACT_SLACK)
-        else:
-            self._bound_directory(t1_size, num_resident)
+        b1.maybe_compact(self._COMPACT_SLACK)
+        b2.maybe_compact(self._COMPACT_SLACK)
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -333,28 +290,41 @@ class ARCCachePolicy(CachePolicy):
 
     @override
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        entries = self._entries
+        entries_get = self._entries.get
         t2_evictable = self._t2_evictable
         move_to_end = t2_evictable.move_to_end
+        t1 = self._t1
+        t1_stale = t1.stale
+        promoted = 0
         for key in reversed_keys(keys):
-            entry = entries.get(key)
+            # Evictable T2 blocks first: the hot blocks a Zipf workload touches again and
+            # again, which then cost two probes (of the small T2 order) and no type checks.
+            if key in t2_evictable:
+                move_to_end(key)
+                continue
+            entry = entries_get(key)
             if entry is None:
                 continue
             if type(entry) is BlockStatus:
                 ref_cnt = entry.ref_cnt
                 if ref_cnt == 0:
-                    if key in t2_evictable:
-                        move_to_end(key)
-                    else:  # T1 -> T2, at its most recently used end
-                        self._t1_leave(key)
-                        t2_evictable[key] = entry
+                    # In T1 (not in T2's order): T1 -> T2, at its most recently used end. T1's
+                    # FIFO entry goes stale (``LazyFIFO.leave``, inlined; the counts are
+                    # updated once below).
+                    t1_stale[key] = t1_stale.get(key, 0) + 1
+                    promoted += 1
+                    t2_evictable[key] = entry
                 elif ref_cnt > 0:
                     # Pinned: promoted now, placed when its last reader unpins it.
                     self._t2_pinned.add(key)
                 # ref_cnt < 0: being written, stays where it is (T1, or T2 after a ghost hit).
                 continue
             if type(entry) is int:
-                self._ghost_hit(key, entry)
+                self._ghost_hit(key, entry)  # reads only B1's and B2's sizes, not T1's
+        if promoted:
+            t1.num_stale += promoted
+            t1.live -= promoted
+            t1.maybe_compact(self._COMPACT_SLACK)
 
     @override
     def evict(
@@ -366,60 +336,49 @@ class ARCCachePolicy(CachePolicy):
         t2_evictable = self._t2_evictable
         if n > t1.live + len(t2_evictable):
             return None
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
         if n == 0:
-            return victims
-        # Each iterator only moves forward, so the whole walk visits at most n + |protected|
-        # live entries (plus stale T1 entries, each paid for by the operation that made it
-        # stale); nothing is mutated until all n victims are known. T1 victims are collected
-        # as keys (their block is fetched with the probe that turns them into ghosts).
-        picked: list[tuple[OffloadKey, BlockStatus | None]] = []
-        t1_stale = t1.stale
-        stale_seen: dict[OffloadKey, int] = {}
-        t1_kept: list[OffloadKey] = []  # protected T1 entries walked past, in FIFO order
-        t1_walked = 0
-        t1_iter = iter(t1_fifo)
+            return []
+        # The choice, victim by victim: T1 while T1's virtual size (shrinking with every T1
+        # victim) is at least the target, else T2, falling back to the other list when the
+        # preferred one has no unprotected candidate left. Since only T1 victims shrink that
+        # size, the sequence is three runs: T1 until the size drops below the target, T2, then
+        # T1 again (a run ends early only when its list runs out). Each iterator only moves
+        # forward, so the walk visits at most n + |protected| live entries (plus stale T1
+        # entries, each paid for by the operation that made it stale); nothing is mutated until
+        # all n victims are known.
+        walk = T1Walk(iter(t1_fifo), t1.stale, protected)
         t2_iter = iter(t2_evictable.items())
-        t1_left = True
-        t2_left = True
         virtual_t1_size = self._num_resident - len(t2_evictable) - len(self._t2_pinned)
         target = int(self.target_t1_size)
-        while len(picked) < n:
-            if t1_left and (virtual_t1_size >= target or not t2_left):
-                for key in t1_iter:
-                    t1_walked += 1
-                    if t1_stale:
-                        num_stale = t1_stale.get(key)
-                        if num_stale is not None:
-                            seen = stale_seen.get(key, 0)
-                            if seen < num_stale:  # a stale entry precedes the live one
-                                stale_seen[key] = seen + 1
-                                continue
-                    if key in protected:
-                        t1_kept.append(key)
-                        continue
-                    picked.append((key, None))
-                    virtual_t1_size -= 1
-                    break
-                else:
-                    t1_left = False
-            elif t2_left:
-                for item in t2_iter:
-                    if item[0] not in protected:
-                        picked.append(item)
+        first_t1: list[OffloadKey] = []
+        from_t2: list[tuple[OffloadKey, BlockStatus]] = []
+        last_t1: list[OffloadKey] = []
+        if virtual_t1_size >= target:
+            walk.take(first_t1, min(n, virtual_t1_size - target + 1))
+        want = n - len(first_t1)
+        if want:
+            for item in t2_iter:
+                if item[0] not in protected:
+                    from_t2.append(item)
+                    if len(from_t2) == want:
                         break
-                else:
-                    t2_left = False
-            else:
-                return None
+            want -= len(from_t2)
+            if want:
+                if walk.exhausted:
+                    return None
+                walk.take(last_t1, want)
+                if len(last_t1) < want:
+                    return None
 
         # Commit: drop the walked T1 prefix but its protected entries, consume the stale
         # entries walked past, then turn each victim's entry into a ghost in place.
-        for _ in range(t1_walked):
-            t1_fifo.popleft()
-        if t1_kept:
-            t1_fifo.extendleft(reversed(t1_kept))
-        for key, seen in stale_seen.items():
+        popleft = t1_fifo.popleft
+        for _ in repeat(None, walk.walked):
+            popleft()
+        if walk.kept:
+            t1_fifo.extendleft(reversed(walk.kept))
+        t1_stale = t1.stale
+        for key, seen in walk.stale_seen.items():
             left = t1_stale[key] - seen
             if left:
                 t1_stale[key] = left
@@ -428,30 +387,44 @@ class ARCCachePolicy(CachePolicy):
             t1.num_stale -= seen
 
         entries = self._entries
-        b1 = self._b1
-        b2 = self._b2
-        for key, maybe_block in picked:
-            if maybe_block is None:
-                block = entries.get(key)
-                assert type(block) is BlockStatus and block.ref_cnt == 0, (
-                    f"evict: key {key.hex()} is in T1's evictable FIFO but is {block!r}"
-                )
-                entries[key] = _B1
-                t1.live -= 1
-                b1.append(key)
-            else:
-                block = maybe_block
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        if first_t1:
+            victims = self._t1_to_ghosts(first_t1)
+        if from_t2:
+            b2_append = self._b2.keys.append
+            for key, block in from_t2:
                 assert block.ref_cnt == 0, (
                     f"evict: key {key.hex()} is in T2's evictable index with "
                     f"ref_cnt={block.ref_cnt}"
                 )
                 del t2_evictable[key]
                 entries[key] = _B2
-                b2.append(key)
-            victims.append((key, block))
+                b2_append(key)
+            self._b2.live += len(from_t2)
+            victims += from_t2
+        if last_t1:
+            victims += self._t1_to_ghosts(last_t1)
         self._num_resident -= n
         # An eviction moves blocks from T1 to B1 and from T2 to B2: L1, L2 and the directory
         # keep their sizes, so the bounds need no trim here.
+        return victims
+
+    def _t1_to_ghosts(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]]:
+        """Turn T1 victims ``keys`` (already off T1's FIFO) into B1 ghosts; their pairs."""
+        entries = self._entries
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        append = victims.append
+        for key in keys:
+            block = entries[key]
+            # A ghost (an int) has no ref_cnt: AttributeError, as loud as a failed type check.
+            assert block.ref_cnt == 0, (  # type: ignore[union-attr]
+                f"evict: key {key.hex()} is in T1's evictable FIFO but is {block!r}"
+            )
+            entries[key] = _B1
+            append((key, block))  # type: ignore[arg-type]
+        self._t1.live -= len(keys)
+        self._b1.keys.extend(keys)
+        self._b1.live += len(keys)
         return victims
 
     @override
@@ -501,6 +474,61 @@ class ARCCachePolicy(CachePolicy):
         if type(block) is not BlockStatus or block.ref_cnt != 0:
             raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
         self._t1_leave(key)
+
+    @override
+    def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        # The manager checked every block (resident, ref_cnt == 0) just before this call.
+        t1 = self._t1
+        t1_keys = t1.keys
+        t2_pinned = self._t2_pinned
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        if t2_pinned.isdisjoint(keys):  # no key is a pinned T2 block: every key joins T1
+            t1_keys.extend(keys)
+            t1.live += len(keys)
+            return
+        entries = self._entries
+        t2_evictable = self._t2_evictable
+        t1_append = t1_keys.append
+        joined = 0
+        for key in keys:
+            if key in t2_pinned:
+                t2_pinned.remove(key)
+                t2_evictable[key] = entries[key]  # type: ignore[assignment]
+            else:
+                t1_append(key)
+                joined += 1
+        t1.live += joined
+
+    @override
+    def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        # The manager checked every block (resident, was ref_cnt == 0) just before this call.
+        t2_pop = self._t2_evictable.pop
+        t2_pinned_add = self._t2_pinned.add
+        t1 = self._t1
+        t1_keys = t1.keys
+        t1_stale = t1.stale
+        left = 0
+        popped = 0
+        for key in keys:
+            if t2_pop(key, None) is None:
+                # Evictable and not in T2, so in T1's FIFO. If its entry is the newest one (a
+                # block pinned right after its store completed: the tiering manager's cascades)
+                # it is dropped outright: a key's live entry follows its stale ones, so the
+                # newest entry, if it is the key's, is the live one. Otherwise the entry goes
+                # stale (``LazyFIFO.leave``, inlined; the counts are updated once below).
+                if t1_keys[-1] == key:
+                    t1_keys.pop()
+                    popped += 1
+                else:
+                    t1_stale[key] = t1_stale.get(key, 0) + 1
+                    left += 1
+            else:
+                t2_pinned_add(key)
+        t1.live -= left + popped
+        if left:
+            t1.num_stale += left
+            t1.maybe_compact(self._COMPACT_SLACK)
 
     # -- helpers -------------------------------------------------------------------------------
 

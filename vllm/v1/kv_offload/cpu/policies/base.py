@@ -8,7 +8,7 @@ tells the policy about every ``ref_cnt`` transition that changes evictability.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from typing_extensions import override
 
@@ -84,6 +84,35 @@ class CachePolicy(ABC):
 
         Pure lookup: does not change recency.
         """
+
+    def get_many(self, keys: Iterable[OffloadKey]) -> list[BlockStatus | None]:
+        """``get`` of each key, in order: the status of each resident key, None for the others.
+
+        Pure lookup, like ``get``. The manager reads a call's blocks through this one call
+        instead of one ``get`` per key. Default: ``get`` per key; the built-in policies inline
+        it.
+        """
+        return list(map(self.get, keys))
+
+    def absent_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The keys that are not resident, in order (``prepare_store``'s new blocks).
+
+        Pure lookup, like ``get``. Default: ``get`` per key; the built-in policies inline it.
+        """
+        get = self.get
+        return [key for key in keys if get(key) is None]
+
+    def lookup_table(self) -> Mapping[OffloadKey, object] | None:
+        """An optional short cut for the manager's ``lookup``, or None (the default).
+
+        A mapping in which every value of type exactly ``BlockStatus`` is the resident block of
+        its key, and what ``lookup`` would return for it without side effects (other values, or
+        no value: the manager calls ``lookup``). The manager probes it first, so a hit costs no
+        Python call into the policy. The policy must keep every such entry current and keep
+        returning the same object (mutate it, never replace it): the manager binds its ``get``
+        once.
+        """
+        return None
 
     def lookup(self, key: OffloadKey) -> BlockStatus | None:
         """``get`` on behalf of a request's lookup: the status of ``key``, or None.
@@ -178,4 +207,42 @@ class CachePolicy(ABC):
         """
 
     def mark_non_evictable(self, key: OffloadKey) -> None:  # noqa: B027
-        """Hook: resident block ``key`` just left ``ref_cnt == 0`` (``0 -> 1``). Default: no-op."""
+        """Hook: resident block ``key`` is leaving ``ref_cnt == 0`` (``0 -> 1``): called while
+        its ``ref_cnt`` is still 0. Default: no-op."""
+
+    def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        """``mark_evictable`` for each key, in order (every block has ``ref_cnt == 0`` already).
+
+        The manager reports the blocks a ``complete_store`` or ``complete_load`` made evictable
+        through this one call, after it checked each block's state and set its ``ref_cnt``: a
+        policy's override may skip re-checking them. Default: ``mark_evictable`` per key.
+        """
+        mark_evictable = self.mark_evictable
+        for key in keys:
+            mark_evictable(key)
+
+    def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        """Resident blocks ``keys`` (distinct) just left ``ref_cnt == 0``; unlike
+        ``mark_non_evictable``, called after the manager counted the pins (``ref_cnt >= 1``).
+
+        The manager reports the blocks a ``prepare_load`` pinned first through this one call,
+        after it checked each block's state: a policy's override may skip re-checking them.
+        Default: nothing if ``mark_non_evictable`` is not overridden, else (for a policy that
+        implements only the one-key hook) ``mark_non_evictable`` per key, with the block's
+        ``ref_cnt`` shown as 0 during the call, as that hook's contract says.
+        """
+        if type(self).mark_non_evictable is CachePolicy.mark_non_evictable:
+            return
+        get = self.get
+        mark_non_evictable = self.mark_non_evictable
+        for key in keys:
+            block = get(key)
+            assert block is not None and block.ref_cnt >= 1, (
+                f"mark_non_evictable_many: key {key.hex()} has {block!r}, expected a pinned block"
+            )
+            ref_cnt = block.ref_cnt
+            block.ref_cnt = 0
+            try:
+                mark_non_evictable(key)
+            finally:
+                block.ref_cnt = ref_cnt

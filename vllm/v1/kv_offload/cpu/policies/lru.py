@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from typing_extensions import override
 
@@ -58,6 +58,24 @@ class LRUCachePolicy(CachePolicy):
         if block is None:
             block = self._non_evictable.get(key)
         return block
+
+    @override
+    def lookup_table(self) -> Mapping[OffloadKey, object]:
+        # The evictable blocks; a pinned or in-flight one falls back to lookup().
+        return self._evictable
+
+    @override
+    def get_many(self, keys: Iterable[OffloadKey]) -> list[BlockStatus | None]:
+        evictable_get = self._evictable.get
+        non_evictable_get = self._non_evictable.get
+        # A BlockStatus is always true (it defines neither __bool__ nor __len__).
+        return [evictable_get(key) or non_evictable_get(key) for key in keys]
+
+    @override
+    def absent_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        evictable = self._evictable
+        non_evictable = self._non_evictable
+        return [key for key in keys if key not in evictable and key not in non_evictable]
 
     @override
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
@@ -144,3 +162,19 @@ class LRUCachePolicy(CachePolicy):
         if block is None:
             raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
         self._non_evictable[key] = block
+
+    @override
+    def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        # The manager checked every block (resident, ref_cnt == 0) just before this call.
+        evictable = self._evictable
+        pop = self._non_evictable.pop
+        for key in keys:
+            evictable[key] = pop(key)
+
+    @override
+    def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        # The manager checked every block (resident, was ref_cnt == 0) just before this call.
+        non_evictable = self._non_evictable
+        pop = self._evictable.pop
+        for key in keys:
+            non_evictable[key] = pop(key)
