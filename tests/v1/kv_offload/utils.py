@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -89,7 +89,8 @@ def make_tiering_spec(
     config = OffloadingConfig(
         cpu_bytes_to_use=num_blocks * row_bytes,
         spec_name="TieringOffloadingSpec",
-        secondary_tiers=tuple(dict(tier) for tier in secondary_tiers),
+        # Raw entries, as a config file gives them: the config parses them.
+        secondary_tiers=cast(Any, tuple(dict(tier) for tier in secondary_tiers)),
         shared_region_dir=str(shared_region_dir),
     )
     spec = TieringOffloadingSpec(config, run, enable_events=enable_events)

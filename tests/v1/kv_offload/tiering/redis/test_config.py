@@ -11,6 +11,7 @@ import pytest
 
 from tests.v1.kv_offload.tiering.redis.servers import require_redis_server
 from tests.v1.kv_offload.utils import make_cpu_spec
+from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
@@ -104,7 +105,7 @@ def test_default_namespace_separates_models_and_geometries(view: memoryview) -> 
     assert names[0] == names[1] and names[0].startswith("org_test-model_")
     assert len({names[0], names[2], names[3]}) == 3
     assert names[4] == "shared.ns"
-    assert tiers[4].redis_key(b"\x01\x02") == b"kvo:shared.ns:0102"
+    assert tiers[4].redis_key(OffloadKey(b"\x01\x02")) == b"kvo:shared.ns:0102"
 
 
 def test_without_redis_server_tests_skip_with_a_hint_or_fail_under_ci(
