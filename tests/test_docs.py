@@ -29,7 +29,7 @@ def test_links_and_named_docs_exist_in_the_repository(doc: Path) -> None:
     text = doc.read_text()
     for target in _md_link_targets(text):
         assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
-    # A document named in passing (`ARCHITECTURE.md`) must be in the repository too.
+    # A document named in passing (`fs_tier.md`) must be in the repository too.
     named = set(re.findall(r"[\w./-]+\.md\b", text))
     present = {p.name for p in REPO.rglob("*.md") if ".venv" not in p.parts}
     for name in named:

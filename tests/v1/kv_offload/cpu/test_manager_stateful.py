@@ -24,8 +24,15 @@ from typing import Any, ClassVar
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
+from tests.v1.kv_offload.refusal_machine import (
+    KEY_METHODS,
+    NOT_KEYS,
+    RefusalMachine,
+    Refused,
+    refused,
+)
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     OffloadKeyStateError,
@@ -42,25 +49,9 @@ REQS = [ReqContext(f"req-{i}") for i in range(3)]
 
 key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=7)
 reqs = st.sampled_from(REQS)
-# Values a careless caller passes where keys belong.
-not_keys = st.one_of(
-    st.integers(),
-    st.text(max_size=4),
-    st.none(),
-    st.floats(allow_nan=False),
-    st.tuples(st.integers()),
-)
 
 
-class Refused(Exception):
-    """The model's verdict: this call must be refused with ``error`` and change nothing."""
-
-    def __init__(self, error: type[BaseException]) -> None:
-        super().__init__(error.__name__)
-        self.error = error
-
-
-class CPUManagerMachine(RuleBasedStateMachine):
+class CPUManagerMachine(RefusalMachine):
     policy_name: ClassVar[str] = "lru"
     capacity: ClassVar[int] = 6
 
@@ -115,30 +106,6 @@ class CPUManagerMachine(RuleBasedStateMachine):
             {ctx.req_id: manager.load_pins(ctx.req_id) for ctx in REQS},
             {ctx.req_id: manager.pending_stores(ctx.req_id) for ctx in REQS},
         )
-
-    def call(self, predict: Callable[[], Callable[[], None]], act: Callable[[], Any]) -> Any:
-        """Run ``act`` against the manager; ``predict`` returns the model update to apply on
-        success, or raises ``Refused`` if the call must fail (then nothing may change)."""
-        self.steps += 1
-        try:
-            if self.shut_down:
-                raise Refused(RuntimeError)
-            apply = predict()
-        except Refused as refused:
-            before = self.observe()
-            with pytest.raises(BaseException) as info:
-                act()
-            assert type(info.value) is refused.error, (
-                f"expected {refused.error.__name__}, got {info.value!r}"
-            )
-            assert not isinstance(info.value, AssertionError)
-            if isinstance(info.value, RuntimeError):
-                assert "shut down" in str(info.value)
-            assert self.observe() == before, f"refused call changed the state: {info.value}"
-            return None
-        result = act()
-        apply()
-        return result
 
     # -- well-behaved callers -----------------------------------------------------------------
 
@@ -329,39 +296,25 @@ class CPUManagerMachine(RuleBasedStateMachine):
 
     @rule(
         data=st.data(),
-        method=st.sampled_from(
-            ["lookup", "prepare_store", "prepare_load", "complete_load", "complete_store"]
-        ),
+        method=st.sampled_from(KEY_METHODS),
         ctx=reqs,
     )
     def not_a_key(self, data: st.DataObject, method: str, ctx: ReqContext) -> None:
         """A value that is not an OffloadKey among real keys: TypeError at the call."""
-        bad = data.draw(not_keys, label="bad")
         keys = data.draw(key_lists, label="keys")
-        keys.insert(data.draw(st.integers(0, len(keys)), label="at"), bad)
-        manager = self.manager
-        acts: dict[str, Callable[[], Any]] = {
-            "lookup": lambda: manager.lookup(bad, ctx),
-            "prepare_store": lambda: manager.prepare_store(keys, ctx),
-            "prepare_load": lambda: manager.prepare_load(keys, ctx),
-            "complete_load": lambda: manager.complete_load(keys, ctx),
-            "complete_store": lambda: manager.complete_store(keys, ctx),
-        }
-
-        def predict() -> Callable[[], None]:
-            raise Refused(TypeError)
-
-        self.call(predict, acts[method])
+        self.call_with_a_non_key(
+            method,
+            data.draw(NOT_KEYS, label="bad"),
+            keys,
+            data.draw(st.integers(0, len(keys)), label="at"),
+            ctx,
+        )
 
     @rule(ctx=reqs, method=st.sampled_from(["prepare_store", "prepare_load", "complete_store"]))
     def single_bytes_as_keys(self, ctx: ReqContext, method: str) -> None:
         """One key passed where a collection belongs (iterating it yields ints)."""
         act = getattr(self.manager, method)
-
-        def predict() -> Callable[[], None]:
-            raise Refused(TypeError)
-
-        self.call(predict, lambda: act(UNIVERSE[0], ctx))
+        self.call(refused(TypeError), lambda: act(UNIVERSE[0], ctx))
 
     # -- predictions --------------------------------------------------------------------------
 

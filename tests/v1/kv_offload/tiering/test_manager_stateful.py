@@ -35,9 +35,10 @@ from typing import Any, ClassVar
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 from typing_extensions import override
 
+from tests.v1.kv_offload.refusal_machine import KEY_METHODS, NOT_KEYS, RefusalMachine, Refused
 from tests.v1.kv_offload.test_tiering_offloading import make_spec
 from vllm.v1.kv_offload.base import (
     OffloadKey,
@@ -61,15 +62,6 @@ ROW_BYTES = 16
 
 key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=5)
 reqs = st.sampled_from(REQS)
-not_keys = st.one_of(st.integers(), st.text(max_size=4), st.none(), st.tuples(st.integers()))
-
-
-class Refused(Exception):
-    """The machine's verdict: the call must raise ``error`` and change nothing."""
-
-    def __init__(self, error: type[BaseException]) -> None:
-        super().__init__(error.__name__)
-        self.error = error
 
 
 class GatedTier(ExampleSecondaryTierManager):
@@ -119,7 +111,7 @@ class GatedTier(ExampleSecondaryTierManager):
         return {result.job_id for result in self._finished}
 
 
-class TieringManagerMachine(RuleBasedStateMachine):
+class TieringManagerMachine(RefusalMachine):
     cache_policy: ClassVar[str] = "lru"
 
     def __init__(self) -> None:
@@ -174,30 +166,6 @@ class TieringManagerMachine(RuleBasedStateMachine):
             [(len(t.submitted), sorted(t.unreported()), list(t._blocks)) for t in self.tiers],
             [dict(t.finished_calls) for t in self.tiers],
         )
-
-    def call(self, predict: Callable[[], Callable[[], None]], act: Callable[[], Any]) -> Any:
-        """Run ``act``; ``predict`` returns the model update for a legitimate call, or raises
-        ``Refused`` for one that must fail and change nothing."""
-        self.steps += 1
-        try:
-            if self.shut_down:
-                raise Refused(RuntimeError)
-            apply = predict()
-        except Refused as refused:
-            before = self.observe()
-            with pytest.raises(BaseException) as info:
-                act()
-            error = info.value
-            assert isinstance(error, refused.error) and not isinstance(error, AssertionError), (
-                f"expected {refused.error.__name__}, got {error!r}"
-            )
-            if isinstance(error, RuntimeError):
-                assert "shut down" in str(error)
-            assert self.observe() == before, f"refused call changed the state: {error}"
-            return None
-        result = act()
-        apply()
-        return result
 
     def ready(self, key: OffloadKey) -> bool:
         block = self.primary.policy.get(key)
@@ -390,28 +358,18 @@ class TieringManagerMachine(RuleBasedStateMachine):
 
     @rule(
         data=st.data(),
-        method=st.sampled_from(
-            ["lookup", "prepare_store", "prepare_load", "complete_load", "complete_store"]
-        ),
+        method=st.sampled_from(KEY_METHODS),
         ctx=reqs,
     )
     def not_a_key(self, data: st.DataObject, method: str, ctx: ReqContext) -> None:
-        bad = data.draw(not_keys, label="bad")
-        keys: list[Any] = data.draw(key_lists, label="keys")
-        keys.insert(data.draw(st.integers(0, len(keys)), label="at"), bad)
-        manager = self.manager
-        acts: dict[str, Callable[[], Any]] = {
-            "lookup": lambda: manager.lookup(bad, ctx),
-            "prepare_store": lambda: manager.prepare_store(keys, ctx),
-            "prepare_load": lambda: manager.prepare_load(keys, ctx),
-            "complete_load": lambda: manager.complete_load(keys, ctx),
-            "complete_store": lambda: manager.complete_store(keys, ctx),
-        }
-
-        def predict() -> Callable[[], None]:
-            raise Refused(TypeError)
-
-        self.call(predict, acts[method])
+        keys = data.draw(key_lists, label="keys")
+        self.call_with_a_non_key(
+            method,
+            data.draw(NOT_KEYS, label="bad"),
+            keys,
+            data.draw(st.integers(0, len(keys)), label="at"),
+            ctx,
+        )
 
     # -- a misbehaving tier -------------------------------------------------------------------
 

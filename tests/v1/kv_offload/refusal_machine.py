@@ -1,0 +1,101 @@
+"""What the misbehaving-caller state machines of the managers share: predict, act, compare.
+
+A machine's rule describes a call with ``predict`` (the model update to apply if the call is
+legitimate, or ``Refused(error)`` if it must fail) and ``act`` (the call itself). ``call`` runs
+the pair: a legitimate call must succeed; a refused one must raise exactly ``error`` (never an
+``AssertionError``) and leave everything the machine's ``observe()`` returns unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+
+NOT_KEYS = st.one_of(
+    st.integers(),
+    st.text(max_size=4),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.tuples(st.integers()),
+)
+"""Values a careless caller passes where keys belong."""
+
+KEY_METHODS = ["lookup", "prepare_store", "prepare_load", "complete_load", "complete_store"]
+"""The manager methods that take keys."""
+
+
+class Refused(Exception):
+    """The model's verdict: this call must be refused with ``error`` and change nothing."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__(error.__name__)
+        self.error = error
+
+
+def refused(error: type[BaseException]) -> Callable[[], Callable[[], None]]:
+    """A ``predict`` for a call that must always be refused with ``error``."""
+
+    def predict() -> Callable[[], None]:
+        raise Refused(error)
+
+    return predict
+
+
+class RefusalMachine(RuleBasedStateMachine):
+    """Base of the managers' state machines (see the module docstring).
+
+    Subclasses set ``manager`` and ``shut_down`` and implement ``observe``.
+    """
+
+    manager: Any
+    shut_down: bool
+    steps: int
+
+    def observe(self) -> Any:
+        """Everything a refused call must leave unchanged."""
+        raise NotImplementedError
+
+    def call(self, predict: Callable[[], Callable[[], None]], act: Callable[[], Any]) -> Any:
+        """Run ``act`` against the manager; ``predict`` returns the model update to apply on
+        success, or raises ``Refused`` if the call must fail (then nothing may change). After
+        ``shutdown()`` every call must be refused with ``RuntimeError`` ("shut down")."""
+        self.steps += 1
+        try:
+            if self.shut_down:
+                raise Refused(RuntimeError)
+            apply = predict()
+        except Refused as verdict:
+            before = self.observe()
+            with pytest.raises(BaseException) as info:
+                act()
+            error = info.value
+            assert type(error) is verdict.error, f"expected {verdict.error.__name__}, got {error!r}"
+            if isinstance(error, RuntimeError):
+                assert "shut down" in str(error)
+            assert self.observe() == before, f"refused call changed the state: {error}"
+            return None
+        result = act()
+        apply()
+        return result
+
+    def call_with_a_non_key(
+        self, method: str, bad: Any, keys: list[OffloadKey], at: int, ctx: ReqContext
+    ) -> None:
+        """``method`` with ``bad`` (not a key) among ``keys`` (at index ``at``): TypeError."""
+        mixed: list[Any] = list(keys)
+        mixed.insert(at, bad)
+        manager = self.manager
+        acts: dict[str, Callable[[], Any]] = {
+            "lookup": lambda: manager.lookup(bad, ctx),
+            "prepare_store": lambda: manager.prepare_store(mixed, ctx),
+            "prepare_load": lambda: manager.prepare_load(mixed, ctx),
+            "complete_load": lambda: manager.complete_load(mixed, ctx),
+            "complete_store": lambda: manager.complete_store(mixed, ctx),
+        }
+        self.call(refused(TypeError), acts[method])
