@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
+from typing_extensions import override
 
 from tests.v1.kv_offload.refusal_machine import (
     KEY_METHODS,
@@ -80,6 +81,7 @@ class CPUManagerMachine(RefusalMachine):
     def ready_keys(self) -> list[OffloadKey]:
         return [key for key, ref in self.ref.items() if ref >= 0]
 
+    @override
     def observe(self) -> Any:
         """Everything a refused call must leave unchanged."""
         manager = self.manager

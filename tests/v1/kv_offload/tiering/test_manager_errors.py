@@ -1,24 +1,23 @@
 """``TieringOffloadingManager`` refuses bad calls and bad tier reports, changing nothing.
 
 Every component is real (a primary over a real shared region, the in-memory example tier);
-``HoldingTier`` only lets a test decide when the example tier's reports are handed over, and
+``GatedTier`` only lets a test decide when the example tier's reports are handed over, and
 lets it inject the reports a broken third-party tier would make.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from typing_extensions import override
 
 from tests.v1.kv_offload.test_tiering_offloading import make_primary, make_spec, to_keys
+from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from vllm.v1.kv_offload.base import OffloadKey, OffloadKeyStateError, ReqContext
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
-from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     SecondaryTierReportError,
@@ -29,48 +28,14 @@ A = ReqContext("req-a")
 B = ReqContext("req-b")
 
 
-class HoldingTier(ExampleSecondaryTierManager):
-    """The example tier; its reports are handed over only while ``hold`` is False."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.hold = False
-        self.polls = 0
-        self.submitted: list[JobMetadata] = []
-        self.extra: list[JobResult] = []  # reports a broken tier adds
-        self.finished_requests: list[str] = []
-
-    @override
-    def submit_store(self, job: JobMetadata) -> None:
-        self.submitted.append(job)
-        super().submit_store(job)
-
-    @override
-    def submit_load(self, job: JobMetadata) -> None:
-        self.submitted.append(job)
-        super().submit_load(job)
-
-    @override
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        self.polls += 1
-        if self.hold:
-            return []
-        extra, self.extra = self.extra, []
-        return list(super().get_finished_jobs()) + extra
-
-    @override
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self.finished_requests.append(req_context.req_id)
-
-
 @pytest.fixture
 def setup(
     tmp_path: Path,
-) -> Iterator[tuple[TieringOffloadingManager, CPUPrimaryTierOffloadingManager, list[HoldingTier]]]:
+) -> Iterator[tuple[TieringOffloadingManager, CPUPrimaryTierOffloadingManager, list[GatedTier]]]:
     spec = make_spec(tmp_path, 8)
     primary = make_primary(tmp_path, 8)
     view = primary.get_kv_memoryview()
-    tiers = [HoldingTier(spec, view, f"t{i}") for i in range(2)]
+    tiers = [GatedTier(spec, view, f"t{i}") for i in range(2)]
     manager = TieringOffloadingManager(primary, tiers)
     for ctx in (A, B):
         manager.on_new_request(ctx)
@@ -93,7 +58,7 @@ def snapshot(manager: TieringOffloadingManager) -> Any:
         dict(manager._promotions.promoting),
         manager._promotions.queued_keys(),
         {r: (s.queued_promotions, s.finished_req_context) for r, s in manager._req_state.items()},
-        [len(t.submitted) for t in manager.secondary_tiers if isinstance(t, HoldingTier)],
+        [len(t.submitted) for t in manager.secondary_tiers if isinstance(t, GatedTier)],
     )
 
 
@@ -110,14 +75,14 @@ def store(manager: TieringOffloadingManager, keys: list[OffloadKey], ctx: ReqCon
 
 
 def promote(
-    manager: TieringOffloadingManager, tiers: list[HoldingTier], key: OffloadKey, ctx: ReqContext
+    manager: TieringOffloadingManager, tiers: list[GatedTier], key: OffloadKey, ctx: ReqContext
 ) -> None:
     """Put ``key`` in the tiers only, then look it up: its row is reserved for a promotion."""
     store(manager, [key], ctx)
     manager.on_schedule_end()  # cascades reported
     manager.reset_cache()  # the primary forgets it, the tiers keep it
     for tier in tiers:
-        tier.hold = True
+        tier.deliver = False
     assert manager.lookup(key, ctx) is None
     assert manager.promotion_source(key) == "t0"
 
@@ -139,7 +104,7 @@ def test_complete_store_of_a_key_being_promoted_is_refused(setup: Any) -> None:
     # K6 alone is still legitimate; the promotion finishes when the tier reports.
     manager.complete_store([k6], A)
     for tier in tiers:
-        tier.hold = False
+        tier.deliver = True
     manager.on_schedule_end()  # submits the load
     manager.on_schedule_end()  # polls its report
     assert manager.lookup(k0, A) is True and manager.lookup(k6, A) is True
@@ -183,7 +148,7 @@ def test_complete_load_cannot_release_a_cascade_pin(setup: Any) -> None:
     manager, primary, tiers = setup
     (k1,) = to_keys([1])
     for tier in tiers:
-        tier.hold = True
+        tier.deliver = False
     store(manager, [k1], A)  # two cascades in flight pin k1 twice
     assert primary.policy.get(k1).ref_cnt == 2
     manager.prepare_load([k1], A)
@@ -196,7 +161,7 @@ def test_complete_load_cannot_release_a_cascade_pin(setup: Any) -> None:
     assert primary.policy.get(k1).ref_cnt == 3  # B's pin and the two cascades'
     manager.complete_load([k1], B)
     for tier in tiers:
-        tier.hold = False
+        tier.deliver = True
     end_step(manager)
     assert primary.policy.get(k1).ref_cnt == 0
     primary.check_invariants()
@@ -225,7 +190,7 @@ def test_duplicate_keys_in_complete_store_cascade_once(setup: Any) -> None:
     k1, k2 = to_keys([1, 2])
     manager.prepare_store([k1, k2], A)
     for tier in tiers:
-        tier.hold = True
+        tier.deliver = False
     manager.complete_store([k1, k1, k2], A)
     assert [tuple(t.submitted[0].keys) for t in tiers] == [(k1, k2)] * 2
     assert primary.policy.get(k1).ref_cnt == 2
@@ -248,11 +213,11 @@ def test_not_keys_raise_type_error_before_polling(setup: Any, call: Any) -> None
     manager, _, tiers = setup
     (k1,) = to_keys([1])
     for tier in tiers:
-        tier.hold = True
+        tier.deliver = False
     store(manager, [k1], A)
     manager.on_schedule_end()  # the next gated call polls
     for tier in tiers:
-        tier.hold = False
+        tier.deliver = True
     polls = [tier.polls for tier in tiers]
     before = snapshot(manager)
     with pytest.raises(TypeError, match=r"OffloadKey.*req-a"):
@@ -295,7 +260,7 @@ def test_bad_reports_are_errors_and_valid_ones_are_applied(setup: Any) -> None:
     manager, primary, tiers = setup
     k1, k2 = to_keys([1, 2])
     for tier in tiers:
-        tier.hold = True
+        tier.deliver = False
     store(manager, [k1, k2], A)
     job0, job1 = tiers[0].submitted[0], tiers[1].submitted[0]
     tiers[0].extra = [
@@ -303,7 +268,7 @@ def test_bad_reports_are_errors_and_valid_ones_are_applied(setup: Any) -> None:
         JobResult(job1.job_id, True),  # tier 1's job
         JobResult(job0.job_id, True),  # reported twice in this poll (once by the example tier)
     ]
-    tiers[0].hold = False
+    tiers[0].deliver = True
     manager.on_schedule_end()  # prepare_store polled this step already
     with pytest.raises(SecondaryTierReportError) as info:
         manager.on_schedule_end()
@@ -316,7 +281,7 @@ def test_bad_reports_are_errors_and_valid_ones_are_applied(setup: Any) -> None:
     # Tier 0's real report was applied; tier 1's job stays in flight, its pin held.
     assert sorted(manager._jobs) == [job1.job_id]
     assert primary.policy.get(k1).ref_cnt == 1
-    tiers[1].hold = False
+    tiers[1].deliver = True
     manager.on_schedule_end()
     assert primary.policy.get(k1).ref_cnt == 0 and not manager.has_pending_work()
     primary.check_invariants()
@@ -345,7 +310,7 @@ def test_a_bad_report_does_not_stop_the_step(setup: Any) -> None:
 def test_reset_cache_with_an_unreported_job_resets_nothing(setup: Any) -> None:
     manager, primary, tiers = setup
     (k1,) = to_keys([1])
-    tiers[1].hold = True  # a tier whose drain_jobs() returns with a job unreported
+    tiers[1].deliver = False  # a tier whose drain_jobs() returns with a job unreported
     store(manager, [k1], A)
     end_step(manager)
     before = snapshot(manager)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from tests.v1.kv_offload.refusal_machine import KEY_METHODS, NOT_KEYS, RefusalMachine, Refused
 from tests.v1.kv_offload.test_tiering_offloading import make_spec
+from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     OffloadKeyStateError,
@@ -47,8 +48,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
-from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     SecondaryTierReportError,
@@ -62,53 +62,6 @@ ROW_BYTES = 16
 
 key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=5)
 reqs = st.sampled_from(REQS)
-
-
-class GatedTier(ExampleSecondaryTierManager):
-    """The example tier, reporting only while ``deliver`` is set or after ``drain_jobs``.
-
-    ``extra`` holds the bad reports a broken tier adds to its next delivery.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.deliver = False
-        self.drained = False
-        self.extra: list[JobResult] = []
-        self.reported: list[int] = []
-        self.submitted: list[JobMetadata] = []
-        self.finished_calls: Counter[str] = Counter()
-
-    @override
-    def submit_store(self, job: JobMetadata) -> None:
-        self.submitted.append(job)
-        super().submit_store(job)
-
-    @override
-    def submit_load(self, job: JobMetadata) -> None:
-        self.submitted.append(job)
-        super().submit_load(job)
-
-    @override
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        if not (self.deliver or self.drained):
-            return []
-        self.drained = False
-        results = list(super().get_finished_jobs())
-        self.reported += [result.job_id for result in results]
-        extra, self.extra = self.extra, []
-        return results + extra
-
-    @override
-    def drain_jobs(self) -> None:
-        self.drained = True  # every job already finished in its submit call
-
-    @override
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self.finished_calls[req_context.req_id] += 1
-
-    def unreported(self) -> set[int]:
-        return {result.job_id for result in self._finished}
 
 
 class TieringManagerMachine(RefusalMachine):
@@ -126,8 +79,8 @@ class TieringManagerMachine(RefusalMachine):
         )
         view = self.primary.get_kv_memoryview()
         self.tiers = [
-            GatedTier(spec, view, "t0", capacity_blocks=8),
-            GatedTier(spec, view, "t1"),
+            GatedTier(spec, view, "t0", capacity_blocks=8, deliver=False, deliver_on_drain=True),
+            GatedTier(spec, view, "t1", deliver=False, deliver_on_drain=True),
         ]
         self.manager = TieringOffloadingManager(self.primary, self.tiers)
         for ctx in REQS:
@@ -144,6 +97,7 @@ class TieringManagerMachine(RefusalMachine):
 
     # -- helpers ------------------------------------------------------------------------------
 
+    @override
     def observe(self) -> Any:
         """Everything a refused call must leave unchanged."""
         manager, primary = self.manager, self.primary
@@ -164,7 +118,7 @@ class TieringManagerMachine(RefusalMachine):
                 for r, s in manager._req_state.items()
             },
             [(len(t.submitted), sorted(t.unreported()), list(t._blocks)) for t in self.tiers],
-            [dict(t.finished_calls) for t in self.tiers],
+            [dict(t.finished_calls()) for t in self.tiers],
         )
 
     def ready(self, key: OffloadKey) -> bool:
@@ -527,7 +481,8 @@ class TieringManagerMachine(RefusalMachine):
         self.primary.check_invariants()
         assert self.manager._req_state == {}
         for tier in self.tiers:
-            assert all(count == 1 for count in tier.finished_calls.values()), tier.finished_calls
+            calls = tier.finished_calls()
+            assert all(count == 1 for count in calls.values()), calls
 
 
 class ARCTieringManagerMachine(TieringManagerMachine):
