@@ -32,11 +32,11 @@ payload is read straight into (and written straight from) the page-aligned prima
 the page costs nothing extra in memory for power-of-two rows: the allocator's size class above a
 2^k-byte value already has room for it (see docs/redis_tier.md).
 
-Validation on load (``decode_header`` + ``payload_checksum``, or ``verify_block`` for a value held
-in memory) rejects, as ``BlockFileCorrupt``: a wrong magic, version or header size, a header CRC
-mismatch (bit flip in the header), a payload length, run digest or key other than expected (a
-foreign block), a payload CRC mismatch (bit flip in the payload), and a block of the wrong total
-size (truncated or padded).
+Validation on load (``verify_parts`` for a header and a payload read apart, ``verify_block`` for a
+value held in memory as one piece) rejects, as ``BlockFileCorrupt``: a wrong magic, version or
+header size, a header CRC mismatch (bit flip in the header), a payload length, run digest or key
+other than expected (a foreign block), a payload CRC mismatch (bit flip in the payload), and a
+block of the wrong total size (truncated or padded).
 """
 
 from __future__ import annotations
@@ -229,10 +229,19 @@ def verify_block(
     view = memoryview(block).cast("B")
     if len(view) != HEADER_SIZE + payload_len:
         raise BlockFileCorrupt(f"{len(view)} bytes, expected {HEADER_SIZE + payload_len}")
-    _, checksum = decode_header(
-        view[:HEADER_SIZE], key=key, run_digest=run_digest, payload_len=payload_len
-    )
     payload = view[HEADER_SIZE:]
+    verify_parts(view[:HEADER_SIZE], payload, key=key, run_digest=run_digest)
+    return payload
+
+
+def verify_parts(header: memoryview, payload: memoryview, *, key: bytes, run_digest: bytes) -> None:
+    """Check a block read in two parts: its header, and its payload where it landed (a primary
+    row). The payload's length is the one expected.
+
+    Raises:
+        BlockFileCorrupt: bad header, another key or run, another payload length, or a payload
+            checksum mismatch.
+    """
+    _, checksum = decode_header(header, key=key, run_digest=run_digest, payload_len=len(payload))
     if not checksum.matches(payload):
         raise BlockFileCorrupt("payload checksum mismatch")
-    return payload

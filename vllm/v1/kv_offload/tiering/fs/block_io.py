@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
     encode_header,
     file_size,
     payload_checksum,
+    verify_parts,
 )
 
 if TYPE_CHECKING:
@@ -372,13 +373,9 @@ def read_block_file(
         if got != expected:
             raise BlockFileCorrupt(f"read {got} of {expected} bytes (truncated)", file_id)
         try:
-            _, checksum = decode_header(
-                header_buf, key=key, run_digest=run_digest, payload_len=len(payload)
-            )
+            verify_parts(header_buf, payload, key=key, run_digest=run_digest)
         except BlockFileCorrupt as e:
             raise BlockFileCorrupt(e.reason, file_id) from None
-        if not checksum.matches(payload):
-            raise BlockFileCorrupt("payload checksum mismatch", file_id)
     finally:
         os.close(fd)
 

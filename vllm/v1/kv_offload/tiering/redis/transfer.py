@@ -10,8 +10,8 @@ redirection during a resharding or failover sends keys to: ``client.Router``).
   value's header is made (``direct_io.set_streamed``). A value is the block format's header
   followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
 * Load: ``GET`` rounds whose values are received straight into the job's primary rows (header
-  aside, ``direct_io``), then verified (size, header, key, run, checksum of the payload, as
-  ``block_format.verify_block`` does); the rows are reserved for the job, and the manager frees
+  aside, ``direct_io``), then verified (size, then header, key, run and checksum of the payload:
+  ``block_format.verify_parts``); the rows are reserved for the job, and the manager frees
   the rows of a failed job without serving them. A missing value (evicted or expired since the
   lookup) fails the job and is counted as a server miss; an invalid one fails the job, is
   deleted, counted and logged.
@@ -33,8 +33,8 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
-    decode_header,
     encode_block_header,
+    verify_parts,
 )
 from vllm.v1.kv_offload.tiering.redis.client import (
     BlockValue,
@@ -262,11 +262,7 @@ class BlockTransfer:
             try:
                 if reply is not True:
                     raise BlockFileCorrupt(f"{reply} bytes, expected {self._value_bytes}")
-                _, checksum = decode_header(
-                    header, key=key, run_digest=self._run_digest, payload_len=rb
-                )
-                if not checksum.matches(row):
-                    raise BlockFileCorrupt("payload checksum mismatch")
+                verify_parts(header, row, key=key, run_digest=self._run_digest)
             except BlockFileCorrupt as e:
                 logger.warning(
                     "redis tier %s: value of %s is invalid (%s); deleted, the load fails",
