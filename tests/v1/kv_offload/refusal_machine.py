@@ -9,11 +9,11 @@ the pair: a legitimate call must succeed; a refused one must raise exactly ``err
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
@@ -48,14 +48,48 @@ def refused(error: type[BaseException]) -> Callable[[], Callable[[], None]]:
 
 
 class RefusalMachine(RuleBasedStateMachine):
-    """Base of the managers' state machines (see the module docstring).
+    """Base of the managers' state machines (see the module docstring), with the misbehaving
+    calls both machines make: a completion sent again, and values that are not keys.
 
-    Subclasses set ``manager`` and ``shut_down`` and implement ``observe``.
+    Subclasses set ``key_lists`` and ``reqs`` (their key and request strategies), keep ``sent``
+    (the completions already sent: ``(kind, ctx, keys)``), set ``manager`` and ``shut_down``,
+    and implement ``observe``, ``_complete_store`` and ``_complete_load``.
     """
 
+    key_lists: ClassVar[st.SearchStrategy[list[OffloadKey]]]
+    reqs: ClassVar[st.SearchStrategy[ReqContext]]
     manager: Any
     shut_down: bool
     steps: int
+    sent: list[tuple[str, ReqContext, list[OffloadKey]]]
+
+    def _complete_store(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
+        raise NotImplementedError
+
+    def _complete_load(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        raise NotImplementedError
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), success=st.booleans())
+    def replay_completion(self, data: st.DataObject, success: bool) -> None:
+        """A completion sent again (or one from before a reset): a duplicate."""
+        kind, ctx, keys = data.draw(st.sampled_from(self.sent), label="sent")
+        if kind == "store":
+            self._complete_store(keys, ctx, success)
+        else:
+            self._complete_load(keys, ctx)
+
+    @rule(data=st.data(), method=st.sampled_from(KEY_METHODS))
+    def not_a_key(self, data: st.DataObject, method: str) -> None:
+        """A value that is not an OffloadKey among real keys: TypeError at the call."""
+        keys = data.draw(self.key_lists, label="keys")
+        self.call_with_a_non_key(
+            method,
+            data.draw(NOT_KEYS, label="bad"),
+            keys,
+            data.draw(st.integers(0, len(keys)), label="at"),
+            data.draw(self.reqs, label="ctx"),
+        )
 
     def observe(self) -> Any:
         """Everything a refused call must leave unchanged."""

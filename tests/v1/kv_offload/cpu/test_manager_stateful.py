@@ -28,8 +28,6 @@ from hypothesis.stateful import invariant, precondition, rule
 from typing_extensions import override
 
 from tests.v1.kv_offload.refusal_machine import (
-    KEY_METHODS,
-    NOT_KEYS,
     RefusalMachine,
     Refused,
     refused,
@@ -53,6 +51,8 @@ reqs = st.sampled_from(REQS)
 
 
 class CPUManagerMachine(RefusalMachine):
+    key_lists = key_lists
+    reqs = reqs
     policy_name: ClassVar[str] = "lru"
     capacity: ClassVar[int] = 6
 
@@ -286,32 +286,6 @@ class CPUManagerMachine(RefusalMachine):
             )
             self._complete_load(mixed, ctx)
 
-    @precondition(lambda self: self.sent)
-    @rule(data=st.data(), success=st.booleans())
-    def replay_completion(self, data: st.DataObject, success: bool) -> None:
-        """A completion sent again (or one from before a reset): a duplicate."""
-        kind, ctx, keys = data.draw(st.sampled_from(self.sent), label="sent")
-        if kind == "store":
-            self._complete_store(keys, ctx, success)
-        else:
-            self._complete_load(keys, ctx)
-
-    @rule(
-        data=st.data(),
-        method=st.sampled_from(KEY_METHODS),
-        ctx=reqs,
-    )
-    def not_a_key(self, data: st.DataObject, method: str, ctx: ReqContext) -> None:
-        """A value that is not an OffloadKey among real keys: TypeError at the call."""
-        keys = data.draw(key_lists, label="keys")
-        self.call_with_a_non_key(
-            method,
-            data.draw(NOT_KEYS, label="bad"),
-            keys,
-            data.draw(st.integers(0, len(keys)), label="at"),
-            ctx,
-        )
-
     @rule(ctx=reqs, method=st.sampled_from(["prepare_store", "prepare_load", "complete_store"]))
     def single_bytes_as_keys(self, ctx: ReqContext, method: str) -> None:
         """One key passed where a collection belongs (iterating it yields ints)."""
@@ -323,6 +297,7 @@ class CPUManagerMachine(RefusalMachine):
     def _holds(self, ctx: ReqContext, keys: list[OffloadKey]) -> bool:
         return not Counter(keys) - self.pins[ctx.req_id]
 
+    @override
     def _complete_store(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
         def predict() -> Callable[[], None]:
             if any(self.writer.get(key) != ctx.req_id for key in keys):
@@ -345,6 +320,7 @@ class CPUManagerMachine(RefusalMachine):
 
         self.call(predict, lambda: self.manager.complete_store(keys, ctx, success=success))
 
+    @override
     def _complete_load(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         def predict() -> Callable[[], None]:
             if not self._holds(ctx, keys):

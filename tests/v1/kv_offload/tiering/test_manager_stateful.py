@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from typing_extensions import override
 
-from tests.v1.kv_offload.refusal_machine import KEY_METHODS, NOT_KEYS, RefusalMachine, Refused
+from tests.v1.kv_offload.refusal_machine import RefusalMachine, Refused
 from tests.v1.kv_offload.test_tiering_offloading import make_spec
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from vllm.v1.kv_offload.base import (
@@ -65,6 +65,8 @@ reqs = st.sampled_from(REQS)
 
 
 class TieringManagerMachine(RefusalMachine):
+    key_lists = key_lists
+    reqs = reqs
     cache_policy: ClassVar[str] = "lru"
 
     def __init__(self) -> None:
@@ -300,31 +302,6 @@ class TieringManagerMachine(RefusalMachine):
         """Keys that may be absent, being stored or being promoted."""
         self._prepare_load(keys, data.draw(st.sampled_from(self.active()), label="ctx"))
 
-    @precondition(lambda self: self.sent)
-    @rule(data=st.data(), success=st.booleans())
-    def replay_completion(self, data: st.DataObject, success: bool) -> None:
-        """A completion sent again, or one from before a reset."""
-        kind, ctx, keys = data.draw(st.sampled_from(self.sent), label="sent")
-        if kind == "store":
-            self._complete_store(keys, ctx, success)
-        else:
-            self._complete_load(keys, ctx)
-
-    @rule(
-        data=st.data(),
-        method=st.sampled_from(KEY_METHODS),
-        ctx=reqs,
-    )
-    def not_a_key(self, data: st.DataObject, method: str, ctx: ReqContext) -> None:
-        keys = data.draw(key_lists, label="keys")
-        self.call_with_a_non_key(
-            method,
-            data.draw(NOT_KEYS, label="bad"),
-            keys,
-            data.draw(st.integers(0, len(keys)), label="at"),
-            ctx,
-        )
-
     # -- a misbehaving tier -------------------------------------------------------------------
 
     @precondition(lambda self: not self.shut_down)
@@ -356,6 +333,7 @@ class TieringManagerMachine(RefusalMachine):
 
     # -- predictions --------------------------------------------------------------------------
 
+    @override
     def _complete_store(
         self,
         keys: list[OffloadKey],
@@ -387,6 +365,7 @@ class TieringManagerMachine(RefusalMachine):
 
         self.call(predict, act)
 
+    @override
     def _complete_load(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         def predict() -> Callable[[], None]:
             if Counter(keys) - self.pins[ctx.req_id]:
