@@ -92,8 +92,9 @@ class CPUManagerMachine(RefusalMachine):
             assert isinstance(policy, ARCCachePolicy)
             order = (
                 policy._t1.live_keys(),
-                list(policy._t2_evictable),
-                sorted(policy._t2_pinned),
+                list(policy._t2),
+                policy._t2_num_pinned,
+                sorted(policy._t2_parked),
                 policy.b1_keys,
                 policy.b2_keys,
                 policy.target_t1_size,

@@ -296,6 +296,37 @@ def test_evict_skips_pinned_in_flight_and_protected() -> None:
     assert sorted(ids(key for key, _ in policy.items())) == [0, 1, 2, 3]
 
 
+def test_pinned_t2_blocks_return_at_the_mru_end_and_are_walked_past_once() -> None:
+    """A T2 block pinned in T2's order stays there until an eviction walks past it (then it is
+    parked); either way its release puts it at T2's most recently used end, as the reference
+    (which moves every pinned block out of the order at once) does."""
+    for policy in (ARCCachePolicy(16), ReferenceARCCachePolicy(16)):
+        make_t2(policy, 0, 1, 2, 3, 4, 5)  # T2, least recently used first: 5 4 3 2 1 0
+        pin(policy, 5)
+        pin(policy, 4)
+        pin(policy, 2)
+        assert policy.num_evictable == 3
+        assert evicted_ids(policy.evict(1, ())) == [3]  # walks past 5 and 4
+        unpin(policy, 2)  # never walked past: to the MRU end all the same
+        assert policy.num_evictable == 3
+        unpin(policy, 5)
+        unpin(policy, 4)
+        assert policy.num_evictable == 5
+        assert sorted(ids(policy.t2_keys)) == [0, 1, 2, 4, 5]
+        assert evicted_ids(policy.evict(5, ())) == [1, 0, 2, 5, 4]
+    # Only the first eviction walks past a pinned block: it parks it, out of T2's order.
+    policy = ARCCachePolicy(16)
+    make_t2(policy, 6, 7, 8)  # 8 7 6
+    pin(policy, 8)
+    pin(policy, 7)
+    assert list(policy._t2) == [k(8), k(7), k(6)]
+    assert evicted_ids(policy.evict(1, ())) == [6]
+    assert list(policy._t2) == [] and policy._t2_parked == {k(7), k(8)}
+    assert policy.num_evictable == 0 and policy.evict(1, ()) is None
+    unpin(policy, 7)
+    assert list(policy._t2) == [k(7)] and policy.num_evictable == 1
+
+
 def test_failed_eviction_changes_nothing() -> None:
     policy = ARCCachePolicy(16)
     insert_ready(policy, 0)

@@ -93,8 +93,16 @@ class ARCCachePolicy(CachePolicy):
       move-to-end (a touch promotes to T2), so a block enters at the MRU end and leaves from
       the LRU end, or from anywhere (promotion, pin, removal, eviction behind a protected key)
       by lazy deletion (``LazyFIFO``).
-    * T2's evictable blocks: an ``OrderedDict``, least recently used first (touches move them).
-      A non-evictable block is in T2 if its key is in the (small) ``_t2_pinned`` set, else T1.
+    * T2's order, ``_t2``: an ``OrderedDict``, least recently used first (touches move
+      them), holding every evictable T2 block and, lazily, T2 blocks pinned while in it. A
+      pin (``mark_non_evictable``) only counts the block in ``_t2_num_pinned``; its release
+      moves it to the most recently used end, where a release places it anyway, so the
+      evictable blocks keep the order they would have without it. ``evict`` skips a pinned
+      block it walks past and parks it: ``_t2_parked`` (a small set) holds the T2 blocks
+      outside the order, pinned or being written after a ghost hit. A Zipf workload pins its
+      hot T2 blocks over and over, and each pin then costs no dict operation; a walk parks a
+      block at most once per pin, so ``evict`` stays O(n + |protected|) amortised. A
+      non-evictable block outside ``_t2`` is in T2 if it is parked, else in T1.
     * A ghost's *seen* state is its ``_entries`` value, so it costs no memory and no probe.
     * B1 / B2 order: a ``LazyFIFO`` of keys per list, with lazy deletion counted like T1's
       (a ghost hit re-appends the key, a stored ghost key leaves its entry stale). Trimming
@@ -130,10 +138,12 @@ class ARCCachePolicy(CachePolicy):
         self._num_resident = 0
         self._t1 = LazyFIFO()  # T1's evictable blocks
         # OrderedDict: O(1) pops at the old end and O(1) move-to-end, unlike a plain dict.
-        self._t2_evictable: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        # T2 blocks that are not evictable: pinned (ref_cnt > 0), or being written after a
-        # ghost hit (ref_cnt -1).
-        self._t2_pinned: set[OffloadKey] = set()
+        # T2's evictable blocks and the pinned ones no eviction walked past yet.
+        self._t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self._t2_num_pinned = 0  # pinned blocks in _t2
+        # T2 blocks outside _t2: pinned (ref_cnt > 0) ones an eviction walked past or a touch
+        # promoted, and blocks being written after a ghost hit (ref_cnt -1).
+        self._t2_parked: set[OffloadKey] = set()
         self._b1 = LazyFIFO()
         self._b2 = LazyFIFO()
         self.target_t1_size: float = 0.0
@@ -149,7 +159,7 @@ class ARCCachePolicy(CachePolicy):
     @property
     def t2_keys(self) -> set[OffloadKey]:
         """Keys resident in T2."""
-        return {*self._t2_evictable, *self._t2_pinned}
+        return {*self._t2, *self._t2_parked}
 
     @property
     def b1_keys(self) -> list[OffloadKey]:
@@ -164,7 +174,7 @@ class ARCCachePolicy(CachePolicy):
     @property
     def num_evictable(self) -> int:
         """Number of blocks with ``ref_cnt == 0`` (O(1))."""
-        return self._t1.live + len(self._t2_evictable)
+        return self._t1.live + len(self._t2) - self._t2_num_pinned
 
     # -- CachePolicy ---------------------------------------------------------------------------
 
@@ -208,25 +218,25 @@ class ARCCachePolicy(CachePolicy):
         entries = self._entries
         t1 = self._t1
         t1_append = t1.keys.append
-        t2_evictable = self._t2_evictable
+        t2 = self._t2
         b1 = self._b1
         b2 = self._b2
         num_resident = self._num_resident
-        # Every inserted block joins T1; nothing else in this call changes T1's size.
-        t1_size = num_resident - len(t2_evictable) - len(self._t2_pinned)
-        # While the batch holds new keys only, one trim after the last block drops exactly the
-        # ghosts one insert per block would (each block grows L1 and the directory by one, and
-        # the oldest ghosts go first either way). A ghost key changes that: which ghosts the
-        # trims of the blocks before it dropped decides what it finds (and the list sizes its
-        # adaptation sees). From the first ghost on, the bounds are restored after every block,
-        # as insert() does.
+        # T1's size: only the new keys below change it (each joins T1; a stored ghost joins T2).
+        t1_size = num_resident - len(t2) - len(self._t2_parked)
+        # A run of new keys needs one trim after its last block: it drops exactly the ghosts one
+        # trim per block would (each block grows L1 and the directory by one, and the oldest
+        # ghosts go first either way). A ghost key breaks the run: which ghosts the trims of the
+        # blocks before it drop decides what it finds (and the list sizes its adaptation sees),
+        # so the deferred trim runs first. Storing a ghost key moves it from B1 or B2 to T2,
+        # which grows neither L1 nor the directory, so it needs no trim of its own.
         it = iter(items)
         setdefault = entries.setdefault
         added = 0
         first_old: tuple[OffloadKey, BlockStatus] | None = None
         for key, block in it:
             # One probe: a new key gets its block; a ghost (or, a caller's bug, a resident
-            # key) keeps its entry, and the batch goes on block by block from it.
+            # key) keeps its entry, and the batch goes on key by key from it.
             if setdefault(key, block) is not block:
                 first_old = (key, block)
                 break
@@ -236,44 +246,43 @@ class ARCCachePolicy(CachePolicy):
                 t1.live += 1
         t1_size += added
         num_resident += added
-        if first_old is None:
-            assert num_resident <= self.cache_capacity, (
-                f"insert: {num_resident} resident blocks exceed the capacity "
-                f"{self.cache_capacity} (the caller evicts before it inserts)"
-            )
-            self._num_resident = num_resident
-            self._bound_directory(t1_size, num_resident)
-            return
-        self._bound_directory(t1_size, num_resident)
-        for key, block in chain((first_old,), it):
-            old = entries.get(key)  # the trims may have dropped this very ghost
-            if old is None:  # a new key joins T1
-                entries[key] = block
-                t1_size += 1
-                if block.ref_cnt == 0:
-                    t1_append(key)
-                    t1.live += 1
-            else:
-                # A ghost hit (the paper's cases II and III): adapt unless an earlier call
-                # already counted this re-reference, and store the block in T2.
-                assert type(old) is int, f"insert: key {key.hex()} is already resident"
-                if old in (_B1, _B2):
-                    self._adapt(old)
-                (b1 if old > 0 else b2).leave(key)
-                entries[key] = block
-                if block.ref_cnt == 0:
-                    t2_evictable[key] = block
+        if first_old is not None:
+            pending_trim = added > 0
+            for key, block in chain((first_old,), it):
+                old = entries.get(key)
+                if old is not None and pending_trim:
+                    # The deferred trim may drop this very ghost.
+                    self._bound_directory(t1_size, num_resident)
+                    pending_trim = False
+                    old = entries.get(key)
+                if old is None:  # a new key joins T1
+                    entries[key] = block
+                    t1_size += 1
+                    pending_trim = True
+                    if block.ref_cnt == 0:
+                        t1_append(key)
+                        t1.live += 1
                 else:
-                    self._t2_pinned.add(key)
-            num_resident += 1
-            self._bound_directory(t1_size, num_resident)
+                    # A ghost hit (the paper's cases II and III): adapt unless an earlier call
+                    # already counted this re-reference, and store the block in T2.
+                    assert type(old) is int, f"insert: key {key.hex()} is already resident"
+                    if old in (_B1, _B2):
+                        self._adapt(old)
+                    (b1 if old > 0 else b2).leave(key)
+                    entries[key] = block
+                    if block.ref_cnt == 0:
+                        t2[key] = block
+                    else:
+                        self._t2_parked.add(key)
+                num_resident += 1
+            b1.maybe_compact(self._COMPACT_SLACK)
+            b2.maybe_compact(self._COMPACT_SLACK)
         assert num_resident <= self.cache_capacity, (
             f"insert: {num_resident} resident blocks exceed the capacity {self.cache_capacity} "
             "(the caller evicts before it inserts)"
         )
         self._num_resident = num_resident
-        b1.maybe_compact(self._COMPACT_SLACK)
-        b2.maybe_compact(self._COMPACT_SLACK)
+        self._bound_directory(t1_size, num_resident)
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -282,24 +291,27 @@ class ARCCachePolicy(CachePolicy):
         assert type(block) is BlockStatus, f"remove: key {key.hex()} is not resident"
         del entries[key]
         self._num_resident -= 1
-        if block.ref_cnt == 0:
-            if self._t2_evictable.pop(key, None) is None:
-                self._t1_leave(key)
+        if self._t2.pop(key, None) is not None:
+            if block.ref_cnt:
+                self._t2_num_pinned -= 1
+        elif block.ref_cnt == 0:
+            self._t1_leave(key)
         else:
-            self._t2_pinned.discard(key)
+            self._t2_parked.discard(key)
 
     @override
     def touch(self, keys: Collection[OffloadKey]) -> None:
         entries_get = self._entries.get
-        t2_evictable = self._t2_evictable
-        move_to_end = t2_evictable.move_to_end
+        t2 = self._t2
+        move_to_end = t2.move_to_end
         t1 = self._t1
         t1_stale = t1.stale
         promoted = 0
         for key in reversed_keys(keys):
-            # Evictable T2 blocks first: the hot blocks a Zipf workload touches again and
-            # again, which then cost two probes (of the small T2 order) and no type checks.
-            if key in t2_evictable:
+            # T2's order first: the hot blocks a Zipf workload touches again and again, which
+            # then cost two probes and no type checks. A pinned block in it moves too, which
+            # changes nothing: its release moves it to the most recently used end anyway.
+            if key in t2:
                 move_to_end(key)
                 continue
             entry = entries_get(key)
@@ -313,10 +325,11 @@ class ARCCachePolicy(CachePolicy):
                     # updated once below).
                     t1_stale[key] = t1_stale.get(key, 0) + 1
                     promoted += 1
-                    t2_evictable[key] = entry
+                    t2[key] = entry
                 elif ref_cnt > 0:
-                    # Pinned: promoted now, placed when its last reader unpins it.
-                    self._t2_pinned.add(key)
+                    # Pinned (in T1, or parked in T2): promoted now, placed in T2's order when
+                    # its last reader unpins it.
+                    self._t2_parked.add(key)
                 # ref_cnt < 0: being written, stays where it is (T1, or T2 after a ghost hit).
                 continue
             if type(entry) is int:
@@ -333,8 +346,8 @@ class ARCCachePolicy(CachePolicy):
         assert n >= 0, f"evict: n={n} must be non-negative"
         t1 = self._t1
         t1_fifo = t1.keys
-        t2_evictable = self._t2_evictable
-        if n > t1.live + len(t2_evictable):
+        t2 = self._t2
+        if n > t1.live + len(t2) - self._t2_num_pinned:
             return None
         if n == 0:
             return []
@@ -344,21 +357,23 @@ class ARCCachePolicy(CachePolicy):
         # size, the sequence is three runs: T1 until the size drops below the target, T2, then
         # T1 again (a run ends early only when its list runs out). Each iterator only moves
         # forward, so the walk visits at most n + |protected| live entries (plus stale T1
-        # entries, each paid for by the operation that made it stale); nothing is mutated until
-        # all n victims are known.
+        # entries, each paid for by the operation that made it stale, and pinned T2 blocks, each
+        # parked once the victims are taken); nothing is mutated until all n victims are known.
         walk = T1Walk(iter(t1_fifo), t1.stale, protected)
-        t2_iter = iter(t2_evictable.items())
-        virtual_t1_size = self._num_resident - len(t2_evictable) - len(self._t2_pinned)
+        virtual_t1_size = self._num_resident - len(t2) - len(self._t2_parked)
         target = int(self.target_t1_size)
         first_t1: list[OffloadKey] = []
         from_t2: list[tuple[OffloadKey, BlockStatus]] = []
         last_t1: list[OffloadKey] = []
+        pinned_t2: list[OffloadKey] = []
         if virtual_t1_size >= target:
             walk.take(first_t1, min(n, virtual_t1_size - target + 1))
         want = n - len(first_t1)
         if want:
-            for item in t2_iter:
-                if item[0] not in protected:
+            for item in t2.items():
+                if item[1].ref_cnt:  # pinned: parked below
+                    pinned_t2.append(item[0])
+                elif item[0] not in protected:
                     from_t2.append(item)
                     if len(from_t2) == want:
                         break
@@ -371,7 +386,8 @@ class ARCCachePolicy(CachePolicy):
                     return None
 
         # Commit: drop the walked T1 prefix but its protected entries, consume the stale
-        # entries walked past, then turn each victim's entry into a ghost in place.
+        # entries walked past, park the pinned T2 blocks walked past, then turn each victim's
+        # entry into a ghost in place.
         popleft = t1_fifo.popleft
         for _ in repeat(None, walk.walked):
             popleft()
@@ -385,6 +401,11 @@ class ARCCachePolicy(CachePolicy):
             else:
                 del t1_stale[key]
             t1.num_stale -= seen
+        if pinned_t2:
+            for key in pinned_t2:
+                del t2[key]
+            self._t2_parked.update(pinned_t2)
+            self._t2_num_pinned -= len(pinned_t2)
 
         entries = self._entries
         victims: list[tuple[OffloadKey, BlockStatus]] = []
@@ -392,12 +413,8 @@ class ARCCachePolicy(CachePolicy):
             victims = self._t1_to_ghosts(first_t1)
         if from_t2:
             b2_append = self._b2.keys.append
-            for key, block in from_t2:
-                assert block.ref_cnt == 0, (
-                    f"evict: key {key.hex()} is in T2's evictable index with "
-                    f"ref_cnt={block.ref_cnt}"
-                )
-                del t2_evictable[key]
+            for key, _ in from_t2:
+                del t2[key]
                 entries[key] = _B2
                 b2_append(key)
             self._b2.live += len(from_t2)
@@ -433,8 +450,9 @@ class ARCCachePolicy(CachePolicy):
         self._entries[_ANCHOR_KEY] = _ANCHOR
         self._num_resident = 0
         self._t1.clear()
-        self._t2_evictable.clear()
-        self._t2_pinned.clear()
+        self._t2.clear()
+        self._t2_num_pinned = 0
+        self._t2_parked.clear()
         self._b1.clear()
         self._b2.clear()
         self.target_t1_size = 0.0
@@ -457,74 +475,74 @@ class ARCCachePolicy(CachePolicy):
         assert block.ref_cnt == 0, (
             f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
         )
-        t2_pinned = self._t2_pinned
-        if t2_pinned and key in t2_pinned:
-            t2_pinned.remove(key)
-            self._t2_evictable[key] = block
-        else:
-            self._t1.append(key)
+        self.mark_evictable_many((key,))
 
     @override
     def mark_non_evictable(self, key: OffloadKey) -> None:
-        if self._t2_evictable.pop(key, None) is not None:
-            self._t2_pinned.add(key)
-            return
-        # Every resident block with ref_cnt == 0 is evictable, so it is in T1's FIFO.
+        # Every resident block with ref_cnt == 0 is evictable: in T2's order or T1's FIFO.
         block = self._entries.get(key)
         if type(block) is not BlockStatus or block.ref_cnt != 0:
             raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
-        self._t1_leave(key)
+        self.mark_non_evictable_many((key,))
 
     @override
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, ref_cnt == 0) just before this call.
         t1 = self._t1
         t1_keys = t1.keys
-        t2_pinned = self._t2_pinned
         if not isinstance(keys, (list, tuple)):
             keys = list(keys)
-        if t2_pinned.isdisjoint(keys):  # no key is a pinned T2 block: every key joins T1
+        parked = self._t2_parked
+        if not self._t2_num_pinned and not parked:
+            # No pinned T2 block anywhere, so every key is a T1 block joining T1's order.
             t1_keys.extend(keys)
             t1.live += len(keys)
             return
+        t2 = self._t2
+        move_to_end = t2.move_to_end
         entries = self._entries
-        t2_evictable = self._t2_evictable
         t1_append = t1_keys.append
         joined = 0
+        unpinned = 0
         for key in keys:
-            if key in t2_pinned:
-                t2_pinned.remove(key)
-                t2_evictable[key] = entries[key]  # type: ignore[assignment]
+            if key in t2:  # pinned while in T2's order: to its most recently used end
+                move_to_end(key)
+                unpinned += 1
+            elif key in parked:
+                parked.remove(key)
+                t2[key] = entries[key]  # type: ignore[assignment]
             else:
                 t1_append(key)
                 joined += 1
+        self._t2_num_pinned -= unpinned
         t1.live += joined
 
     @override
     def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, was ref_cnt == 0) just before this call.
-        t2_pop = self._t2_evictable.pop
-        t2_pinned_add = self._t2_pinned.add
+        t2 = self._t2
         t1 = self._t1
         t1_keys = t1.keys
         t1_stale = t1.stale
         left = 0
         popped = 0
+        pinned_t2 = 0
         for key in keys:
-            if t2_pop(key, None) is None:
-                # Evictable and not in T2, so in T1's FIFO. If its entry is the newest one (a
-                # block pinned right after its store completed: the tiering manager's cascades)
-                # it is dropped outright: a key's live entry follows its stale ones, so the
-                # newest entry, if it is the key's, is the live one. Otherwise the entry goes
-                # stale (``LazyFIFO.leave``, inlined; the counts are updated once below).
-                if t1_keys[-1] == key:
-                    t1_keys.pop()
-                    popped += 1
-                else:
-                    t1_stale[key] = t1_stale.get(key, 0) + 1
-                    left += 1
+            if key in t2:
+                # Stays in T2's order (see the class docstring), counted as pinned.
+                pinned_t2 += 1
+            # Evictable and not in T2, so in T1's FIFO. If its entry is the newest one (a block
+            # pinned right after its store completed: the tiering manager's cascades) it is
+            # dropped outright: a key's live entry follows its stale ones, so the newest entry,
+            # if it is the key's, is the live one. Otherwise the entry goes stale
+            # (``LazyFIFO.leave``, inlined; the counts are updated once below).
+            elif t1_keys[-1] == key:
+                t1_keys.pop()
+                popped += 1
             else:
-                t2_pinned_add(key)
+                t1_stale[key] = t1_stale.get(key, 0) + 1
+                left += 1
+        self._t2_num_pinned += pinned_t2
         t1.live -= left + popped
         if left:
             t1.num_stale += left
