@@ -13,7 +13,9 @@ the offloading connector makes (``OffloadingConnectorScheduler``), step by step:
    connector does, so promotions start for every key that could hit). A None defers the request
    to the next step; otherwise its hits are pinned with ``prepare_load`` (a load job);
 3. ``build_connector_meta``: ``prepare_store`` of each scheduled request's blocks after its hits
-   (a store job if it returned keys), then ``on_schedule_end()``.
+   (a store job if it returned keys), then ``on_schedule_end()``;
+4. ``get_stats()``: the engine core collects the connector's statistics every step, and the
+   connector's include the manager's.
 
 Rows: ``cpu-lru`` and ``cpu-arc`` (``CPUOffloadingManager``), ``tier-lru`` (a tiering manager
 with no secondary tier), ``tier+ex-lru`` and ``tier+ex-arc`` (a tiering manager with the in-memory
@@ -197,6 +199,7 @@ def replay(
     on_schedule_end = api.schedule_end(manager)
     survivors: deque[list[Any]] = deque()
     lookup = manager.lookup
+    get_stats = manager.get_stats
     requests = trace.requests
     next_request = 0
     waiting: list[tuple[tuple[OffloadKey, ...], ReqContext]] = []
@@ -273,6 +276,7 @@ def replay(
                 stores.append((out.keys_to_store, ctx))
             finishing.append(ctx)
         on_schedule_end()
+        get_stats()
         step_ms.append((perf_counter() - t0) * 1e3)
         if watch.in_step:
             gc_steps.append(len(step_ms) - 1)
