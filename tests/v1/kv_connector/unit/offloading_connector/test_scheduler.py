@@ -688,6 +688,27 @@ def test_get_num_new_matched_tokens() -> None:
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
 
 
+def test_a_key_noted_without_a_tier_is_forgotten_once_readable_or_absent() -> None:
+    """A lookup answering "not readable yet" for a key with no named tier (a tier's probe in
+    flight) only makes it a candidate; readable or absent later with no tier named, it is not
+    a promoted block (a store from the GPU may have made it readable). A named tier sticks."""
+    sched, manager = _scheduler()
+    sources: dict[OffloadKey, str] = {}
+    manager.promotion_source = sources.get  # type: ignore[method-assign]
+    request = _req(49)  # 3 full blocks
+    k0, k1, k2 = (make_offload_key(h, 0) for h in request.block_hashes)
+    manager.results = {k0: None, k1: None, k2: None}
+    sources[k1] = "redis"
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    promoted = sched._req_status[request.request_id].promoted_keys
+    assert promoted == {k0: None, k1: "redis", k2: None}
+    # The next step: k0 and k1 are readable, k2 absent; only k1 came from a named tier.
+    manager.results = {k0: True, k1: True, k2: False}
+    del sources[k1]  # its promotion finished
+    assert sched.get_num_new_matched_tokens(request, 0) == (32, True)
+    assert promoted == {k1: "redis"}
+
+
 def test_lookup_of_a_second_group_stops_at_the_first_groups_hits() -> None:
     sched, manager = _scheduler(block_sizes=(8, 16))
     request = _req(80, hash_block_size=8)  # 5 offloaded blocks of 16 tokens

@@ -13,16 +13,18 @@ the whole token prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId, ReqId
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import LookupFn
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
     GPUBlockRef,
     TransferJobStatus,
 )
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
+    OffloadingManager,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -96,7 +98,8 @@ class RequestOffloadState:
             whose block list replaces the previous one.
         promoted_keys: keys whose lookup said "not readable yet" while no store job of this
             connector was writing them: they were being promoted from a secondary tier, with
-            the tier's type name when the manager told it (``promotion_source``).
+            the tier's type name when the manager told it (``promotion_source``); see
+            ``lookup_fn`` for the notes without a tier.
         transfer_jobs: ids of the request's jobs in flight.
         finished: ``request_finished`` was called.
     """
@@ -168,6 +171,36 @@ class RequestOffloadState:
         """
         if tier is not None or key not in self.promoted_keys:
             self.promoted_keys[key] = tier
+
+    def lookup_fn(
+        self, manager: OffloadingManager, is_being_stored: Callable[[OffloadKey], bool]
+    ) -> LookupFn:
+        """``manager.lookup`` for this request, noting the keys found being promoted.
+
+        A key whose lookup answers "not readable yet" while no store job writes it
+        (``is_being_stored``) is noted with ``manager.promotion_source``. A note without a tier
+        is only a candidate: a tier's answer may still be on its way (the redis tier answers a
+        lookup a step later), and the block may then arrive some other way (another request's
+        store from the GPU). When a later lookup finds such a key readable or absent and no tier
+        was named meanwhile, the note is dropped: its tokens count as the CPU tier's, never as
+        an unnamed tier's.
+        """
+        ctx = self.req_context
+        lookup = manager.lookup
+        promotion_source = manager.promotion_source
+        promoted = self.promoted_keys
+        note_promoted = self.note_promoted
+
+        def lookup_key(key: OffloadKey) -> bool | None:
+            result = lookup(key, ctx)
+            if result is None:
+                if not is_being_stored(key):
+                    note_promoted(key, promotion_source(key))
+            elif promoted and key in promoted and promoted[key] is None:
+                del promoted[key]
+            return result
+
+        return lookup_key
 
     def finish_load(
         self,

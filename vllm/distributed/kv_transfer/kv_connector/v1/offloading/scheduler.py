@@ -56,7 +56,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.engine_checks impor
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
-    LookupFn,
     lookup_hit_end,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
@@ -189,22 +188,6 @@ class OffloadingConnectorScheduler:
     # Lookups
     # -----------------------------------------------------------------------------------------
 
-    def _lookup_fn(self, state: RequestOffloadState) -> LookupFn:
-        """``manager.lookup`` for the request, noting keys found being promoted."""
-        ctx = state.req_context
-        lookup = self.manager.lookup
-        is_being_stored = self._jobs.is_being_stored
-        note_promoted = state.note_promoted
-        promotion_source = self.manager.promotion_source
-
-        def lookup_key(key: OffloadKey) -> bool | None:
-            result = lookup(key, ctx)
-            if result is None and not is_being_stored(key):
-                note_promoted(key, promotion_source(key))
-            return result
-
-        return lookup_key
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -248,9 +231,8 @@ class OffloadingConnectorScheduler:
         start = num_computed_tokens // block_size
         t0 = time.perf_counter()
         try:
-            end, deferred = lookup_hit_end(
-                layout, self._lookup_fn(state), state.offload_keys, start, num_blocks
-            )
+            lookup = state.lookup_fn(self.manager, self._jobs.is_being_stored)
+            end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
         finally:
             # One clock read per lookup rather than per key: this loop is the hot path.
             self._metrics.manager_seconds += time.perf_counter() - t0
