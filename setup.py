@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Build script: the Python package, plus the CUDA copy library from ``csrc/`` when possible.
 
 The CUDA library is a plain C shared library (loaded with ctypes by ``vllm.kv_copy.cuda_library``,

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Whether a KVO_COPY_DMA job whose cuMemcpyBatchAsync call failed is resubmitted as a
 // cudaMemcpyAsync loop. Header-only and free of CUDA headers, so that the C self-test
 // (benchmarks/kv_offload/copy_selftest.cpp, built with a plain C++ compiler) tests it directly.

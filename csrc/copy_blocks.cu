@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Block copies: argument checks, the DMA paths (cuMemcpyBatchAsync, with its fallback to a
 // cudaMemcpyAsync loop) and the dispatch of kvo_copy_blocks.
 #include <cuda.h>

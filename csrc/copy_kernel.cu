@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Kernel path of kvo_copy_blocks: a copy kernel on a bounded number of thread blocks, reading or
 // writing host memory through its device mapping (pinned + mapped host memory).
 //

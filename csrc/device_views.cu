@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Device views for the kernel path: the device address through which a kernel reaches a region
 // side, resolved once and remembered where that is safe (see device_view in kvo_common.cuh).
 //

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // C API of the vllm-kv-offload CUDA copy library.
 //
 // Loaded from Python with ctypes (vllm/kv_copy/cuda_library.py): every argument is a plain

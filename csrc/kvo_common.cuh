@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Internal helpers shared by the translation units of the copy library (not part of the C API).
 #pragma once
 

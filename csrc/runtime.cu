@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Error plumbing, devices, stream, event and memory entry points of the copy library.
 #include <cuda_runtime.h>
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Test support for the CUDA copy library without a CUDA build of torch: device memory and
 synchronous copies through the library's test-support entry points (``csrc/kv_offload.h``, "Test
 support"), which the offload path does not use and ``vllm.kv_copy.cuda_library`` does not bind.

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of vllm._custom_ops: block copies (torch backend always, CUDA when a GPU is present),
 argument checks and error reports of the C library (run on CPU against the built .so), the C
 self-test's checks that need no GPU, and the library's build."""

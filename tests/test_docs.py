@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The docs stand alone and match the code: links resolve, every key and flag is documented."""
 
 from __future__ import annotations

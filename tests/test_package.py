@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The package refuses to share an environment with upstream vLLM (see ``vllm/__init__.py``)."""
 
 from __future__ import annotations

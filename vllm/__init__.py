@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Standalone implementation of vLLM's KV-cache offload subsystem.
 
 The import name mirrors vLLM's in-tree paths so that the modules read like the upstream ones they

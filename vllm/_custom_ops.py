@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Batched KV-block copies between GPU KV caches and host memory: the Python face of ``csrc/``.
 
 Two backends implement the same operation with the same semantics and the same argument checks:
@@ -21,7 +23,6 @@ a region's sides is described in ``vllm.kv_copy.regions``. The implementation li
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from vllm.kv_copy.regions import (
     check_pair_counts,
     make_regions,
 )
+from vllm.logger import init_logger
 
 __all__ = [
     # operations and backend queries
@@ -96,7 +98,7 @@ __all__ = [
     "HOST_COPY_THREADS_ENV",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 LIBRARY_ENV: Final = "VLLM_KV_OFFLOAD_CUDA_LIB"
 """Path of the CUDA copy library to load instead of the one in the ``vllm`` package."""

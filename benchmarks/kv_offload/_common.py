@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Helpers shared by the tier benchmarks (``bench_fs.py``, ``bench_redis.py``).
 
 The scripts run as ``python benchmarks/kv_offload/bench_*.py``, so this directory is on

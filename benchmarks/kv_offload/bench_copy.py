@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Throughput of batched KV-block copies: a job of N scattered blocks vs one contiguous copy.
 
 For every copy path this machine can run (``torch`` always; ``cuda-dma``, ``cuda-dma-loop`` and

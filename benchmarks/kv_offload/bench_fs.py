@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Throughput of the filesystem tier against plain sequential file I/O on the same filesystem.
 
 For each block size, in the same run and the same directory:

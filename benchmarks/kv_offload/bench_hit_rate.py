@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Hit rates of the CPU tier's cache policies against the offline optimum (Belady's MIN).
 
 Every trace of ``traces.py`` is replayed through a ``CPUOffloadingManager`` per policy, with the

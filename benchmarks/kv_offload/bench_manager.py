@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Scaling benchmark of CPUOffloadingManager: per-step cost vs. cache capacity.
 
 Every step replays what the connector asks of the CPU tier for one request whose first

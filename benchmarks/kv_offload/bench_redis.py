@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Throughput of the redis tier against raw pipelined SET/GET of the same bytes.
 
 For each block size, in the same run, against the same server, through the same client (the tier's

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Cost of the connector's per-step stats collection, against the connector's own per-step time.
 
 Runs a multi-turn workload through a real engine with the CPU and fs tiers (the CLI's setup),

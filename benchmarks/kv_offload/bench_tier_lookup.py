@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Per-key cost of ``TieringOffloadingManager.lookup``, for before/after comparisons.
 
 Two in-memory ``example`` secondary tiers behind a 64-row primary. ``miss``: keys that miss the

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 // Standalone GPU self-test and throughput check of the CUDA copy library, through its C API only.
 //
 // Needs no Python, torch or CUDA toolkit: build with any C++17 compiler against csrc/kv_offload.h

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Trace mode of ``bench_manager.py``: the connector's per-step calls over a Zipf prefix trace.
 
 Each row replays the same seeded trace (``traces.zipf_trace``: documents of Zipf popularity, each

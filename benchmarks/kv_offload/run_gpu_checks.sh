@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 # GPU checks of the CUDA copy library, the GPU<->CPU handlers and the engine on a GPU, in one go.
 #
 # Usage (from anywhere):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Seeded block-key traces for the hit-rate benchmark (``bench_hit_rate.py``).
 
 A trace is the sequence of requests that reach the offloading tier, each with the keys it looks up

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """KV events: msgspec structs and their encoder/decoder pair."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """KV-cache events: which blocks were stored into or removed from a medium.
 
 Events are msgspec structs so that they encode compactly (msgpack, array-like, tagged union) and

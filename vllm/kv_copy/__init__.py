@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Batched KV-block copies between GPU KV caches and host memory (the implementation behind
 ``vllm._custom_ops``, which is the public face: import from there).
 

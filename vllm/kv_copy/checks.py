@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Argument checks of a block copy: the Python twin of ``kvo_check_copy_blocks`` (csrc/).
 
 Both backends refuse exactly the jobs the C library refuses, before any byte moves; a property

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """ctypes binding of the CUDA copy library built from ``csrc/`` (C API: ``csrc/kv_offload.h``).
 
 The library is a plain C shared library: every call takes raw addresses, stream and event handles

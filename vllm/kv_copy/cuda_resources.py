@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """CUDA streams and events owned by Python objects, for callers without a CUDA build of torch.
 
 Each object is bound to one device: every call on it passes that device to the library, so it

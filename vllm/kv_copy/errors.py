@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Exceptions of the block copy operations (re-exported by ``vllm._custom_ops``)."""
 
 from __future__ import annotations

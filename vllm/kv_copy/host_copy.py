@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The torch backend of ``copy_blocks``: ``memmove`` between host addresses, on a few threads.
 
 Used when the KV cache itself lives in host memory, as on a CPU-only machine where the "GPU" KV

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The description of a copy job: regions of blocks addressed by id (mirrors ``csrc/kv_offload.h``).
 
 The unit of work is a *job*: a set of ``CopyRegion``s (one per KV tensor and KV-cache group) that

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``ClosingContextManager``: ``with obj:`` returns ``obj`` and releases it on the way out."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Attention types of KV-cache groups, shared by the engine and the KV connector.
 
 A KV-cache group has full attention or sliding-window attention (SWA) over the last ``W`` tokens:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Worker -> scheduler outputs of one step that concern the KV connector."""
 
 from __future__ import annotations

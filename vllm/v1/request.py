@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``Request``: one generation request as the scheduler and the KV connector see it."""
 
 from __future__ import annotations

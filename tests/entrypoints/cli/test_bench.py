@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``vllm-kv-offload bench`` against small stand-in benchmark scripts.
 
 The real benchmarks take minutes; the stand-ins here are real scripts run the same way (a child

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Fleet mode of ``vllm-kv-offload run``: ``--engines N`` processes sharing a real redis server.
 
 The instances are real processes (multiprocessing's ``spawn``) and the redis tier talks to a real

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``run_interruptible``: a signal cancels the main task, its cleanup runs, ``Interrupted`` says so.
 
 The signals are sent to this very process; the coroutines wait on an event that is never set, so

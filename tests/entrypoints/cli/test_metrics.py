@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``--metrics-port``: Prometheus metrics scraped over HTTP during a run, and equal to the report.
 
 Scrapes are real HTTP requests to ``127.0.0.1`` (a free port, short timeouts), parsed with

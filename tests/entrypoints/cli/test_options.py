@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Option parsing and validation of ``vllm-kv-offload`` (bad options exit with code 2)."""
 
 from __future__ import annotations

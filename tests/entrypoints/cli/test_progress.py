@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the progress display (tqdm bar or periodic lines) and the plot writer."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload run`` end to end on tiny workloads, through the real engine and tiers.
 
 Each run serves a seeded workload twice (baseline, then with the CPU and fs tiers) through the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload run`` killed or terminated at several points leaves no shared memory behind.
 
 Each test runs the real command (``python -m vllm.entrypoints.cli.main`` semantics, through a

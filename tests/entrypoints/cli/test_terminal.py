@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload run`` as a user sees it: on an 80-column terminal, piped, and interrupted.
 
 The command runs in a child process. On a terminal it runs under a pseudo-terminal of 80

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiny workload the CLI tests run (a few seconds on 2 CPU cores), and a child's environment.
 
 Documents of 12-20 blocks and a 24-block GPU pool: a document asked for again after another one

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the asyncio front end ``AsyncLLM`` over a real ``EngineCore``."""
 
 from __future__ import annotations

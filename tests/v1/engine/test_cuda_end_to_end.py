@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The engine and ``vllm-kv-offload run`` with the KV cache on a GPU (skipped without one).
 
 Offloaded blocks come back through the CUDA copy library into torch CUDA tensors; the engine

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """GPU block tables over one pool per KV-cache group."""
 
 from __future__ import annotations

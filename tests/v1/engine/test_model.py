@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The model stand-in: KV bytes as a deterministic function of the token prefix."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The engine's scheduler without a connector: batching, chunked prefill, preemption, abort."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """What the misbehaving-caller state machines of the managers share: predict, act, compare.
 
 A machine's rule describes a call with ``predict`` (the model update to apply if the call is

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the core abstractions in vllm/v1/kv_offload/base.py."""
 
 from __future__ import annotations

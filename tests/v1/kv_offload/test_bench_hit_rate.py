@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The hit-rate benchmark's optimum (Belady's MIN with bypass) is the optimum.
 
 ``benchmarks/kv_offload/bench_hit_rate.py`` reports every policy's hits as a fraction of MIN's;

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``OffloadingSpecFactory``: selection by ``spec_name`` and ``spec_module_path``."""
 
 from __future__ import annotations

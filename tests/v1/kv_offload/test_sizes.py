@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The one size parser, and every place that takes a size agreeing with it."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingSpec.get_handlers`` of the built-in specs: working handlers, owned by the caller.
 
 Each test builds the real handlers of a spec over a rank's real (host-memory) KV caches, moves

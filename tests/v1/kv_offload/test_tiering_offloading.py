@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``TieringOffloadingManager``: cascade, promotion, step lifecycle, request lifecycle.
 
 Every component is real: the primary tier runs over a real ``SharedOffloadRegion`` (in

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Spec and run-info factories shared by the kv_offload tests.
 
 Every test that needs an ``OffloadingSpec`` builds it here, so the stand-in model's geometry is

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload bench``: run the benchmarks of ``benchmarks/kv_offload/`` and sum them up.
 
 Each benchmark is a standalone script (``benchmarks/`` is not a package), so it runs in a child

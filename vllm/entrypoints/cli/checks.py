@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Checks of ``run``'s options against the machine: directories, free space, output files.
 
 Each check runs before the first engine step and returns None or one message that names the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Fleet mode of ``vllm-kv-offload run``: ``--engines N`` engine instances in N processes.
 
 Each instance (``cli/fleet_instance.py``) runs in a process of its own (multiprocessing's
@@ -33,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import multiprocessing
 import os
 import signal
@@ -61,10 +62,11 @@ from vllm.entrypoints.cli.report import (
 from vllm.entrypoints.cli.run import ClientLog, serve_clients, tick
 from vllm.entrypoints.cli.run_figures import REDIS_TIER_TYPE
 from vllm.entrypoints.cli.workloads import Session, Workload
+from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import GenerateOutput
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 STOP_TIMEOUT_S = 60.0
 """How long an instance gets to shut down after ``exit`` (then SIGTERM) and after SIGTERM (then

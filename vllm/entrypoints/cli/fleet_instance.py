@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """One engine instance of a fleet (``vllm-kv-offload run --engines N``), in a process of its own.
 
 ``cli/fleet.py`` starts one process per instance (multiprocessing's ``spawn`` context) with

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Run the command's coroutine so that an interrupt (Ctrl-C) ends it cleanly, in one line.
 
 An interrupt must stop the run without a traceback and still clean up: the engine thread

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload``: the command-line entry point.
 
 Subcommands: ``run`` (the default: serve a workload with and without offloading and report what

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``--metrics-port``: serve the runs' metrics on ``http://127.0.0.1:PORT/metrics`` while they run.
 
 ``MetricsExporter`` owns a ``prometheus_client`` registry with the offloading connector's

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Value parsers of ``vllm-kv-offload run``'s options (the ``type=`` of ``add_argument``).
 
 Each turns one flag's text into its value or raises ``argparse.ArgumentTypeError``, whose

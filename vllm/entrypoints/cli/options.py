@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Options of ``vllm-kv-offload run``: argparse definitions and validation.
 
 The options are declared as a table: one ``_Option`` row per flag, one function per concern

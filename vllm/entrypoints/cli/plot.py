@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``--plot FILE.png``: hit rate per tier and bytes moved per step over time.
 
 The file's suffix names the format (``.png``, ``.svg``, ``.pdf``, ...: whatever matplotlib

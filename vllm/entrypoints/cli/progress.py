@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """A run's progress on stderr: a ``tqdm`` bar on a terminal, else a line every few seconds.
 
 On a terminal the bar is tqdm's (the progress bar of vLLM and most of the ML ecosystem). It is

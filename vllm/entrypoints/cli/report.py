@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The report of ``vllm-kv-offload run``: figures of one invocation, and their JSON.
 
 One ``RunResult`` holds what one engine run measured (the no-offload baseline or the offloaded

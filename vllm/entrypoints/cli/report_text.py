@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The text of ``vllm-kv-offload run``'s report: every line at most ``WIDTH`` (80) columns.
 
 The report comes in three parts so that the command can print each as soon as it is known: the

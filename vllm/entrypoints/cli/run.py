@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload run``: serve a workload twice (without and with offloading) and report.
 
 Each run builds a fresh ``EngineCore`` (the baseline without a connector; the offloaded run with

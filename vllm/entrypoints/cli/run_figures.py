@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """What one run of ``vllm-kv-offload run`` measured, read from its engine.
 
 ``StepSampler`` samples the engine's counters after every busy step (for the plot and the

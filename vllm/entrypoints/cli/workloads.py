@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Seeded, reproducible serving workloads for ``vllm-kv-offload run``.
 
 A workload is a fixed list of *sessions* spread over concurrent *clients*. A session is a

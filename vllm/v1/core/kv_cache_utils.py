@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Chained prefix hashing of token blocks.
 
 A request's token ids are cut into blocks of ``block_size`` tokens. The hash of block ``i`` covers

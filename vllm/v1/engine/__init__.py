@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The engine core: a step loop over a scheduler, a GPU block pool and a model stand-in.
 
 It drives the offloading connector exactly as vLLM's scheduler and workers do, so the whole

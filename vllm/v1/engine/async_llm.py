@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``AsyncLLM``: an asyncio front end over the synchronous ``EngineCore``.
 
 Like vLLM's ``AsyncLLM``, it lets many coroutines stream generations concurrently::

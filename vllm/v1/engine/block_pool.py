@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The GPU block pool of one KV-cache group, with prefix caching and LRU eviction.
 
 Blocks are reference counted. A block with ``ref_cnt == 0`` is free and sits in the free queue,

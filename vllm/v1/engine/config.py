@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``EngineConfig``: the engine core's settings (model stand-in geometry, pool, batching)."""
 
 from __future__ import annotations

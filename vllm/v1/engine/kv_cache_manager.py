@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``KVCacheManager``: the GPU block tables of the running requests, over one pool per group.
 
 KV-cache group ``g`` has GPU blocks of ``block_sizes[g]`` tokens in its own ``BlockPool``. A

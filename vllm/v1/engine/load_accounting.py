@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The scheduler's load accounting: block verification and promoted-token attribution.
 
 ``BlockVerifier`` checks GPU blocks against recomputation; the helpers here count what it

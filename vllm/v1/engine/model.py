@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The model stand-in: writes KV bytes that are a deterministic function of the token prefix.
 
 A real model writes, for token position ``t``, K and V vectors that depend on tokens ``0..t``. The

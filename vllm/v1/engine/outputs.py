@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """What the engine's steps produce: the workers' output of a step, and each request's output."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The engine's scheduler: waiting queue, running batch, chunked prefill, preemption.
 
 It calls the KV connector in vLLM's order::

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``EngineStats``: what an engine run measured, for tests, benchmarks and the CLI.
 
 Token accounting: each time a request is placed (scheduled fresh, or again after a preemption),

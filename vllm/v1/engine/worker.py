@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``Worker``: one worker rank: its GPU KV cache, the model stand-in, the connector's worker half.
 
 Per step (``execute_model``) a rank runs the connector's worker hooks around the forward pass in

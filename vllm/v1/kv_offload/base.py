@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Core abstractions of the KV-cache offload subsystem.
 
 This module defines the vocabulary shared by the scheduler side and the worker side:

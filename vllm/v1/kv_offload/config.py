@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Parsing and validation of the offloading connector's ``kv_connector_extra_config``.
 
 ``OffloadingConfig`` is the single table of accepted keys: each dataclass field is one key, and

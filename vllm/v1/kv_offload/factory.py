@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingSpecFactory``: pick the ``OffloadingSpec`` class named by ``spec_name``.
 
 Built-in specs are registered by name and imported lazily; any other name is imported from
@@ -8,14 +10,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 from collections.abc import Callable
 from typing import ClassVar
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _load_spec_class(module_path: str, class_name: str) -> type[OffloadingSpec]:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Transfer descriptors of the built-in media, shared by every layer that names a medium.
 
 A ``LoadStoreSpec`` says where one side of a transfer reads or writes. The scheduler-side manager

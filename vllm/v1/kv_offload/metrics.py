@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """How managers and tiers report metrics without knowing who collects them.
 
 The connector's stats collector hands each manager a ``MetricsRecorder`` once per step

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The one parser of byte counts, used by every config key and command-line flag that takes a size.
 
 ``cpu_bytes_to_use``, the fs tier's ``max_bytes`` and ``min_free_bytes``, and the command's

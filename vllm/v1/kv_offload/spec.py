@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingSpec``: what one engine run offloads, and the object that builds both its sides.
 
 A spec combines the parsed ``kv_connector_extra_config`` (``OffloadingConfig``) with the facts

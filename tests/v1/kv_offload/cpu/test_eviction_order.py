@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Eviction order within a stored run: a request's blocks are evicted tail first.
 
 A prefix lookup stops at the first miss, so evicting the head K0 of a run K0..Kn stored together

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The CPU tier allocates no long-lived object while it serves.
 
 Every per-block object (one ``BlockStatus`` per row) and every container of the policies exists

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the GPU <-> CPU handlers: bit-exact round trips for every layout, block-size factor
 and group combination (whole GPU and CPU memory compared against an independent per-block
 reference, so bytes outside a job are checked untouched), ordering, wait, FIFO and failures.

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The GPU <-> CPU handlers over torch CUDA tensors, end to end (needs a GPU; skipped otherwise).
 
 The KV cache is what a model would allocate (torch CUDA tensors in every layout); the tests check

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Hypothesis state machine of CPUOffloadingManager against a dict model, for each policy.
 
 The model maps each resident key to its ref count (-1 being written, n >= 0 ready with n

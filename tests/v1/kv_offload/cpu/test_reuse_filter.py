@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The reuse filter (``store_threshold`` / ``max_tracker_size``): upstream's semantics, wired
 from the config through the specs, never applied to promotions."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``GatedTier``: the example tier with its reports handed over when a test says so.
 
 The tiering manager's error tests and its state machine drive real components (a primary over a

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``AsyncLookupManager``: batching per step, generations, cleanup, failures."""
 
 from __future__ import annotations

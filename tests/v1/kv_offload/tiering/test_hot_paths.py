@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiering manager's hot paths keep their semantics.
 
 * A promotion reserves its primary row with ``reserve_row`` (no one-key ``prepare_write`` and no

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``TieringOffloadingManager`` refuses bad calls and bad tier reports, changing nothing.
 
 Every component is real (a primary over a real shared region, the in-memory example tier);

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Hypothesis state machine of ``TieringOffloadingManager`` with misbehaving callers and tiers.
 
 A CPU primary (over a real shared region) fronts two example tiers (real copies). Besides

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``TieringOffloadingSpec``: building the primary and tiers, and undoing on failure."""
 
 from __future__ import annotations

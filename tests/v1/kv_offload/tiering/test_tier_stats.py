@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tier reports: ``SecondaryTierManager.get_stats`` / ``wait_until_ready`` and the spec, connector
 and engine accessors over them (``get_tier_stats``, ``wait_for_tiers_ready``, ``tier_stats``)."""
 

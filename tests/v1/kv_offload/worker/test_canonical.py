@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the canonical KV-cache description used by the transfer handlers."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``SchedulerOutput``: what the scheduler decided for one step.
 
 It is handed to the KV connector's ``build_connector_meta`` (scheduler side) and, with the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Transfer descriptors of the CPU primary tier.
 
 The definitions live in the medium-neutral ``vllm.v1.kv_offload.mediums`` (so that the connector

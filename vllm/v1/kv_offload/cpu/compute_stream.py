@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The model's compute stream, which GPU -> CPU stores are ordered after."""
 
 from __future__ import annotations

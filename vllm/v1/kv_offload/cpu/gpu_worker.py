@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """GPU <-> CPU transfer handlers of the CPU primary tier.
 
 ``CpuGpuOffloadingHandlers`` builds one handler per direction over a worker's canonical GPU KV
@@ -24,13 +26,13 @@ from any thread.
 from __future__ import annotations
 
 import functools
-import logging
 import mmap
 from collections.abc import Sequence
 
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.compute_stream import ComputeStreamFn, current_compute_stream
@@ -50,7 +52,7 @@ __all__ = [
     "current_compute_stream",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class CpuGpuOffloadingHandlers:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The internal invariants of ``CPUOffloadingManager``, checked in full (tests, debugging).
 
 Kept apart from the manager because nothing on a serving path runs it: it walks the whole cache

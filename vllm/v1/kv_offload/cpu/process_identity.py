@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Who a process is, in a way that survives pid reuse and reboots, and whether it still runs.
 
 The shared region's trailer records its creator's identity (``ProcessIdentity``); the sweep and

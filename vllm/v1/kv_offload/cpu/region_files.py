@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The shared region's files in their directory: their names, and who may remove a name.
 
 A region of instance ``<id>`` is published as ``vllm_offload_<id>.mmap``; its creator builds it

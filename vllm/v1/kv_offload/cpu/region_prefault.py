@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Pre-faulting a shared region's pages without disturbing bytes peers already wrote.
 
 A worker faults in its own slot of every row, the scheduler side the whole region, so the first
@@ -8,15 +10,15 @@ otherwise pages are touched one byte at a time in a way that cannot race with pe
 from __future__ import annotations
 
 import errno
-import logging
 import mmap
 import sys
 
 import numpy as np
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.cpu.region_trailer import RegionGeometry, round_up
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # MADV_POPULATE_WRITE (Linux >= 5.14) faults pages in writable without writing to them, so it is
 # race-free against peers that already store into the region. Older Pythons do not expose the

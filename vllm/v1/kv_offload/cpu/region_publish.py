@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Creating or joining a shared region file: the publish protocol and its locking.
 
 * The creator builds the whole file under a temporary name, sizes it, writes the trailer and its
@@ -21,11 +23,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import stat
 import time
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.cpu.process_identity import current_identity, process_is_alive
 from vllm.v1.kv_offload.cpu.region_files import names_file, temp_path, unlink_if_names
 from vllm.v1.kv_offload.cpu.region_sweep import sweep_stale_regions
@@ -39,7 +41,7 @@ from vllm.v1.kv_offload.cpu.region_trailer import (
     read_trailer,
 )
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _RETRY_INTERVAL_S = 0.005
 

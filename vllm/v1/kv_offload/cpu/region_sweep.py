@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The sweep of shared region files left behind by dead processes.
 
 Before joining or creating a region, every process sweeps the directory: a region file whose
@@ -10,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
 import stat
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.cpu.process_identity import process_is_alive
 from vllm.v1.kv_offload.cpu.region_files import (
     FILE_PREFIX,
@@ -23,7 +25,7 @@ from vllm.v1.kv_offload.cpu.region_files import (
 )
 from vllm.v1.kv_offload.cpu.region_trailer import read_trailer
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _remove_if_stale(path: str) -> bool:

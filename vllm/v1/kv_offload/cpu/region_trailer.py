@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The shared region file's geometry and its on-file metadata: join marks and trailer.
 
 After the ``num_blocks`` rows (``total_bytes``) the file holds a metadata area of whole pages::

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Per-request ownership of the CPU tier's pins and pending stores.
 
 ``CPUOffloadingManager`` keeps two ledgers, ``req_id -> list of key tuples``: one tuple per

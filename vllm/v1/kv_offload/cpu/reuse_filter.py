@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The reuse filter: store a block in the CPU tier only once its key was offered N times.
 
 A one-off prompt's blocks are offered to ``prepare_store`` once and never looked up again; writing

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """One host-memory region per engine instance, shared by the scheduler and every worker.
 
 The CPU primary tier keeps offloaded KV blocks in a single file-backed mapping (by default on the
@@ -55,7 +57,6 @@ Ownership and protection:
 from __future__ import annotations
 
 import fcntl
-import logging
 import mmap
 import operator
 import os
@@ -64,6 +65,7 @@ import sys
 import torch
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.utils.closing import ClosingContextManager
 from vllm.v1.kv_offload.cpu import region_prefault
 from vllm.v1.kv_offload.cpu.process_identity import (
@@ -85,7 +87,7 @@ __all__ = [
     "sweep_stale_regions",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _positive_int(name: str, value: int) -> int:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``CPUOffloadingSpec``: single-tier offloading to the CPU (no secondary tiers).
 
 Also the two helpers every spec with a CPU primary tier builds on:

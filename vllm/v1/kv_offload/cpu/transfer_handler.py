@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """One direction of GPU <-> CPU transfers: submission, ordering and completion of jobs.
 
 Execution: on device memory (CUDA library), every job runs on a stream from a pool, after the
@@ -15,7 +17,6 @@ it), whatever device that thread has current.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Collection
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing_extensions import override
 
 from vllm import _custom_ops as ops
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.compute_stream import ComputeStreamFn
@@ -35,7 +37,7 @@ from vllm.v1.kv_offload.worker.worker import (
     TransferType,
 )
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Planning of GPU <-> CPU transfer jobs: a job's specs -> one ``copy_blocks`` call.
 
 Job semantics (both directions), for a GPU spec with ``group_sizes`` ``n_g`` and ``block_indices``

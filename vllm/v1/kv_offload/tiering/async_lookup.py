@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Answer a secondary tier's lookups from a background thread, one batch per scheduler step.
 
 A tier whose presence check is slow (a filesystem ``stat``, a remote ``HEAD``) must not run it on
@@ -24,16 +26,16 @@ from __future__ import annotations
 
 import collections
 import enum
-import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # One queued probe: the key, the request that asked first, and the state's generation.
 _BatchItem = tuple[OffloadKey, ReqContext, int]

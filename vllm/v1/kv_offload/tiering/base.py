@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The secondary-tier interface.
 
 A secondary tier (filesystem, remote store, ...) sits behind the CPU primary tier. It never touches

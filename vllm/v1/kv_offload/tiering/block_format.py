@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The block format shared by the secondary tiers: a fixed 4 KiB header followed by the payload.
 
 One format, one implementation: the fs tier writes it as a block file, the redis tier as the value

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Create secondary tiers from their config entries.
 
 Tiers are registered by type name and imported lazily, so that a tier's dependencies are only

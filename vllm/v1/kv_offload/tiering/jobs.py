@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiering manager's primary <-> secondary jobs: submission, tier reports, their checks.
 
 Secondary tiers are third-party code: a tier may report a job id it was never given, a job that
@@ -13,11 +15,11 @@ engine's completions for that request can never release or publish them.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.stats import TieringStats
@@ -35,7 +37,7 @@ __all__ = [
     "promotion_owner",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Owner ids of internal pins and reservations. The angle brackets keep them apart from the
 # engine's request ids (the engine's own "<...>" ids would still only collide with the same

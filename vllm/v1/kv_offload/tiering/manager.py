@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Multi-tier offloading: a CPU primary tier fronting write-through secondary tiers.
 
 Principles:
@@ -23,13 +25,13 @@ and report through ``get_finished_jobs()``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
@@ -64,7 +66,7 @@ __all__ = [
     "TieringOffloadingManager",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass(slots=True)

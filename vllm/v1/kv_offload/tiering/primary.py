@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The CPU primary tier of a tiering manager: the only tier that exchanges blocks with the GPU.
 
 ``CPUPrimaryTierOffloadingManager`` is the CPU tier (``CPUOffloadingManager``) over the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiering manager's promotions: rows reserved by ``lookup``, loads submitted at step end.
 
 A lookup that finds a key only in a secondary tier reserves the key's primary row at once

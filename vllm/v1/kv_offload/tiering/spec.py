@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``TieringOffloadingSpec``: a CPU primary tier over a shared host region, plus secondary tiers.
 
 Selected with ``spec_name: "TieringOffloadingSpec"``; the tiers come from ``secondary_tiers``, in
@@ -7,13 +9,13 @@ lookup order.
 from __future__ import annotations
 
 import inspect
-import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.config import SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.spec import SharedRegionOffloadingSpec, open_shared_region
@@ -24,7 +26,7 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class TieringOffloadingSpec(SharedRegionOffloadingSpec):

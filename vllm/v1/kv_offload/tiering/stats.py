@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``TieringStats``: what the tiering manager counts per secondary tier, for monitoring.
 
 The manager updates it with plain integer adds (tier hits, jobs submitted and in flight; a lookup

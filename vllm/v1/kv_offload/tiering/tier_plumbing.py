@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Plumbing shared by secondary tiers that answer lookups in the background (fs, redis).
 
 ``AsyncLookupTier`` routes the request hooks to the tier's ``AsyncLookupManager``;

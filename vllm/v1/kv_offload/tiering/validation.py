@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Checks of the tiering manager's callers: values that are not keys, keys being promoted.
 
 Every public method of ``TieringOffloadingManager`` refuses a bad call before it changes

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """A layout-independent description of a worker's GPU KV caches, for the transfer handlers.
 
 Whatever the attention backend's layout, the handlers see the KV cache as a list of *canonical

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Transfer jobs on the worker side: handlers that move bytes, and the worker that routes to them.
 
 A *job* moves the blocks named by a source spec to the blocks named by a destination spec, e.g.
@@ -9,7 +11,6 @@ or could not be submitted at all.
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ from typing import NamedTuple
 
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 TransferType = tuple[str, str]
 """``(source medium, destination medium)``, e.g. ``("GPU", "CPU")`` for a store."""

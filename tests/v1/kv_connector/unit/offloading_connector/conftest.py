@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Every engine-based test of the connector runs in both scheduling modes.
 
 Tests of modules that build engines through ``utils.make_config`` are parametrized over

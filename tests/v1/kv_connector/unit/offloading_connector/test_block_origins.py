@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Served tokens attributed to the tier they were promoted from, and to who stored the block.
 
 Two engines over one fs root play two instances sharing a tier: what the first computed and

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The connector's scheduler half refuses engine calls that contradict its books, changing nothing.
 
 A real ``CPUOffloadingManager`` behind the connector (through the scripted spec of

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Hypothesis state machine: an engine that calls the connector's scheduler half out of order.
 
 The engine's calls (lookups, allocations with or without loads, step ends with arbitrary

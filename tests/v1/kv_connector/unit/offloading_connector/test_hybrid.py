@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Hybrid models (a full-attention group plus a sliding-window (SWA) group, or two groups of
 different block sizes) through the connector.
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``TransferJobTable``: the connector's jobs in flight, through the table's own interface.
 
 Each test checks one invariant of the module docstring: every job is handed back exactly once,

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The ``OffloadingConnector`` facade, and the whole stack end to end.
 
 End to end: a multi-turn workload through the real engine core, connector, CPU tier and fs tier.

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The scheduler side of the offloading connector, driven by whole engine steps.
 
 Every test runs the real engine core (scheduler, GPU block pool, model stand-in, worker ranks)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The connector's worker half gets its handlers from the spec and names no offload medium.
 
 * The connector package imports neither the CPU tier nor the tiering package, directly or not.

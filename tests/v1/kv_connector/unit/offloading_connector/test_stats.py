@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingConnectorStats``: msgspec round trips, aggregation over ranks, and what the
 connector's ``get_kv_connector_stats()`` reports through a real engine run (TP=2, CPU and fs
 tiers), cross-checked against the connector's own counters."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The worker side of the offloading connector, with a recording handler per direction."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Test harness of the offloading connector: engines, workloads, and simple test doubles.
 
 Test doubles here wrap REAL components:

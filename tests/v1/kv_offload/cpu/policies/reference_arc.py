@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Test oracle: a straightforward ARC over ordered dicts, the semantics ARCCachePolicy must keep.
 
 This was the first implementation of ``ARCCachePolicy``; the production class was since rewritten

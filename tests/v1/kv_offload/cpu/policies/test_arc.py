@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ARCCachePolicy: T1/T2 lists, ghost lists, adaptive target and atomic eviction."""
 
 from __future__ import annotations

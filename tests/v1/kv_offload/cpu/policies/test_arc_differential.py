@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Differential test: ARCCachePolicy against the straightforward reference implementation.
 
 ``ARCCachePolicy`` keeps resident blocks and ghosts in one dict and its orders in FIFOs with lazy

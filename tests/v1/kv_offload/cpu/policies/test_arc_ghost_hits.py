@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """ARC adapts on a ghost hit whichever call observes the re-reference.
 
 The ARC paper adapts its target when a request misses on a ghost. A request reaches the CPU tier

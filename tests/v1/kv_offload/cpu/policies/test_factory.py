@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the cache-policy factory: built-ins, registration and out-of-tree module paths."""
 
 from __future__ import annotations

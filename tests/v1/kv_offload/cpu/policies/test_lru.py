@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of LRUCachePolicy: ordering, touch, evictability hooks and atomic eviction."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Helpers shared by the cache-policy tests: keys by integer, and the manager's ref_cnt moves."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Fixtures of the filesystem-tier tests: a real spec, a page-aligned primary region, tiers.
 
 Every tier is built over a real temporary directory and a real anonymous ``mmap`` primary region

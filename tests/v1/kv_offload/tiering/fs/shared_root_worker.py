@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """One engine instance of the shared-root tests: a real fs tier in its own process.
 
 Run as ``python shared_root_worker.py <root_dir> <params json>`` (see ``test_shared_root.py``).

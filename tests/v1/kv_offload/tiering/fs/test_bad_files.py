@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """One bad file must not wipe the fs tier (issue #12, part 2).
 
 * A file named like a block whose size is not exactly one block file of this geometry is deleted

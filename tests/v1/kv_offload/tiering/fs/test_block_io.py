@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the system-call layer: symlink refusal, atomic publication, temporary file names."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Crash safety: a writer process killed with SIGKILL mid-write, then a new tier over the root.
 
 The writer is a real separate process running the real tier. In the "mid_write" case it is

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of the on-disk layout: run digests, path components, and that no key escapes the root."""
 
 from __future__ import annotations

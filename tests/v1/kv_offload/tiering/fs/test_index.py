@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``CapacityIndex``: LRU eviction, pins, and exact accounting under any interleaving.
 
 The stateful test plays the tier's protocol against a model filesystem (a dict), with every step

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Tests of ``FileSystemSecondaryTier`` over real temporary directories with 1 MiB blocks."""
 
 from __future__ import annotations

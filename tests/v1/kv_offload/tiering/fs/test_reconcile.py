@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The background reconcile and the capacity slots, in one process (issue #12, part 3).
 
 Several tiers over one root play the instances that share a directory. Each test drives one

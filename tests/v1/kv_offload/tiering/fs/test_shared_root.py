@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """A shared fs root is bounded as a whole, and every instance's accounting converges (issue #12,
 part 3).
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Concurrent stress of the filesystem tier: LRU eviction under ``max_bytes`` with exact accounting.
 
 A scheduler loop keeps several store and load jobs in flight on six I/O threads, with lookups

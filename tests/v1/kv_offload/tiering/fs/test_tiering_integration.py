@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The whole tiering stack with a filesystem tier, built from config like an engine does.
 
 ``TieringOffloadingSpec`` builds the real shared host region, the CPU primary tier and the fs tier

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Fixtures of the redis tier tests: real servers, engines built from config like a real run.
 
 ``Engine`` is a ``TieringOffloadingManager`` built by ``TieringOffloadingSpec`` (a real shared host

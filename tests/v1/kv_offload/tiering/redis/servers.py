@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Real ``redis-server`` processes for the redis tier's tests and benchmark (no fakes).
 
 ``RedisServer`` runs one server in the foreground of a child process on a free loopback port, so a

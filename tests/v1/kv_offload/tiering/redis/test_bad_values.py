@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """A value that is not the block it claims to be is never served: it is deleted and counted."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The redis tier on a 3-master Redis Cluster: blocks spread over every master; with one master
 killed its slots miss while the other masters keep serving, bit-exact."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Cluster changes behind the tier's back, with real servers and the cluster's own commands: a
 slot resharded to another master and a ``CLUSTER FAILOVER`` (``MOVED``), a slot in the middle of
 a migration, also into a master added after the client started (``ASK``), a redirection loop,

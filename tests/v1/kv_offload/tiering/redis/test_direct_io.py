@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``direct_io``: GET replies received straight into their destinations, never misread.
 
 The reader is checked twice: against a socket pair fed one byte per send (every reply split at

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Server faults: the server SIGKILLed and restarted, paused, full. Jobs fail cleanly (each is
 reported exactly once), no wrong byte is ever served, nothing on the scheduler thread waits for
 the server, the tier recovers by itself, and shutdown never hangs."""

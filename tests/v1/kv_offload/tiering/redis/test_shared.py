@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Two engines, each with its own CPU tier, share one redis tier on a real server."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The KV connector v1 interface, as the engine calls it.
 
 A connector has two halves, one per role. The scheduler-side half runs in the engine core next to

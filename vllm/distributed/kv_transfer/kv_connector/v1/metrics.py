@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``KVConnectorStats``: the base of a KV connector's statistics, in vLLM's shape.
 
 A connector's statistics travel from each worker to the scheduler (inside ``KVConnectorOutput``)

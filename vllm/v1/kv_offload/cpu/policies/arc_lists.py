@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The key orders of ``ARCCachePolicy``: FIFOs with lazy deletion, and eviction's walk of T1.
 
 ``ARCCachePolicy`` (``arc.py``) keeps T1's evictable blocks, B1 and B2 as ``LazyFIFO`` s of keys

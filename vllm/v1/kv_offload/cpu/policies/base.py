@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Block status and the cache-policy ABC of the CPU primary tier.
 
 A ``CachePolicy`` owns the ``key -> BlockStatus`` map of the CPU tier and decides which blocks to

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Registry of the CPU tier's cache policies, resolved by name.
 
 Built-in names are ``"lru"`` and ``"arc"``. Other policies are either registered by name with

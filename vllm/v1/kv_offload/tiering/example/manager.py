@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``ExampleSecondaryTierManager``: an in-memory secondary tier (type ``"example"``).
 
 The reference implementation of ``SecondaryTierManager`` and the test double of the tiering
@@ -11,7 +13,6 @@ the copy of a few rows is a ``memcpy`` and synchronous completion keeps tests de
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
@@ -32,7 +34,7 @@ from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTie
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 EXAMPLE_MEDIUM = "EXAMPLE"
 """Medium name of the example tier in ``OffloadingEvent.medium``."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Filesystem secondary tier (type ``"fs"``): one verified block file per block under a root.
 
 Modules: ``config`` (tier kwargs), ``file_mapper`` (layout), ``block_io`` (system calls),

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """System-call level I/O of block files: safe directory walks, atomic writes, verified reads.
 
 Symlinks: every directory below the rank directory is opened with ``O_NOFOLLOW | O_DIRECTORY``
@@ -21,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import logging
 import mmap
 import os
 import re
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
@@ -46,7 +48,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 """``os.O_DIRECT`` where the platform has it (Linux), else 0."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """A fs tier job's I/O tasks: one ``IoTask`` per block, and the job's record of failures.
 
 ``FileSystemSecondaryTier`` turns each submitted job into ``block_tasks`` for its

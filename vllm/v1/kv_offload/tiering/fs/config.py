@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Validation of the filesystem tier's config keys (the ``secondary_tiers`` entry of type "fs").
 
 Every key is checked here, before the tier touches the filesystem, and every error names the key,

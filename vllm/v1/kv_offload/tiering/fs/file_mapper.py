@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Where the filesystem tier keeps a run's files: run identity and key -> path mapping.
 
 Layout under ``root_dir``::

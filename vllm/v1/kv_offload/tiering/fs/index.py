@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Capacity accounting of the filesystem tier: which block files exist, how big, in LRU order.
 
 The directory is the source of truth; this index is the tier's exact running account of it, so

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """A thread pool with a load queue and a store queue, and per-job completion tracking.
 
 Two kinds of workers share the two FIFO queues:
@@ -17,14 +19,15 @@ letting tasks already running complete.
 
 from __future__ import annotations
 
-import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class IoTask(ABC):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Asynchronous presence probes of the filesystem tier (one ``stat`` per key, off-thread)."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``FileSystemSecondaryTier``: a crash-safe, capacity-bounded secondary tier on a filesystem.
 
 Registered as tier type ``"fs"``. Blocks are whole primary rows (every worker's slice), one file
@@ -37,7 +39,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
@@ -76,7 +78,7 @@ from vllm.v1.kv_offload.tiering.tier_plumbing import (
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 STORAGE_MEDIUM = "STORAGE"
 """Medium name of the filesystem tier in ``OffloadingEvent.medium``."""

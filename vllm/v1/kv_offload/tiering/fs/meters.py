@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Small thread-safe meters of the filesystem tier: a rate-limited log and an I/O busy clock."""
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ import time
 from collections import Counter
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 _LOG_INTERVAL_S = 10.0
 

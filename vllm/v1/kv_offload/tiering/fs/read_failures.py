@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Bounded retries of block files that keep failing to read with a transient error.
 
 A transient read error (EACCES, EIO, ELOOP, ...) fails the load but keeps the file: one passing

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The reconcile thread of the filesystem tier: the start-up scan, then incremental passes.
 
 Instances sharing a root see each other's files only by reading the directory. Lookups, loads
@@ -26,10 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.fs.meters import RateLimitedLog
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _MTIME_SLACK_S = 1.0
 """A file found by a pass counts as recent if modified at most this long before the previous

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Opening a run's directories under ``root_dir`` and probing what the filesystem supports.
 
 ``RunDirectory.open`` creates (if needed) ``<root>/<model>_<digest>/`` with its ``config.json``
@@ -12,10 +14,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import mmap
 import os
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     buffer_address,
     open_dir,
@@ -24,7 +26,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
 )
 from vllm.v1.kv_offload.tiering.fs.file_mapper import CONFIG_FILE, FileMapper, canonical_json
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

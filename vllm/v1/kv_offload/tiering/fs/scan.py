@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Reading the rank directory back into the index: the start-up scan and every reconcile pass.
 
 The directory is the index of the filesystem tier: a new tier over an existing root serves the
@@ -34,7 +36,6 @@ their parent.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import stat
 import threading
@@ -42,6 +43,7 @@ from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
@@ -58,7 +60,7 @@ from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots, SlotWalkStats
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.fs.store import BlockStore
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """What one tier instance believes about the capacity slots: which are taken, which inode holds
 which slot (``slots``).
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Capacity slots: the hard ``max_bytes`` bound of a run directory shared by any number of tiers.
 
 Every instance that shares a root (processes, or hosts on a shared filesystem such as NFS) sees
@@ -38,12 +40,12 @@ the bound.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
@@ -58,7 +60,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.fs.slot_hints import SlotHints
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 SLOTS_DIR = "slots"
 """Name of the slot directory under the rank directory."""

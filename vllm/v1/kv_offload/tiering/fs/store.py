@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Per-block operations of the filesystem tier, callable from any thread.
 
 ``BlockStore`` combines the file format and system calls (``block_io``) with the capacity index
@@ -29,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Literal
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import MAX_KEY_BYTES, BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
@@ -49,7 +52,7 @@ from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
 
 __all__ = ["BlockStore", "BusyClock", "NoFreeSlot"]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _MAX_EVICTIONS_PER_CLAIM = 8
 """Victims a store evicts, one at a time, to find a free capacity slot before it gives up (a

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Redis secondary tier (type ``"redis"``): blocks shared through a Redis server or cluster.
 
 Modules: ``config`` (tier kwargs), ``client`` (client settings, zero-copy values, error kinds),

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The redis tier's connection to the server: client construction, zero-copy values, errors.
 
 Client settings (measured on redis-py 8, see docs/redis_tier.md):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Validation of the redis tier's config keys (the ``secondary_tiers`` entry of type "redis").
 
 Every key is checked here, before the tier opens a connection, and every error names the key, the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Pipelined ``GET`` and ``SET`` rounds on one pooled connection, values moved in place.
 
 * ``get_into``: replies are received straight into the buffers they belong in. redis-py's reply

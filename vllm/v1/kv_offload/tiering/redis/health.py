@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The redis tier's circuit breaker and the health thread that closes it again.
 
 While the server cannot be reached, every job would wait for a connect or read timeout and every
@@ -13,12 +15,13 @@ The same thread refreshes the server's figures for ``get_stats`` (keys and memor
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger(__name__)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 MIN_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 8.0

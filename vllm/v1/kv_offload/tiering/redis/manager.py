@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``RedisSecondaryTier``: a secondary tier on a Redis (or Valkey) server or Redis Cluster.
 
 Registered as tier type ``"redis"``. One key per block, ``kvo:<namespace>:<hex of the key>``, whose
@@ -28,7 +30,6 @@ Guarantees:
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, TierStats
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
@@ -63,7 +65,7 @@ from vllm.v1.kv_offload.tiering.tier_plumbing import (
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 KEY_PREFIX = "kvo"
 """First component of every key the tier writes."""

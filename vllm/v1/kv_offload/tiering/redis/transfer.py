@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Moving blocks between primary rows and Redis: pipelined stores and verified loads.
 
 Runs on the tier's I/O thread only. Each job is split into rounds of at most
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 import redis.exceptions as rexc
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
@@ -44,7 +47,7 @@ from vllm.v1.kv_offload.tiering.redis.client import (
 )
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 MAX_ROUND_BYTES = 32 << 20
 """Most value bytes in one pipelined round trip (also bounded by ``max_inflight_bytes``): the

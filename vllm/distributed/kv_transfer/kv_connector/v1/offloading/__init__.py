@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The offloading connector: moves KV blocks between the GPU and an ``OffloadingManager``'s tiers.
 
 Modules: ``common`` (metadata exchanged between the halves), ``scheduler`` (scheduler side,

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Metadata exchanged between the two halves of the offloading connector.
 
 Job ids are assigned by the scheduler side (one counter shared by loads and stores, increasing

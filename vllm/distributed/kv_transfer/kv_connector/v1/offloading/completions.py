@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Completing a transfer job every worker reported: the manager call and the counters.
 
 Used by ``OffloadingConnectorScheduler.update_connector_output``; the table of jobs in flight

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Checks of the engine's calls into ``OffloadingConnectorScheduler``, before any state change.
 
 The engine (vLLM's scheduler, or this repository's stand-in) is outside the connector: a call

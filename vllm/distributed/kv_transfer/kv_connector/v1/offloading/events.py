@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The manager's ``OffloadingEvent`` s as KV-cache events (``BlockStored`` / ``BlockRemoved``)."""
 
 from __future__ import annotations

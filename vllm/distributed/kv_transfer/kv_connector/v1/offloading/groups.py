@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """KV-cache groups as the scheduler-side connector sees them: full attention and sliding window.
 
 A hybrid model (Gemma-3- or Llama-4-style) has full-attention groups and sliding-window (SWA)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``TransferJobTable``: the scheduler-side connector's transfer jobs in flight.
 
 The table owns every transfer job from its creation until every worker has reported it, and the

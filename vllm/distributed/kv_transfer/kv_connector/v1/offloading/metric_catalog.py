@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The catalogue of the offloading connector's metrics: name, type, labels, buckets, meaning.
 
 One entry per metric that ``OffloadingConnectorStats`` carries or the Prometheus exporter

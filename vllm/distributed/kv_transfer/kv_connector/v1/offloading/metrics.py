@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Statistics of the scheduler-side offloading connector.
 
 ``OffloadingSchedulerMetrics`` owns what ``OffloadingConnectorScheduler`` counts: jobs and blocks

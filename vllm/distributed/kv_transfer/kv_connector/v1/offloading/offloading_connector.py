@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingConnector``: the KV connector v1 facade over the two halves.
 
 One instance per role: the scheduler-side instance owns an ``OffloadingConnectorScheduler``

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadPromMetrics``: the catalogue's metrics as ``prometheus_client`` objects.
 
 vLLM's ``OffloadPromMetrics`` observes each step's ``KVConnectorStats`` into Prometheus

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``RequestOffloadState``: what the scheduler-side connector tracks for one request.
 
 Besides the request's progress (what was offered to ``prepare_store``, what its lookups found

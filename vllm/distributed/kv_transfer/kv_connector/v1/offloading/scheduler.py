@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingConnectorScheduler``: the scheduler-side half of the offloading connector.
 
 It turns the scheduler's decisions into transfer jobs and drives the ``OffloadingManager``:
@@ -33,7 +35,6 @@ contradict the books raise before any change (``engine_checks``).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterable
@@ -79,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.store_jobs import (
     store_candidates,
     store_gpu_indices,
 )
+from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
 from vllm.v1.kv_offload.base import (
     OffloadingManager,
@@ -98,7 +100,7 @@ __all__ = [
     "TransferJobStatus",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class OffloadingConnectorScheduler:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``SchedulerStatsCollector``: builds the scheduler side's ``OffloadingConnectorStats``.
 
 Counting stays cheap where it happens: the connector, the managers and the tiers keep plain

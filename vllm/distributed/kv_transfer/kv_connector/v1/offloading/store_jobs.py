@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """What a step offers to ``prepare_store``, and the GPU blocks of what the manager accepts.
 
 Helpers of ``OffloadingConnectorScheduler.build_connector_meta`` (its store-job building), kept

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``OffloadingConnectorWorker``: the worker-side half of the offloading connector.
 
 Per engine step, on every worker rank::
@@ -18,7 +20,6 @@ written; deferring its submission to the next step keeps it off the critical pat
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -32,12 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     record_worker_transfer,
 )
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec, WorkerHandlers
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class OffloadingConnectorWorker:
