@@ -20,7 +20,7 @@ import pytest
 from tests.v1.kv_offload.test_tiering_offloading import make_primary, make_spec, to_keys
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from vllm.v1.kv_offload.base import OffloadKey, OffloadKeyStateError, ReqContext
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,

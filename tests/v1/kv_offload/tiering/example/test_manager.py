@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, OffloadPolicy, ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.example.manager import (
     EXAMPLE_MEDIUM,

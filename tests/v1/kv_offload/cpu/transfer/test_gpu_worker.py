@@ -30,9 +30,12 @@ from tests.cuda_helpers import DeviceBuffer
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, current_compute_stream
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.cpu.transfer_handler import CrossDirectionOrder
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.transfer.gpu_worker import (
+    CpuGpuOffloadingHandlers,
+    current_compute_stream,
+)
+from vllm.v1.kv_offload.cpu.transfer.handler import CrossDirectionOrder
 from vllm.v1.kv_offload.worker.canonical import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,

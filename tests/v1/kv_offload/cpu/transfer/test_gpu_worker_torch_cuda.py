@@ -18,7 +18,10 @@ from tests.cuda_helpers import torch_cuda_problem
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, current_compute_stream
+from vllm.v1.kv_offload.cpu.transfer.gpu_worker import (
+    CpuGpuOffloadingHandlers,
+    current_compute_stream,
+)
 from vllm.v1.kv_offload.worker.canonical import KVCacheLayout, build_canonical_kv_caches
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker, TransferSpec
 

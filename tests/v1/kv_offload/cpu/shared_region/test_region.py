@@ -24,19 +24,17 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.v1.kv_offload.cpu import (
-    process_identity,
-    region_prefault,
-    region_publish,
-    region_sweep,
-    region_trailer,
-)
-from vllm.v1.kv_offload.cpu import shared_offload_region as sor
-from vllm.v1.kv_offload.cpu.shared_offload_region import (
+from vllm.v1.kv_offload.cpu.shared_region import (
     ProcessIdentity,
     SharedOffloadRegion,
     SharedRegionError,
+    process_identity,
 )
+from vllm.v1.kv_offload.cpu.shared_region import prefault as region_prefault
+from vllm.v1.kv_offload.cpu.shared_region import publish as region_publish
+from vllm.v1.kv_offload.cpu.shared_region import region as sor
+from vllm.v1.kv_offload.cpu.shared_region import sweep as region_sweep
+from vllm.v1.kv_offload.cpu.shared_region import trailer as region_trailer
 
 PAGE = mmap.PAGESIZE
 

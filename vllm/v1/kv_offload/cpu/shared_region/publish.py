@@ -28,10 +28,10 @@ import stat
 import time
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.cpu.process_identity import current_identity, process_is_alive
-from vllm.v1.kv_offload.cpu.region_files import names_file, temp_path, unlink_if_names
-from vllm.v1.kv_offload.cpu.region_sweep import sweep_stale_regions
-from vllm.v1.kv_offload.cpu.region_trailer import (
+from vllm.v1.kv_offload.cpu.shared_region.files import names_file, temp_path, unlink_if_names
+from vllm.v1.kv_offload.cpu.shared_region.process_identity import current_identity, process_is_alive
+from vllm.v1.kv_offload.cpu.shared_region.sweep import sweep_stale_regions
+from vllm.v1.kv_offload.cpu.shared_region.trailer import (
     FORMAT_VERSION,
     JOINED,
     TRAILER,
