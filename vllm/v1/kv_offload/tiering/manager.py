@@ -52,8 +52,7 @@ from vllm.v1.kv_offload.tiering.jobs import (
     cascade_owner,
 )
 
-# Re-exported: the primary tier lived here before it got its own module, and callers still
-# import it from here.
+# Upstream vLLM's path of the primary tier (its own module here: tiering/primary.py).
 from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
 from vllm.v1.kv_offload.tiering.promotions import PromotionQueue
 from vllm.v1.kv_offload.tiering.stats import TieringStats

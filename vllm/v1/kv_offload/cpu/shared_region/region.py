@@ -15,28 +15,22 @@ Layout (``M = num_workers``, ``S = worker_page_bytes``, ``A = BLOCK_SIZE_ALIGNME
     +-----------------+-----------------+-----+---------------------+-----+
 
     total_bytes = num_blocks * row_bytes (what is mapped), then a metadata area of whole pages
-    (join marks and trailer; see ``region_trailer``).
+    (join marks and trailer; see ``trailer``).
 
 Within a worker's slot, the per-block pages of the worker's KV tensors follow one another in the
 order of ``create_next_worker_view`` calls.
 
-This module holds the region itself (mapping, rows, slots, views, teardown). The rest lives in
-modules of their own, whose public names callers may still import from here:
-
-* ``region_trailer``: the geometry and the on-file metadata (join marks, trailer format).
-* ``region_files``: the files' names, and removing a name only if it still names the same file.
-* ``process_identity``: a creator's identity (pid, start time, pid namespace, boot id) and
-  whether it still runs.
-* ``region_sweep``: the removal of files of dead creators.
-* ``region_publish``: creating or joining the file under its lock (``SharedRegionError``).
-* ``region_prefault``: faulting pages in without disturbing peers' bytes.
+This module holds the region itself (mapping, rows, slots, views, teardown); the rest of the
+package (``vllm.v1.kv_offload.cpu.shared_region``) holds the geometry and trailer (``trailer``),
+the files' names (``files``), the creators' identities (``process_identity``), the sweep of dead
+creators' files (``sweep``), creating or joining the file under its lock (``publish``) and
+prefaulting (``prefault``).
 
 Lifetime: nothing of a dead process may stay in the directory (the region is the whole CPU tier,
 gigabytes of RAM on a tmpfs that no reboot-less process frees). The creator publishes a complete
 file under the region's name; the participant that completes the set of joiners removes the name,
 so from then on the file lives only as long as some participant maps it, even if every process is
-``SIGKILL`` ed; before that, every start sweeps the files of dead creators (``region_publish``,
-``region_sweep``).
+``SIGKILL`` ed; before that, every start sweeps the files of dead creators (``publish``, ``sweep``).
 
 Ownership and protection:
 
@@ -67,25 +61,12 @@ from typing_extensions import override
 
 from vllm.logger import init_logger
 from vllm.utils.closing import ClosingContextManager
-from vllm.v1.kv_offload.cpu.shared_region import prefault as region_prefault
+from vllm.v1.kv_offload.cpu.shared_region import prefault as page_prefault
 from vllm.v1.kv_offload.cpu.shared_region.files import region_path, unlink_if_names
-from vllm.v1.kv_offload.cpu.shared_region.process_identity import (
-    ProcessIdentity,
-    current_identity,
-    process_is_alive,
-)
-from vllm.v1.kv_offload.cpu.shared_region.publish import SharedRegionError, open_region
-from vllm.v1.kv_offload.cpu.shared_region.sweep import sweep_stale_regions
+from vllm.v1.kv_offload.cpu.shared_region.publish import open_region
 from vllm.v1.kv_offload.cpu.shared_region.trailer import RegionGeometry
 
-__all__ = [
-    "ProcessIdentity",
-    "SharedOffloadRegion",
-    "SharedRegionError",
-    "current_identity",
-    "process_is_alive",
-    "sweep_stale_regions",
-]
+__all__ = ["SharedOffloadRegion"]
 
 logger = init_logger(__name__)
 
@@ -109,7 +90,7 @@ class SharedOffloadRegion(ClosingContextManager):
     Every process of an engine instance constructs one over the same file: the scheduler with
     ``rank=None`` (if ``expect_scheduler``) and each worker with its rank. Whoever publishes the
     file first is the creator; the others join it. Once every participant joined, the file's
-    name is removed (see ``region_publish``), so the region's memory is freed when the last
+    name is removed (see ``publish``), so the region's memory is freed when the last
     participant unmaps it, however the processes end.
 
     Args:
@@ -208,7 +189,7 @@ class SharedOffloadRegion(ClosingContextManager):
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
             if prefault:
-                region_prefault.prefault(
+                page_prefault.prefault(
                     self._mm,
                     self._geometry,
                     rank,

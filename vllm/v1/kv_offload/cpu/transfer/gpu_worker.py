@@ -17,8 +17,8 @@ CPU row ``c`` is at ``view_t[c, j*P_t : j*P_t + p]``, ``p`` being the group's un
     CPU row c, worker slot:  | view_0: sub 0 | sub 1 | ... | view_1: sub 0 | sub 1 | ... | ...
                                     P_0       P_0             P_1       P_1
 
-How a job's specs pair GPU blocks with CPU sub-blocks: ``transfer_planner``. How jobs are
-submitted, ordered and reported (streams, events, the model's compute stream): ``transfer_handler``.
+How a job's specs pair GPU blocks with CPU sub-blocks: ``planner``. How jobs are submitted,
+ordered and reported (streams, events, the model's compute stream): ``handler``.
 Both handlers run on the KV cache's device (``CanonicalKVCaches.device_index``) and may be called
 from any thread.
 """
