@@ -905,8 +905,8 @@ class TestCPUPrimaryTier:
             assert view.format == "B"
             assert view.shape == (NUM_PRIMARY_BLOCKS, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)
             keys = to_keys([1, 2])
-            output = primary.prepare_write(keys, _CTX)
-            assert output is not None and output.keys_to_store == keys
+            rows = [primary.reserve_row(key, _CTX) for key in keys]
+            assert rows == [0, 1]
             assert primary.lookup(keys[0], _CTX) is None
             primary.complete_write(keys, _CTX)
             spec = primary.prepare_read(keys, _CTX)
@@ -916,7 +916,7 @@ class TestCPUPrimaryTier:
             primary.complete_read(keys, _CTX)
             assert block.ref_cnt == 0
             failed = to_keys([3])
-            assert primary.prepare_write(failed, _CTX) is not None
+            assert primary.reserve_row(failed[0], _CTX) is not None
             primary.complete_write(failed, _CTX, success=False)
             assert primary.policy.get(failed[0]) is None
         finally:

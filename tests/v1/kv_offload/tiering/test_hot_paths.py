@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiering manager's hot paths keep their semantics.
 
-* A promotion reserves its primary row with ``reserve_row`` (no one-key ``prepare_write`` and no
+* A promotion reserves its primary row with ``reserve_row`` (no one-key ``prepare_store`` and no
   transfer spec): same row, same eviction, same events as ``prepare_store`` of that one key.
 * ``CPULoadStoreSpec.from_rows`` (the manager's own rows, unchecked) builds the spec the checking
   constructor builds.

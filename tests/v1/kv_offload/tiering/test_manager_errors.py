@@ -50,8 +50,8 @@ def setup(
 def snapshot(manager: TieringOffloadingManager) -> Any:
     """Everything a refused call must leave unchanged."""
     primary = manager.primary_tier
-    owners = {ctx.req_id for ctx in (A, B)} | set(primary._pending_loads)
-    owners |= set(primary._pending_stores)
+    owners = {ctx.req_id for ctx in (A, B)} | set(primary._ledger.loads)
+    owners |= set(primary._ledger.stores)
     return (
         sorted((k, b.block_id, b.ref_cnt) for k, b in primary.policy.items()),
         {o: primary.load_pins(o) for o in owners},

@@ -107,7 +107,7 @@ class TieringManagerMachine(RefusalMachine):
     def observe(self) -> Any:
         """Everything a refused call must leave unchanged."""
         manager, primary = self.manager, self.primary
-        owners = set(primary._pending_loads) | set(primary._pending_stores)
+        owners = set(primary._ledger.loads) | set(primary._ledger.stores)
         owners |= {ctx.req_id for ctx in REQS}
         return (
             sorted((key, block.block_id, block.ref_cnt) for key, block in primary.policy.items()),

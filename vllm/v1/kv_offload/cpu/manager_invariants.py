@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
-from vllm.v1.kv_offload.cpu.request_ledger import Ledger
+from vllm.v1.kv_offload.cpu.request_ledger import Calls
 
 
 def check_manager_invariants(
@@ -18,8 +18,8 @@ def check_manager_invariants(
     rows: list[BlockStatus],
     num_allocated: int,
     free_list: list[int],
-    loads: Ledger,
-    stores: Ledger,
+    loads: Calls,
+    stores: Calls,
     pool_error: str,
 ) -> None:
     """Assert every invariant of a manager's state (``CPUOffloadingManager.check_invariants``).

@@ -46,16 +46,16 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.metrics import MetricsRecorder
 from vllm.v1.kv_offload.tiering.base import JobMetadata, SecondaryTierManager
-from vllm.v1.kv_offload.tiering.jobs import (
+
+# Upstream vLLM's path of the primary tier (its own module here: tiering/primary.py).
+from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.stats import TieringStats
+from vllm.v1.kv_offload.tiering.tier_jobs import (
+    PromotionQueue,
     SecondaryTierReportError,
     TierJobTable,
     cascade_owner,
 )
-
-# Upstream vLLM's path of the primary tier (its own module here: tiering/primary.py).
-from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
-from vllm.v1.kv_offload.tiering.promotions import PromotionQueue
-from vllm.v1.kv_offload.tiering.stats import TieringStats
 from vllm.v1.kv_offload.tiering.validation import check_keys_before_poll
 
 __all__ = [
@@ -104,8 +104,9 @@ class TieringOffloadingManager(OffloadingManager):
         * A tier that raises inside ``submit_*`` is treated as having failed the job at once:
           pins are released / reserved rows freed, and no job is left behind.
         * Those pins and reserved rows are owned in the primary by internal contexts, not by the
-          request (``tiering/jobs.py``): the engine's ``complete_load`` / ``complete_store`` for
-          the request can release or publish only what its own ``prepare_*`` calls took.
+          request (``tiering/tier_jobs.py``): the engine's ``complete_load`` /
+          ``complete_store`` for the request can release or publish only what its own
+          ``prepare_*`` calls took.
 
     Errors: every public method validates its arguments and the keys' states before it changes
     anything (as ``CPUOffloadingManager`` does), including before it submits any tier job:
@@ -186,10 +187,6 @@ class TieringOffloadingManager(OffloadingManager):
         if self._processed_jobs_this_step:
             return
         self._processed_jobs_this_step = True
-        self._process_finished_jobs()
-
-    def _process_finished_jobs(self) -> None:
-        """Apply every result the tiers report now (``TierJobTable.poll``; O(results))."""
         self._jobs.poll()
 
     def _cascade(
@@ -519,7 +516,7 @@ class TieringOffloadingManager(OffloadingManager):
             raise self._shut_down_error("reset_cache")
         for tier in self._tiers:
             tier.drain_jobs()
-        self._process_finished_jobs()
+        self._jobs.poll()
         if self._jobs:
             raise SecondaryTierReportError(
                 [

@@ -402,10 +402,3 @@ def test_clear_resets_everything() -> None:
     assert policy.target_t1_size == 0.0
     assert list(policy.b1_keys) == [] and list(policy.b2_keys) == []
     assert policy.evict(1, ()) is None
-
-
-def test_mark_non_evictable_misuse_names_the_key() -> None:
-    policy = ARCCachePolicy(8)
-    policy.insert(k(9), BlockStatus(9))
-    with pytest.raises(AssertionError, match=k(9).hex()):
-        policy.mark_non_evictable(k(9))

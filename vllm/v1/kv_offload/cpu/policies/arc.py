@@ -470,24 +470,6 @@ class ARCCachePolicy(CachePolicy):
         return self._num_resident
 
     @override
-    def mark_evictable(self, key: OffloadKey) -> None:
-        block = self._entries.get(key)
-        if type(block) is not BlockStatus:
-            raise AssertionError(f"mark_evictable: key {key.hex()} is not resident")
-        assert block.ref_cnt == 0, (
-            f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
-        )
-        self.mark_evictable_many((key,))
-
-    @override
-    def mark_non_evictable(self, key: OffloadKey) -> None:
-        # Every resident block with ref_cnt == 0 is evictable: in T2's order or T1's FIFO.
-        block = self._entries.get(key)
-        if type(block) is not BlockStatus or block.ref_cnt != 0:
-            raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
-        self.mark_non_evictable_many((key,))
-
-    @override
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, ref_cnt == 0) just before this call.
         t1 = self._t1
