@@ -23,7 +23,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, NewType, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -159,6 +159,22 @@ def check_offload_key(method: str, key: object, req_context: ReqContext) -> None
             f"{method}: keys must be OffloadKeys (bytes), got {_describe_value(key)} "
             f"(request {req_id!r})"
         )
+
+
+def refuse_after_shutdown(manager: object, methods: Iterable[str]) -> None:
+    """Make each of ``methods`` of ``manager`` raise ``RuntimeError`` from now on.
+
+    A manager's ``shutdown()`` calls this once with the methods that read or change blocks, so
+    that no method tests a shut-down flag on every call: the instance attributes set here
+    shadow the class's methods. The error names the class and the method.
+    """
+    owner = type(manager).__name__
+    for method in methods:
+
+        def refuse(*args: object, _method: str = method, **kwargs: object) -> NoReturn:
+            raise RuntimeError(f"{owner}.{_method}: the manager is shut down")
+
+        setattr(manager, method, refuse)
 
 
 class OffloadKeyStateError(ValueError):

@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     check_offload_key,
     check_offload_keys,
+    refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager_invariants import check_manager_invariants
@@ -29,6 +30,19 @@ from vllm.v1.kv_offload.cpu.request_ledger import RequestLedger
 from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreReuseFilter
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
+# The methods a shut-down manager refuses (``shutdown``): every one that reads or changes blocks.
+_REFUSED_AFTER_SHUTDOWN = (
+    "lookup",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "finish_store",
+    "reserve_row",
+    "on_new_request",
+    "reset_cache",
+)
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
 
@@ -78,8 +92,12 @@ class CPUOffloadingManager(OffloadingManager):
 
     Errors from callers: every public method checks its arguments and the keys' states before
     it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
-    the pins, the slot accounting, the statistics and the events as they were. Internal
-    invariants are asserted; ``check_invariants()`` verifies all of them (O(cache size)).
+    the pins, the slot accounting, the statistics and the events as they were. The checks sit
+    at the public boundary, once: a type check of the keys first (one C-level pass), state
+    checks where the algorithm reads the blocks anyway (a refusal builds its error on a slow
+    path: ``RequestLedger``), and the refusal of every call after ``shutdown()`` in one place
+    (``refuse_after_shutdown``) instead of a flag tested by each method. Internal invariants
+    are asserted; ``check_invariants()`` verifies all of them (O(cache size)).
 
     Every call costs O(keys given) amortised (``prepare_store``: plus the eviction's
     O(victims + keys)); nothing scans the cache except ``reset_cache``.
@@ -181,16 +199,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        if self._shut_down:
-            raise self._shut_down_error("lookup")
+        if key.__class__ is not bytes:
+            check_offload_key("lookup", key, req_context)
         block = self._lookup_get(key)
         if block.__class__ is not BlockStatus:
             # Not get: a miss may be a re-reference (ARC ghost).
             block = self._policy.lookup(key)
         if block is None:
-            # Only a miss can be a non-key: every resident key is bytes.
-            if key.__class__ is not bytes:
-                check_offload_key("lookup", key, req_context)
             self._misses += 1
             return False
         if block.ref_cnt < 0:
@@ -202,8 +217,6 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
-        if self._shut_down:
-            raise self._shut_down_error("prepare_load")
         policy = self._policy
         pinned = keys if type(keys) is tuple else tuple(keys)
         blocks = policy.get_many(pinned)
@@ -232,14 +245,10 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark ``keys`` as recently used; keys that are not resident (or not keys) are ignored."""
-        if self._shut_down:
-            raise self._shut_down_error("touch")
         self._policy.touch(keys)
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self._shut_down:
-            raise self._shut_down_error("complete_load")
         req_id = req_context.req_id
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
@@ -265,8 +274,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self._shut_down:
-            raise self._shut_down_error("prepare_store")
+        if not all(map(isinstance, keys, repeat(bytes))):
+            check_offload_keys("prepare_store", keys, req_context)
         policy = self._policy
         # Order-preserving de-duplication; the dict doubles as the O(1) protected set, which
         # covers every key passed in, already stored ones included.
@@ -277,9 +286,6 @@ class CPUOffloadingManager(OffloadingManager):
         num_new = len(keys_to_store)
         if num_new == 0:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_rows([]))
-        # Resident keys are bytes already: only the new ones can be something else.
-        if not all(map(isinstance, keys_to_store, repeat(bytes))):
-            check_offload_keys("prepare_store", keys, req_context)
 
         allocated = self._allocate_rows(num_new, requested)
         if allocated is None:
@@ -322,8 +328,6 @@ class CPUOffloadingManager(OffloadingManager):
         manager cascades exactly the keys made readable). Each key appears once, in the order
         given.
         """
-        if self._shut_down:
-            raise self._shut_down_error("complete_store")
         req_id = req_context.req_id
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
@@ -368,8 +372,6 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if self._shut_down:
-            raise self._shut_down_error("on_new_request")
         return _BLOCK_LEVEL_CONTEXT
 
     @override
@@ -393,8 +395,6 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             RuntimeError: the manager is shut down.
         """
-        if self._shut_down:
-            raise self._shut_down_error("reset_cache")
         if self._events is not None:
             ready = [key for key, block in self._policy.items() if block.ref_cnt >= 0]
             if ready:
@@ -442,6 +442,7 @@ class CPUOffloadingManager(OffloadingManager):
         own the region release it after calling this.
         """
         self._shut_down = True
+        refuse_after_shutdown(self, _REFUSED_AFTER_SHUTDOWN)
 
     @property
     def is_shut_down(self) -> bool:
@@ -504,8 +505,6 @@ class CPUOffloadingManager(OffloadingManager):
         Returns:
             The row, or None if no row can be freed (nothing changed).
         """
-        if self._shut_down:
-            raise self._shut_down_error("reserve_row")
         policy = self._policy
         assert policy.get(key) is None, f"reserve_row: key {key.hex()} is resident"
         allocated = self._allocate_rows(1, (key,))  # a 1-tuple: O(1) membership
@@ -569,9 +568,6 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt = -1  # a victim was ready (0): now being written
             blocks.append(block)
         return blocks, evicted_keys
-
-    def _shut_down_error(self, method: str) -> RuntimeError:
-        return RuntimeError(f"{type(self).__name__}.{method}: the manager is shut down")
 
     def _pool_error(self) -> str:
         return (
