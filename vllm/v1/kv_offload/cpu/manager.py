@@ -23,7 +23,6 @@ from vllm.v1.kv_offload.base import (
     refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.manager_invariants import check_manager_invariants
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
 from vllm.v1.kv_offload.cpu.request_ledger import RequestLedger
@@ -87,8 +86,7 @@ class CPUOffloadingManager(OffloadingManager):
     writing is refused instead of publishing a row a worker still writes. Keys a
     ``complete_store`` names that are absent or already stored are ignored, as upstream vLLM's
     contract says. Completions that match one outstanding call exactly (what the connector
-    sends) cost O(keys); partial ones O(the request's outstanding keys). The full invariant
-    check is in ``vllm.v1.kv_offload.cpu.manager_invariants``.
+    sends) cost O(keys); partial ones O(the request's outstanding keys).
 
     Errors from callers: every public method checks its arguments and the keys' states before
     it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
@@ -97,7 +95,7 @@ class CPUOffloadingManager(OffloadingManager):
     checks where the algorithm reads the blocks anyway (a refusal builds its error on a slow
     path: ``RequestLedger``), and the refusal of every call after ``shutdown()`` in one place
     (``refuse_after_shutdown``) instead of a flag tested by each method. Internal invariants
-    are asserted; ``check_invariants()`` verifies all of them (O(cache size)).
+    are asserted where they are cheap; the tests check all of them after every step.
 
     Every call costs O(keys given) amortised (``prepare_store``: plus the eviction's
     O(victims + keys)); nothing scans the cache except ``reset_cache``.
@@ -181,14 +179,6 @@ class CPUOffloadingManager(OffloadingManager):
     def num_free_blocks(self) -> int:
         """Number of slots held by no block (not counting evictable ones)."""
         return len(self._free_list) + self._num_blocks - self._num_allocated
-
-    @property
-    def resident_probe(self) -> Callable[[OffloadKey], Any]:
-        """``lookup``'s first probe, ``get`` of the policy's ``lookup_table()`` (or of an empty
-        dict): a result of type exactly ``BlockStatus`` is the key's resident block, anything
-        else means asking ``policy.lookup``. For a manager that fronts this one and answers
-        lookups itself (the tiering manager); read-only."""
-        return self._lookup_get
 
     @property
     def policy(self) -> CachePolicy:
@@ -449,48 +439,11 @@ class CPUOffloadingManager(OffloadingManager):
         """Whether ``shutdown()`` was called."""
         return self._shut_down
 
-    # -- pins and pending stores --------------------------------------------------------------
-
-    def load_pins(self, req_id: str) -> dict[OffloadKey, int]:
-        """The pins request ``req_id`` holds: key -> number of outstanding ``prepare_load`` s.
-
-        A snapshot, O(the request's outstanding keys); for tests and diagnostics.
-        """
-        pins: dict[OffloadKey, int] = {}
-        for load in self._ledger.loads.get(req_id, ()):
-            for key in load:
-                pins[key] = pins.get(key, 0) + 1
-        return pins
-
-    def pending_stores(self, req_id: str) -> list[OffloadKey]:
-        """The keys request ``req_id`` prepared to store and has not completed, in order.
-
-        A snapshot, O(the request's pending keys); for tests and diagnostics.
-        """
-        return [key for store in self._ledger.stores.get(req_id, ()) for key in store]
+    # -- for the tiering manager ----------------------------------------------------------------
 
     def has_pending_stores(self, req_id: str) -> bool:
         """Whether request ``req_id`` has a prepared store it has not completed (O(1))."""
         return self._ledger.has_pending_stores(req_id)
-
-    def check_invariants(self) -> None:
-        """Assert every internal invariant; O(cache size), for tests and debugging.
-
-        Slot accounting; each ready block's ``ref_cnt`` equals its pins in outstanding loads;
-        each block being written is pending in exactly one request's stores; no empty entries;
-        the row status pool (``vllm.v1.kv_offload.cpu.manager_invariants``). Internal
-        invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure is a bug
-        of the manager, never of its caller.
-        """
-        check_manager_invariants(
-            self._policy,
-            self._rows,
-            self._num_allocated,
-            self._free_list,
-            self._ledger.loads,
-            self._ledger.stores,
-            self._pool_error(),
-        )
 
     def reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
         """Reserve a row for block ``key`` (not resident) that a secondary tier will write.
@@ -558,7 +511,7 @@ class CPUOffloadingManager(OffloadingManager):
                 OffloadingEvent(keys=list(evicted_keys), medium=CPU_MEDIUM, removed=True)
             )
         # Every free row is taken, then the victims' rows (a victim's status object is its
-        # row's, ``rows[victim.block_id]``; check_invariants verifies the row status pool).
+        # row's, ``rows[victim.block_id]``).
         blocks = rows[num_allocated:]
         self._num_allocated = self._num_blocks
         if free_list:

@@ -162,7 +162,10 @@ class TieringOffloadingManager(OffloadingManager):
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
         # The primary's two lookup probes, bound once: lookup() calls them directly.
-        self._primary_lookup_get = primary_tier.resident_probe
+        # (see CachePolicy.lookup_table: an entry of type exactly BlockStatus is the key's
+        # resident block; anything else, or no entry, means asking policy.lookup).
+        table = primary_tier.policy.lookup_table()
+        self._primary_lookup_get = (table if table is not None else {}).get
         self._primary_policy_lookup = primary_tier.policy.lookup
         # Counters for get_stats(); lookups are the primary's hits and misses.
         self._lookup_hits = 0

@@ -165,10 +165,6 @@ class PromotionQueue:
         promoting = self.promoting
         return tuple(key for key in keys if key.__class__ is not bytes or key not in promoting)
 
-    def queued_keys(self) -> list[OffloadKey]:
-        """Every key queued and not submitted yet (tests and diagnostics)."""
-        return [key for pending in self._pending for b in pending.values() for key in b.keys]
-
     def clear(self) -> None:
         """Forget every batch and promotion (``reset_cache``: the primary frees the rows)."""
         for tier_idx in range(len(self._pending)):

@@ -603,6 +603,7 @@ def test_prefault_other_madvise_errors_raise(tmp_path: Path) -> None:
     with _region(tmp_path, prefault=False) as region:
         mm: Any = _MadviseFails()
         with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
+            # The populate step alone (the region prefaults at creation, and then only once).
             region_prefault._madvise_populate(
                 mm, region._geometry, 0, region.row_bytes, region.path, str(tmp_path)
             )

@@ -615,6 +615,7 @@ def test_cuda_copy_failure_is_reported_in_order(setups: list[Setup]) -> None:
     assert LIB is not None
     s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[0], "kernel")
     setups.append(s)
+    # Host registration is the handlers' own resource; nothing public reports it.
     [ptr] = s.handlers._registered
     first = s.submit(TransferSpec(GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([1])))
     s.worker.wait({first})

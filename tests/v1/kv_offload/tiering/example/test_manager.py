@@ -179,6 +179,7 @@ def test_shutdown_releases_the_primary_view(
     harness = Harness(tmp_path)
     tier = harness.tier()
     tier.submit_store(harness.job(keys(1), [0], promotion=False))
+    # The primary owns its region and lends only the rows (get_kv_memoryview).
     region = harness.primary._mmap_region
     with caplog.at_level(logging.WARNING):
         harness.close()

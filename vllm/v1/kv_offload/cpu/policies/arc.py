@@ -150,29 +150,6 @@ class ARCCachePolicy(CachePolicy):
         self._b2 = LazyFIFO()
         self.target_t1_size: float = 0.0
 
-    # -- introspection (O(size): tests and debugging only) -----------------------------------
-
-    @property
-    def t1_keys(self) -> set[OffloadKey]:
-        """Keys resident in T1."""
-        resident = {key for key, v in self._entries.items() if type(v) is BlockStatus}
-        return resident - self.t2_keys
-
-    @property
-    def t2_keys(self) -> set[OffloadKey]:
-        """Keys resident in T2."""
-        return {*self._t2, *self._t2_parked}
-
-    @property
-    def b1_keys(self) -> list[OffloadKey]:
-        """Ghost keys evicted from T1, oldest first."""
-        return self._b1.live_keys()
-
-    @property
-    def b2_keys(self) -> list[OffloadKey]:
-        """Ghost keys evicted from T2, oldest first."""
-        return self._b2.live_keys()
-
     @property
     def num_evictable(self) -> int:
         """Number of blocks with ``ref_cnt == 0`` (O(1))."""
