@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import (
     EXAMPLE_MEDIUM,
     ExampleSecondaryTierManager,
@@ -131,14 +131,14 @@ class RecordingTier(ExampleSecondaryTierManager):
         return super().lookup(key, req_context)
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.log.append((self.name, "submit_store", tuple(job.keys), job.req_context))
         if self.raise_in_submit:
             raise OSError("injected submit_store failure")
         super().submit_store(job)
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.log.append((self.name, "submit_load", tuple(job.keys), job.req_context))
         if self.raise_in_submit:
             raise OSError("injected submit_load failure")
@@ -200,12 +200,12 @@ class MinimalTier(SecondaryTierManager):
         return key in self.blocks
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.blocks.update(job.keys)
         self.finished.append(JobResult(job.job_id, True))
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.finished.append(JobResult(job.job_id, all(k in self.blocks for k in job.keys)))
 
     @override
@@ -947,13 +947,13 @@ class JobRecorder:
     """Shared by the test tiers: tracks every job from submission to its report."""
 
     def __init__(self) -> None:
-        self.in_flight: dict[int, JobMetadata] = {}
+        self.in_flight: dict[int, TierJob] = {}
         self.reported: set[int] = set()
         self.finished_calls: dict[tuple[str, str], int] = {}
         # get_finished_jobs calls, over every tier.
         self.polls = 0
 
-    def on_submit(self, job: JobMetadata) -> None:
+    def on_submit(self, job: TierJob) -> None:
         assert job.job_id not in self.in_flight and job.job_id not in self.reported, (
             f"job id {job.job_id} reused"
         )
@@ -986,12 +986,12 @@ class RecordedExampleTier(ExampleSecondaryTierManager):
         self.recorder = recorder
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         super().submit_store(job)
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         super().submit_load(job)
 
@@ -1019,7 +1019,7 @@ class AsyncTestTier(SecondaryTierManager):
         self.recorder = recorder
         self._rows: npt.NDArray[np.uint8] | None = np.asarray(view)
         self.blocks: dict[OffloadKey, bytes] = {}
-        self.running: dict[int, JobMetadata] = {}
+        self.running: dict[int, TierJob] = {}
         self.polls_seen: dict[int, int] = {}
         self.fail_job_ids: set[int] = set()
         self.done: list[JobResult] = []
@@ -1029,13 +1029,13 @@ class AsyncTestTier(SecondaryTierManager):
         return key in self.blocks
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         self.running[job.job_id] = job
         self.polls_seen[job.job_id] = 0
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         self.running[job.job_id] = job
         self.polls_seen[job.job_id] = 0

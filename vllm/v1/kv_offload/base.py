@@ -373,9 +373,13 @@ class TierStats:
 class OffloadingManager(ABC):
     """Tracks which blocks are offloaded and where; runs on the scheduler thread.
 
-    No method may block: each call does bookkeeping proportional to the keys it is given. Data is
-    moved elsewhere (worker-side handlers, tier I/O threads) and reported back through
-    ``complete_load`` / ``complete_store``.
+    No method waits for I/O, with one exception: each call does bookkeeping proportional to the
+    keys it is given, and data is moved elsewhere (worker-side handlers, tier I/O threads) and
+    reported back through ``complete_load`` / ``complete_store``. The exception is
+    ``reset_cache``: a manager with jobs of its own in flight (the tiering manager's secondary
+    tiers) waits there until they finished (``SecondaryTierManager.drain_jobs``), since the rows
+    they copy are about to be reused, as upstream vLLM's tiering manager does. The engine calls
+    it only between serving phases (sleep, weight update).
 
     Protection semantics: a block is *readable* once its store completed successfully. Between
     ``prepare_load`` and ``complete_load`` it is pinned and cannot be evicted. Between
@@ -515,7 +519,12 @@ class OffloadingManager(ABC):
         return False
 
     def reset_cache(self) -> None:  # noqa: B027
-        """Drop every offloaded block and reset internal state. Default: no-op."""
+        """Drop every offloaded block and reset internal state. Default: no-op.
+
+        The one call that may wait: for the manager's own jobs in flight (see the class
+        docstring). The caller guarantees that no ``complete_*`` call for a job prepared before
+        the reset follows.
+        """
 
     def promotion_source(self, key: OffloadKey) -> str | None:
         """The type name of the tier ``key`` is being promoted from, while it is.

@@ -14,7 +14,7 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.config import SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
@@ -33,11 +33,11 @@ class OutOfTreeTier(SecondaryTierManager):
         return False
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         raise NotImplementedError
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         raise NotImplementedError
 
     @override

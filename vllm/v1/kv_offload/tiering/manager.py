@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.metrics import MetricsRecorder
-from vllm.v1.kv_offload.tiering.base import JobMetadata, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TierJob
 
 # Upstream vLLM's path of the primary tier (its own module here: tiering/primary.py).
 from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
@@ -227,7 +227,7 @@ class TieringOffloadingManager(OffloadingManager):
             owner = self._cascade_owners[tier_idx]
             spec = self._primary.prepare_read(keys, owner)
             assert isinstance(spec, CPULoadStoreSpec), f"primary returned {type(spec).__name__}"
-            job = JobMetadata(
+            job = TierJob(
                 job_id=job_id,
                 keys=keys,
                 block_ids=spec.block_ids,
@@ -252,7 +252,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _flush_pending_promotions(self) -> None:
         """Submit the step's promotions: one ``submit_load`` per (tier, request)."""
         for tier_idx, req_id, batch in self._promotions.take_all():
-            job = JobMetadata(
+            job = TierJob(
                 job_id=self._jobs.new_id(),
                 keys=tuple(batch.keys),
                 block_ids=np.array(batch.block_ids, dtype=np.int64),

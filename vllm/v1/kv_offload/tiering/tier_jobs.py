@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobId, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.stats import TieringStats
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class InFlightJob(NamedTuple):
     """
 
     tier_idx: int
-    job: JobMetadata
+    job: TierJob
     owner: ReqContext
     submitted_at: float = 0.0
 
@@ -244,7 +244,7 @@ class TierJobTable:
         self._next_job_id += 1
         return job_id
 
-    def submit(self, tier_idx: int, job: JobMetadata, owner: ReqContext) -> None:
+    def submit(self, tier_idx: int, job: TierJob, owner: ReqContext) -> None:
         """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
         tier = self._tiers[tier_idx]
         entry = InFlightJob(tier_idx, job, owner, time.perf_counter())

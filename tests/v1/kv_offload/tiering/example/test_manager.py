@@ -14,7 +14,7 @@ import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, OffloadPolicy, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.tiering.base import JobResult, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import (
     EXAMPLE_MEDIUM,
     ExampleSecondaryTierManager,
@@ -44,9 +44,9 @@ class Harness:
         self.tiers.append(tier)
         return tier
 
-    def job(self, job_keys: list[OffloadKey], rows: list[int], promotion: bool) -> JobMetadata:
+    def job(self, job_keys: list[OffloadKey], rows: list[int], promotion: bool) -> TierJob:
         self.next_job += 1
-        return JobMetadata(self.next_job, job_keys, np.array(rows, np.int64), promotion, CTX)
+        return TierJob(self.next_job, job_keys, np.array(rows, np.int64), promotion, CTX)
 
     def fill(self, row: int, value: int) -> None:
         self.rows[row] = value
