@@ -52,19 +52,11 @@ class RequestLedger:
 
     def add_load(self, req_id: str, keys: tuple[OffloadKey, ...]) -> None:
         """Record a ``prepare_load`` of ``keys`` (non-empty) by request ``req_id``."""
-        calls = self.loads.get(req_id)
-        if calls is None:
-            self.loads[req_id] = [keys]
-        else:
-            calls.append(keys)
+        _add_call(self.loads, req_id, keys)
 
     def add_store(self, req_id: str, keys: tuple[OffloadKey, ...]) -> None:
         """Record a pending store of ``keys`` (non-empty, new) by request ``req_id``."""
-        calls = self.stores.get(req_id)
-        if calls is None:
-            self.stores[req_id] = [keys]
-        else:
-            calls.append(keys)
+        _add_call(self.stores, req_id, keys)
 
     def take_load(self, req_id: str, keys: tuple[OffloadKey, ...]) -> bool:
         """Remove the request's outstanding load of exactly ``keys``; whether there was one."""
@@ -235,3 +227,12 @@ def _take_call(calls_by_req: Calls, req_id: str, keys: tuple[OffloadKey, ...]) -
     if not calls:
         del calls_by_req[req_id]
     return True
+
+
+def _add_call(calls_by_req: Calls, req_id: str, keys: tuple[OffloadKey, ...]) -> None:
+    """Append ``keys`` to ``calls_by_req[req_id]`` (creating the request's list)."""
+    calls = calls_by_req.get(req_id)
+    if calls is None:
+        calls_by_req[req_id] = [keys]
+    else:
+        calls.append(keys)
