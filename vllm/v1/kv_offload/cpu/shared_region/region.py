@@ -59,9 +59,9 @@ import sys
 import torch
 from typing_extensions import override
 
+import vllm.v1.kv_offload.cpu.shared_region.prefault as page_prefault
 from vllm.logger import init_logger
 from vllm.utils.closing import ClosingContextManager
-from vllm.v1.kv_offload.cpu.shared_region import prefault as page_prefault
 from vllm.v1.kv_offload.cpu.shared_region.files import region_path, unlink_if_names
 from vllm.v1.kv_offload.cpu.shared_region.publish import open_region
 from vllm.v1.kv_offload.cpu.shared_region.trailer import RegionGeometry
