@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 
 from .workload_args import command_env, workload_args
 
@@ -46,9 +46,9 @@ ARGS = [
 WRAPPER = r"""
 import os, sys, time
 
-from vllm.entrypoints.cli import run as cli_run
+from vllm.entrypoints.cli.config import TiersConfig
 from vllm.entrypoints.cli.main import main
-from vllm.v1.kv_offload.cpu import shared_offload_region as sor
+from vllm.v1.kv_offload.cpu.shared_region import region as sor
 
 REGION_DIR = os.environ["KVO_TEST_REGION_DIR"]
 STOP_AT = os.environ.get("KVO_TEST_STOP_AT", "")
@@ -68,16 +68,16 @@ def stop():
         time.sleep(60)
 
 
-_extra_config = cli_run.extra_config
+_connector_config = TiersConfig.connector_config
 
 
-def extra_config(opts):
-    cfg = _extra_config(opts)
+def connector_config(self):
+    cfg = _connector_config(self)
     cfg["shared_region_dir"] = REGION_DIR
     return cfg
 
 
-cli_run.extra_config = extra_config
+TiersConfig.connector_config = connector_config
 
 Region = sor.SharedOffloadRegion
 _init = Region.__init__
