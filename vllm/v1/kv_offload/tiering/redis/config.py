@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError, parse_size
+from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 """Schemes ``url`` may use: TCP, TCP with TLS, and a Unix domain socket."""
@@ -84,6 +85,8 @@ class RedisTierConfig:
             running (a store submitted above it fails at once: the block is just not in Redis),
             and of values in one pipelined round trip (also capped at 32 MiB, see
             ``transfer.MAX_ROUND_BYTES``). At least one block value.
+        integrity: the fleet's integrity key (``block_format.IntegrityKey``, from the
+            ``integrity_key_env`` or ``integrity_key_file`` key); None: blocks carry CRCs only.
     """
 
     url: str
@@ -92,6 +95,7 @@ class RedisTierConfig:
     ttl_s: float | None = None
     timeout_s: float = 2.0
     max_inflight_bytes: int = 256 << 20
+    integrity: IntegrityKey | None = None
 
     @classmethod
     def from_kwargs(
@@ -103,11 +107,13 @@ class RedisTierConfig:
         ttl_s: Any = None,
         timeout_s: Any = 2.0,
         max_inflight_bytes: Any = 256 << 20,
+        integrity_key_env: Any = None,
+        integrity_key_file: Any = None,
     ) -> RedisTierConfig:
-        """Validate raw config values (e.g. decoded JSON).
+        """Validate raw config values (e.g. decoded JSON); reads the integrity secret.
 
         Raises:
-            ValueError: a missing ``url`` or any invalid value, naming the key.
+            ValueError: a missing ``url`` or any invalid value, naming the key (never a secret).
         """
         url = _url(url)
         if not isinstance(cluster, bool):
@@ -129,4 +135,7 @@ class RedisTierConfig:
             ttl_s=None if ttl_s is None else _seconds("ttl_s", ttl_s),
             timeout_s=_seconds("timeout_s", timeout_s),
             max_inflight_bytes=inflight,
+            integrity=IntegrityKey.from_config(
+                env=integrity_key_env, file=integrity_key_file, tier="redis"
+            ),
         )

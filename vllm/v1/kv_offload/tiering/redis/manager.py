@@ -7,6 +7,14 @@ value is the shared block format (``tiering.block_format``: a 4 KiB header bindi
 its key and run, with a CRC-32C of the payload, then the primary row). Several engine instances
 pointed at the same server and namespace share their blocks: what one stored, the others find.
 
+With a fleet secret (``integrity_key_env`` / ``integrity_key_file``) every value also carries a
+MAC (``block_format.IntegrityKey``) and keys are ``kvo@<key id>:<namespace>:<hex of the key>``:
+instances with the same secret share blocks, and a fleet that changes its secret starts on a key
+space of its own, where it never reads the old values (they age out by the server's eviction
+policy or ``ttl_s``). A value there that does not authenticate is never served: it is deleted and
+counted (``forged_removed``: a MAC that does not verify; ``unauthenticated_removed``: a value
+written without the key, or with another, which no instance of the fleet writes there).
+
 Capacity belongs to the server (``maxmemory`` and its eviction policy, see docs/redis_tier.md):
 the tier never evicts; a block the server evicted is a miss.
 
@@ -40,7 +48,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, TierStats
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
-from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, IntegrityKey
 from vllm.v1.kv_offload.tiering.redis.client import (
     RedisClient,
     Router,
@@ -63,6 +71,15 @@ logger = init_logger(__name__)
 
 KEY_PREFIX = "kvo"
 """First component of every key the tier writes."""
+
+
+def key_prefix(namespace: str, integrity: IntegrityKey | None) -> bytes:
+    """What every key of ``namespace`` starts with: ``kvo:<namespace>:``, or with a fleet secret
+    ``kvo@<key id>:<namespace>:`` (a namespace cannot contain ``@``, so the two never meet)."""
+    if integrity is None:
+        return f"{KEY_PREFIX}:{namespace}:".encode()
+    return f"{KEY_PREFIX}@{integrity.key_id.hex()}:{namespace}:".encode()
+
 
 STORE_BATCH_BYTES = 64 << 20
 """Most bytes of queued store jobs the I/O thread takes as one batch (``store_many``)."""
@@ -104,6 +121,8 @@ class RedisSecondaryTier(AsyncLookupTier):
         ttl_s: expiry of stored blocks (default none).
         timeout_s: connect and command timeout (default 2).
         max_inflight_bytes: bytes per round trip and of queued stores (default 256 MiB).
+        integrity_key_env, integrity_key_file: where the fleet secret is (an environment
+            variable's name, or a file readable by its owner only); default: no MAC.
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape, or
@@ -126,6 +145,8 @@ class RedisSecondaryTier(AsyncLookupTier):
         ttl_s: float | None = None,
         timeout_s: float = 2.0,
         max_inflight_bytes: int | str = 256 << 20,
+        integrity_key_env: str | None = None,
+        integrity_key_file: str | None = None,
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
@@ -136,6 +157,8 @@ class RedisSecondaryTier(AsyncLookupTier):
             ttl_s=ttl_s,
             timeout_s=timeout_s,
             max_inflight_bytes=max_inflight_bytes,
+            integrity_key_env=integrity_key_env,
+            integrity_key_file=integrity_key_file,
         )
         view = primary_kv_view
         self._num_rows, self._row_bytes = primary_view_rows(view, "redis")
@@ -161,7 +184,8 @@ class RedisSecondaryTier(AsyncLookupTier):
             self._flat,
             row_bytes=self._row_bytes,
             run_digest=self.run_digest,
-            key_prefix=f"{KEY_PREFIX}:{self.namespace}:".encode(),
+            key_prefix=key_prefix(self.namespace, config.integrity),
+            integrity=config.integrity,
             ttl_ms=None if config.ttl_s is None else max(1, round(config.ttl_s * 1000)),
             max_round_bytes=config.max_inflight_bytes,
             breaker=self._breaker,
@@ -191,7 +215,7 @@ class RedisSecondaryTier(AsyncLookupTier):
         self._health.start()
         logger.info(
             "redis tier: %s%s, namespace %s, %d-byte values, ttl %s, timeout %.3g s, "
-            "max_inflight_bytes %d",
+            "max_inflight_bytes %d, %s",
             config.url,
             " (cluster)" if config.cluster else "",
             self.namespace,
@@ -199,6 +223,9 @@ class RedisSecondaryTier(AsyncLookupTier):
             "none" if config.ttl_s is None else f"{config.ttl_s:g} s",
             config.timeout_s,
             config.max_inflight_bytes,
+            "blocks not authenticated (CRC only)"
+            if config.integrity is None
+            else f"blocks authenticated (HMAC-SHA256, key id {config.integrity.key_id.hex()})",
         )
 
     # -----------------------------------------------------------------------------------------
@@ -214,6 +241,11 @@ class RedisSecondaryTier(AsyncLookupTier):
     def client(self) -> RedisClient:
         """The client (thread-safe; for tests and tools)."""
         return self._client
+
+    @property
+    def integrity_key_id(self) -> bytes | None:
+        """The key id of the fleet secret blocks are authenticated with; None without one."""
+        return None if self._config.integrity is None else self._config.integrity.key_id
 
     @property
     def breaker_open(self) -> bool:

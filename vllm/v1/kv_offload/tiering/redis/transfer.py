@@ -13,10 +13,12 @@ redirection during a resharding or failover sends keys to: ``client.Router``).
   followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
 * Load: ``GET`` rounds whose values are received straight into the job's primary rows (header
   aside, ``direct_io``), then verified (size, then header, key, run and checksum of the payload:
-  ``block_format.verify_parts``); the rows are reserved for the job, and the manager frees
-  the rows of a failed job without serving them. A missing value (evicted or expired since the
-  lookup) fails the job and is counted as a server miss; an invalid one fails the job, is
-  deleted, counted and logged.
+  ``block_format.verify_parts``, and the MAC with a fleet secret); the rows are reserved for
+  the job, and the manager frees the rows of a failed job without serving them. A missing value
+  (evicted or expired since the lookup) fails the job and is counted as a server miss; an
+  invalid one fails the job, is deleted, counted and logged: ``corrupt_removed`` for accidents
+  (CRC, size, key, run), ``forged_removed`` for a MAC that does not verify,
+  ``unauthenticated_removed`` for a value without the fleet's MAC in the fleet's key space.
 
 A job succeeds or fails as a whole. Nothing is retried here: a failed load is recomputed by the
 connector, a failed store only means the block is absent from Redis.
@@ -36,6 +38,9 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
+    BlockForged,
+    BlockNotAuthenticated,
+    IntegrityKey,
     encode_block_header,
     verify_parts,
 )
@@ -62,6 +67,8 @@ COUNTER_NAMES = (
     "bytes_loaded",
     "server_misses",
     "corrupt_removed",
+    "forged_removed",
+    "unauthenticated_removed",
     "store_failures",
     "load_failures",
     "stores_dropped",
@@ -121,8 +128,10 @@ class BlockTransfer:
         breaker: CircuitBreaker,
         counters: Counters,
         name: str,
+        integrity: IntegrityKey | None = None,
     ) -> None:
         self._router = router
+        self._integrity = integrity
         self._flat = flat
         self._row_bytes = row_bytes
         self._run_digest = run_digest
@@ -201,7 +210,7 @@ class BlockTransfer:
         def value(i: int) -> object:
             key, block_id = chunk[i]
             row = self._flat[block_id * rb : (block_id + 1) * rb]
-            header = encode_block_header(key, self._run_digest, row)
+            header = encode_block_header(key, self._run_digest, row, integrity=self._integrity)
             return self._router.value(BlockValue(header, row))
 
         replies = self._router.set_streamed(rkeys, value, px=self._ttl_ms)
@@ -252,7 +261,7 @@ class BlockTransfer:
         replies = self._router.get_into(rkeys, dests)
         self._raise_if_unreachable(replies)
         failed: list[OffloadKey] = []
-        corrupt: list[bytes] = []
+        invalid: dict[str, list[bytes]] = {}  # counter name -> Redis keys to delete
         loaded = 0
         for (key, _), reply, (header, row) in zip(chunk, replies, dests, strict=True):
             if isinstance(reply, Exception):
@@ -265,31 +274,45 @@ class BlockTransfer:
             try:
                 if reply is not True:
                     raise BlockFileCorrupt(f"{reply} bytes, expected {self._value_bytes}")
-                verify_parts(header, row, key=key, run_digest=self._run_digest)
-            except BlockFileCorrupt as e:
+                verify_parts(
+                    header, row, key=key, run_digest=self._run_digest, integrity=self._integrity
+                )
+            except (BlockFileCorrupt, BlockNotAuthenticated) as e:
+                if isinstance(e, BlockForged):
+                    counter, what = "forged_removed", "failed authentication"
+                elif isinstance(e, BlockNotAuthenticated):
+                    # In the fleet's own key space (``manager.key_prefix``), where no instance
+                    # writes anything but values under its key: garbage or an attack.
+                    counter, what = "unauthenticated_removed", "is not authenticated"
+                else:
+                    counter, what = "corrupt_removed", "is invalid"
+                rkey = self.redis_key(key)
                 logger.warning(
-                    "redis tier %s: value of %s is invalid (%s); deleted, the load fails",
+                    "redis tier %s: value of %s %s (%s); deleted, the load fails",
                     self._name,
-                    self.redis_key(key).decode(),
+                    rkey.decode(),
+                    what,
                     e.reason,
                 )
-                corrupt.append(self.redis_key(key))
+                invalid.setdefault(counter, []).append(rkey)
                 failed.append(key)
                 continue
             loaded += 1
         self._counters.add(blocks_loaded=loaded, bytes_loaded=loaded * rb)
-        if corrupt:
-            self._delete(corrupt)
+        for counter, rkeys in invalid.items():
+            if self._delete(rkeys):
+                self._counters.add(**{counter: len(rkeys)})
         return failed
 
-    def _delete(self, redis_keys: list[bytes]) -> None:
-        """Delete invalid values so that no lookup finds them again (best effort)."""
+    def _delete(self, redis_keys: list[bytes]) -> bool:
+        """Delete invalid values so that no lookup finds them again (best effort); whether the
+        round trip succeeded."""
         try:
             self._router.execute(redis_keys, lambda pipe, i: pipe.delete(redis_keys[i]))
         except Exception as e:
             self._failed("delete of invalid values", len(redis_keys), e)
-            return
-        self._counters.add(corrupt_removed=len(redis_keys))
+            return False
+        return True
 
     # -----------------------------------------------------------------------------------------
     # Helpers
