@@ -73,13 +73,14 @@ from __future__ import annotations
 
 import hmac
 import os
-import stat
 import struct
 import zlib
 from dataclasses import dataclass
 
 import crc32c
 from typing_extensions import override
+
+from vllm.v1.kv_offload.tiering.secret_files import read_private_file
 
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
@@ -195,19 +196,7 @@ class IntegrityKey:
                 by other users (group or others), or holds fewer than ``MIN_SECRET_BYTES``. The
                 message names the path, never the contents.
         """
-        try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise ValueError(f"integrity key file {path!r} is not a regular file")
-                if st.st_mode & 0o077:
-                    raise ValueError(
-                        f"integrity key file {path!r} is accessible to other users (mode "
-                        f"{stat.S_IMODE(st.st_mode):04o}); make it private: chmod 600"
-                    )
-                secret = f.read()
-        except OSError as e:
-            raise ValueError(f"integrity key file {path!r} cannot be read: {e.strerror}") from None
+        secret = read_private_file(path, "integrity key file")
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(
                 f"integrity key file {path!r} holds {len(secret)} bytes; at least "

@@ -60,7 +60,7 @@ def test_defaults_and_sizes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({}, "'url' is required"),
+        ({}, r"'url' \(or 'url_env'\) is required"),
         ({"url": "http://h:1"}, "'url'"),
         ({"url": "redis://h:99999"}, "'url'"),
         ({"url": "redis://"}, "'url'"),
