@@ -2,9 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Throughput of the redis tier against raw pipelined SET/GET of the same bytes.
 
-For each block size, in the same run, against the same server, through the same client (the tier's
-own ``redis.Redis``, with its packer and read buffer), the four measurements are interleaved, round
-after round, so that a noisy neighbour slows all of them alike:
+For each block size, in the same run, against the same server, the measurements are interleaved,
+round after round, so that a noisy neighbour slows all of them alike. The raw baseline is redis-py
+at its fastest for these values: the tier's client settings (RESP2, read buffer, timeouts), with
+redis-py's pure-Python command packer, which sends a memoryview argument without copying it
+(hiredis's packer, the default, copies it twice), and hiredis parsing the replies. The tier moves
+its values over its own connections (``tiering/redis/direct_io.py``).
 
 * raw store: pipelined ``SET key row`` of every row, as many per pipeline as a tier job has
   blocks (``--blocks-per-job``), the row passed as a memoryview;
@@ -57,6 +60,7 @@ from functools import partial
 import numpy as np
 import redis
 from _common import bench_keys, bench_spec
+from redis.connection import Encoder, PythonRespSerializer
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.sizes import parse_size
@@ -170,8 +174,15 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
         )
         for env in (None, _SECRET_ENV)
     )
-    client = tier.client
-    assert isinstance(client, redis.Redis)
+    pool = tier.client.connection_pool
+    assert isinstance(pool, redis.ConnectionPool)
+    client = redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            # The baseline's packer (benchmark only): redis-py's pure-Python one, see above.
+            command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+            **pool.connection_kwargs,
+        )
+    )
     flat = view.cast("B")
     keys = bench_keys(n, "tier")
     raw_keys = [f"raw:{i}".encode() for i in range(n)]
@@ -218,6 +229,7 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
                     raise RuntimeError(f"{name} load returned other bytes than were stored")
         client.flushall()
     finally:
+        client.close()
         del rows
         flat.release()
         tier.shutdown()

@@ -1,30 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The redis tier's connection to the server: client construction, zero-copy values, errors.
+"""The redis tier's connection to the server: clients, the router, error kinds.
 
-Client settings (measured on redis-py 8, see docs/redis_tier.md):
+Two kinds of connections (measured on redis-py 8, see docs/redis_tier.md):
+
+* **The data path** (``GET`` and ``SET`` of block values) goes through the tier's own
+  connections (``direct_io``): values are received straight into primary rows and sent straight
+  from them, one copy each, by the kernel. ``BlockValue`` carries a block's header and its row as
+  two pieces, never joined there. Where the URL asks for something those connections do not do,
+  the tier says so once at start-up and sends ``GET``/``SET`` through redis-py's pipelines (the
+  value joined into bytes once; the reply copied into the row once).
+* **Everything else** goes through redis-py's public API: ``EXISTS``, ``DEL``, ``PING``,
+  ``INFO``, ``DBSIZE``, the cluster's slot map, the commands redirected by ``ASK``/``MOVED``.
+
+Client settings:
 
 * **Fail fast.** Connect and socket timeouts of ``timeout_s``, no retries: a stopped server fails
   a round trip after one ``timeout_s``, a wrong password costs one ``AUTH``. A pooled connection
-  the server closed (e.g. after a restart) needs no retry: redis-py's pool checks every
-  connection for EOF or pending data as it hands it out, and reconnects it. redis-py's defaults
-  (10 retries with exponential back-off, also of a failed ``AUTH``, and 5 s timeouts) would hold
-  a job for seconds against a dead server; the tier's circuit breaker does the waiting instead.
+  the server closed (e.g. after a restart) needs no retry: redis-py's pool, and the tier's own,
+  check every connection for EOF or pending data as they hand it out, and reconnect it.
+  redis-py's defaults (10 retries with exponential back-off, also of a failed ``AUTH``, and 5 s
+  timeouts) would hold a job for seconds against a dead server; the tier's circuit breaker does
+  the waiting instead.
 * **Errors by kind** (``error_kind``): unreachable (refused, reset, timed out) and authentication
   failures cut the tier off (the breaker opens, ``health``); a permission refusal (ACL
   ``NOPERM``) shuts the command's gate; ``OOM``, ``WRONGTYPE`` and the rest fail only the commands
   they answer.
-* **Values are sent without joining them.** ``BlockValue`` carries a block's header and its
-  primary row; ``BlockPacker`` writes them as one RESP bulk string, header bytes then the row's
-  memoryview, so the 2 MiB row goes from the primary region to the socket with no Python copy.
-  hiredis's packer (redis-py's default) would convert the memoryview to bytes and concatenate
-  (two copies: SET ran at about a third of the speed).
-  The cluster client does not accept a packer, so there a value is joined once into bytes.
-* **Values are received without copying them either.** ``GET`` replies are read from the
-  connection's socket straight into the block's header buffer and primary row
-  (``direct_io``), not through hiredis, which would gather each value in its buffer, then copy
-  it into a ``bytes`` object that the tier copied again into the row. Other replies are parsed by
-  hiredis, with a larger read buffer (256 KiB instead of 64 KiB).
 * **Cluster: one pipeline per master** (``Router``). redis-py's cluster pipeline raises as a whole
   when one master is down; the tier groups keys by the master of their slot itself, so the keys of
   the masters that are up keep being served while the others miss. A master found unreachable is
@@ -33,11 +34,11 @@ Client settings (measured on redis-py 8, see docs/redis_tier.md):
   each change of a master's state is one log line. The breaker opens only when every master is
   unreachable; server figures and health probes ask each master on its own.
   Because the tier bypasses the cluster client's command path, it follows redirections itself,
-  once each: ``ASK`` (the slot is
-  being migrated and the key is already on the target) resends the command to the target after
-  ``ASKING``, and ``MOVED`` (the slot belongs to another master now: a resharding or a failover)
-  reloads the slot map and resends the command to the new owner. A second redirection of the same
-  command is its reply (an error: the job fails or the key misses).
+  once each: ``ASK`` (the slot is being migrated and the key is already on the target) resends
+  the command to the target after ``ASKING``, and ``MOVED`` (the slot belongs to another master
+  now: a resharding or a failover) reloads the slot map and resends the command to the new
+  owner. A second redirection of the same command is its reply (an error: the job fails or the
+  key misses).
 """
 
 from __future__ import annotations
@@ -55,18 +56,16 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
-from redis.connection import ConnectionPool, Encoder, PythonRespSerializer
+from redis.connection import ConnectionPool
 from redis.retry import Retry
-from typing_extensions import override
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.direct_io import (
     Destination,
+    DirectPool,
     DirectReply,
-    direct_get_supported,
-    get_into,
-    set_streamed,
+    endpoint_from_url,
 )
 
 logger = init_logger(__name__)
@@ -78,14 +77,13 @@ SOCKET_READ_SIZE = 256 << 10
 MASTER_MIN_BACKOFF_S = 0.25
 MASTER_MAX_BACKOFF_S = 8.0
 """Probe intervals of a cluster master found unreachable (doubling from the first)."""
-_BUFFER_CUTOFF = 6000  # redis-py's: arguments above it are sent as separate chunks
 
 
 class BlockValue:
     """One block's value, in two pieces: its header and its payload (a primary row).
 
     Ownership: ``payload`` is borrowed from the primary region; the caller keeps the row pinned
-    until the command that carries the value has been sent (the pipeline's ``execute``).
+    until the command that carries the value has been sent.
     """
 
     __slots__ = ("header", "payload")
@@ -98,40 +96,8 @@ class BlockValue:
         return len(self.header) + len(self.payload)
 
     def join(self) -> bytes:
-        """The value as one bytes object (one copy; for clients that take no ``BlockPacker``)."""
+        """The value as one bytes object (one copy; for redis-py's pipelines)."""
         return b"".join((self.header, self.payload))
-
-
-class BlockPacker(PythonRespSerializer):
-    """redis-py's pure-Python command packer, taught to send a ``BlockValue`` in pieces.
-
-    Each ``BlockValue`` argument becomes ``$<len>\\r\\n`` + header (small, joined with the
-    command's other small parts) followed by the payload memoryview, which redis-py's
-    ``pack_commands`` hands to ``sendall`` as is. Other arguments are packed as usual.
-    """
-
-    def __init__(self) -> None:
-        self._encoder = Encoder(encoding="utf-8", encoding_errors="strict", decode_responses=False)
-        super().__init__(_BUFFER_CUTOFF, self._encoder.encode)
-
-    @override
-    def pack(self, *args: Any) -> list[Any]:
-        if not any(isinstance(arg, BlockValue) for arg in args):
-            return list(super().pack(*args))
-        name = args[0].encode().split() if isinstance(args[0], str) else [args[0]]
-        parts = [*name, *args[1:]]
-        output: list[Any] = []
-        buff = b"*%d\r\n" % len(parts)
-        for arg in parts:
-            if isinstance(arg, BlockValue):
-                output.append(buff + b"$%d\r\n" % len(arg) + arg.header)
-                output.append(arg.payload)
-                buff = b"\r\n"
-            else:
-                data = self._encoder.encode(arg)
-                buff = b"".join((buff, b"$%d\r\n" % len(data), data, b"\r\n"))
-        output.append(buff)
-        return output
 
 
 def make_client(config: RedisTierConfig) -> RedisClient:
@@ -148,8 +114,8 @@ def make_client(config: RedisTierConfig) -> RedisClient:
         "socket_read_size": SOCKET_READ_SIZE,
         "health_check_interval": 0,
         # RESP2, which every Redis and Valkey server speaks (redis-py 8 defaults to RESP3): the
-        # tier needs nothing of RESP3, and direct_io reads RESP2 GET replies itself. A URL's
-        # ``?protocol=3`` still wins; GETs then go through redis-py's parser.
+        # tier needs nothing of RESP3, and its own connections speak RESP2 too. A URL's
+        # ``?protocol=3`` still wins (and turns the tier's own connections off).
         "protocol": 2,
         "retry": Retry(NoBackoff(), 0),  # one attempt: see the module docstring
     }
@@ -160,7 +126,7 @@ def make_client(config: RedisTierConfig) -> RedisClient:
             return RedisCluster.from_url(config.url, require_full_coverage=False, **common)
         except rexc.RedisError as e:
             raise type(e)(config.redactor.text(str(e))) from None
-    pool = ConnectionPool.from_url(config.url, command_packer=BlockPacker(), **common)
+    pool = ConnectionPool.from_url(config.url, **common)
     return redis.Redis(connection_pool=pool)
 
 
@@ -225,12 +191,15 @@ class Router:
     Standalone: every key goes to the one server. Cluster: keys are grouped by the master that
     owns their slot (the cluster client's slot map); each group is one pipeline on that master's
     own connection pool, and the commands redirected by ``ASK`` or ``MOVED`` are resent once
-    (see the module docstring). Thread-safe (the lookup and I/O threads share it): clients are
-    thread-safe and each call builds its own pipelines.
+    (see the module docstring). ``GET`` and ``SET`` rounds go over the tier's own connections
+    (``direct_io.DirectPool``) unless those cannot serve the URL. Thread-safe (the lookup and I/O
+    threads share it): clients and the direct pool are thread-safe, and each call builds its own
+    pipelines.
 
     Attributes:
         client: the standalone or cluster client.
-        zero_copy: whether values may be passed as ``BlockValue`` (``BlockPacker`` installed).
+        direct: the tier's own connections for ``GET``/``SET``; None where they cannot serve
+            the URL (then redis-py's pipelines carry those too).
     """
 
     def __init__(self, config: RedisTierConfig, name: str) -> None:
@@ -241,7 +210,17 @@ class Router:
             redis.exceptions.RedisError: as ``make_client``.
         """
         self.client: RedisClient = make_client(config)
-        self.zero_copy = not config.cluster
+        endpoint = endpoint_from_url(config.url, config.password, config.timeout_s)
+        if isinstance(endpoint, str):
+            self.direct: DirectPool | None = None
+            logger.warning(
+                "redis tier %s: GETs and SETs go through redis-py, with one more copy of each "
+                "value (the tier's own connections do not support %s)",
+                name,
+                config.redactor.text(endpoint),
+            )
+        else:
+            self.direct = DirectPool(endpoint)
         self._name = name
         self._redactor = config.redactor
         self._stale_slots = False
@@ -283,31 +262,39 @@ class Router:
         def convert(i: int, reply: Any) -> DirectReply:
             return _copy_value(reply, destinations[i])
 
-        def direct(client: redis.Redis, group: list[int]) -> list[DirectReply]:
-            if not direct_get_supported(client):
+        def direct(client: redis.Redis, where: _Where, group: list[int]) -> list[DirectReply]:
+            if self.direct is None:
                 out = _pipelined(client, group, add, asking=False)
                 return [convert(i, r) for i, r in zip(group, out, strict=True)]
-            return get_into(client, [rkeys[i] for i in group], [destinations[i] for i in group])
+            keys, dests = [rkeys[i] for i in group], [destinations[i] for i in group]
+            return self.direct.get_into(keys, dests, host=where[0], port=where[1])
 
         return self._run(rkeys, add, direct, convert)
 
     def set_streamed(
-        self, rkeys: Sequence[bytes], value: Callable[[int], object], *, px: int | None
+        self, rkeys: Sequence[bytes], value: Callable[[int], BlockValue], *, px: int | None
     ) -> list[Any]:
         """``SET rkeys[i] value(i) [PX px]`` for every key, each sent as soon as its value is
-        made (see ``direct_io.set_streamed``), one round trip per server; redirected commands
-        as ``execute`` (``value(i)`` is then called again).
+        made (see ``direct_io.DirectConnection.set_streamed``), one round trip per server;
+        redirected commands as ``execute`` (``value(i)`` is then called again, and joined).
 
         Returns:
             Per key: True, or the exception of a failed command or server, as ``execute``.
         """
 
         def add(pipe: Pipeline, i: int) -> None:
-            pipe.set(rkeys[i], value(i), px=px)  # type: ignore[arg-type]
+            pipe.set(rkeys[i], value(i).join(), px=px)
 
-        def direct(client: redis.Redis, group: list[int]) -> list[Any]:
+        def direct(client: redis.Redis, where: _Where, group: list[int]) -> list[Any]:
+            if self.direct is None:
+                return _pipelined(client, group, add, asking=False)
+
+            def pieces(j: int) -> tuple[bytes, memoryview]:
+                v = value(group[j])
+                return v.header, v.payload
+
             keys = [rkeys[i] for i in group]
-            return set_streamed(client, keys, lambda j: value(group[j]), px=px)
+            return self.direct.set_streamed(keys, pieces, px=px, host=where[0], port=where[1])
 
         return self._run(rkeys, add, direct)
 
@@ -315,7 +302,7 @@ class Router:
         self,
         rkeys: Sequence[bytes],
         add: Callable[[Pipeline, int], object],
-        direct: Callable[[redis.Redis, list[int]], list[Any]] | None = None,
+        direct: Callable[[redis.Redis, _Where, list[int]], list[Any]] | None = None,
         convert: Callable[[int, Any], Any] | None = None,
     ) -> list[Any]:
         """One command per key, sent to the server that owns it, redirections followed once.
@@ -324,7 +311,8 @@ class Router:
             add: queues key ``i``'s command on a pipeline (redirected commands always go this
                 way).
             direct: runs the commands of ``group`` (indices of keys of one server) on that
-                server's client and returns their replies; None: a pipeline of ``add``.
+                server (its client and its address) and returns their replies; None: a pipeline
+                of ``add``.
             convert: turns a pipeline reply of key ``i`` into what ``direct`` would have
                 returned for it (applied to redirected commands); None: replies as they are.
         """
@@ -342,14 +330,14 @@ class Router:
         rkeys: Sequence[bytes],
         indices: Iterable[int],
         add: Callable[[Pipeline, int], object],
-        direct: Callable[[redis.Redis, list[int]], list[Any]] | None,
+        direct: Callable[[redis.Redis, _Where, list[int]], list[Any]] | None,
         convert: Callable[[int, Any], Any] | None,
         replies: list[Any],
     ) -> None:
         """One round trip per master for the commands of ``indices`` (then one per ``ASK``
         target), each reply stored at its index in ``replies``."""
         asked: dict[tuple[str, int], list[int]] = {}
-        for name, client, group in self._groups(rkeys, indices):
+        for name, client, where, group in self._groups(rkeys, indices):
             if name in self._down:
                 down = rexc.ConnectionError(f"cluster master {name} is unreachable")
                 for i in group:
@@ -359,7 +347,7 @@ class Router:
                 out = _pipelined(client, group, add, asking=False)
             else:
                 try:
-                    out = direct(client, group)
+                    out = direct(client, where, group)
                 except Exception as e:
                     out = [e] * len(group)
             for i, reply in zip(group, out, strict=True):
@@ -533,11 +521,6 @@ class Router:
             raise error
         return keys, used, 0 if unlimited else limit
 
-    def value(self, value: BlockValue) -> BlockValue | bytes:
-        """What to pass as a SET value: the two pieces where ``BlockPacker`` packs them, one
-        joined bytes object otherwise (the cluster's node clients)."""
-        return value if self.zero_copy else value.join()
-
     def ping(self) -> None:
         """Raises unless the server (a cluster: some master, reloading the slot map first)
         answers; in a cluster, each master's state is updated from its answer."""
@@ -561,26 +544,33 @@ class Router:
 
     def close(self) -> None:
         close_client(self.client)
+        if self.direct is not None:
+            self.direct.close()
 
     def _groups(
         self, rkeys: Sequence[bytes], indices: Iterable[int]
-    ) -> list[tuple[str, redis.Redis, list[int]]]:
-        """``(master name, its client, those of indices that are its keys)``; the name is ""
-        standalone."""
+    ) -> list[tuple[str, redis.Redis, _Where, list[int]]]:
+        """``(master name, its client, its address, those of indices that are its keys)``; the
+        name is "" and the address ``(None, None)`` (the URL's server) standalone."""
         client = self.client
         if not isinstance(client, RedisCluster):
-            return [("", client, list(indices))]
+            return [("", client, (None, None), list(indices))]
         self._reload_slot_map()  # a no-op unless a MOVED marked it stale
         nodes = client.nodes_manager
-        groups: dict[str, tuple[str, redis.Redis, list[int]]] = {}
+        groups: dict[str, tuple[str, redis.Redis, _Where, list[int]]] = {}
         for i in indices:
             node = nodes.get_node_from_slot(client.keyslot(rkeys[i]))
             group = groups.get(node.name)
             if group is None:
                 conn = node.redis_connection or client.get_redis_connection(node)
-                group = groups[node.name] = (node.name, conn, [])
-            group[2].append(i)
+                group = groups[node.name] = (node.name, conn, (node.host, int(node.port)), [])
+            group[3].append(i)
         return list(groups.values())
+
+
+_Where = tuple[str | None, int | None]
+"""A server's address for the tier's own connections: ``(host, port)``, or ``(None, None)`` for
+the URL's server."""
 
 
 @dataclass(frozen=True, slots=True)

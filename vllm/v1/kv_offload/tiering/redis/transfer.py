@@ -10,7 +10,7 @@ redirection during a resharding or failover sends keys to: ``client.Router``).
 * Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
   bytes never sent), then ``SET key value [PX ttl]`` rounds, each command sent as soon as its
   value's header is made (``direct_io.set_streamed``). A value is the block format's header
-  followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
+  followed by the primary row, sent from the row without a copy (``direct_io``).
 * Load: ``GET`` rounds whose values are received straight into the job's primary rows (header
   aside, ``direct_io``), then verified (size, then header, key, run and checksum of the payload:
   ``block_format.verify_parts``, and the MAC with a fleet secret); the rows are reserved for
@@ -239,11 +239,11 @@ class BlockTransfer:
         rb = self._row_bytes
         rkeys = [self.redis_key(key) for key, _ in chunk]
 
-        def value(i: int) -> object:
+        def value(i: int) -> BlockValue:
             key, block_id = chunk[i]
             row = self._flat[block_id * rb : (block_id + 1) * rb]
             header = encode_block_header(key, self._run_digest, row, integrity=self._integrity)
-            return self._router.value(BlockValue(header, row))
+            return BlockValue(header, row)
 
         replies = self._router.set_streamed(rkeys, value, px=self._ttl_ms)
         errors = [r for r in replies if isinstance(r, Exception)]
