@@ -125,6 +125,8 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
             "busy_s",
             "failed_blocks",
             "skipped_blocks",
+            "jobs",
+            "failed_jobs",
             "throughput_bytes_per_s",
             "average_bytes_per_s",
         }
@@ -193,6 +195,10 @@ def test_run_end_to_end_report_json_and_plot(
     # it had been evicted from the CPU tier and stored again).
     fs_store = off["transfers"]["cpu_to_fs"]
     assert fs_store["blocks"] > 0 and fs_store["failed_blocks"] == 0
+    # The fs tier counts its jobs (what the verdict reads to tell a tier that failed them all).
+    assert fs_store["jobs"] > 0 and fs_store["failed_jobs"] == 0
+    assert off["transfers"]["fs_to_cpu"]["jobs"] > 0
+    assert base["transfers"]["cpu_to_fs"]["jobs"] is None
     assert (
         fs_store["blocks"] + fs_store["skipped_blocks"] == off["transfers"]["gpu_to_cpu"]["blocks"]
     )

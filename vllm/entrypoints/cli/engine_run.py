@@ -254,12 +254,16 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
             busy_s=tc.get("store_busy_us", 0) / 1e6 if timed else None,
             failed_blocks=sum(tc.get(name, 0) for name in store_failed),
             skipped_blocks=tc.get("blocks_skipped", 0),
+            jobs=tc.get("store_jobs"),
+            failed_jobs=tc.get("store_jobs_failed", 0),
         )
         result.transfers[promote] = TransferFigures(
             blocks=tc.get("blocks_loaded", 0),
             bytes=tc.get("blocks_loaded", 0) * tier.block_bytes,
             busy_s=tc.get("load_busy_us", 0) / 1e6 if timed else None,
             failed_blocks=sum(tc.get(name, 0) for name in load_failed),
+            jobs=tc.get("load_jobs"),
+            failed_jobs=tc.get("load_jobs_failed", 0),
         )
         result.corrupt_blocks_detected += tc.get("corrupt_removed", 0)
         if tier_type == FS_TIER_TYPE and result.fs is not None:

@@ -397,6 +397,8 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
                 ),
                 failed_blocks=a.failed_blocks + b.failed_blocks,
                 skipped_blocks=a.skipped_blocks + b.skipped_blocks,
+                jobs=None if a.jobs is None and b.jobs is None else (a.jobs or 0) + (b.jobs or 0),
+                failed_jobs=a.failed_jobs + b.failed_jobs,
             )
         total.overhead_us += p.overhead_us
         total.worker_overhead_us += p.worker_overhead_us

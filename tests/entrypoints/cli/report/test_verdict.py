@@ -90,6 +90,16 @@ def test_a_secondary_tier_that_failed_everything_fails_the_verdict() -> None:
     # Some failures among successes are a tier at work (a corrupt file, a full disk for a while).
     off.transfers[Direction.CPU_TO_FS] = TransferFigures(blocks=1, failed_blocks=591)
     assert judge_report(report).passed
+    # Where the tier counts its jobs (the fs tier), every job failed is the rule.
+    off.transfers[Direction.CPU_TO_FS] = TransferFigures(
+        blocks=0, failed_blocks=0, jobs=7, failed_jobs=7
+    )
+    assert judge_report(report).reasons == (
+        "the fs tier failed every store of the run (7 job(s), none stored): see its WARNING "
+        "lines (-v for more)",
+    )
+    off.transfers[Direction.CPU_TO_FS] = TransferFigures(blocks=5, jobs=7, failed_jobs=6)
+    assert judge_report(report).passed
     # Every load from the redis tier failed.
     off.transfers[Direction.REDIS_TO_CPU] = TransferFigures(blocks=0, failed_blocks=3)
     assert judge_report(report).reasons[0].startswith("the redis tier failed every load")

@@ -104,6 +104,9 @@ class TransferFigures:
         failed_blocks: blocks whose transfer failed (for loads from disk: corrupt files included).
         skipped_blocks: blocks not moved because the destination already held them (a store to
             the fs tier of a block already on disk).
+        jobs: jobs the tier reported in this direction (its ``store_jobs`` / ``load_jobs``);
+            None when the tier does not count them.
+        failed_jobs: those of them that failed.
     """
 
     blocks: int = 0
@@ -111,6 +114,8 @@ class TransferFigures:
     busy_s: float | None = None
     failed_blocks: int = 0
     skipped_blocks: int = 0
+    jobs: int | None = None
+    failed_jobs: int = 0
 
     def throughput(self) -> float | None:
         """Bytes per second while transferring, or None when the busy time is unknown."""

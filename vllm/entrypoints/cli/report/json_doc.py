@@ -52,6 +52,8 @@ def transfer_json(t: TransferFigures, wall_s: float) -> dict[str, Any]:
         "busy_s": t.busy_s,
         "failed_blocks": t.failed_blocks,
         "skipped_blocks": t.skipped_blocks,
+        "jobs": t.jobs,
+        "failed_jobs": t.failed_jobs,
         "throughput_bytes_per_s": t.throughput(),
         "average_bytes_per_s": t.bytes / wall_s if wall_s > 0 else 0.0,
     }

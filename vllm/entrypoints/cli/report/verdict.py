@@ -62,16 +62,25 @@ SECONDARY_DIRECTIONS: tuple[tuple[str, Direction, Direction], ...] = (
 
 
 def failed_tiers(run: RunResult) -> list[str]:
-    """One line per secondary tier and direction in which every block of ``run`` failed."""
+    """One line per secondary tier and direction in which everything of ``run`` failed: every
+    job the tier reported (where it counts jobs: ``store_jobs_failed == store_jobs > 0``), or
+    every block (where it does not, or a tier failed blocks without failing their jobs)."""
     lines = []
     for name, store, load in SECONDARY_DIRECTIONS:
         for direction, verb, done in ((store, "store", "stored"), (load, "load", "loaded")):
             t = run.transfers[direction]
-            if t.failed_blocks and not t.blocks:
-                lines.append(
-                    f"the {name} tier failed every {verb} of the run ({t.failed_blocks:,} "
-                    f"block(s), none {done}): see its WARNING lines (-v for more)"
-                )
+            if t.jobs and t.failed_jobs == t.jobs:
+                what = f"{t.failed_jobs:,} job(s)"
+                if t.failed_blocks:
+                    what += f", {t.failed_blocks:,} block(s)"
+            elif t.failed_blocks and not t.blocks:
+                what = f"{t.failed_blocks:,} block(s)"
+            else:
+                continue
+            lines.append(
+                f"the {name} tier failed every {verb} of the run ({what}, none {done}): see its "
+                "WARNING lines (-v for more)"
+            )
     return lines
 
 
