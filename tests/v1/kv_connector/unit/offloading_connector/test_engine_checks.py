@@ -338,3 +338,112 @@ def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
         lambda: sched.build_connector_meta(_running(["r49"], {"r49"})),
     )
     sched.build_connector_meta(_running(["r49"]))  # the right call works
+
+
+def test_a_step_scheduling_tokens_beyond_the_requests_blocks() -> None:
+    """Issue 22: an allocation of no blocks, then a step naming the request as running and
+    computing token 17. An engine allocates blocks before scheduling their tokens, so the step
+    is refused before anything changes (it used to fail an assert building the store job)."""
+    sched, manager = _setup()
+    manager.reset_cache()  # nothing offloaded: the step's store would take block 0
+    request = _req(49)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, ([],), 0)
+    step = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["r49"], [None], [16]),
+        num_scheduled_tokens={"r49": 1},
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled to compute up to token 17 but holds 0 GPU blocks of group 0",
+        lambda: sched.build_connector_meta(step),
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled to compute up to token 49 but holds 2 GPU blocks",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(
+                scheduled_cached_reqs=CachedRequestData(["r49"], [([1, 2],)], [16]),
+                num_scheduled_tokens={"r49": 40},  # capped at the request's 49 tokens
+            )
+        ),
+    )
+    # The same step with blocks for its tokens stores the request's first block.
+    step.scheduled_cached_reqs.new_block_ids = [([1, 2],)]
+    meta = sched.build_connector_meta(step)
+    assert [job.transfer_spec.src.block_ids for job in meta.store_jobs.values()] == [[1]]
+
+
+def test_a_new_request_scheduled_beyond_its_blocks() -> None:
+    sched, manager = _setup()
+    request = _req(49)
+    manager.reset_cache()
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, ([1],), 0)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled to compute up to token 32 but holds 1 GPU blocks",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(scheduled_new_reqs=[_new("r49", [1])], num_scheduled_tokens={"r49": 32})
+        ),
+    )
+
+
+def test_running_requests_described_inconsistently() -> None:
+    sched, manager = _setup()
+    request = _looked_up(sched, manager)
+    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"running request 'r49' has new blocks for 2 groups, expected 1",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [([5], [6])], [48]))
+        ),
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"the running requests' lists differ in length \(1 ids, 0 block lists",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [], [48]))
+        ),
+    )
+
+
+class RefusingOnceManager(CountingManager):
+    """The counting CPU manager whose first ``prepare_store`` finds no room (None)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.refuse = True
+
+    def prepare_store(self, keys: Any, req_context: ReqContext) -> Any:
+        if self.refuse:
+            self.refuse = False
+            return None
+        return super().prepare_store(keys, req_context)
+
+
+def test_a_deferred_store_offers_only_blocks_the_request_holds() -> None:
+    """A store deferred for lack of room is offered again at the next step even if the request
+    is not scheduled; the request's computed tokens then come from the engine's ``Request``,
+    which no check of that step covers: only blocks its recorded GPU blocks hold are offered."""
+    manager = RefusingOnceManager(32)
+    sched = OffloadingConnectorScheduler(ScriptedSpec(manager, (16,), None))
+    request = _req(49)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, ([7],), 0)
+    step = SchedulerOutput(scheduled_new_reqs=[_new("r49", [7])], num_scheduled_tokens={"r49": 16})
+    assert not sched.build_connector_meta(step).store_jobs  # no room: deferred
+    request.num_computed_tokens = 48  # more than its one block holds
+    meta = sched.build_connector_meta(SchedulerOutput())
+    assert [job.transfer_spec.src.block_ids for job in meta.store_jobs.values()] == [[7]]

@@ -94,23 +94,37 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(
         new=st.lists(st.tuples(st.integers(0, NUM_REQS), st.sampled_from(BLOCK_CHOICES))),
-        cached=st.lists(st.integers(0, NUM_REQS), unique=True),
+        cached=st.lists(
+            st.tuples(
+                st.integers(0, NUM_REQS),
+                st.sampled_from([None, None, ([20],), ([20, 21],), ([20], [21])]),
+                st.sampled_from([16, 16, 0, 48]),
+            ),
+            unique_by=lambda c: c[0],
+        ),
         preempted=st.sets(st.integers(0, NUM_REQS)),
     )
     def step_end(
-        self, new: list[tuple[int, list[int]]], cached: list[int], preempted: set[int]
+        self,
+        new: list[tuple[int, list[int]]],
+        cached: list[tuple[int, tuple[list[int], ...] | None, int] | int],
+        preempted: set[int],
     ) -> None:
-        """A step naming any requests (index NUM_REQS: one the connector never saw)."""
+        """A step naming any requests (index NUM_REQS: one the connector never saw); a running
+        request (index, its new blocks, its computed tokens) may be given as its index only."""
 
         def rid(i: int) -> str:
             return f"q{i}"
 
+        running = [(c, None, 16) if isinstance(c, int) else c for c in cached]
         output = SchedulerOutput(
             scheduled_new_reqs=[NewRequestData(rid(i), [], (list(b),), 0) for i, b in new],
             scheduled_cached_reqs=CachedRequestData(
-                [rid(i) for i in cached], [None] * len(cached), [16] * len(cached)
+                [rid(i) for i, _, _ in running],
+                [None if b is None else tuple(list(g) for g in b) for _, b, _ in running],
+                [n for _, _, n in running],
             ),
-            num_scheduled_tokens={rid(i): 1 for i, _ in new} | {rid(i): 1 for i in cached},
+            num_scheduled_tokens={rid(i): 1 for i, _ in new} | {rid(i): 1 for i, _, _ in running},
             preempted_req_ids={rid(i) for i in preempted},
         )
         meta = self.call(lambda: self.sched.build_connector_meta(output))
@@ -159,6 +173,29 @@ class EngineMachine(RuleBasedStateMachine):
                 for key in job.keys:
                     expected[key] = expected.get(key, 0) + 1
             assert self.manager.load_pins(req_id) == expected, req_id
+
+
+# Hypothesis has no ``@example`` for state machines: the sequences a run found are replayed
+# here, rule by rule, with the invariants checked after each rule as in a generated run.
+EXAMPLES: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    # Issue 22: a request allocated no blocks, then named as running and computing a token.
+    "no-blocks-then-running": [
+        ("reset_cache", {}),
+        ("start_load", {"i": 1}),
+        ("alloc", {"i": 1, "blocks": [], "num_external": 0}),
+        ("step_end", {"new": [], "cached": [1], "preempted": set()}),
+    ],
+}
+
+
+@pytest.mark.parametrize("steps", EXAMPLES.values(), ids=EXAMPLES.keys())
+def test_found_sequences(steps: list[tuple[str, dict[str, Any]]]) -> None:
+    machine = EngineMachine()
+    machine.pins_are_the_load_jobs_in_flight()
+    for name, kwargs in steps:
+        getattr(machine, name)(**kwargs)
+        machine.pins_are_the_load_jobs_in_flight()
+    machine.teardown()
 
 
 TestEngineChecksFuzz = EngineMachine.TestCase

@@ -11,7 +11,8 @@ the caller), and must leave the connector and its manager exactly as they were.
   block groups, blocks changed without a restart, a load without a lookup, a load that does not
   end on an offloaded block boundary);
 * ``check_scheduler_output``: ``build_connector_meta`` (a scheduled or preempted request the
-  connector never saw, or that is scheduled while its load is in flight).
+  connector never saw, that is scheduled while its load is in flight, or whose GPU blocks do not
+  cover the tokens computed by the end of the step).
 
 Errors: ``ValueError`` for a call that contradicts the connector's books.
 """
@@ -104,6 +105,7 @@ def check_scheduler_output(
     scheduler_output: SchedulerOutput,
     req_status: Mapping[ReqId, RequestOffloadState],
     jobs: TransferJobTable,
+    gpu_block_sizes: tuple[int, ...],
 ) -> None:
     """Validate the step's ``SchedulerOutput`` before ``build_connector_meta`` applies it.
 
@@ -113,10 +115,16 @@ def check_scheduler_output(
             scheduled request was not allocated (``update_state_after_alloc``) since its last
             lookup; a request is scheduled twice, or scheduled and preempted; a scheduled or
             preempted request has a load job in flight (the engine runs a request only once its
-            load was reported).
+            load was reported); a running request's new blocks have the wrong number of groups
+            (or the running requests' lists differ in length); a scheduled request's GPU blocks
+            do not cover the tokens it will have computed at the end of the step (the engine
+            allocates them before it schedules the tokens, and the step's store jobs read them).
     """
     method = "build_connector_meta"
+    num_scheduled_tokens = scheduler_output.num_scheduled_tokens
     scheduled: list[ReqId] = []
+    # (request, GPU blocks per group after the step's allocations, tokens computed by its end)
+    extents: list[tuple[ReqId, list[int], int]] = []
     for new_req in scheduler_output.scheduled_new_reqs:
         state = req_status.get(new_req.req_id)
         if state is None:
@@ -129,13 +137,34 @@ def check_scheduler_output(
                 f"{method}: request {new_req.req_id!r}: scheduled blocks differ from the ones "
                 "update_state_after_alloc recorded"
             )
+        end_of_step = new_req.num_computed_tokens + num_scheduled_tokens.get(new_req.req_id, 0)
+        extents.append((new_req.req_id, [len(ids) for ids in new_req.block_ids], end_of_step))
         scheduled.append(new_req.req_id)
-    for req_id in scheduler_output.scheduled_cached_reqs.req_ids:
-        if req_id not in req_status:
+    cached = scheduler_output.scheduled_cached_reqs
+    if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
+        raise ValueError(
+            f"{method}: the running requests' lists differ in length ({len(cached.req_ids)} "
+            f"ids, {len(cached.new_block_ids)} block lists, {len(cached.num_computed_tokens)} "
+            "computed-token counts)"
+        )
+    for req_id, new_block_ids, num_computed in zip(
+        cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+    ):
+        cached_state = req_status.get(req_id)
+        if cached_state is None:
             raise ValueError(
                 f"{method}: running request {req_id!r} is unknown to the connector (never looked "
                 "up, or finished)"
             )
+        num_blocks = [len(ids) for ids in cached_state.block_ids]
+        if new_block_ids is not None:
+            if len(new_block_ids) != len(num_blocks):
+                raise ValueError(
+                    f"{method}: running request {req_id!r} has new blocks for "
+                    f"{len(new_block_ids)} groups, expected {len(num_blocks)}"
+                )
+            num_blocks = [n + len(ids) for n, ids in zip(num_blocks, new_block_ids, strict=True)]
+        extents.append((req_id, num_blocks, num_computed + num_scheduled_tokens.get(req_id, 0)))
         scheduled.append(req_id)
     if len(set(scheduled)) != len(scheduled):
         raise ValueError(f"{method}: a request is scheduled twice in one step: {scheduled}")
@@ -162,3 +191,13 @@ def check_scheduler_output(
                         f"{method}: request {req_id!r} is {what} while its load job {job_id} "
                         "is in flight"
                     )
+    for req_id, num_blocks, end_of_step in extents:
+        # The engine allocates a request's blocks before it schedules their tokens; the step's
+        # store jobs read the blocks of the tokens computed by its end.
+        end = min(end_of_step, req_status[req_id].req.num_tokens)
+        for g, (n, size) in enumerate(zip(num_blocks, gpu_block_sizes, strict=True)):
+            if n * size < end:
+                raise ValueError(
+                    f"{method}: request {req_id!r} is scheduled to compute up to token {end} but "
+                    f"holds {n} GPU blocks of group {g} ({n * size} tokens)"
+                )

@@ -362,7 +362,9 @@ class OffloadingConnectorScheduler:
         """Offer the step's requests' newly full blocks to ``prepare_store``; a store job per
         request with keys to store (see ``store_jobs``)."""
         store_jobs: dict[JobId, TransferJob] = {}
-        candidates = store_candidates(scheduler_output, self._deferred_store_reqs, self._req_status)
+        candidates = store_candidates(
+            scheduler_output, self._deferred_store_reqs, self._req_status, self.gpu_block_sizes
+        )
         self._deferred_store_reqs.clear()
         for req_id, num_computed in candidates:
             state = self._req_status[req_id]
@@ -425,7 +427,7 @@ class OffloadingConnectorScheduler:
             ValueError: the step's output contradicts the connector's books
                 (``engine_checks.check_scheduler_output``); nothing changed.
         """
-        check_scheduler_output(scheduler_output, self._req_status, self._jobs)
+        check_scheduler_output(scheduler_output, self._req_status, self._jobs, self.gpu_block_sizes)
         jobs_to_flush = self._update_req_states(scheduler_output)
         jobs_to_flush |= self._jobs.take_flushes(self._current_batch_allocated_blocks)
         self._metrics.flushed_jobs += len(jobs_to_flush)

@@ -29,13 +29,16 @@ def store_candidates(
     scheduler_output: SchedulerOutput,
     deferred: set[ReqId],
     req_status: Mapping[ReqId, RequestOffloadState],
+    gpu_block_sizes: Sequence[int],
 ) -> list[tuple[ReqId, int]]:
     """``(req_id, num_computed_tokens)`` of every request whose blocks may be offered now.
 
     The step's scheduled requests, then the ``deferred`` ones (their latest ``prepare_store``
     found no room) that were not scheduled but still run and hold blocks: under async
     scheduling a request's last step is scheduled before the completions that free the room
-    arrive, so it is offered again even when not scheduled.
+    arrive, so it is offered again even when not scheduled. Such a request's computed tokens
+    (the engine's ``Request.num_computed_tokens``, checked by nothing this step) count only as
+    far as its recorded GPU blocks hold them.
     """
     scheduled: list[tuple[ReqId, int]] = [
         (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
@@ -45,7 +48,10 @@ def store_candidates(
     for req_id in deferred - scheduler_output.num_scheduled_tokens.keys():
         retry = req_status.get(req_id)
         if retry is not None and not retry.finished and any(retry.block_ids):
-            scheduled.append((req_id, retry.req.num_computed_tokens))
+            in_blocks = min(
+                len(ids) * size for ids, size in zip(retry.block_ids, gpu_block_sizes, strict=True)
+            )
+            scheduled.append((req_id, min(retry.req.num_computed_tokens, in_blocks)))
     return scheduled
 
 
