@@ -21,12 +21,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog import (
     PRIMARY_TIER_LABEL,
     tier_label,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.prometheus import (
     OffloadPromMetrics,
@@ -43,7 +47,7 @@ StepCallback = Callable[[EngineCore, list[Any]], None]
 
 def _tier_labels(engine: EngineCore) -> list[str]:
     """``tier`` labels of the CPU tier and each secondary tier (none without offloading)."""
-    if engine.connector is None:
+    if not isinstance(engine.connector, OffloadingConnector):
         return []
     manager = engine.connector.connector_scheduler.manager
     labels = [PRIMARY_TIER_LABEL]
@@ -87,9 +91,10 @@ class MetricsExporter:
         labelvalues = (engine.config.model_name, "0", run)
         tiers = _tier_labels(engine)
 
-        def sink(stats: OffloadingConnectorStats) -> None:
+        def sink(stats: KVConnectorStats) -> None:
             with self._lock:
-                self.prom.observe(stats, labelvalues)
+                if isinstance(stats, OffloadingConnectorStats):
+                    self.prom.observe(stats, labelvalues)
                 self._observe_engine(engine, labelvalues, tiers)
 
         def callback(engine_: EngineCore, outputs: list[Any]) -> None:
@@ -110,7 +115,7 @@ class MetricsExporter:
     def _flush(self, engine: EngineCore, labelvalues: tuple[str, ...], tiers: list[str]) -> None:
         stats = engine.connector.get_kv_connector_stats() if engine.connector else None
         with self._lock:
-            if stats is not None:
+            if isinstance(stats, OffloadingConnectorStats):
                 self.prom.observe(stats, labelvalues)
             self._observe_engine(engine, labelvalues, tiers)
 

@@ -144,7 +144,7 @@ class EngineSnapshot:
 
 def snapshot_engine(engine: EngineCore) -> EngineSnapshot:
     # Engine thread: copy everything the report needs before the engine shuts down.
-    stored = engine.connector.connector_scheduler.stored_keys if engine.connector else None
+    stored = engine.connector.stored_keys() if engine.connector else None
     return EngineSnapshot(
         engine_stats=engine.stats,
         connector=dict(engine.connector_stats()),

@@ -67,8 +67,6 @@ def _assert_clean_end(engine: EngineCore) -> None:
 def test_facade_selects_its_half_by_role(tmp_path: Path) -> None:
     config = make_config(tmp_path)
     with EngineCore(config) as engine:
-        spec = engine.spec
-        assert spec is not None
         scheduler_side = engine.connector
         assert scheduler_side is not None and scheduler_side.role is KVConnectorRole.SCHEDULER
         with pytest.raises(RuntimeError, match="worker-side call on a scheduler connector"):

@@ -8,12 +8,12 @@ Used by ``OffloadingConnectorScheduler.update_connector_output``; the table of j
 
 from __future__ import annotations
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import TransferJobStatus
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingSchedulerMetrics,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
-    LoadResult,
     RequestOffloadState,
 )
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadKey

@@ -442,6 +442,16 @@ CATALOG: tuple[MetricDef, ...] = (
         buckets=STEP_BUCKETS,
         source="engine",
     ),
+    _m(
+        "kv_offload_scheduler_step_cpu_seconds",
+        _H,
+        (),
+        "seconds",
+        "Engine-thread CPU time of the whole scheduler-side connector per engine step (manager "
+        "included).",
+        buckets=STEP_BUCKETS,
+        source="engine",
+    ),
     # Tokens, per tier (engine-level: the report's figures).
     _m(
         "prefix_cache_queries",

@@ -4,7 +4,8 @@
 
 Besides the request's progress (what was offered to ``prepare_store``, what its lookups found
 being promoted, its jobs in flight), the state maps the request's offloaded blocks to their keys
-and GPU blocks, and turns its finished load job into a ``LoadResult``.
+and GPU blocks, and turns its finished load job into a ``LoadResult`` (the engine's view of it,
+defined with the connector interface in ``kv_connector.v1.base``).
 
 Block geometry: an *offloaded block* holds ``B = offloaded_block_size`` tokens, i.e.
 ``factor[g] = B // gpu_block_size[g]`` GPU blocks of KV-cache group ``g``. The key of offloaded
@@ -18,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId, ReqId
+from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult, PromotedBlock
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import LookupFn
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
     GPUBlockRef,
@@ -33,50 +35,6 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.request import Request
-
-
-@dataclass(frozen=True, slots=True)
-class PromotedBlock:
-    """An offloaded block of a finished load that was promoted from a secondary tier for it.
-
-    Attributes:
-        start_token, end_token: the tokens of the load that the block holds.
-        tier: type name of the tier it was promoted from (e.g. ``"redis"``); None when the
-            manager could not tell.
-        key: the key that was promoted (of the first KV-cache group that was).
-        stored_here: whether this connector had stored the key itself (from the GPU) before the
-            load finished; None when the connector does not track its stores
-            (``OffloadingConnectorScheduler.stored_keys``).
-    """
-
-    start_token: int
-    end_token: int
-    tier: str | None
-    key: OffloadKey
-    stored_here: bool | None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """Outcome of a finished load job, as reported by ``update_connector_output``.
-
-    Attributes:
-        req_id: the request that loaded.
-        num_blocks: offloaded blocks the load spans (an SWA group loads only some of them).
-        num_tokens: tokens loaded.
-        num_promoted_tokens: of those, tokens of blocks this request's lookups found being
-            promoted from a secondary tier (rather than being stored by this connector).
-        success: every worker loaded every block.
-        promoted_blocks: the promoted blocks, by which the engine attributes served tokens to
-            the tier they came from.
-    """
-
-    req_id: ReqId
-    num_blocks: int
-    num_tokens: int
-    num_promoted_tokens: int
-    success: bool
-    promoted_blocks: tuple[PromotedBlock, ...] = ()
 
 
 @dataclass(eq=False)

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     JobId,
     OffloadingConnectorMetadata,
@@ -69,7 +70,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingSchedulerMetrics,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
-    LoadResult,
     RequestOffloadState,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.stats_collector import (
