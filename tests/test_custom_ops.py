@@ -206,26 +206,26 @@ def test_copy_backend_is_logged_and_overridable(
 ) -> None:
     try:
         monkeypatch.setenv(ops.BACKEND_ENV, "torch")
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
         assert ops.copy_backend() == "torch"
         monkeypatch.setenv(ops.BACKEND_ENV, "auto")
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
         with caplog.at_level("INFO", logger="vllm._custom_ops"):
             assert ops.copy_backend() == ("cuda" if NUM_GPUS else "torch")
         if NUM_GPUS == 0:
             # The reason names the real problem (e.g. the CUDA error of a too old driver).
             assert DEVICES.problem and DEVICES.problem in caplog.text
             monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
-            ops._reset_backend_for_tests()
+            ops.copy_backend.cache_clear()
             with pytest.raises(RuntimeError, match="unusable") as info:
                 ops.copy_backend()
             assert DEVICES.problem in str(info.value)
         monkeypatch.setenv(ops.BACKEND_ENV, "bogus")
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
         with pytest.raises(ValueError, match="bogus"):
             ops.copy_backend()
     finally:
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
 
 
 def test_cuda_backend_needs_a_device() -> None:

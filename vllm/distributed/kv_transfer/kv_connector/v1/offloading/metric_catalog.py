@@ -419,13 +419,6 @@ CATALOG: tuple[MetricDef, ...] = (
         buckets=WAIT_STEP_BUCKETS,
     ),
     _m(
-        "kv_offload_manager_seconds",
-        _C,
-        (),
-        "seconds",
-        "Time spent inside OffloadingManager calls.",
-    ),
-    _m(
         "kv_offload_schedule_end_seconds",
         _H,
         (),

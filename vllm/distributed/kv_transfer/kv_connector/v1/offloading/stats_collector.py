@@ -158,7 +158,6 @@ class SchedulerStatsCollector:
         self._count(stats, "vllm:kv_offload_allocation_failure", (), m.deferred_stores)
         self._count(stats, "vllm:kv_offload_flushed_jobs", (), m.flushed_jobs)
         self._count(stats, "vllm:kv_offload_lookup_deferrals", (), m.deferred_lookups)
-        self._count(stats, "vllm:kv_offload_manager_seconds", (), m.manager_seconds)
         samples, m.schedule_end_seconds = m.schedule_end_seconds, []
         stats.observe_many("vllm:kv_offload_schedule_end_seconds", samples)
         samples, self._lookup_seconds = self._lookup_seconds, []
