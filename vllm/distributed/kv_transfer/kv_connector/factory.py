@@ -9,8 +9,6 @@ connector module itself; any other name is the class of that name in
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -18,25 +16,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVTransferConfig,
 )
+from vllm.utils.class_registry import LazyClassRegistry
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import KVCacheRunInfo
 
 
-def _load_connector_class(module_path: str, class_name: str) -> type[KVConnectorBase_V1]:
-    module = importlib.import_module(module_path)
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ValueError(f"module {module_path!r} has no KV connector {class_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
-        raise ValueError(f"{module_path}.{class_name} is not a subclass of KVConnectorBase_V1")
-    return cls
-
-
 class KVConnectorFactory:
     """Registry of KV connector classes by name, imported on first use."""
 
-    _registry: ClassVar[dict[str, Callable[[], type[KVConnectorBase_V1]]]] = {}
+    _registry: ClassVar[LazyClassRegistry[KVConnectorBase_V1]] = LazyClassRegistry(
+        KVConnectorBase_V1, "KV connector"
+    )
 
     @classmethod
     def register_connector(cls, name: str, module_path: str, class_name: str) -> None:
@@ -45,31 +36,25 @@ class KVConnectorFactory:
         Raises:
             ValueError: ``name`` is already registered.
         """
-        if name in cls._registry:
-            raise ValueError(f"KV connector {name!r} is already registered")
-
-        def loader() -> type[KVConnectorBase_V1]:
-            return _load_connector_class(module_path, class_name)
-
-        cls._registry[name] = loader
+        cls._registry.register(name, module_path, class_name)
 
     @classmethod
     def get_connector_class(cls, config: KVTransferConfig) -> type[KVConnectorBase_V1]:
-        """The class ``config.kv_connector`` names (registered, or in the module path).
+        """The class ``config.kv_connector`` names (in the module path, or registered).
 
         Raises:
-            ValueError: the name is neither registered nor a connector class in
-                ``kv_connector_module_path``.
+            ValueError: the name is neither a connector class in ``kv_connector_module_path``
+                nor registered.
         """
         if config.kv_connector_module_path is not None:
-            return _load_connector_class(config.kv_connector_module_path, config.kv_connector)
-        loader = cls._registry.get(config.kv_connector)
-        if loader is None:
+            return cls._registry.load(config.kv_connector_module_path, config.kv_connector)
+        connector_cls = cls._registry.get(config.kv_connector)
+        if connector_cls is None:
             raise ValueError(
                 f"unknown KV connector {config.kv_connector!r}; registered connectors: "
-                f"{sorted(cls._registry)} (set kv_connector_module_path for an out-of-tree one)"
+                f"{cls._registry.names()} (set kv_connector_module_path for an out-of-tree one)"
             )
-        return loader()
+        return connector_cls
 
     @classmethod
     def create_connector(
