@@ -144,6 +144,92 @@ def test_torch_copy_blocks_matches_reference_and_leaves_other_bytes() -> None:
     assert not np.array_equal(expected, _buffer(8192, 2).numpy()), "the job must move something"
 
 
+@st.composite
+def _host_jobs(draw: st.DrawFn) -> tuple[list[ops.CopyRegion], np.ndarray, np.ndarray, int]:
+    """Valid jobs in the shapes the handlers build: per layer (regions of one page each, over
+    separate "GPU" planes and shared CPU rows), with or without sub-blocks on either side, ids
+    scattered or in runs, pair counts on both sides of the indexed path's threshold."""
+    layers = draw(st.integers(1, 3))
+    page = draw(st.sampled_from([64, 96, 256]))
+    k_src, k_dst = draw(st.sampled_from([(1, 1), (1, 2), (3, 1)]))
+    n = draw(st.integers(1, 12))
+    num_blocks = 24
+    src_ids = draw(
+        st.one_of(
+            st.permutations(range(num_blocks * k_src)).map(lambda p: p[:n]),
+            st.integers(0, num_blocks * k_src - n).map(lambda a: list(range(a, a + n))),
+        )
+    )
+    dst_ids = draw(st.permutations(range(num_blocks * k_dst)).map(lambda p: p[:n]))
+    # "GPU" planes: 2 per layer (K, V), each a pool of blocks of k_src pages, one after another
+    # with a gap; CPU rows of every plane's page (k_dst sub-blocks per row and plane).
+    plane_bytes = num_blocks * k_src * page + 512
+    row = 2 * layers * k_dst * page
+    regions = []
+    for j in range(2 * layers):
+        src = ops.BlockSide(j * plane_bytes, k_src * page, num_blocks, k_src, page)
+        dst = ops.BlockSide(j * k_dst * page, row, num_blocks, k_dst, page)
+        regions.append(ops.CopyRegion(src, dst, page, 0, n))
+    total_src = 2 * layers * plane_bytes
+    return regions, np.array(src_ids, np.int64), np.array(dst_ids, np.int64), total_src
+
+
+@settings(max_examples=150, deadline=None)
+@given(job=_host_jobs(), threads=st.sampled_from(["1", "2"]))
+def test_host_copy_matches_the_reference(
+    job: tuple[list[ops.CopyRegion], np.ndarray, np.ndarray, int], threads: str
+) -> None:
+    regions, src_ids, dst_ids, total_src = job
+    src = _buffer(total_src, 1)
+    dst = _buffer(max(r.dst.base + r.dst.num_blocks * r.dst.block_stride for r in regions), 2)
+
+    def on(buf: torch.Tensor, side: ops.BlockSide) -> ops.BlockSide:
+        return dataclasses.replace(side, base=buf.data_ptr() + side.base)
+
+    placed = [dataclasses.replace(r, src=on(src, r.src), dst=on(dst, r.dst)) for r in regions]
+    arr = ops.make_regions(placed)
+    expected = dst.numpy().copy()
+    _reference_copy(arr, src_ids, dst_ids, src.numpy(), src.data_ptr(), expected, dst.data_ptr())
+    old = os.environ.get(ops.HOST_COPY_THREADS_ENV)
+    os.environ[ops.HOST_COPY_THREADS_ENV] = threads
+    try:
+        ops.copy_blocks(arr, src_ids, dst_ids, backend="torch")
+    finally:
+        if old is None:
+            del os.environ[ops.HOST_COPY_THREADS_ENV]
+        else:
+            os.environ[ops.HOST_COPY_THREADS_ENV] = old
+    assert np.array_equal(dst.numpy(), expected)
+
+
+def test_merge_regions_joins_regions_that_continue_each_other() -> None:
+    def region(src: int, dst: int, nbytes: int, begin: int = 0, k: int = 1) -> ops.CopyRegion:
+        return ops.CopyRegion(
+            ops.BlockSide(src, 4096, 8), ops.BlockSide(dst, 8192, 8, k, 256), nbytes, begin, 4
+        )
+
+    merged = ops.merge_regions(
+        ops.make_regions(
+            [
+                region(0x10000, 0x90000, 128),
+                region(0x10080, 0x90080, 128),  # continues on both sides: merged
+                region(0x10100, 0x90180, 64),  # a gap on the dst side
+                region(0x10140, 0x901C0, 64, begin=1),  # other pairs
+            ]
+        )
+    )
+    assert [(r[0][0], r[1][0], r[2], r[3]) for r in merged] == [
+        (0x10000, 0x90000, 256, 0),
+        (0x10100, 0x90180, 64, 0),
+        (0x10140, 0x901C0, 64, 1),
+    ]
+    # With sub-blocks, a merge may not outgrow the sub-block.
+    subs = ops.merge_regions(
+        ops.make_regions([region(0x10000, 0x90000, 192, k=2), region(0x100C0, 0x900C0, 128, k=2)])
+    )
+    assert [r[2] for r in subs] == [192, 128]
+
+
 def test_expand_copies_merges_adjacent_copies() -> None:
     src, dst = _buffer(4096, 1), _buffer(4096, 2)
     regions = ops.make_regions(

@@ -46,7 +46,13 @@ from vllm.kv_copy.cuda_library import (
 )
 from vllm.kv_copy.cuda_resources import CudaEvent, CudaStream
 from vllm.kv_copy.errors import CopyArgumentError, CudaCopyError
-from vllm.kv_copy.host_copy import HOST_COPY_THREADS_ENV, expand_copies, host_memmove
+from vllm.kv_copy.host_copy import (
+    HOST_COPY_THREADS_ENV,
+    expand_copies,
+    host_copy,
+    host_memmove,
+    merge_regions,
+)
 from vllm.kv_copy.regions import (
     BLOCK_SIDE_DTYPE,
     REGION_DTYPE,
@@ -70,7 +76,9 @@ __all__ = [
     "CudaDevices",
     "check_copy_blocks",
     "expand_copies",
+    "host_copy",
     "host_memmove",
+    "merge_regions",
     # job description
     "BlockSide",
     "CopyRegion",
@@ -258,6 +266,6 @@ def copy_blocks(
         lib.copy_blocks(device, regions, src, dst, method, max_ctas, stream)
     elif chosen == "torch":
         check_prepared(regions, src, dst)
-        host_memmove(*expand_copies(regions, src, dst))
+        host_copy(regions, src, dst)
     else:
         raise ValueError(f"backend={chosen!r}: expected 'cuda' or 'torch'")
