@@ -230,6 +230,60 @@ def test_merge_regions_joins_regions_that_continue_each_other() -> None:
     assert [r[2] for r in subs] == [192, 128]
 
 
+def _pages_job(
+    page: int, n: int, regions: int, *, runs: bool, row: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A job of ``n`` pairs over ``regions`` regions of ``page`` bytes (addresses only: the
+    method choice reads no memory). ``row``: the CPU side's block stride (default: the pages
+    of every region side by side); ids consecutive on both sides if ``runs``."""
+    row = row or page * regions
+    made = [
+        ops.CopyRegion(
+            ops.BlockSide(0x1000_0000 + j * (1 << 30), page, 4 * n),
+            ops.BlockSide(0x8000_0000_0000 + j * page, row, 4 * n),
+            page,
+            0,
+            n,
+        )
+        for j in range(regions)
+    ]
+    ids = np.arange(n, dtype=np.int64)
+    scattered = np.random.default_rng(0).permutation(4 * n)[:n].astype(np.int64)
+    return ops.make_regions(made), ids if runs else scattered, ids if runs else scattered[::-1]
+
+
+def test_copy_method_policy_chooses_the_kernel_for_small_chunks_and_dma_for_large() -> None:
+    policy = ops.CopyMethodPolicy()
+    assert policy.store_dma_min_chunk_bytes == policy.load_dma_min_chunk_bytes == 1 << 20
+    kernel, dma = ops.CopyMethod.KERNEL, ops.CopyMethod.DMA
+    per_layer = _pages_job(4096, 64, 16, runs=True)  # 16 pages of 4 KiB per block
+    assert ops.mean_chunk_bytes(*per_layer) == 4096
+    assert policy.choose(*per_layer, store=True) is kernel
+    assert policy.choose(*per_layer, store=False) is kernel
+    big = _pages_job(2 << 20, 8, 1, runs=False)  # 2 MiB blocks, one region
+    assert policy.choose(*big, store=True) is dma and policy.choose(*big, store=False) is dma
+    # Whole 64 KiB rows: consecutive ids on both sides merge into one 4 MiB chunk (DMA); the
+    # same job scattered is 64 chunks of 64 KiB (kernel).
+    rows = _pages_job(64 << 10, 64, 1, runs=True, row=64 << 10)
+    assert ops.mean_chunk_bytes(*rows) == 64 * (64 << 10)
+    assert policy.choose(*rows, store=False) is dma
+    assert policy.choose(*_pages_job(64 << 10, 64, 1, runs=False), store=False) is kernel
+    # Per direction, and exactly at the threshold.
+    loads_by_dma = ops.CopyMethodPolicy(load_dma_min_chunk_bytes=4096)
+    assert loads_by_dma.choose(*per_layer, store=False) is dma
+    assert loads_by_dma.choose(*per_layer, store=True) is kernel
+    # Without pinned, mapped host memory the kernel cannot run; a fixed method is kept.
+    assert policy.choose(*per_layer, store=True, kernel_available=False) is dma
+    fixed = ops.CopyMethodPolicy(method=ops.CopyMethod.DMA_LOOP)
+    assert fixed.choose(*per_layer, store=True) is ops.CopyMethod.DMA_LOOP
+    forced = ops.CopyMethodPolicy(method=kernel)
+    assert forced.choose(*big, store=True) is kernel
+    assert forced.choose(*big, store=True, kernel_available=False) is dma
+    assert ops.mean_chunk_bytes(*_pages_job(4096, 0, 2, runs=True)) == 0.0
+    with pytest.raises(ValueError, match="store_dma_min_chunk_bytes=-1"):
+        ops.CopyMethodPolicy(store_dma_min_chunk_bytes=-1)
+
+
 def test_expand_copies_merges_adjacent_copies() -> None:
     src, dst = _buffer(4096, 1), _buffer(4096, 2)
     regions = ops.make_regions(

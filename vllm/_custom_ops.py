@@ -53,6 +53,11 @@ from vllm.kv_copy.host_copy import (
     host_memmove,
     merge_regions,
 )
+from vllm.kv_copy.method_choice import (
+    DEFAULT_DMA_MIN_CHUNK_BYTES,
+    CopyMethodPolicy,
+    mean_chunk_bytes,
+)
 from vllm.kv_copy.regions import (
     BLOCK_SIDE_DTYPE,
     REGION_DTYPE,
@@ -78,6 +83,7 @@ __all__ = [
     "expand_copies",
     "host_copy",
     "host_memmove",
+    "mean_chunk_bytes",
     "merge_regions",
     # job description
     "BlockSide",
@@ -89,6 +95,8 @@ __all__ = [
     "IdArray",
     # CUDA library
     "CopyMethod",
+    "CopyMethodPolicy",
+    "DEFAULT_DMA_MIN_CHUNK_BYTES",
     "CudaCopyLibrary",
     "CudaStream",
     "CudaEvent",
