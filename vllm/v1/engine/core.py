@@ -305,11 +305,15 @@ class EngineCore(ClosingContextManager):
         connector_cpu_s = scheduler.step_connector_cpu_seconds
         worker_s = sum(o.connector_seconds for o in outputs)
         worker_cpu_s = sum(o.connector_cpu_seconds for o in outputs)
+        if self.connector is not None:
+            # The collection is connector work of this step too: timed like the hooks, and
+            # observed after it, so this step's sample is in the next collection.
+            collect_s, collect_cpu_s = self._emit_kv_connector_stats()
+            connector_s += collect_s
+            connector_cpu_s += collect_cpu_s
+            self.connector.observe_step(connector_s, connector_cpu_s)
         stats.connector_seconds += connector_s
         stats.worker_connector_seconds += worker_s
-        if self.connector is not None:
-            self.connector.observe_step(connector_s, connector_cpu_s)
-            self._emit_kv_connector_stats()
         if self.config.record_steps:
             meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
             moved = dict(meta.bytes_moved()) if meta is not None else {}
@@ -335,14 +339,18 @@ class EngineCore(ClosingContextManager):
         in_flight, self._in_flight = self._in_flight, None
         return in_flight
 
-    def _emit_kv_connector_stats(self) -> None:
-        """Collect the connector's stats and hand them to the sink. Every step, as vLLM's
-        scheduler does, so that nothing accumulates between collections."""
+    def _emit_kv_connector_stats(self) -> tuple[float, float]:
+        """Collect the connector's stats (once per step, as vLLM's scheduler does, so that
+        nothing accumulates between collections) and hand them to the sink; return the
+        collection's wall and thread CPU seconds (the sink's time excluded)."""
         if self.connector is None:
-            return
+            return 0.0, 0.0
+        start, start_cpu = time.perf_counter(), time.thread_time()
         kv_stats = self.connector.get_kv_connector_stats()
+        elapsed = time.perf_counter() - start, time.thread_time() - start_cpu
         if kv_stats is not None and self.kv_connector_stats_sink is not None:
             self.kv_connector_stats_sink(kv_stats)
+        return elapsed
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until no request is unfinished and no transfer is in flight.

@@ -34,7 +34,7 @@ class StepRecord:
         num_running: requests running after the step.
         num_waiting: requests waiting after the step.
         connector_seconds: wall time in the scheduler-side connector's hooks (manager calls
-            included).
+            included) and in the collection of its statistics.
         connector_cpu_seconds: of it, the engine thread's CPU time (``time.thread_time``).
         worker_connector_seconds: wall time in the worker-side connector's hooks, summed over
             ranks.
