@@ -1,18 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The torch backend of ``copy_blocks``: copies between host addresses, with the GIL released.
+"""The torch backend of ``copy_blocks``: copies between host addresses, a few calls per job.
 
 Used when the KV cache itself lives in host memory, as on a CPU-only machine where the "GPU" KV
 cache is a CPU tensor. A job is copied region by region (``host_copy``): regions that continue
 each other on both sides are merged, then each region is one numpy gather of its source blocks
-and one scatter to its destination blocks, over numpy views of the two sides whose items are the
-region's ``bytes`` (advanced indexing of such items releases the GIL for the whole call and
-copies each item with ``memcpy``). A per-layer layout's job of N blocks is so a few calls per
-layer, not one Python-level copy per page: a Python call that releases and re-takes the GIL lets
-any other Python thread (the tiers' I/O threads) run for up to the interpreter's switch interval
-before the copy may continue. Chunks of about ``_CHUNK_BYTES`` keep the gathered items in cache;
-large jobs share their chunks among a few threads. Regions with only a few pairs keep one
-``ctypes.memmove`` per (merged) copy, cheaper than building an index there.
+and one scatter to its destination blocks (a run of consecutive source blocks: one scatter from
+their view), over numpy views of the two sides whose items are the region's ``bytes``; numpy
+copies each item with ``memcpy``. A per-layer layout's job of N blocks is so two calls per layer
+and chunk of about ``_GATHER_BYTES`` (which keeps the gathered items in cache), not one Python
+call per page.
+
+The GIL: numpy keeps it for a copy of fewer than about 500 items and releases it for the whole
+call above (measured, numpy 2). A short copy under the GIL is what a step wants: the previous
+design's ``ctypes.memmove`` per page released and re-took the GIL for each page, and every
+re-take could wait up to the interpreter's switch interval while another Python thread (the
+tiers' I/O threads) ran. Large jobs (``_PARALLEL_MIN_BYTES``) share their chunks among a few
+threads, which then copy in parallel without the GIL.
 
 torch's own indexing ops were measured slower for scattered rows (``index_select`` +
 ``index_copy_`` reached about 1.3 GB/s against 12+ GB/s for ``memmove``; docs/benchmarks.md).
@@ -32,7 +36,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from vllm.kv_copy.regions import REGION_DTYPE, IdArray, RegionArray
+from vllm.kv_copy.regions import IdArray, RegionArray
 
 HOST_COPY_THREADS_ENV: Final = "VLLM_KV_OFFLOAD_HOST_COPY_THREADS"
 """Threads used by the torch backend for large jobs (default ``min(4, cpu_count)``)."""
@@ -44,9 +48,6 @@ _PARALLEL_MIN_BYTES: Final = 4 << 20
 # (small enough that the gathered items are still in cache when they are scattered).
 _CHUNK_BYTES: Final = 1 << 20
 _GATHER_BYTES: Final = 512 << 10
-# A region with fewer pairs than this is copied with one memmove per copy: building the index
-# arrays and views costs more than a few GIL round trips.
-_MIN_INDEXED_PAIRS: Final = 4
 
 Addresses = npt.NDArray[np.uint64]
 
@@ -248,7 +249,7 @@ def _gather_scatter(
     dst: np.ndarray, dst_index: _Index, src: np.ndarray, src_index: _Index
 ) -> Callable[[], None]:
     def copy() -> None:
-        dst[dst_index] = src[src_index]  # one gather, one scatter; the GIL is released in both
+        dst[dst_index] = src[src_index]  # one gather, one scatter
 
     return copy
 
@@ -263,18 +264,13 @@ def _scatter(dst: np.ndarray, dst_index: _Index, run: np.ndarray) -> Callable[[]
 def _copy_items(
     regions: list[_Region], src_ids: IdArray, dst_ids: IdArray
 ) -> list[Callable[[], None]]:
-    """The job as independent copies: per region, chunks of indexed copies, or the memmoves of
-    the regions with few pairs (``_MIN_INDEXED_PAIRS``)."""
+    """The job as independent copies: per region, chunks of indexed copies."""
     items: list[Callable[[], None]] = []
-    small: list[_Region] = []
     # Per pair chunk (regions of one job share their chunks): the id slices, and whether the
     # source ids are a run.
     chunks: dict[tuple[int, int], tuple[IdArray, IdArray, bool]] = {}
     for region in regions:
         src_side, dst_side, nbytes, begin, count = region
-        if count < _MIN_INDEXED_PAIRS:
-            small.append(region)
-            continue
         src, dst = _side_view(src_side, nbytes), _side_view(dst_side, nbytes)
         step = max(1, _GATHER_BYTES // nbytes)
         for a in range(begin, begin + count, step):
@@ -289,16 +285,7 @@ def _copy_items(
                 items.append(_scatter(dst, dst_index, src[int(s[0]) : int(s[-1]) + 1]))
             else:
                 items.append(_gather_scatter(dst, dst_index, src, _index(src_side, s)))
-    if small:
-        to, frm, size = expand_copies(make_region_array(small), src_ids, dst_ids)
-        dl, sl, nl = to.tolist(), frm.tolist(), size.tolist()
-        items.append(lambda: _memmove_all(dl, sl, nl))
     return items
-
-
-def make_region_array(regions: list[_Region]) -> RegionArray:
-    """Regions as Python ints back into a ``REGION_DTYPE`` array."""
-    return np.array(regions, dtype=REGION_DTYPE)
 
 
 def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:

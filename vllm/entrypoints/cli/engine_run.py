@@ -118,12 +118,16 @@ class StepSampler:
         samples: the samples so far.
         overhead_us: scheduler-side connector + manager time per busy step (microseconds).
         worker_overhead_us: worker-side connector time per busy step (microseconds).
+        thread_cpu_us, worker_thread_cpu_us: the same steps' thread CPU time of the two sides
+            (microseconds).
     """
 
     t0: float
     samples: list[StepSample] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     worker_overhead_us: list[float] = field(default_factory=list)
+    thread_cpu_us: list[float] = field(default_factory=list)
+    worker_thread_cpu_us: list[float] = field(default_factory=list)
     # Per secondary tier type: (blocks written, blocks loaded) at the previous sample.
     _tier_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -152,6 +156,8 @@ class StepSampler:
         if busy and record is not None:
             self.overhead_us.append(record.connector_seconds * 1e6)
             self.worker_overhead_us.append(record.worker_connector_seconds * 1e6)
+            self.thread_cpu_us.append(record.connector_cpu_seconds * 1e6)
+            self.worker_thread_cpu_us.append(record.worker_connector_cpu_seconds * 1e6)
         self.samples.append(
             StepSample(
                 t_s=time.monotonic() - self.t0,
@@ -347,6 +353,8 @@ class EngineRun:
         result.samples = self.sampler.samples
         result.overhead_us = self.sampler.overhead_us
         result.worker_overhead_us = self.sampler.worker_overhead_us
+        result.connector_thread_cpu_us = self.sampler.thread_cpu_us
+        result.worker_connector_thread_cpu_us = self.sampler.worker_thread_cpu_us
         fill_result(result, snapshot)
         result.check_accounting()
         return snapshot
