@@ -10,7 +10,9 @@ blocks between random, distinct block ids of a GPU-side pool and a CPU-side pool
 
 * torch path: the "GPU" pool is host memory; baseline ``torch.Tensor.copy_`` (multi-threaded).
 * CUDA paths: device memory vs pinned, mapped host memory; baseline one ``cudaMemcpyAsync`` of
-  the total bytes, timed with events on the same stream.
+  the total bytes, timed with events on the same stream. ``cuda-auto`` rows time the path
+  ``CopyMethodPolicy`` picks for the job (the engine's default choice by chunk size and
+  direction), named in parentheses.
 
 Job and contiguous copies are timed in alternating rounds of 5 repetitions (about ``--reps`` of
 each in all, after two warm-ups); GB/s and the ratio (job GB/s / contiguous GB/s) come from the
@@ -279,7 +281,12 @@ def bench_cuda(
                 ops.CopyMethod.DMA_LOOP,
                 0,
             )
-            for method in methods:
+            # The path the engine's handlers take for this job (by chunk size and direction).
+            chosen = ops.CopyMethodPolicy().choose(regions, src_ids, dst_ids, store=store)
+            for method, label in [
+                *((m, m.name.lower().replace("_", "-")) for m in methods),
+                (chosen, f"auto ({chosen.name.lower().replace('_', '-')})"),
+            ]:
                 t_job, t_base, ratio = _paired(
                     functools.partial(timer.copy, regions, src_ids, dst_ids, method, max_ctas),
                     contiguous,
@@ -287,7 +294,7 @@ def bench_cuda(
                 )
                 rows.append(
                     Row(
-                        "cuda-" + method.name.lower().replace("_", "-"),
+                        "cuda-" + label,
                         "store" if store else "load",
                         block >> 10,
                         n,
