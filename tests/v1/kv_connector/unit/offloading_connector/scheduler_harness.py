@@ -11,6 +11,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from tests.v1.kv_offload.cpu.manager_state import load_pins
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
@@ -118,7 +119,7 @@ def snapshot(sched: OffloadingConnectorScheduler, manager: CountingManager) -> A
         list(sched._current_batch_allocated_blocks),
         len(sched._jobs),
         sorted((k, b.block_id, b.ref_cnt) for k, b in manager.policy.items()),
-        {r: manager.load_pins(r) for r in sched._request_states},
+        {r: load_pins(manager, r) for r in sched._request_states},
         manager.schedule_ends,
         list(manager.finished),
     )

@@ -26,6 +26,7 @@ from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
     setup_scheduler,
     snapshot,
 )
+from tests.v1.kv_offload.cpu.manager_state import check_invariants, load_pins
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -164,7 +165,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def pins_are_the_load_jobs_in_flight(self) -> None:
-        self.manager.check_invariants()
+        check_invariants(self.manager)
         sched = self.sched
         # The load jobs in flight are the connector's books: no public view of them.
         for req_id, state in sched._request_states.items():
@@ -173,7 +174,7 @@ class EngineMachine(RuleBasedStateMachine):
             for job in loads:
                 for key in job.keys:
                     expected[key] = expected.get(key, 0) + 1
-            assert self.manager.load_pins(req_id) == expected, req_id
+            assert load_pins(self.manager, req_id) == expected, req_id
 
 
 # Hypothesis has no ``@example`` for state machines: the sequences a run found are replayed
