@@ -79,6 +79,20 @@ class CopyMethodPolicy:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
+    def choose_fixed(self, kernel_available: bool = True) -> CopyMethod | None:
+        """The method of every job when it is fixed (``method``; DMA for the kernel without
+        mapped host memory), None when each job's size decides."""
+        if self.method is CopyMethod.KERNEL and not kernel_available:
+            return CopyMethod.DMA
+        return self.method
+
+    def describe(self) -> str:
+        """A short description for logs: the fixed method, or ``auto`` with the thresholds."""
+        if self.method is not None:
+            return self.method.name.lower()
+        store, load = self.store_dma_min_chunk_bytes, self.load_dma_min_chunk_bytes
+        return f"auto (dma from {store} B per chunk to the CPU, {load} B from it)"
+
     def choose(
         self,
         regions: RegionArray,
@@ -96,10 +110,9 @@ class CopyMethodPolicy:
             kernel_available: whether the host memory is pinned and mapped, as the kernel needs;
                 without it every job takes DMA.
         """
-        if self.method is not None:
-            if self.method is CopyMethod.KERNEL and not kernel_available:
-                return CopyMethod.DMA
-            return self.method
+        fixed = self.choose_fixed(kernel_available)
+        if fixed is not None:
+            return fixed
         if not kernel_available:
             return CopyMethod.DMA
         threshold = self.store_dma_min_chunk_bytes if store else self.load_dma_min_chunk_bytes
