@@ -781,21 +781,30 @@ class _RecordingLibrary:
         return lambda device, *args: self._note(name, device)
 
 
+def _on_recording_library(
+    monkeypatch: pytest.MonkeyPatch, setups: list[Setup], device: int, num_devices: int
+) -> tuple[Setup, _RecordingLibrary, CanonicalKVCaches]:
+    """A host-memory setup (k = 4) whose KV cache claims to be on ``cuda:<device>``, with the
+    CUDA library replaced by a recording stand-in that sees ``num_devices`` GPUs."""
+    host = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[1], "torch")
+    setups.append(host)
+    fake = _RecordingLibrary()
+    monkeypatch.setattr(ops, "cuda_library", lambda: fake)
+    monkeypatch.setattr(ops, "copy_backend", lambda: "cuda")
+    monkeypatch.setattr(ops, "cuda_devices", lambda: ops.CudaDevices(num_devices, ""))
+    kv = CanonicalKVCaches(
+        tuple(dataclasses.replace(t, device_index=device) for t in host.kv.tensors),
+        host.kv.group_data_refs,
+    )
+    return host, fake, kv
+
+
 def test_handlers_bind_every_cuda_call_to_the_kv_cache_device(
     monkeypatch: pytest.MonkeyPatch, setups: list[Setup]
 ) -> None:
     """The KV cache says cuda:3: every library call names device 3, whichever thread makes it,
     and stores wait for the compute stream the caller gave."""
-    host = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[1], "torch")  # k = 4
-    setups.append(host)
-    fake = _RecordingLibrary()
-    monkeypatch.setattr(ops, "cuda_library", lambda: fake)
-    monkeypatch.setattr(ops, "copy_backend", lambda: "cuda")
-    monkeypatch.setattr(ops, "cuda_devices", lambda: ops.CudaDevices(4, ""))
-    kv = CanonicalKVCaches(
-        tuple(dataclasses.replace(t, device_index=3) for t in host.kv.tensors),
-        host.kv.group_data_refs,
-    )
+    host, fake, kv = _on_recording_library(monkeypatch, setups, device=3, num_devices=4)
     streams_asked: list[str] = []
 
     def compute_stream() -> int:
@@ -847,16 +856,7 @@ def test_each_cuda_job_takes_the_path_its_chunk_size_and_direction_choose(
 ) -> None:
     """With the CUDA library (a recording stand-in), each job's method comes from the handlers'
     policy: by direction, and DMA for every job when the host memory could not be pinned."""
-    host = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[1], "torch")
-    setups.append(host)
-    fake = _RecordingLibrary()
-    monkeypatch.setattr(ops, "cuda_library", lambda: fake)
-    monkeypatch.setattr(ops, "copy_backend", lambda: "cuda")
-    monkeypatch.setattr(ops, "cuda_devices", lambda: ops.CudaDevices(1, ""))
-    kv = CanonicalKVCaches(
-        tuple(dataclasses.replace(t, device_index=0) for t in host.kv.tensors),
-        host.kv.group_data_refs,
-    )
+    host, fake, kv = _on_recording_library(monkeypatch, setups, device=0, num_devices=1)
     store = TransferSpec(GPULoadStoreSpec(list(range(8)), [8], [0]), CPULoadStoreSpec([2, 5]))
     load = TransferSpec(CPULoadStoreSpec([2, 5]), GPULoadStoreSpec(list(range(30, 38)), [8], [0]))
     kernel, dma = ops.CopyMethod.KERNEL, ops.CopyMethod.DMA
