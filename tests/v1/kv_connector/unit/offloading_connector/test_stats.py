@@ -255,10 +255,20 @@ def test_per_step_time_of_both_connector_sides_wall_and_thread_cpu(tmp_path: Pat
         records = engine.stats.step_records
     busy = [r for r in records if r.num_scheduled_tokens > 0]
     assert busy
-    slack = 1e-4  # the two clocks are read a few instructions apart
+    # Per step, thread CPU cannot exceed wall time but for the clocks' jitter (up to ~0.2 ms
+    # seen on this shared VM); over the run it is bounded tightly.
+    slack = 1e-3
     for r in records:
         assert 0 <= r.connector_cpu_seconds <= r.connector_seconds + slack
         assert 0 <= r.worker_connector_cpu_seconds <= r.worker_connector_seconds + slack
+    for cpu, wall in (
+        (sum(r.connector_cpu_seconds for r in records), sum(r.connector_seconds for r in records)),
+        (
+            sum(r.worker_connector_cpu_seconds for r in records),
+            sum(r.worker_connector_seconds for r in records),
+        ),
+    ):
+        assert 0 < cpu <= wall * 1.05
     assert all(r.connector_cpu_seconds > 0 and r.worker_connector_cpu_seconds > 0 for r in busy)
     walls: list[float] = []
     cpus: list[float] = []
