@@ -146,6 +146,9 @@ class EngineCore(ClosingContextManager):
         self._closed = False
         # Receives the connector's stats of every step (engine thread), e.g. an exporter.
         self.kv_connector_stats_sink: Callable[[KVConnectorStats], None] | None = None
+        # The connector's stats collected by the latest step() (None: it collected nothing), for
+        # a step callback that wants this step's figures without asking the tiers again.
+        self.step_kv_connector_stats: KVConnectorStats | None = None
 
         # The connector, as the engine knows it: KVConnectorBase_V1 (built by the factory from
         # the class KVTransferConfig names), one instance per role.
@@ -262,6 +265,7 @@ class EngineCore(ClosingContextManager):
         When there is nothing to do it only drains KV events (idle) and returns ``[]``.
         """
         assert not self._closed, "the engine is shut down"
+        self.step_kv_connector_stats = None
         scheduler = self.scheduler
         if not scheduler.has_pending_work():
             if self._in_flight is not None:
@@ -348,6 +352,7 @@ class EngineCore(ClosingContextManager):
         start, start_cpu = time.perf_counter(), time.thread_time()
         kv_stats = self.connector.get_kv_connector_stats()
         elapsed = time.perf_counter() - start, time.thread_time() - start_cpu
+        self.step_kv_connector_stats = kv_stats
         if kv_stats is not None and self.kv_connector_stats_sink is not None:
             self.kv_connector_stats_sink(kv_stats)
         return elapsed
