@@ -144,6 +144,146 @@ def test_torch_copy_blocks_matches_reference_and_leaves_other_bytes() -> None:
     assert not np.array_equal(expected, _buffer(8192, 2).numpy()), "the job must move something"
 
 
+@st.composite
+def _host_jobs(draw: st.DrawFn) -> tuple[list[ops.CopyRegion], np.ndarray, np.ndarray, int]:
+    """Valid jobs in the shapes the handlers build: per layer (regions of one page each, over
+    separate "GPU" planes and shared CPU rows), with or without sub-blocks on either side, ids
+    scattered or in runs, pair counts on both sides of the indexed path's threshold."""
+    layers = draw(st.integers(1, 3))
+    page = draw(st.sampled_from([64, 96, 256]))
+    k_src, k_dst = draw(st.sampled_from([(1, 1), (1, 2), (3, 1)]))
+    n = draw(st.integers(1, 12))
+    num_blocks = 24
+    src_ids = draw(
+        st.one_of(
+            st.permutations(range(num_blocks * k_src)).map(lambda p: p[:n]),
+            st.integers(0, num_blocks * k_src - n).map(lambda a: list(range(a, a + n))),
+        )
+    )
+    dst_ids = draw(st.permutations(range(num_blocks * k_dst)).map(lambda p: p[:n]))
+    # "GPU" planes: 2 per layer (K, V), each a pool of blocks of k_src pages, one after another
+    # with a gap; CPU rows of every plane's page (k_dst sub-blocks per row and plane).
+    plane_bytes = num_blocks * k_src * page + 512
+    row = 2 * layers * k_dst * page
+    regions = []
+    for j in range(2 * layers):
+        src = ops.BlockSide(j * plane_bytes, k_src * page, num_blocks, k_src, page)
+        dst = ops.BlockSide(j * k_dst * page, row, num_blocks, k_dst, page)
+        regions.append(ops.CopyRegion(src, dst, page, 0, n))
+    total_src = 2 * layers * plane_bytes
+    return regions, np.array(src_ids, np.int64), np.array(dst_ids, np.int64), total_src
+
+
+@settings(max_examples=150, deadline=None)
+@given(job=_host_jobs(), threads=st.sampled_from(["1", "2"]))
+def test_host_copy_matches_the_reference(
+    job: tuple[list[ops.CopyRegion], np.ndarray, np.ndarray, int], threads: str
+) -> None:
+    regions, src_ids, dst_ids, total_src = job
+    src = _buffer(total_src, 1)
+    dst = _buffer(max(r.dst.base + r.dst.num_blocks * r.dst.block_stride for r in regions), 2)
+
+    def on(buf: torch.Tensor, side: ops.BlockSide) -> ops.BlockSide:
+        return dataclasses.replace(side, base=buf.data_ptr() + side.base)
+
+    placed = [dataclasses.replace(r, src=on(src, r.src), dst=on(dst, r.dst)) for r in regions]
+    arr = ops.make_regions(placed)
+    expected = dst.numpy().copy()
+    _reference_copy(arr, src_ids, dst_ids, src.numpy(), src.data_ptr(), expected, dst.data_ptr())
+    old = os.environ.get(ops.HOST_COPY_THREADS_ENV)
+    os.environ[ops.HOST_COPY_THREADS_ENV] = threads
+    try:
+        ops.copy_blocks(arr, src_ids, dst_ids, backend="torch")
+    finally:
+        if old is None:
+            del os.environ[ops.HOST_COPY_THREADS_ENV]
+        else:
+            os.environ[ops.HOST_COPY_THREADS_ENV] = old
+    assert np.array_equal(dst.numpy(), expected)
+
+
+def test_merge_regions_joins_regions_that_continue_each_other() -> None:
+    def region(src: int, dst: int, nbytes: int, begin: int = 0, k: int = 1) -> ops.CopyRegion:
+        return ops.CopyRegion(
+            ops.BlockSide(src, 4096, 8), ops.BlockSide(dst, 8192, 8, k, 256), nbytes, begin, 4
+        )
+
+    merged = ops.merge_regions(
+        ops.make_regions(
+            [
+                region(0x10000, 0x90000, 128),
+                region(0x10080, 0x90080, 128),  # continues on both sides: merged
+                region(0x10100, 0x90180, 64),  # a gap on the dst side
+                region(0x10140, 0x901C0, 64, begin=1),  # other pairs
+            ]
+        )
+    )
+    assert [(r[0][0], r[1][0], r[2], r[3]) for r in merged] == [
+        (0x10000, 0x90000, 256, 0),
+        (0x10100, 0x90180, 64, 0),
+        (0x10140, 0x901C0, 64, 1),
+    ]
+    # With sub-blocks, a merge may not outgrow the sub-block.
+    subs = ops.merge_regions(
+        ops.make_regions([region(0x10000, 0x90000, 192, k=2), region(0x100C0, 0x900C0, 128, k=2)])
+    )
+    assert [r[2] for r in subs] == [192, 128]
+
+
+def _pages_job(
+    page: int, n: int, regions: int, *, runs: bool, row: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A job of ``n`` pairs over ``regions`` regions of ``page`` bytes (addresses only: the
+    method choice reads no memory). ``row``: the CPU side's block stride (default: the pages
+    of every region side by side); ids consecutive on both sides if ``runs``."""
+    row = row or page * regions
+    made = [
+        ops.CopyRegion(
+            ops.BlockSide(0x1000_0000 + j * (1 << 30), page, 4 * n),
+            ops.BlockSide(0x8000_0000_0000 + j * page, row, 4 * n),
+            page,
+            0,
+            n,
+        )
+        for j in range(regions)
+    ]
+    ids = np.arange(n, dtype=np.int64)
+    scattered = np.random.default_rng(0).permutation(4 * n)[:n].astype(np.int64)
+    return ops.make_regions(made), ids if runs else scattered, ids if runs else scattered[::-1]
+
+
+def test_copy_method_policy_chooses_the_kernel_for_small_chunks_and_dma_for_large() -> None:
+    policy = ops.CopyMethodPolicy()
+    assert policy.store_dma_min_chunk_bytes == policy.load_dma_min_chunk_bytes == 1 << 20
+    kernel, dma = ops.CopyMethod.KERNEL, ops.CopyMethod.DMA
+    per_layer = _pages_job(4096, 64, 16, runs=True)  # 16 pages of 4 KiB per block
+    assert ops.mean_chunk_bytes(*per_layer) == 4096
+    assert policy.choose(*per_layer, store=True) is kernel
+    assert policy.choose(*per_layer, store=False) is kernel
+    big = _pages_job(2 << 20, 8, 1, runs=False)  # 2 MiB blocks, one region
+    assert policy.choose(*big, store=True) is dma and policy.choose(*big, store=False) is dma
+    # Whole 64 KiB rows: consecutive ids on both sides merge into one 4 MiB chunk (DMA); the
+    # same job scattered is 64 chunks of 64 KiB (kernel).
+    rows = _pages_job(64 << 10, 64, 1, runs=True, row=64 << 10)
+    assert ops.mean_chunk_bytes(*rows) == 64 * (64 << 10)
+    assert policy.choose(*rows, store=False) is dma
+    assert policy.choose(*_pages_job(64 << 10, 64, 1, runs=False), store=False) is kernel
+    # Per direction, and exactly at the threshold.
+    loads_by_dma = ops.CopyMethodPolicy(load_dma_min_chunk_bytes=4096)
+    assert loads_by_dma.choose(*per_layer, store=False) is dma
+    assert loads_by_dma.choose(*per_layer, store=True) is kernel
+    # Without pinned, mapped host memory the kernel cannot run; a fixed method is kept.
+    assert policy.choose(*per_layer, store=True, kernel_available=False) is dma
+    fixed = ops.CopyMethodPolicy(method=ops.CopyMethod.DMA_LOOP)
+    assert fixed.choose(*per_layer, store=True) is ops.CopyMethod.DMA_LOOP
+    forced = ops.CopyMethodPolicy(method=kernel)
+    assert forced.choose(*big, store=True) is kernel
+    assert forced.choose(*big, store=True, kernel_available=False) is dma
+    assert ops.mean_chunk_bytes(*_pages_job(4096, 0, 2, runs=True)) == 0.0
+    with pytest.raises(ValueError, match="store_dma_min_chunk_bytes=-1"):
+        ops.CopyMethodPolicy(store_dma_min_chunk_bytes=-1)
+
+
 def test_expand_copies_merges_adjacent_copies() -> None:
     src, dst = _buffer(4096, 1), _buffer(4096, 2)
     regions = ops.make_regions(
@@ -206,26 +346,26 @@ def test_copy_backend_is_logged_and_overridable(
 ) -> None:
     try:
         monkeypatch.setenv(ops.BACKEND_ENV, "torch")
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
         assert ops.copy_backend() == "torch"
         monkeypatch.setenv(ops.BACKEND_ENV, "auto")
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
         with caplog.at_level("INFO", logger="vllm._custom_ops"):
             assert ops.copy_backend() == ("cuda" if NUM_GPUS else "torch")
         if NUM_GPUS == 0:
             # The reason names the real problem (e.g. the CUDA error of a too old driver).
             assert DEVICES.problem and DEVICES.problem in caplog.text
             monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
-            ops._reset_backend_for_tests()
+            ops.copy_backend.cache_clear()
             with pytest.raises(RuntimeError, match="unusable") as info:
                 ops.copy_backend()
             assert DEVICES.problem in str(info.value)
         monkeypatch.setenv(ops.BACKEND_ENV, "bogus")
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
         with pytest.raises(ValueError, match="bogus"):
             ops.copy_backend()
     finally:
-        ops._reset_backend_for_tests()
+        ops.copy_backend.cache_clear()
 
 
 def test_cuda_backend_needs_a_device() -> None:

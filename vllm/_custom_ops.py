@@ -23,6 +23,7 @@ a region's sides is described in ``vllm.kv_copy.regions``. The implementation li
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -45,7 +46,18 @@ from vllm.kv_copy.cuda_library import (
 )
 from vllm.kv_copy.cuda_resources import CudaEvent, CudaStream
 from vllm.kv_copy.errors import CopyArgumentError, CudaCopyError
-from vllm.kv_copy.host_copy import HOST_COPY_THREADS_ENV, expand_copies, host_memmove
+from vllm.kv_copy.host_copy import (
+    HOST_COPY_THREADS_ENV,
+    expand_copies,
+    host_copy,
+    host_memmove,
+    merge_regions,
+)
+from vllm.kv_copy.method_choice import (
+    DEFAULT_DMA_MIN_CHUNK_BYTES,
+    CopyMethodPolicy,
+    mean_chunk_bytes,
+)
 from vllm.kv_copy.regions import (
     BLOCK_SIDE_DTYPE,
     REGION_DTYPE,
@@ -69,7 +81,10 @@ __all__ = [
     "CudaDevices",
     "check_copy_blocks",
     "expand_copies",
+    "host_copy",
     "host_memmove",
+    "mean_chunk_bytes",
+    "merge_regions",
     # job description
     "BlockSide",
     "CopyRegion",
@@ -80,6 +95,8 @@ __all__ = [
     "IdArray",
     # CUDA library
     "CopyMethod",
+    "CopyMethodPolicy",
+    "DEFAULT_DMA_MIN_CHUNK_BYTES",
     "CudaCopyLibrary",
     "CudaStream",
     "CudaEvent",
@@ -126,7 +143,6 @@ _library_loaded = False
 _library: CudaCopyLibrary | None = None
 _library_problem = "not loaded yet"
 _devices: CudaDevices | None = None
-_backend: str | None = None
 
 
 def cuda_library() -> CudaCopyLibrary | None:
@@ -174,20 +190,20 @@ def cuda_devices() -> CudaDevices:
         return _devices
 
 
+@functools.cache
 def copy_backend() -> str:
     """Which backend this process uses for device memory: ``"cuda"`` or ``"torch"``.
 
     ``"cuda"`` when the library is loaded and sees a GPU, unless ``VLLM_KV_OFFLOAD_COPY_BACKEND``
-    is ``torch``; otherwise ``"torch"``. Decided and logged once per process, with the reason.
+    is ``torch``; otherwise ``"torch"``. Decided and logged once per process, with the reason
+    (``copy_backend.cache_clear()`` makes the next call decide again, e.g. after the
+    environment changed).
 
     Raises:
         ValueError: ``VLLM_KV_OFFLOAD_COPY_BACKEND`` has an unknown value.
         RuntimeError: ``VLLM_KV_OFFLOAD_COPY_BACKEND=cuda`` but CUDA is unusable (the message says
             why, e.g. a driver older than the library's CUDA runtime).
     """
-    global _backend
-    if _backend is not None:
-        return _backend
     wanted = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if wanted not in ("auto", "torch", "cuda"):
         raise ValueError(f"{BACKEND_ENV}={wanted!r}: expected auto, torch or cuda")
@@ -205,15 +221,8 @@ def copy_backend() -> str:
             reason = devices.problem
         if wanted == "cuda" and backend != "cuda":
             raise RuntimeError(f"{BACKEND_ENV}=cuda but the CUDA backend is unusable: {reason}")
-    _backend = backend
     logger.info("KV offload copy backend: %s (%s)", backend, reason)
     return backend
-
-
-def _reset_backend_for_tests() -> None:
-    """Forget the cached backend decision (tests that change the environment)."""
-    global _backend
-    _backend = None
 
 
 def copy_blocks(
@@ -265,6 +274,6 @@ def copy_blocks(
         lib.copy_blocks(device, regions, src, dst, method, max_ctas, stream)
     elif chosen == "torch":
         check_prepared(regions, src, dst)
-        host_memmove(*expand_copies(regions, src, dst))
+        host_copy(regions, src, dst)
     else:
         raise ValueError(f"backend={chosen!r}: expected 'cuda' or 'torch'")

@@ -10,11 +10,23 @@ blocks between random, distinct block ids of a GPU-side pool and a CPU-side pool
 
 * torch path: the "GPU" pool is host memory; baseline ``torch.Tensor.copy_`` (multi-threaded).
 * CUDA paths: device memory vs pinned, mapped host memory; baseline one ``cudaMemcpyAsync`` of
-  the total bytes, timed with events on the same stream.
+  the total bytes, timed with events on the same stream. ``cuda-auto`` rows time the path
+  ``CopyMethodPolicy`` picks for the job (the engine's default choice by chunk size and
+  direction), named in parentheses.
 
 Job and contiguous copies are timed in alternating rounds of 5 repetitions (about ``--reps`` of
 each in all, after two warm-ups); GB/s and the ratio (job GB/s / contiguous GB/s) come from the
 median times.
+
+Per-layer rows (torch path, ``--layers L``, blocks of ``--layer-block-kib``): the shape of the
+engine's jobs with the per-layer KV layout. The "GPU" side is ``2 L`` separate tensors (each
+layer's K and V planes, one page of ``block / 2 L`` bytes per block), the CPU side one row of
+``block`` bytes per block holding every page; a job of ``--layer-job-blocks`` blocks is ``2 L``
+regions. ``torch-memmove`` rows time, in the same run, the torch backend's previous design (one
+``ctypes.memmove`` per merged copy, after the same checks). The baseline is one contiguous copy
+of the job's bytes on one thread (``np.copyto``, a ``memcpy``): the job's own copies are
+single-threaded below 4 MiB, and torch's multi-threaded ``copy_`` of a few MiB mostly measures
+its threads' wake-up on a busy machine.
 
 Device memory comes from the test helpers in ``tests/cuda_helpers.py`` (no CUDA build of torch
 is needed); the script puts the repository root on ``sys.path`` for them. The CUDA paths run on
@@ -62,6 +74,7 @@ class Row:
     job_gbps: float
     contiguous_gbps: float
     ratio: float
+    layout: str = "one region"
 
 
 def _paired(
@@ -108,6 +121,14 @@ def _host_job(regions: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> 
     return time.perf_counter() - t0
 
 
+def _host_memmove_job(regions: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> float:
+    """The torch backend before region-wise copies: one ``memmove`` per (merged) copy."""
+    t0 = time.perf_counter()
+    ops.check_copy_blocks(regions, src_ids, dst_ids)
+    ops.host_memmove(*ops.expand_copies(regions, src_ids, dst_ids))
+    return time.perf_counter() - t0
+
+
 def _host_contiguous(dst: torch.Tensor, src: torch.Tensor) -> float:
     t0 = time.perf_counter()
     dst.copy_(src)
@@ -139,6 +160,63 @@ def bench_torch(block: int, n: int, reps: int) -> list[Row]:
                 ratio,
             )
         )
+    return rows
+
+
+def _memcpy(dst: np.ndarray, src: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+def _per_layer_job(
+    planes: list[torch.Tensor], rows: torch.Tensor, page: int, n: int, store: bool, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A job of ``n`` blocks: one region per plane (GPU tensor) <-> its page in the CPU rows."""
+    rng = np.random.default_rng(seed)
+    gpu_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    cpu_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    row = page * len(planes)
+    regions = []
+    for j, plane in enumerate(planes):
+        gpu = ops.BlockSide(plane.data_ptr(), page, 2 * n)
+        cpu = ops.BlockSide(rows.data_ptr() + j * page, row, 2 * n)
+        src, dst = (gpu, cpu) if store else (cpu, gpu)
+        regions.append(ops.CopyRegion(src, dst, page, 0, n))
+    made = ops.make_regions(regions)
+    return (made, gpu_ids, cpu_ids) if store else (made, cpu_ids, gpu_ids)
+
+
+def bench_torch_per_layer(block: int, layers: int, n: int, reps: int) -> list[Row]:
+    page = block // (2 * layers)
+    planes = [
+        torch.randint(-128, 128, (2 * n * page,), dtype=torch.int8) for _ in range(2 * layers)
+    ]
+    cpu = torch.ones(2 * n * block, dtype=torch.int8)  # faulted in before timing
+    total = n * block
+    flat_src = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
+    flat_dst = np.ones(total, dtype=np.int8)
+    rows = []
+    for store in (True, False):
+        regions, src_ids, dst_ids = _per_layer_job(planes, cpu, page, n, store, seed=1)
+        for path, job in (("torch", _host_job), ("torch-memmove", _host_memmove_job)):
+            t_job, t_base, ratio = _paired(
+                functools.partial(job, regions, src_ids, dst_ids),
+                functools.partial(_memcpy, flat_dst, flat_src),
+                reps,
+            )
+            rows.append(
+                Row(
+                    path,
+                    "store" if store else "load",
+                    block >> 10,
+                    n,
+                    total / t_job / 1e9,
+                    total / t_base / 1e9,
+                    ratio,
+                    f"per-layer, {2 * layers} pages of {page >> 10} KiB",
+                )
+            )
     return rows
 
 
@@ -203,7 +281,12 @@ def bench_cuda(
                 ops.CopyMethod.DMA_LOOP,
                 0,
             )
-            for method in methods:
+            # The path the engine's handlers take for this job (by chunk size and direction).
+            chosen = ops.CopyMethodPolicy().choose(regions, src_ids, dst_ids, store=store)
+            for method, label in [
+                *((m, m.name.lower().replace("_", "-")) for m in methods),
+                (chosen, f"auto ({chosen.name.lower().replace('_', '-')})"),
+            ]:
                 t_job, t_base, ratio = _paired(
                     functools.partial(timer.copy, regions, src_ids, dst_ids, method, max_ctas),
                     contiguous,
@@ -211,7 +294,7 @@ def bench_cuda(
                 )
                 rows.append(
                     Row(
-                        "cuda-" + method.name.lower().replace("_", "-"),
+                        "cuda-" + label,
                         "store" if store else "load",
                         block >> 10,
                         n,
@@ -244,14 +327,14 @@ def machine() -> str:
 
 def to_markdown(rows: list[Row]) -> str:
     out = [
-        "| path | direction | block | blocks | job GB/s | contiguous GB/s | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| path | layout | direction | block | blocks | job GB/s | contiguous GB/s | ratio |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         size = f"{r.block_kib} KiB" if r.block_kib < 1024 else f"{r.block_kib >> 10} MiB"
         out.append(
-            f"| {r.path} | {r.direction} | {size} | {r.num_blocks} | {r.job_gbps:.2f} | "
-            f"{r.contiguous_gbps:.2f} | {r.ratio:.2f} |"
+            f"| {r.path} | {r.layout} | {r.direction} | {size} | {r.num_blocks} | "
+            f"{r.job_gbps:.2f} | {r.contiguous_gbps:.2f} | {r.ratio:.2f} |"
         )
     return "\n".join(out)
 
@@ -265,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--paths", nargs="+", default=["torch", "cuda"], choices=["torch", "cuda"])
     p.add_argument("--max-ctas", type=int, default=0, help="kernel path thread blocks (0: default)")
+    p.add_argument("--layers", type=int, default=8, help="per-layer rows: layers (0: none)")
+    p.add_argument("--layer-block-kib", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--layer-job-blocks", type=int, nargs="+", default=[16, 64, 512])
     p.add_argument("--markdown", help="also write the table (with command and machine) here")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
@@ -281,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         if "cuda" in args.paths and has_gpu:
             methods = list(ops.CopyMethod)
             rows += bench_cuda(block, n, args.reps, methods, args.max_ctas)
+    if "torch" in args.paths and args.layers:
+        for kib in args.layer_block_kib:
+            for n in args.layer_job_blocks:
+                rows += bench_torch_per_layer(kib << 10, args.layers, n, args.reps)
     if "cuda" in args.paths and not has_gpu:
         print(f"CUDA paths skipped: {devices.problem}", file=sys.stderr)
     table = to_markdown(rows)

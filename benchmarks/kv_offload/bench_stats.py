@@ -16,6 +16,10 @@ figures), it times:
 each as the best and the median of ``--reps`` repetitions of ``--calls`` calls, and reports
 them against the median per-step scheduler-side connector time of the run (``StepRecord``).
 
+It also prints, over the run's busy steps, the median and p99 of both connector sides' time per
+step, wall and thread CPU (``StepRecord.connector_*seconds``: one read of ``perf_counter`` and of
+``thread_time`` before and after each hook), and what one such pair of reads costs.
+
 Usage::
 
     PYTHONPATH=. python benchmarks/kv_offload/bench_stats.py    # ~20 s on 2 cores
@@ -82,6 +86,19 @@ def _time(fn: object, calls: int, reps: int) -> tuple[float, float]:
     return min(per_call), statistics.median(per_call)
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _clock_pair() -> None:
+    time.perf_counter()
+    time.thread_time()
+    time.thread_time()
+    time.perf_counter()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=12)
@@ -111,8 +128,19 @@ def main() -> None:
     labels = ("toy", "0", "offload")
     observe = _time(lambda: prom.observe(typical, labels), args.calls, args.reps)
     observe_max = _time(lambda: prom.observe(busiest, labels), args.calls, args.reps)
+    clock = _time(_clock_pair, args.calls * 10, args.reps)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load average: {load}")
+    print("per busy step, median / p99 (µs):")
+    for name, values in (
+        ("scheduler side, wall", [r.connector_seconds for r in records]),
+        ("scheduler side, thread CPU", [r.connector_cpu_seconds for r in records]),
+        ("worker side, wall", [r.worker_connector_seconds for r in records]),
+        ("worker side, thread CPU", [r.worker_connector_cpu_seconds for r in records]),
+    ):
+        us = [v * 1e6 for v in values]
+        print(f"  {name:28s} {statistics.median(us):8.1f} / {_percentile(us, 0.99):8.1f}")
+    print(f"one hook's clock reads (perf_counter + thread_time, twice): {clock[0]:.2f} µs best")
     print(
         f"busy steps: {len(records)}; scheduler-side connector per busy step, "
         f"median: {step_us:.1f} µs"

@@ -8,7 +8,8 @@ Modules, one concern each:
 * ``errors``: the exceptions every copy raises.
 * ``regions``: the description of a job (``BlockSide``, ``CopyRegion``, ``REGION_DTYPE``).
 * ``checks``: the Python twin of the C library's argument checks.
-* ``host_copy``: the torch (host ``memmove``) backend.
+* ``host_copy``: the torch backend (copies between host addresses, region by region).
+* ``method_choice``: which CUDA path (SM-copy kernel or batched DMA) a job takes.
 * ``cuda_library``: the ctypes binding of the CUDA copy library built from ``csrc/``.
 * ``cuda_resources``: CUDA streams and events owned by Python objects.
 """

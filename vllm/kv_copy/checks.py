@@ -8,6 +8,7 @@ test (tests/test_custom_ops.py) checks that the two agree.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy.typing as npt
 
 from vllm.kv_copy.errors import CopyArgumentError
 from vllm.kv_copy.regions import (
+    REGION_DTYPE,
     IdArray,
     RegionArray,
     as_ids,
@@ -84,21 +86,24 @@ def check_copy_blocks(regions: RegionArray, src_ids: npt.ArrayLike, dst_ids: npt
     check_prepared(as_regions(regions), as_ids(src_ids, "src_ids"), as_ids(dst_ids, "dst_ids"))
 
 
-def check_prepared(regions: RegionArray, src: IdArray, dst: IdArray) -> None:
-    """``check_copy_blocks`` on arrays already prepared by ``as_regions`` / ``as_ids``."""
-    check_pair_counts(src, dst)
-    num_pairs = len(src)
-    # Statistics of each distinct pair range, computed once: regions of a group share one.
-    range_stats: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# Up to this many ids, a range's statistics are taken in Python (numpy's per-call cost is more).
+_SMALL_RANGE: Final = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def _region_geometry(records: bytes) -> tuple[tuple[int, int, int, int], ...]:
+    """Check what of a job depends on its regions alone (``records``: the array's bytes);
+    return each region's ``(pair_begin, pair_count, src id limit, dst id limit)``.
+
+    Memoised by the regions' bytes: a handler's jobs repeat the same few region arrays. Refusals
+    raise, and are not cached.
+    """
+    out = []
+    regions = np.frombuffer(records, dtype=REGION_DTYPE)
     # tolist() turns the records into Python ints at once (field access per record is slow).
     for r, (src_side, dst_side, nbytes, begin, count) in enumerate(regions.tolist()):
         if nbytes == 0:
             raise CopyArgumentError(f"regions[{r}].bytes is 0")
-        if begin < 0 or count < 0 or begin > num_pairs or count > num_pairs - begin:
-            raise CopyArgumentError(
-                f"regions[{r}]: pairs [{begin}, {begin} + {count}) are not within "
-                f"[0, num_pairs={num_pairs})"
-            )
         src_limit, src_end = _check_side(r, "src", src_side, nbytes)
         dst_limit, dst_end = _check_side(r, "dst", dst_side, nbytes)
         if src_side[0] < dst_end and dst_side[0] < src_end:
@@ -106,22 +111,50 @@ def check_prepared(regions: RegionArray, src: IdArray, dst: IdArray) -> None:
                 f"regions[{r}]: source extent [{src_side[0]:#x}, {src_end:#x}) and destination "
                 f"extent [{dst_side[0]:#x}, {dst_end:#x}) overlap"
             )
+        out.append((begin, count, src_limit, dst_limit))
+    return tuple(out)
+
+
+def _range_stats(r: int, src: IdArray, dst: IdArray, begin: int, count: int) -> tuple[int, ...]:
+    """``(min src id, max src id, min dst id, max dst id)`` of pairs ``[begin, begin + count)``.
+
+    Raises:
+        CopyArgumentError: a destination id repeats in the range.
+    """
+    s, d = src[begin : begin + count], dst[begin : begin + count]
+    if count <= _SMALL_RANGE:
+        sl, dl = s.tolist(), d.tolist()
+        if len(set(dl)) == len(dl):
+            return min(sl), max(sl), min(dl), max(dl)
+    stats = (int(s.min()), int(s.max()), int(d.min()), int(d.max()))
+    if count > 1:
+        sorted_d = np.sort(d)
+        dup = np.flatnonzero(sorted_d[1:] == sorted_d[:-1])
+        if dup.size:
+            raise CopyArgumentError(
+                f"regions[{r}]: destination id {int(sorted_d[dup[0]])} appears more than once in "
+                f"pairs [{begin}, {begin + count}) (two copies would write the same bytes)"
+            )
+    return stats
+
+
+def check_prepared(regions: RegionArray, src: IdArray, dst: IdArray) -> None:
+    """``check_copy_blocks`` on arrays already prepared by ``as_regions`` / ``as_ids``."""
+    check_pair_counts(src, dst)
+    num_pairs = len(src)
+    # Statistics of each distinct pair range, computed once: regions of a group share one.
+    range_stats: dict[tuple[int, int], tuple[int, ...]] = {}
+    for r, (begin, count, src_limit, dst_limit) in enumerate(_region_geometry(regions.tobytes())):
+        if begin < 0 or count < 0 or begin > num_pairs or count > num_pairs - begin:
+            raise CopyArgumentError(
+                f"regions[{r}]: pairs [{begin}, {begin} + {count}) are not within "
+                f"[0, num_pairs={num_pairs})"
+            )
         if count == 0:
             continue
         stats = range_stats.get((begin, count))
         if stats is None:
-            s, d = src[begin : begin + count], dst[begin : begin + count]
-            stats = (int(s.min()), int(s.max()), int(d.min()), int(d.max()))
-            if count > 1:
-                sorted_d = np.sort(d)
-                dup = np.flatnonzero(sorted_d[1:] == sorted_d[:-1])
-                if dup.size:
-                    raise CopyArgumentError(
-                        f"regions[{r}]: destination id {int(sorted_d[dup[0]])} appears more than "
-                        f"once in pairs [{begin}, {begin + count}) (two copies would write the "
-                        "same bytes)"
-                    )
-            range_stats[(begin, count)] = stats
+            stats = range_stats[(begin, count)] = _range_stats(r, src, dst, begin, count)
         s_min, s_max, d_min, d_max = stats
         for name, ids, lo, hi, limit in (
             ("src_ids", src, s_min, s_max, src_limit),

@@ -1,19 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The torch backend of ``copy_blocks``: ``memmove`` between host addresses, on a few threads.
+"""The torch backend of ``copy_blocks``: copies between host addresses, a few calls per job.
 
 Used when the KV cache itself lives in host memory, as on a CPU-only machine where the "GPU" KV
-cache is a CPU tensor. Measured faster than torch's indexing ops for scattered rows
-(``index_select`` + ``index_copy_`` copies every byte twice and reached about 1.3 GB/s against
-12+ GB/s here; see docs/benchmarks.md).
+cache is a CPU tensor. A job is copied region by region (``host_copy``): regions that continue
+each other on both sides are merged, then each region is one numpy gather of its source blocks
+and one scatter to its destination blocks (a run of consecutive source blocks: one scatter from
+their view), over numpy views of the two sides whose items are the region's ``bytes``; numpy
+copies each item with ``memcpy``. A per-layer layout's job of N blocks is so two calls per layer
+and chunk of about ``_GATHER_BYTES`` (which keeps the gathered items in cache), not one Python
+call per page.
+
+The GIL: numpy keeps it for a copy of fewer than about 500 items and releases it for the whole
+call above (measured, numpy 2). A short copy under the GIL is what a step wants: the previous
+design's ``ctypes.memmove`` per page released and re-took the GIL for each page, and every
+re-take could wait up to the interpreter's switch interval while another Python thread (the
+tiers' I/O threads) ran. Large jobs (``_PARALLEL_MIN_BYTES``) share their chunks among a few
+threads, which then copy in parallel without the GIL.
+
+torch's own indexing ops were measured slower for scattered rows (``index_select`` +
+``index_copy_`` reached about 1.3 GB/s against 12+ GB/s for ``memmove``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
@@ -28,8 +44,10 @@ HOST_COPY_THREADS_ENV: Final = "VLLM_KV_OFFLOAD_HOST_COPY_THREADS"
 # Below this many bytes a job is copied on the calling thread only: handing work to another
 # thread costs tens of microseconds.
 _PARALLEL_MIN_BYTES: Final = 4 << 20
-# Bytes per unit of work that the threads claim (see _ChunkedCopies).
+# Bytes per unit of work that the threads claim (see _ChunkedCopies), and per gather of a region
+# (small enough that the gathered items are still in cache when they are scattered).
 _CHUNK_BYTES: Final = 1 << 20
+_GATHER_BYTES: Final = 512 << 10
 
 Addresses = npt.NDArray[np.uint64]
 
@@ -152,6 +170,155 @@ def host_memmove(dst: Addresses, src: Addresses, size: Addresses) -> None:
     futures = [pool.submit(work.run) for _ in range(threads - 1)]
     try:
         work.run()
+    finally:
+        for f in futures:
+            f.result()
+
+
+# -- Region by region (copy_blocks' torch backend) ----------------------------------------------
+
+# A BLOCK_SIDE_DTYPE record as Python ints: (base, block_stride, sub_stride, num_blocks, k).
+_Side = tuple[int, int, int, int, int]
+# A REGION_DTYPE record as Python ints: (src, dst, bytes, pair_begin, pair_count).
+_Region = tuple[_Side, _Side, int, int, int]
+
+
+def _continues(last: _Region, cur: _Region) -> bool:
+    """Whether ``cur`` continues ``last`` on both sides, for the same pairs (``merge_regions``)."""
+    nbytes = last[2] + cur[2]
+    for a, b in ((last[0], cur[0]), (last[1], cur[1])):
+        if a[1:] != b[1:] or b[0] != a[0] + last[2] or (a[4] > 1 and nbytes > a[2]):
+            return False
+    return last[3:] == cur[3:]
+
+
+def merge_regions(regions: RegionArray) -> list[_Region]:
+    """``regions`` (as Python ints) with each run of regions that continue each other merged.
+
+    Region ``r + 1`` continues region ``r`` when both cover the same pairs, have the same
+    geometry (strides, block and sub-block counts) on each side, and start on each side right
+    where ``r``'s bytes end (and, with sub-blocks, the sum still fits in a sub-block): the same
+    bytes then move as ``bytes(r) + bytes(r + 1)`` per pair. The K and V planes of a block in a
+    blocks-first layout are such a pair. Regions without pairs are dropped.
+    """
+    merged: list[_Region] = []
+    for region in regions.tolist():
+        if region[4] == 0:
+            continue
+        if merged and _continues(merged[-1], region):
+            last = merged[-1]
+            merged[-1] = (last[0], last[1], last[2] + region[2], last[3], last[4])
+        else:
+            merged.append(region)
+    return merged
+
+
+@functools.lru_cache(maxsize=1024)
+def _side_view(side: _Side, nbytes: int) -> np.ndarray:
+    """A numpy view of one region side whose items are the ``nbytes`` of each (sub-)block.
+
+    Shape ``(num_blocks,)``, or ``(num_blocks, sub_blocks)`` with sub-blocks. Cached: a handler's
+    jobs name the same few sides again and again. The view only holds the address; it is read or
+    written only for the ids of a job whose addresses the caller guarantees.
+    """
+    base, block_stride, sub_stride, num_blocks, sub_blocks = side
+    span = (num_blocks - 1) * block_stride + (sub_blocks - 1) * sub_stride + nbytes
+    buffer = memoryview((ctypes.c_char * span).from_address(base))
+    item = np.dtype((np.void, nbytes))
+    if sub_blocks == 1:
+        return np.ndarray((num_blocks,), item, buffer=buffer, strides=(block_stride,))
+    return np.ndarray(
+        (num_blocks, sub_blocks), item, buffer=buffer, strides=(block_stride, sub_stride)
+    )
+
+
+_Index = IdArray | tuple[IdArray, IdArray]
+
+
+def _index(side: _Side, ids: IdArray) -> _Index:
+    k = side[4]
+    return ids if k == 1 else (ids // k, ids % k)
+
+
+def _is_run(ids: IdArray) -> bool:
+    """Whether ``ids`` are consecutive and increasing."""
+    return int(ids[-1]) - int(ids[0]) == len(ids) - 1 and bool(np.all(np.diff(ids) == 1))
+
+
+def _gather_scatter(
+    dst: np.ndarray, dst_index: _Index, src: np.ndarray, src_index: _Index
+) -> Callable[[], None]:
+    def copy() -> None:
+        dst[dst_index] = src[src_index]  # one gather, one scatter
+
+    return copy
+
+
+def _scatter(dst: np.ndarray, dst_index: _Index, run: np.ndarray) -> Callable[[], None]:
+    def copy() -> None:
+        dst[dst_index] = run  # consecutive source blocks: scattered from their view in one pass
+
+    return copy
+
+
+def _copy_items(
+    regions: list[_Region], src_ids: IdArray, dst_ids: IdArray
+) -> list[Callable[[], None]]:
+    """The job as independent copies: per region, chunks of indexed copies."""
+    items: list[Callable[[], None]] = []
+    # Per pair chunk (regions of one job share their chunks): the id slices, and whether the
+    # source ids are a run.
+    chunks: dict[tuple[int, int], tuple[IdArray, IdArray, bool]] = {}
+    for region in regions:
+        src_side, dst_side, nbytes, begin, count = region
+        src, dst = _side_view(src_side, nbytes), _side_view(dst_side, nbytes)
+        step = max(1, _GATHER_BYTES // nbytes)
+        for a in range(begin, begin + count, step):
+            b = min(a + step, begin + count)
+            chunk = chunks.get((a, b))
+            if chunk is None:
+                s = src_ids[a:b]
+                chunk = chunks[(a, b)] = (s, dst_ids[a:b], _is_run(s))
+            s, d, src_run = chunk
+            dst_index = _index(dst_side, d)
+            if src_run and src_side[4] == 1:
+                items.append(_scatter(dst, dst_index, src[int(s[0]) : int(s[-1]) + 1]))
+            else:
+                items.append(_gather_scatter(dst, dst_index, src, _index(src_side, s)))
+    return items
+
+
+def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
+    """Run a checked job (``check_prepared``) between host addresses (see the module docstring).
+
+    Every address the job names must be valid host memory of this process, and no copy's
+    destination may overlap another copy's bytes (they run in no particular order). Returns when
+    every byte is copied.
+    """
+    merged = merge_regions(regions)
+    items = _copy_items(merged, src_ids, dst_ids)
+    if not items:
+        return
+    threads = _host_copy_threads()
+    if threads == 1 or len(items) == 1:
+        for item in items:
+            item()
+        return
+    total = sum(r[2] * r[4] for r in merged)
+    if total < _PARALLEL_MIN_BYTES:
+        for item in items:
+            item()
+        return
+    claim = itertools.count()  # next() on a count is atomic under the GIL
+
+    def run() -> None:
+        while (i := next(claim)) < len(items):
+            items[i]()
+
+    pool = _get_host_pool(threads)
+    futures = [pool.submit(run) for _ in range(threads - 1)]
+    try:
+        run()
     finally:
         for f in futures:
             f.result()

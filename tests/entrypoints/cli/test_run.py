@@ -101,7 +101,7 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "redis_url",
         "cross_instance_tokens",
         "samples",
-    }
+    } | ({"connector_thread_cpu_us", "worker_connector_thread_cpu_us"} if offload else set())
     assert run["offload"] is offload
     tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier", "redis_tier"}
     assert set(run["prompt_tokens"]) == {"total", "computed"} | tiers
@@ -224,6 +224,15 @@ def test_run_end_to_end_report_json_and_plot(
     assert saved == base["prompt_tokens"]["computed"] - off["prompt_tokens"]["computed"]
     assert saved > 0
     assert off["overhead_us_per_step"]["count"] > 0
+    # The per-step samples (GPU <-> CPU from the workers, CPU <-> fs from the connector's stats
+    # of each step) add up to the run's totals.
+    for direction in ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_fs", "fs_to_cpu"):
+        moved = sum(s["bytes_moved"][direction] for s in off["samples"])
+        assert moved == off["transfers"][direction]["bytes"], direction
+    for key in ("connector_thread_cpu_us", "worker_connector_thread_cpu_us"):
+        assert set(off[key]) == {"median", "p99"} and 0 < off[key]["median"] <= off[key]["p99"]
+    # Thread CPU is part of the wall time it was measured in.
+    assert off["connector_thread_cpu_us"]["median"] <= off["overhead_us_per_step"]["median"] * 1.01
     assert doc["verdict"] == {
         "status": "PASS",
         "served_correctly": True,

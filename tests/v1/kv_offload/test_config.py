@@ -31,6 +31,7 @@ ALL_KEYS = (
     "offload_prompt_only",
     "store_threshold",
     "max_tracker_size",
+    "copy_dma_min_chunk_bytes",
 )
 
 
@@ -62,6 +63,7 @@ def test_defaults() -> None:
         offload_prompt_only=False,
         store_threshold=0,
         max_tracker_size=64_000,
+        copy_dma_min_chunk_bytes=(1 << 20, 1 << 20),
     )
     assert OffloadingConfig.allowed_keys() == ALL_KEYS
     assert parse_offloading_config({"cpu_bytes_to_use": 4096}) == cfg
@@ -313,3 +315,23 @@ def test_direct_construction_validates() -> None:
     assert cfg.secondary_tiers == (SecondaryTierConfig("fs"),)
     # The parsed form round-trips through the constructor unchanged.
     assert dataclasses.replace(cfg) == cfg
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("256KiB", (256 << 10, 256 << 10)),
+        (0, (0, 0)),
+        ({"load": "64KiB"}, (1 << 20, 64 << 10)),
+        ({"store": 4096, "load": "2MiB"}, (4096, 2 << 20)),
+        ((4096, 8192), (4096, 8192)),
+    ],
+)
+def test_copy_dma_min_chunk_bytes_valid(value: Any, expected: tuple[int, int]) -> None:
+    assert _parse(copy_dma_min_chunk_bytes=value).copy_dma_min_chunk_bytes == expected
+
+
+@pytest.mark.parametrize("value", [-1, "big", True, {}, {"stor": 1}, {"load": "x"}, [1, 2]])
+def test_copy_dma_min_chunk_bytes_invalid(value: Any) -> None:
+    with pytest.raises(ValueError, match="copy_dma_min_chunk_bytes"):
+        _parse(copy_dma_min_chunk_bytes=value)

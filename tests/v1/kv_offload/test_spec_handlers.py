@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm import _custom_ops as ops
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.worker import canonical_kv_caches
@@ -214,3 +215,23 @@ def test_open_shared_region_rejects_rows_the_spec_sized_differently(tmp_path: Pa
     with pytest.raises(ValueError, match="BLOCK_SIZE_ALIGNMENT"):
         open_shared_region(spec, 0)
     assert not os.listdir(tmp_path)
+
+
+def test_the_spec_gives_its_handlers_the_configured_copy_path_choice(tmp_path: Path) -> None:
+    """``copy_dma_min_chunk_bytes`` reaches both directions' handlers as their policy (which
+    the CUDA path applies to each job; tests/test_custom_ops.py checks its choices)."""
+    run, (caches,) = _run_and_caches(_engine_config())
+    for extra, expected in (
+        ({}, ops.CopyMethodPolicy()),
+        (
+            {"copy_dma_min_chunk_bytes": {"store": "256KiB", "load": "64KiB"}},
+            ops.CopyMethodPolicy(256 << 10, 64 << 10),
+        ),
+    ):
+        spec = _spec(CPUOffloadingSpec, run, tmp_path, **extra)
+        handlers = spec.get_handlers(caches, 0)
+        try:
+            policies = [h.copy_policy for _, _, h in handlers.registrations]  # type: ignore[attr-defined]
+            assert policies == [expected, expected]
+        finally:
+            _release(_register(handlers), handlers)

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.option_values import redact_url
@@ -52,6 +55,8 @@ GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CP
 # Per secondary tier: its type name, its directions (store, promote), the name of its counter
 # of blocks stored, and those of its failed blocks per direction (the redis tier counts failed
 # jobs apart: blocks it dropped at once, or found gone or invalid, are its per-block figures).
+_TRANSFER_BYTES = "vllm:kv_offload_transfer_bytes"
+
 SECONDARY_TIERS = (
     (
         FS_TIER_TYPE,
@@ -118,14 +123,16 @@ class StepSampler:
         samples: the samples so far.
         overhead_us: scheduler-side connector + manager time per busy step (microseconds).
         worker_overhead_us: worker-side connector time per busy step (microseconds).
+        thread_cpu_us, worker_thread_cpu_us: the same steps' thread CPU time of the two sides
+            (microseconds).
     """
 
     t0: float
     samples: list[StepSample] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     worker_overhead_us: list[float] = field(default_factory=list)
-    # Per secondary tier type: (blocks written, blocks loaded) at the previous sample.
-    _tier_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    thread_cpu_us: list[float] = field(default_factory=list)
+    worker_thread_cpu_us: list[float] = field(default_factory=list)
 
     def __call__(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
         stats = engine.stats
@@ -136,22 +143,24 @@ class StepSampler:
                 direction = GPU_DIRECTIONS.get(name)
                 if direction is not None:
                     moved[direction.value] += n
-        for tier in engine.tier_stats():  # their counters give the CPU <-> tier bytes
-            for tier_type, store, promote, stored_counter, _, _ in SECONDARY_TIERS:
-                if tier.tier_type != tier_type:
-                    continue
-                c = tier.counters
-                written, loaded = c.get(stored_counter, 0), c.get("blocks_loaded", 0)
-                last_written, last_loaded = self._tier_blocks.get(tier_type, (0, 0))
-                moved[store.value] = (written - last_written) * tier.block_bytes
-                moved[promote.value] = (loaded - last_loaded) * tier.block_bytes
-                self._tier_blocks[tier_type] = (written, loaded)
+        # The CPU <-> tier bytes of this step are in the connector's stats the engine collected
+        # this step (from the tiers' counters): the tiers are not asked a second time.
+        kv = engine.step_kv_connector_stats
+        if isinstance(kv, OffloadingConnectorStats):
+            for tier_type, store, promote, _, _, _ in SECONDARY_TIERS:
+                for direction, transfer in (
+                    (store, f"CPU_to_{tier_type}"),
+                    (promote, f"{tier_type}_to_CPU"),
+                ):
+                    moved[direction.value] = int(kv.get(_TRANSFER_BYTES, (transfer,)) or 0)
         busy = record is not None and record.num_scheduled_tokens > 0
         if not busy and not any(moved.values()) and not outputs:
             return
         if busy and record is not None:
             self.overhead_us.append(record.connector_seconds * 1e6)
             self.worker_overhead_us.append(record.worker_connector_seconds * 1e6)
+            self.thread_cpu_us.append(record.connector_cpu_seconds * 1e6)
+            self.worker_thread_cpu_us.append(record.worker_connector_cpu_seconds * 1e6)
         self.samples.append(
             StepSample(
                 t_s=time.monotonic() - self.t0,
@@ -195,7 +204,7 @@ class EngineSnapshot:
 
 def snapshot_engine(engine: EngineCore) -> EngineSnapshot:
     # Engine thread: copy everything the report needs before the engine shuts down.
-    stored = engine.connector.connector_scheduler.stored_keys if engine.connector else None
+    stored = engine.connector.stored_keys() if engine.connector else None
     return EngineSnapshot(
         engine_stats=engine.stats,
         connector=dict(engine.connector_stats()),
@@ -351,6 +360,8 @@ class EngineRun:
         result.samples = self.sampler.samples
         result.overhead_us = self.sampler.overhead_us
         result.worker_overhead_us = self.sampler.worker_overhead_us
+        result.connector_thread_cpu_us = self.sampler.thread_cpu_us
+        result.worker_connector_thread_cpu_us = self.sampler.worker_thread_cpu_us
         fill_result(result, snapshot)
         result.check_accounting()
         return snapshot

@@ -402,6 +402,8 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             )
         total.overhead_us += p.overhead_us
         total.worker_overhead_us += p.worker_overhead_us
+        total.connector_thread_cpu_us += p.connector_thread_cpu_us
+        total.worker_connector_thread_cpu_us += p.worker_connector_thread_cpu_us
         total.ttft_ms += p.ttft_ms
         total.latency_ms += p.latency_ms
         total.outputs.update(p.outputs)

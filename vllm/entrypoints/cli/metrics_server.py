@@ -33,12 +33,16 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from typing_extensions import override
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog import (
     PRIMARY_TIER_LABEL,
     tier_label,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.prometheus import (
     OffloadPromMetrics,
@@ -60,7 +64,7 @@ StepCallback = Callable[[EngineCore, list[Any]], None]
 def _tier_labels(engine: EngineCore) -> list[tuple[str, str | None]]:
     """``tier`` label and tier type of the CPU tier (no type) and of each secondary tier, in
     lookup order (none without offloading)."""
-    if engine.connector is None:
+    if not isinstance(engine.connector, OffloadingConnector):
         return []
     manager = engine.connector.connector_scheduler.manager
     labels: list[tuple[str, str | None]] = [(PRIMARY_TIER_LABEL, None)]
@@ -114,9 +118,10 @@ class EngineMetrics:
         labelvalues = (engine.config.model_name, str(self.engine_index), run)
         tiers = _tier_labels(engine)
 
-        def sink(stats: OffloadingConnectorStats) -> None:
+        def sink(stats: KVConnectorStats) -> None:
             with self._lock:
-                self.prom.observe(stats, labelvalues)
+                if isinstance(stats, OffloadingConnectorStats):
+                    self.prom.observe(stats, labelvalues)
                 self._observe_engine(engine, labelvalues, tiers)
 
         def callback(engine_: EngineCore, outputs: list[Any]) -> None:
@@ -147,7 +152,7 @@ class EngineMetrics:
     ) -> None:
         stats = engine.connector.get_kv_connector_stats() if engine.connector else None
         with self._lock:
-            if stats is not None:
+            if isinstance(stats, OffloadingConnectorStats):
                 self.prom.observe(stats, labelvalues)
             self._observe_engine(engine, labelvalues, tiers)
 

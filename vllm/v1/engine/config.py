@@ -51,8 +51,11 @@ class EngineConfig:
         vocab_size: sampled tokens are below this.
         verify_kv: check loaded blocks when their load completes, and every block of a request
             when it finishes, bit-exact against recomputation.
-        kv_connector_extra_config: the offloading connector's ``kv_connector_extra_config``; None
-            runs without offloading.
+        kv_connector: the KV connector, by the name ``KVConnectorFactory`` registers it under,
+            or its class name in ``kv_connector_module_path`` (an out-of-tree connector).
+        kv_connector_module_path: the module of an out-of-tree connector class.
+        kv_connector_extra_config: the connector's ``kv_connector_extra_config``; None runs
+            without a connector (no offloading).
         enable_kv_events: collect KV events and publish them as encoded ``KVEventBatch`` es.
         model_name: the model's name (part of an offloaded block's identity on disk).
         instance_id: names the engine's shared host region; unique per live engine.
@@ -90,6 +93,8 @@ class EngineConfig:
     hash_block_size: int | None = None
     vocab_size: int = 32000
     verify_kv: bool = True
+    kv_connector: str = "OffloadingConnector"
+    kv_connector_module_path: str | None = None
     kv_connector_extra_config: Mapping[str, Any] | None = None
     enable_kv_events: bool = True
     model_name: str = "kv-offload-stand-in"

@@ -42,16 +42,14 @@ from typing import Any
 from typing_extensions import override
 
 from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch, KVEventEncoder
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingWorkerMetadata,
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    KVTransferConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
-    OffloadingConnector,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.utils.closing import ClosingContextManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -61,7 +59,7 @@ from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
 from vllm.v1.engine.stats import EngineStats, StepRecord
 from vllm.v1.engine.worker import Worker, WorkerOutput
 from vllm.v1.kv_offload.base import TierStats
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
+from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
@@ -92,7 +90,7 @@ class KVOutputAggregator:
     def aggregate(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput:
         """Aggregate one step's outputs (one per rank)."""
         out = KVConnectorOutput()
-        meta: OffloadingWorkerMetadata | None = None
+        meta: KVConnectorWorkerMetadata | None = None
         for rank_out in outputs:
             if rank_out is None:
                 continue
@@ -114,19 +112,21 @@ class KVOutputAggregator:
                 )
             rank_meta = rank_out.kv_connector_worker_meta
             if rank_meta is not None:
-                assert isinstance(rank_meta, OffloadingWorkerMetadata)
                 meta = rank_meta if meta is None else meta.aggregate(rank_meta)
         out.kv_connector_worker_meta = meta
         return out
 
 
 class EngineCore(ClosingContextManager):
-    """The engine: scheduler, GPU block pool, worker ranks and the offloading connector.
+    """The engine: scheduler, GPU block pool, worker ranks and the KV connector.
 
     Args:
-        config: the engine's settings. ``kv_connector_extra_config`` selects the offloading spec,
-            which builds both the scheduler-side manager and each rank's transfer handlers (an
-            out-of-tree spec: ``spec_name`` + ``spec_module_path``).
+        config: the engine's settings. ``kv_connector`` (default: the offloading connector; an
+            out-of-tree one: with ``kv_connector_module_path``) is built for each role by
+            ``KVConnectorFactory``, with ``kv_connector_extra_config``. For the offloading
+            connector that config selects the offloading spec, which builds both the
+            scheduler-side manager and each rank's transfer handlers (an out-of-tree spec:
+            ``spec_name`` + ``spec_module_path``).
         event_sink: receives each published, msgpack-encoded ``KVEventBatch``.
     """
 
@@ -145,29 +145,35 @@ class EngineCore(ClosingContextManager):
         self._step_index = 0
         self._closed = False
         # Receives the connector's stats of every step (engine thread), e.g. an exporter.
-        self.kv_connector_stats_sink: Callable[[OffloadingConnectorStats], None] | None = None
+        self.kv_connector_stats_sink: Callable[[KVConnectorStats], None] | None = None
+        # The connector's stats collected by the latest step() (None: it collected nothing), for
+        # a step callback that wants this step's figures without asking the tiers again.
+        self.step_kv_connector_stats: KVConnectorStats | None = None
 
-        self.spec: OffloadingSpec | None = None
-        self.connector: OffloadingConnector | None = None
+        # The connector, as the engine knows it: KVConnectorBase_V1 (built by the factory from
+        # the class KVTransferConfig names), one instance per role.
+        self.kv_transfer_config: KVTransferConfig | None = None
+        self.connector: KVConnectorBase_V1 | None = None
         self.workers: list[Worker] = []
+        run = self.run_info()
         try:
             if config.kv_connector_extra_config is not None:
-                self.spec = OffloadingConnector.create_spec(
-                    config.kv_connector_extra_config,
-                    self.run_info(),
-                    enable_events=config.enable_kv_events,
+                self.kv_transfer_config = KVTransferConfig(
+                    kv_connector=config.kv_connector,
+                    kv_connector_module_path=config.kv_connector_module_path,
+                    kv_connector_extra_config=config.kv_connector_extra_config,
+                    hash_block_size=self._hash_block_size,
+                    enable_kv_events=config.enable_kv_events,
+                    record_block_origins=config.record_block_origins,
                 )
                 # The scheduler side first: a tiering spec creates the shared region here.
-                self.connector = OffloadingConnector(
-                    self.spec,
-                    KVConnectorRole.SCHEDULER,
-                    hash_block_size=self._hash_block_size,
+                self.connector = KVConnectorFactory.create_connector(
+                    self.kv_transfer_config, KVConnectorRole.SCHEDULER, run
                 )
                 if config.record_block_origins:
-                    self.connector.connector_scheduler.stored_keys = set()
                     self.stats.served_not_stored_here = {}
             for rank in range(config.tensor_parallel_size):
-                self.workers.append(Worker(config, rank, self.spec))
+                self.workers.append(Worker(config, rank, self.kv_transfer_config, run))
         except BaseException:
             self.shutdown()
             raise
@@ -259,6 +265,7 @@ class EngineCore(ClosingContextManager):
         When there is nothing to do it only drains KV events (idle) and returns ``[]``.
         """
         assert not self._closed, "the engine is shut down"
+        self.step_kv_connector_stats = None
         scheduler = self.scheduler
         if not scheduler.has_pending_work():
             if self._in_flight is not None:
@@ -271,7 +278,7 @@ class EngineCore(ClosingContextManager):
                 scheduler.drain_events()
             return pending
         scheduler.step_connector_seconds = 0.0
-        manager_before = self._manager_seconds()
+        scheduler.step_connector_cpu_seconds = 0.0
 
         scheduler_output = scheduler.schedule()
         outputs: list[WorkerOutput] = [w.execute_model(scheduler_output) for w in self.workers]
@@ -299,20 +306,21 @@ class EngineCore(ClosingContextManager):
         if scheduler_output.total_num_scheduled_tokens == 0:
             stats.idle_steps += 1
         connector_s = scheduler.step_connector_seconds
-        manager_s = self._manager_seconds() - manager_before
+        connector_cpu_s = scheduler.step_connector_cpu_seconds
         worker_s = sum(o.connector_seconds for o in outputs)
-        stats.connector_seconds += connector_s
-        stats.manager_seconds += manager_s
-        stats.worker_connector_seconds += worker_s
+        worker_cpu_s = sum(o.connector_cpu_seconds for o in outputs)
         if self.connector is not None:
-            self.connector.observe_step_seconds(connector_s)
-            self._emit_kv_connector_stats()
+            # The collection is connector work of this step too: timed like the hooks, and
+            # observed after it, so this step's sample is in the next collection.
+            collect_s, collect_cpu_s = self._emit_kv_connector_stats()
+            connector_s += collect_s
+            connector_cpu_s += collect_cpu_s
+            self.connector.observe_step(connector_s, connector_cpu_s)
+        stats.connector_seconds += connector_s
+        stats.worker_connector_seconds += worker_s
         if self.config.record_steps:
-            moved: dict[str, int] = {}
             meta = kv_output.kv_connector_worker_meta if kv_output is not None else None
-            if isinstance(meta, OffloadingWorkerMetadata):
-                for (src, dst), t in meta.transfer_stats.items():
-                    moved[f"{src}_to_{dst}"] = t.num_bytes
+            moved = dict(meta.bytes_moved()) if meta is not None else {}
             stats.step_records.append(
                 StepRecord(
                     step=self._step_index,
@@ -321,8 +329,9 @@ class EngineCore(ClosingContextManager):
                     num_running=len(scheduler.running),
                     num_waiting=len(scheduler.waiting),
                     connector_seconds=connector_s,
-                    manager_seconds=manager_s,
+                    connector_cpu_seconds=connector_cpu_s,
                     worker_connector_seconds=worker_s,
+                    worker_connector_cpu_seconds=worker_cpu_s,
                     bytes_moved=moved,
                 )
             )
@@ -334,14 +343,19 @@ class EngineCore(ClosingContextManager):
         in_flight, self._in_flight = self._in_flight, None
         return in_flight
 
-    def _emit_kv_connector_stats(self) -> None:
-        """Collect the connector's stats and hand them to the sink. Every step, as vLLM's
-        scheduler does, so that nothing accumulates between collections."""
+    def _emit_kv_connector_stats(self) -> tuple[float, float]:
+        """Collect the connector's stats (once per step, as vLLM's scheduler does, so that
+        nothing accumulates between collections) and hand them to the sink; return the
+        collection's wall and thread CPU seconds (the sink's time excluded)."""
         if self.connector is None:
-            return
+            return 0.0, 0.0
+        start, start_cpu = time.perf_counter(), time.thread_time()
         kv_stats = self.connector.get_kv_connector_stats()
+        elapsed = time.perf_counter() - start, time.thread_time() - start_cpu
+        self.step_kv_connector_stats = kv_stats
         if kv_stats is not None and self.kv_connector_stats_sink is not None:
             self.kv_connector_stats_sink(kv_stats)
+        return elapsed
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until no request is unfinished and no transfer is in flight.
@@ -378,11 +392,6 @@ class EngineCore(ClosingContextManager):
     # -----------------------------------------------------------------------------------------
     # Stats, events, verification
     # -----------------------------------------------------------------------------------------
-
-    def _manager_seconds(self) -> float:
-        if self.connector is None:
-            return 0.0
-        return self.connector.connector_scheduler.manager_seconds
 
     def connector_stats(self) -> dict[str, int | float]:
         """The connector's and manager's counters (empty without offloading)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import PromotedBlock
+from vllm.distributed.kv_transfer.kv_connector.v1.base import PromotedBlock
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.stats import SECONDARY, EngineStats
 from vllm.v1.request import Request

@@ -35,10 +35,7 @@ from typing import TypeVar
 from typing_extensions import ParamSpec
 
 from vllm.distributed.kv_events import KVCacheEvent
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
-    OffloadingConnector,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import PromotedBlock
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, PromotedBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.load_accounting import (
@@ -86,7 +83,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        connector: OffloadingConnector | None,
+        connector: KVConnectorBase_V1 | None,
         stats: EngineStats,
         block_verifier: BlockVerifier | None = None,
         event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
@@ -121,8 +118,9 @@ class Scheduler:
         self._invalid_blocks: dict[int, set[int]] = {}
         # Blocks of a finished load that were promoted from a secondary tier, by request.
         self._promoted: dict[str, tuple[PromotedBlock, ...]] = {}
-        # Scheduler-side connector time of the current step.
+        # Scheduler-side connector time of the current step: wall, and this thread's CPU.
         self.step_connector_seconds = 0.0
+        self.step_connector_cpu_seconds = 0.0
 
     # -----------------------------------------------------------------------------------------
     # Requests
@@ -139,7 +137,7 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id!r} is already in use by a live request")
-        if self.connector is not None and self.connector.connector_scheduler.tracks_request(req_id):
+        if self.connector is not None and self.connector.tracks_request(req_id):
             raise ValueError(
                 f"request id {req_id!r} is still in use: transfers of a finished request with "
                 "that id are in flight; use a unique id"
@@ -190,10 +188,13 @@ class Scheduler:
         return out
 
     def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        start = time.perf_counter()
+        """Call a connector hook, adding its wall time and this thread's CPU time to the
+        step's (one read of each clock before and after the hook)."""
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
+            self.step_connector_cpu_seconds += time.thread_time() - start_cpu
             self.step_connector_seconds += time.perf_counter() - start
 
     # -----------------------------------------------------------------------------------------
@@ -465,7 +466,7 @@ class Scheduler:
 
     def _account_loads(self) -> None:
         assert self.connector is not None
-        for result in self.connector.take_load_results():
+        for result in self._timed(self.connector.take_load_results):
             self._promoted[result.req_id] = result.promoted_blocks
             self.stats.load_jobs_finished += 1
             if not result.success:

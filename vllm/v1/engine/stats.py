@@ -33,9 +33,12 @@ class StepRecord:
         num_scheduled_tokens: tokens the model computed.
         num_running: requests running after the step.
         num_waiting: requests waiting after the step.
-        connector_seconds: scheduler-side connector time (manager calls included).
-        manager_seconds: of which, time spent inside manager calls.
-        worker_connector_seconds: worker-side connector time, summed over ranks.
+        connector_seconds: wall time in the scheduler-side connector's hooks (manager calls
+            included) and in the collection of its statistics.
+        connector_cpu_seconds: of it, the engine thread's CPU time (``time.thread_time``).
+        worker_connector_seconds: wall time in the worker-side connector's hooks, summed over
+            ranks.
+        worker_connector_cpu_seconds: of it, the worker threads' CPU time, summed over ranks.
         bytes_moved: bytes of the transfers finished this step, per ``"SRC_to_DST"``.
     """
 
@@ -45,8 +48,9 @@ class StepRecord:
     num_running: int
     num_waiting: int
     connector_seconds: float
-    manager_seconds: float
+    connector_cpu_seconds: float
     worker_connector_seconds: float
+    worker_connector_cpu_seconds: float
     bytes_moved: dict[str, int] = field(default_factory=dict)
 
 
@@ -80,8 +84,8 @@ class EngineStats:
         blocks_verified: GPU blocks checked in total (loads and finished requests).
         verification_failures: checked blocks whose bytes differed from recomputation.
         events_published: KV event batches published.
-        connector_seconds, manager_seconds, worker_connector_seconds: totals of the per-step
-            figures of ``StepRecord``.
+        connector_seconds, worker_connector_seconds: totals of the per-step figures of
+            ``StepRecord``.
         step_records: one record per step (when enabled).
     """
 
@@ -109,7 +113,6 @@ class EngineStats:
     verification_failures: int = 0
     events_published: int = 0
     connector_seconds: float = 0.0
-    manager_seconds: float = 0.0
     worker_connector_seconds: float = 0.0
     step_records: list[StepRecord] = field(default_factory=list)
 

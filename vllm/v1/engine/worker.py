@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
-    OffloadingConnector,
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVTransferConfig,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
@@ -39,7 +41,7 @@ from vllm.v1.engine.model import (
     allocate_group_kv_cache,
     prefix_seeds,
 )
-from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.worker.canonical import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -89,11 +91,13 @@ class WorkerOutput:
         sampled_token_ids: tokens sampled per request (identical on every rank).
         kv_connector_output: the connector's report, or None without a connector.
         connector_seconds: time spent in connector hooks on this rank.
+        connector_cpu_seconds: of it, this rank's thread's CPU time.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
     connector_seconds: float = 0.0
+    connector_cpu_seconds: float = 0.0
 
 
 class Worker:
@@ -102,15 +106,18 @@ class Worker:
     Args:
         config: the engine's settings.
         rank: this rank.
-        spec: the offloading spec (None: no connector); it builds the rank's transfer handlers
-            (``OffloadingSpec.get_handlers``) when the connector registers the KV caches.
+        kv_transfer_config: the connector to run (None: no connector); the factory builds its
+            worker-side instance for this rank, which gets the rank's KV caches at once.
+        run: the run's block-defining facts (the engine's ``run_info()``); needed with a
+            connector.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         rank: int,
-        spec: OffloadingSpec | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
+        run: KVCacheRunInfo | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -130,9 +137,12 @@ class Worker:
         ]
         self.model = StandInModel(rank, self.kv_caches, config.vocab_size)
         self._requests: dict[str, _RequestState] = {}
-        self.connector: OffloadingConnector | None = None
-        if spec is not None:
-            self.connector = OffloadingConnector(spec, KVConnectorRole.WORKER, rank=rank)
+        self.connector: KVConnectorBase_V1 | None = None
+        if kv_transfer_config is not None:
+            assert run is not None, "a worker with a connector needs the run's facts"
+            self.connector = KVConnectorFactory.create_connector(
+                kv_transfer_config, KVConnectorRole.WORKER, run, rank=rank
+            )
             self.connector.register_kv_caches(canonical_kv_caches(self.kv_caches))
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -193,24 +203,27 @@ class Worker:
         if connector is not None:
             meta = so.kv_connector_metadata
             assert meta is not None, "the scheduler built no connector metadata"
-            t0 = time.perf_counter()
+            # One read of each clock around each run of hooks: wall, and this thread's CPU.
+            t0, c0 = time.perf_counter(), time.thread_time()
             connector.handle_preemptions(meta)
             connector.bind_connector_metadata(meta)
             connector.start_load_kv()
+            out.connector_cpu_seconds += time.thread_time() - c0
             out.connector_seconds += time.perf_counter() - t0
         out.sampled_token_ids = self._forward(so)
         if connector is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             connector.wait_for_save()
             finished_sending, finished_recving = connector.get_finished(so.finished_req_ids)
             out.kv_connector_output = KVConnectorOutput(
-                finished_sending=finished_sending,
-                finished_recving=finished_recving,
+                finished_sending=finished_sending or set(),
+                finished_recving=finished_recving or set(),
                 invalid_block_ids=connector.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=connector.build_connector_worker_meta(),
                 kv_connector_stats=connector.get_kv_connector_stats(),
             )
             connector.clear_connector_metadata()
+            out.connector_cpu_seconds += time.thread_time() - c0
             out.connector_seconds += time.perf_counter() - t0
         return out
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from typing_extensions import Self
 
+from vllm.kv_copy.method_choice import DEFAULT_DMA_MIN_CHUNK_BYTES
 from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError, parse_size
 
 _EXTRA_CONFIG = "kv_connector_extra_config"
@@ -177,6 +178,39 @@ def _parse_directory(key: str, value: Any) -> str:
     return value
 
 
+_DMA_THRESHOLD = (
+    f"a size ({SIZE_FORMS}) or 0, for both directions, or a mapping with 'store' and/or 'load' "
+    "sizes"
+)
+_DIRECTIONS = ("store", "load")
+
+
+def _threshold_size(key: str, value: Any) -> int:
+    # A size, or 0 (every job takes DMA), which sizes elsewhere do not allow.
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    try:
+        return parse_size(value)
+    except SizeError:
+        raise _bad_value(key, value, _DMA_THRESHOLD) from None
+
+
+def _parse_dma_threshold(key: str, value: Any) -> tuple[int, int]:
+    if isinstance(value, tuple) and len(value) == 2:  # the normalised (store, load) form
+        return (_threshold_size(key, value[0]), _threshold_size(key, value[1]))
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in _DIRECTIONS]
+        if unknown or not value:
+            raise _bad_value(key, dict(value), _DMA_THRESHOLD)
+        store, load = (
+            _threshold_size(f"{key}.{d}", value.get(d, DEFAULT_DMA_MIN_CHUNK_BYTES))
+            for d in _DIRECTIONS
+        )
+        return (store, load)
+    size = _threshold_size(key, value)
+    return (size, size)
+
+
 @dataclass(frozen=True)
 class SecondaryTierConfig:
     """One entry of ``secondary_tiers``: a tier type and its keyword arguments.
@@ -262,6 +296,10 @@ class OffloadingConfig:
             prompts cost no write bandwidth; 0 (default) or 1 stores every block offered.
         max_tracker_size: most block keys whose offers the reuse filter counts (upstream's
             default 64,000); ignored without the filter.
+        copy_dma_min_chunk_bytes: ``(store, load)``: with the KV cache on a GPU, jobs whose mean
+            contiguous chunk has at least this many bytes take the batched DMA path, smaller
+            ones the SM-copy kernel (``vllm.kv_copy.method_choice``; default 1 MiB each way, the
+            H200 crossover). Given as one size or ``{"store": size, "load": size}``.
     """
 
     # fmt: off
@@ -276,6 +314,7 @@ class OffloadingConfig:
     offload_prompt_only: bool = field(default=False, metadata=_key(_parse_bool, _BOOL))
     store_threshold: int = field(default=0, metadata=_key(_parse_non_negative_int, _NON_NEGATIVE_INT))  # noqa: E501
     max_tracker_size: int = field(default=DEFAULT_MAX_TRACKER_SIZE, metadata=_key(_parse_positive_int, _POSITIVE_INT))  # noqa: E501
+    copy_dma_min_chunk_bytes: tuple[int, int] = field(default=(DEFAULT_DMA_MIN_CHUNK_BYTES, DEFAULT_DMA_MIN_CHUNK_BYTES), metadata=_key(_parse_dma_threshold, _DMA_THRESHOLD))  # noqa: E501
     # fmt: on
 
     def __post_init__(self) -> None:

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, random_tokens
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
+)
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
@@ -54,8 +57,9 @@ def test_fs_and_example_tiers_behind_the_accessors(tmp_path: Path) -> None:
         assert report.used_bytes == usage.used_bytes == 6 * report.block_bytes
         assert report.block_bytes == fs.block_file_size
         assert dict(report.counters) == fs.stats()
-        assert engine.connector is not None and engine.spec is not None
-        assert engine.connector.get_tier_stats() == engine.spec.get_tier_stats() == [report]
+        assert isinstance(engine.connector, OffloadingConnector)
+        assert engine.connector.get_tier_stats() == engine.connector.spec.get_tier_stats()
+        assert engine.connector.get_tier_stats() == [report]
 
 
 def test_no_secondary_tier_means_no_report(tmp_path: Path) -> None:

@@ -188,6 +188,9 @@ class RunResult:
             scheduled tokens), in microseconds (offload only).
         worker_overhead_us: worker-side connector time per busy step (submitting and polling
             transfers; with the CPU fallback this includes the copies), in microseconds.
+        connector_thread_cpu_us, worker_connector_thread_cpu_us: of the same steps, the CPU time
+            of the thread that ran each side's hooks (``time.thread_time``), in microseconds:
+            ``overhead_us`` minus time off the CPU (waiting for the GIL, descheduled).
         ttft_ms: time to first token per request, in milliseconds.
         latency_ms: end-to-end time per request, in milliseconds.
         transfers: figures per direction (offload only).
@@ -221,6 +224,8 @@ class RunResult:
     preemptions: int = 0
     overhead_us: list[float] = field(default_factory=list)
     worker_overhead_us: list[float] = field(default_factory=list)
+    connector_thread_cpu_us: list[float] = field(default_factory=list)
+    worker_connector_thread_cpu_us: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     transfers: dict[Direction, TransferFigures] = field(

@@ -110,6 +110,13 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         "redis_url": run.redis_url,
         "cross_instance_tokens": run.cross_instance_tokens,
     }
+    if run.offload:
+        for key, values in (
+            ("connector_thread_cpu_us", run.connector_thread_cpu_us),
+            ("worker_connector_thread_cpu_us", run.worker_connector_thread_cpu_us),
+        ):
+            d = Distribution.of(values)
+            doc[key] = {"median": d.median, "p99": d.p99}
     if samples:
         doc["samples"] = [sample_json(s) for s in run.samples]
     return doc

@@ -252,6 +252,10 @@ def _side_by_side(report: Report) -> Iterable[str]:
     wv = Distribution.of(o.worker_overhead_us)
     yield _row("connector+manager per step", "-", f"{ov.median:.0f} / {ov.p99:.0f} us")
     yield _row("  worker-side connector per step", "-", f"{wv.median:.0f} / {wv.p99:.0f} us")
+    cv = Distribution.of(o.connector_thread_cpu_us)
+    wcv = Distribution.of(o.worker_connector_thread_cpu_us)
+    yield _row("  of it thread CPU, connector", "-", f"{cv.median:.0f} / {cv.p99:.0f} us")
+    yield _row("  of it thread CPU, worker-side", "-", f"{wcv.median:.0f} / {wcv.p99:.0f} us")
     yield "    (median / p99 over the steps that scheduled tokens)"
     if report.settings.get("device") == "cpu":
         yield from _wrap(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing_extensions import override
 
+from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -90,7 +91,11 @@ def cpu_worker_handlers(
     """
     region = open_shared_region(spec, rank)
     try:
-        cpu_gpu = CpuGpuOffloadingHandlers(kv_caches, spec.block_size_factors, region=region)
+        store_threshold, load_threshold = spec.config.copy_dma_min_chunk_bytes
+        policy = ops.CopyMethodPolicy(store_threshold, load_threshold)
+        cpu_gpu = CpuGpuOffloadingHandlers(
+            kv_caches, spec.block_size_factors, region=region, copy_method=policy
+        )
     except BaseException:
         region.cleanup()
         raise

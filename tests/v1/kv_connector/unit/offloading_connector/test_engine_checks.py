@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The connector's scheduler half refuses engine calls that contradict its books, changing nothing.
 
-A real ``CPUOffloadingManager`` behind the connector (through the scripted spec of
-``test_scheduler``, which only hands it over); requests are real ``Request`` s. Each bad call must
+A real ``CPUOffloadingManager`` behind the connector (through ``scheduler_harness``'s scripted
+spec, which only hands it over); requests are real ``Request`` s. Each bad call must
 raise an exception naming the request (never an ``AssertionError``) and leave the connector's
 books and the manager as they were.
 """
@@ -14,77 +14,28 @@ from typing import Any
 
 import pytest
 
-from tests.v1.kv_connector.unit.offloading_connector.test_scheduler import ScriptedSpec, _req
-from tests.v1.kv_offload.cpu.manager_state import load_pins
+from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
+    CountingManager,
+    ScriptedSpec,
+    make_request,
+    offload_all,
+    offload_keys,
+    setup_scheduler,
+    snapshot,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.request import Request
-
-
-class CountingManager(CPUOffloadingManager):
-    """The real CPU manager, counting the step ends and finished requests it is told of."""
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self.schedule_ends = 0
-        self.finished: list[str] = []
-
-    def on_schedule_end(self) -> None:
-        self.schedule_ends += 1
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self.finished.append(req_context.req_id)
-
-
-def _setup() -> tuple[OffloadingConnectorScheduler, CountingManager]:
-    manager = CountingManager(32)
-    return OffloadingConnectorScheduler(ScriptedSpec(manager, (16,), None)), manager
-
-
-def _keys(request: Request) -> list[OffloadKey]:
-    return [make_offload_key(h, 0) for h in request.block_hashes]
-
-
-def _offload(manager: CountingManager, keys: list[OffloadKey]) -> None:
-    ctx = ReqContext("writer")
-    output = manager.prepare_store(keys, ctx)
-    assert output is not None
-    manager.complete_store(output.keys_to_store, ctx)
-
-
-def snapshot(sched: OffloadingConnectorScheduler, manager: CountingManager) -> Any:
-    """The connector's books and the manager's state."""
-    states = {
-        req_id: (
-            [list(ids) for ids in s.block_ids],
-            s.expect_fresh_alloc,
-            s.finished,
-            sorted(s.transfer_jobs),
-            s.next_stored_block_idx,
-            s.num_locally_computed_tokens,
-        )
-        for req_id, s in sched._req_status.items()
-    }
-    return (
-        states,
-        sorted(sched._current_batch_load_jobs),
-        list(sched._current_batch_allocated_blocks),
-        len(sched._jobs),
-        sorted((k, b.block_id, b.ref_cnt) for k, b in manager.policy.items()),
-        {r: load_pins(manager, r) for r in sched._req_status},
-        manager.schedule_ends,
-        list(manager.finished),
-    )
 
 
 def _looked_up(sched: OffloadingConnectorScheduler, manager: CountingManager) -> Request:
     """A request of 3 full blocks, all offloaded; looked up (48 tokens to load)."""
-    request = _req(49)
-    _offload(manager, _keys(request))
+    request = make_request(49)
+    offload_all(manager, offload_keys(request))
     assert sched.get_num_new_matched_tokens(request, 0) == (48, True)
     return request
 
@@ -107,18 +58,18 @@ def _refused(
 
 
 def test_alloc_of_a_request_never_looked_up() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     _refused(
         sched,
         manager,
         ValueError,
         r"update_state_after_alloc: request 'r49' was never looked up",
-        lambda: sched.update_state_after_alloc(_req(49), ([1, 2, 3, 4],), 0),
+        lambda: sched.update_state_after_alloc(make_request(49), ([1, 2, 3, 4],), 0),
     )
 
 
 def test_alloc_with_the_wrong_number_of_groups() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     _refused(
         sched,
@@ -130,7 +81,7 @@ def test_alloc_with_the_wrong_number_of_groups() -> None:
 
 
 def test_a_load_without_a_lookup() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)  # no load this time
     _refused(
@@ -143,7 +94,7 @@ def test_a_load_without_a_lookup() -> None:
 
 
 def test_a_load_off_a_block_boundary() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     _refused(
         sched,
@@ -155,7 +106,7 @@ def test_a_load_off_a_block_boundary() -> None:
 
 
 def test_blocks_changed_without_a_restart() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
     _refused(
@@ -176,9 +127,9 @@ def test_blocks_changed_without_a_restart() -> None:
 
 def test_a_load_the_manager_refuses_leaves_the_books_unchanged() -> None:
     """More tokens than the lookup found: the manager's prepare_load refuses, nothing stays."""
-    sched, manager = _setup()
-    request = _req(65)
-    _offload(manager, _keys(request)[:3])
+    sched, manager = setup_scheduler()
+    request = make_request(65)
+    offload_all(manager, offload_keys(request)[:3])
     assert sched.get_num_new_matched_tokens(request, 0) == (48, True)
     _refused(
         sched,
@@ -191,9 +142,9 @@ def test_a_load_the_manager_refuses_leaves_the_books_unchanged() -> None:
 
 
 def test_two_requests_may_not_load_the_same_blocks_at_once() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     first = _looked_up(sched, manager)
-    second = Request("twin", list(range(49)), 1, block_hasher=first._block_hasher)
+    second = Request("twin", list(range(49)), 1, block_hasher=get_request_block_hasher(16))
     assert sched.get_num_new_matched_tokens(second, 0) == (48, True)
     sched.update_state_after_alloc(first, ([1, 2, 3, 4],), 48)
     _refused(
@@ -243,7 +194,7 @@ def _new(req_id: str, blocks: list[int]) -> NewRequestData:
     ],
 )
 def test_a_scheduler_output_that_contradicts_the_books(output: Any, match: str) -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
     sched.build_connector_meta(SchedulerOutput())  # the load job is now in flight
@@ -254,7 +205,7 @@ def test_a_scheduler_output_that_contradicts_the_books(output: Any, match: str) 
 
 
 def test_request_finished_twice() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
     sched.build_connector_meta(SchedulerOutput())
@@ -270,7 +221,7 @@ def test_request_finished_twice() -> None:
 
 
 def test_reset_cache_in_the_middle_of_a_step() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
     _refused(
@@ -280,14 +231,14 @@ def test_reset_cache_in_the_middle_of_a_step() -> None:
         r"reset_cache: called in the middle of a step",
         sched.reset_cache,
     )
-    assert manager.lookup(_keys(request)[0], ReqContext("x")) is True  # not reset
+    assert manager.lookup(offload_keys(request)[0], ReqContext("x")) is True  # not reset
 
 
 # -- found by test_engine_checks_fuzz ----------------------------------------------------------
 
 
 def test_a_load_past_the_allocated_or_keyed_blocks() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     _refused(
         sched,
@@ -314,7 +265,7 @@ def _running(cached: list[str], preempted: set[str] | None = None) -> SchedulerO
 
 
 def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
-    sched, manager = _setup()
+    sched, manager = setup_scheduler()
     request = _looked_up(sched, manager)
     _refused(
         sched,
@@ -339,3 +290,112 @@ def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
         lambda: sched.build_connector_meta(_running(["r49"], {"r49"})),
     )
     sched.build_connector_meta(_running(["r49"]))  # the right call works
+
+
+def test_a_step_scheduling_tokens_beyond_the_requests_blocks() -> None:
+    """Issue 22: an allocation of no blocks, then a step naming the request as running and
+    computing token 17. An engine allocates blocks before scheduling their tokens, so the step
+    is refused before anything changes (it used to fail an assert building the store job)."""
+    sched, manager = setup_scheduler()
+    manager.reset_cache()  # nothing offloaded: the step's store would take block 0
+    request = make_request(49)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, ([],), 0)
+    step = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["r49"], [None], [16]),
+        num_scheduled_tokens={"r49": 1},
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled to compute up to token 17 but holds 0 GPU blocks of group 0",
+        lambda: sched.build_connector_meta(step),
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled to compute up to token 49 but holds 2 GPU blocks",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(
+                scheduled_cached_reqs=CachedRequestData(["r49"], [([1, 2],)], [16]),
+                num_scheduled_tokens={"r49": 40},  # capped at the request's 49 tokens
+            )
+        ),
+    )
+    # The same step with blocks for its tokens stores the request's first block.
+    step.scheduled_cached_reqs.new_block_ids = [([1, 2],)]
+    meta = sched.build_connector_meta(step)
+    assert [job.transfer_spec.src.block_ids for job in meta.store_jobs.values()] == [[1]]
+
+
+def test_a_new_request_scheduled_beyond_its_blocks() -> None:
+    sched, manager = setup_scheduler()
+    request = make_request(49)
+    manager.reset_cache()
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, ([1],), 0)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"'r49' is scheduled to compute up to token 32 but holds 1 GPU blocks",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(scheduled_new_reqs=[_new("r49", [1])], num_scheduled_tokens={"r49": 32})
+        ),
+    )
+
+
+def test_running_requests_described_inconsistently() -> None:
+    sched, manager = setup_scheduler()
+    request = _looked_up(sched, manager)
+    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"running request 'r49' has new blocks for 2 groups, expected 1",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [([5], [6])], [48]))
+        ),
+    )
+    _refused(
+        sched,
+        manager,
+        ValueError,
+        r"the running requests' lists differ in length \(1 ids, 0 block lists",
+        lambda: sched.build_connector_meta(
+            SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [], [48]))
+        ),
+    )
+
+
+class RefusingOnceManager(CountingManager):
+    """The counting CPU manager whose first ``prepare_store`` finds no room (None)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.refuse = True
+
+    def prepare_store(self, keys: Any, req_context: ReqContext) -> Any:
+        if self.refuse:
+            self.refuse = False
+            return None
+        return super().prepare_store(keys, req_context)
+
+
+def test_a_deferred_store_offers_only_blocks_the_request_holds() -> None:
+    """A store deferred for lack of room is offered again at the next step even if the request
+    is not scheduled; the request's computed tokens then come from the engine's ``Request``,
+    which no check of that step covers: only blocks its recorded GPU blocks hold are offered."""
+    manager = RefusingOnceManager(32)
+    sched = OffloadingConnectorScheduler(ScriptedSpec(manager, (16,), None))
+    request = make_request(49)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, ([7],), 0)
+    step = SchedulerOutput(scheduled_new_reqs=[_new("r49", [7])], num_scheduled_tokens={"r49": 16})
+    assert not sched.build_connector_meta(step).store_jobs  # no room: deferred
+    request.num_computed_tokens = 48  # more than its one block holds
+    meta = sched.build_connector_meta(SchedulerOutput())
+    assert [job.transfer_spec.src.block_ids for job in meta.store_jobs.values()] == [[7]]

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.v1.kv_connector.unit.offloading_connector.test_engine_checks import (
-    _keys,
-    _offload,
-    _setup,
+from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
+    offload_all,
+    offload_keys,
+    setup_scheduler,
     snapshot,
 )
 from tests.v1.kv_offload.cpu.manager_state import check_invariants, load_pins
@@ -43,14 +43,14 @@ CLEAN_ERRORS = (ValueError, TypeError, RuntimeError)
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.sched, self.manager = _setup()
+        self.sched, self.manager = setup_scheduler()
         hasher = get_request_block_hasher(16)
         self.reqs = [
             Request(f"q{i}", [i * 1000 + t for t in range(49)], 1, block_hasher=hasher)
             for i in range(NUM_REQS)
         ]
         for request in self.reqs:  # every block offloaded: lookups hit 48 tokens
-            _offload(self.manager, _keys(request))
+            offload_all(self.manager, offload_keys(request))
         self.issued: list[int] = []  # job ids the connector issued (load and store)
 
     def call(self, act: Any) -> Any:
@@ -95,23 +95,37 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(
         new=st.lists(st.tuples(st.integers(0, NUM_REQS), st.sampled_from(BLOCK_CHOICES))),
-        cached=st.lists(st.integers(0, NUM_REQS), unique=True),
+        cached=st.lists(
+            st.tuples(
+                st.integers(0, NUM_REQS),
+                st.sampled_from([None, None, ([20],), ([20, 21],), ([20], [21])]),
+                st.sampled_from([16, 16, 0, 48]),
+            ),
+            unique_by=lambda c: c[0],
+        ),
         preempted=st.sets(st.integers(0, NUM_REQS)),
     )
     def step_end(
-        self, new: list[tuple[int, list[int]]], cached: list[int], preempted: set[int]
+        self,
+        new: list[tuple[int, list[int]]],
+        cached: list[tuple[int, tuple[list[int], ...] | None, int] | int],
+        preempted: set[int],
     ) -> None:
-        """A step naming any requests (index NUM_REQS: one the connector never saw)."""
+        """A step naming any requests (index NUM_REQS: one the connector never saw); a running
+        request (index, its new blocks, its computed tokens) may be given as its index only."""
 
         def rid(i: int) -> str:
             return f"q{i}"
 
+        running = [(c, None, 16) if isinstance(c, int) else c for c in cached]
         output = SchedulerOutput(
             scheduled_new_reqs=[NewRequestData(rid(i), [], (list(b),), 0) for i, b in new],
             scheduled_cached_reqs=CachedRequestData(
-                [rid(i) for i in cached], [None] * len(cached), [16] * len(cached)
+                [rid(i) for i, _, _ in running],
+                [None if b is None else tuple(list(g) for g in b) for _, b, _ in running],
+                [n for _, _, n in running],
             ),
-            num_scheduled_tokens={rid(i): 1 for i, _ in new} | {rid(i): 1 for i in cached},
+            num_scheduled_tokens={rid(i): 1 for i, _ in new} | {rid(i): 1 for i, _, _ in running},
             preempted_req_ids={rid(i) for i in preempted},
         )
         meta = self.call(lambda: self.sched.build_connector_meta(output))
@@ -122,11 +136,11 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(data=st.data(), success=st.booleans())
     def report(self, data: st.DataObject, success: bool) -> None:
         """Workers report jobs in flight, issued jobs (maybe again), or ids never issued."""
-        in_flight = sorted(self.sched._jobs._jobs) or self.issued
+        recent = self.issued[-8:]  # the likeliest to be in flight still
         ids = data.draw(
             st.lists(
                 st.one_of(
-                    st.sampled_from(in_flight), st.sampled_from(self.issued), st.integers(-1, 50)
+                    st.sampled_from(recent), st.sampled_from(self.issued), st.integers(-1, 50)
                 ),
                 max_size=3,
             )
@@ -153,13 +167,37 @@ class EngineMachine(RuleBasedStateMachine):
     def pins_are_the_load_jobs_in_flight(self) -> None:
         check_invariants(self.manager)
         sched = self.sched
-        for req_id, state in sched._req_status.items():
+        # The load jobs in flight are the connector's books: no public view of them.
+        for req_id, state in sched._request_states.items():
             loads = [sched._jobs[j] for j in state.transfer_jobs if not sched._jobs[j].is_store]
             expected: dict[bytes, int] = {}
             for job in loads:
                 for key in job.keys:
                     expected[key] = expected.get(key, 0) + 1
             assert load_pins(self.manager, req_id) == expected, req_id
+
+
+# Hypothesis has no ``@example`` for state machines: the sequences a run found are replayed
+# here, rule by rule, with the invariants checked after each rule as in a generated run.
+EXAMPLES: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    # Issue 22: a request allocated no blocks, then named as running and computing a token.
+    "no-blocks-then-running": [
+        ("reset_cache", {}),
+        ("start_load", {"i": 1}),
+        ("alloc", {"i": 1, "blocks": [], "num_external": 0}),
+        ("step_end", {"new": [], "cached": [1], "preempted": set()}),
+    ],
+}
+
+
+@pytest.mark.parametrize("steps", EXAMPLES.values(), ids=EXAMPLES.keys())
+def test_found_sequences(steps: list[tuple[str, dict[str, Any]]]) -> None:
+    machine = EngineMachine()
+    machine.pins_are_the_load_jobs_in_flight()
+    for name, kwargs in steps:
+        getattr(machine, name)(**kwargs)
+        machine.pins_are_the_load_jobs_in_flight()
+    machine.teardown()
 
 
 TestEngineChecksFuzz = EngineMachine.TestCase

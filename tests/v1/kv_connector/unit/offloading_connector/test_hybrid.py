@@ -189,12 +189,13 @@ def test_swa_blocks_freed_while_a_store_reads_them_are_fenced(
         sched = engine.connector.connector_scheduler
         if not fence:
             # Negative control: fence stores only when their request finishes (as for
-            # full-attention blocks), not from their creation.
+            # full-attention blocks), not from their creation. The fence is internal to the job
+            # table: replacing it is the only way to run the connector without it.
             real = sched._jobs.fence
 
             def late_fence(job_ids: Any) -> None:
                 ids = list(job_ids)
-                if all(sched._req_status[sched._jobs[j].req_id].finished for j in ids):
+                if all(sched._request_states[sched._jobs[j].req_id].finished for j in ids):
                     real(ids)
 
             sched._jobs.fence = late_fence  # type: ignore[method-assign]

@@ -51,7 +51,7 @@ def _assert_clean_end(engine: EngineCore) -> None:
     assert not engine.has_pending_work()
     sched = engine.connector.connector_scheduler  # type: ignore[union-attr]
     # A job leaves the fence index and the keys-being-loaded index when it is reported
-    # (tests/v1/kv_connector/unit/offloading_connector/test_jobs.py): none left, none indexed.
+    # (test_transfer_jobs.py): none left, none indexed.
     assert sched.get_stats()["jobs_in_flight"] == 0
     assert all(ref == 0 for ref in cpu_ref_counts(engine).values())
     assert engine.stats.verification_failures == 0
@@ -67,8 +67,6 @@ def _assert_clean_end(engine: EngineCore) -> None:
 def test_facade_selects_its_half_by_role(tmp_path: Path) -> None:
     config = make_config(tmp_path)
     with EngineCore(config) as engine:
-        spec = engine.spec
-        assert spec is not None
         scheduler_side = engine.connector
         assert scheduler_side is not None and scheduler_side.role is KVConnectorRole.SCHEDULER
         with pytest.raises(RuntimeError, match="worker-side call on a scheduler connector"):

@@ -17,6 +17,10 @@ from typing import Any
 import pytest
 from typing_extensions import override
 
+from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
+    ScriptedSpec,
+    make_request,
+)
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
     TransferLog,
     capture_metadata,
@@ -37,7 +41,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_offload.base import (
@@ -50,13 +53,10 @@ from vllm.v1.kv_offload.base import (
     get_offload_block_hash,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
-from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 
 def _keys_of_tokens(tokens: list[int], engine: EngineCore) -> list[OffloadKey]:
@@ -601,46 +601,11 @@ class ScriptedManager(OffloadingManager):
         return RequestOffloadingContext()
 
 
-class ScriptedSpec(OffloadingSpec):
-    def __init__(
-        self, manager: OffloadingManager, block_sizes: tuple[int, ...], block_size: int | None
-    ) -> None:
-        run = KVCacheRunInfo(
-            model_name="m",
-            dtype="float16",
-            kv_layout="per_layer",
-            num_layers=1,
-            num_kv_heads=1,
-            head_size=8,
-            gpu_block_sizes=block_sizes,
-            gpu_kv_bytes_per_block=4096,
-        )
-        super().__init__(OffloadingConfig(cpu_bytes_to_use=1 << 20, block_size=block_size), run)
-        self.manager = manager
-
-    @override
-    def get_manager(self) -> OffloadingManager:
-        return self.manager
-
-    @override
-    def get_handlers(self, kv_caches: CanonicalKVCaches, rank: int) -> WorkerHandlers:
-        raise NotImplementedError("scheduler-side tests only")
-
-
 def _scheduler(
     block_sizes: tuple[int, ...] = (16,), block_size: int | None = None
 ) -> tuple[OffloadingConnectorScheduler, ScriptedManager]:
     manager = ScriptedManager()
     return OffloadingConnectorScheduler(ScriptedSpec(manager, block_sizes, block_size)), manager
-
-
-def _req(num_tokens: int, hash_block_size: int = 16) -> Request:
-    return Request(
-        f"r{num_tokens}",
-        list(range(num_tokens)),
-        1,
-        block_hasher=get_request_block_hasher(hash_block_size),
-    )
 
 
 @pytest.mark.parametrize(
@@ -659,7 +624,7 @@ def test_lookups_scan_the_prefix_up_to_the_first_miss(
 ) -> None:
     """``expected``: blocks before the first miss, None if one of them is not readable yet."""
     sched, manager = _scheduler()
-    request = _req(16 * len(script) + 1)  # len(script) full blocks
+    request = make_request(16 * len(script) + 1)  # len(script) full blocks
     keys = [make_offload_key(h, 0) for h in request.block_hashes]
     manager.results = dict(zip(keys, script, strict=True))
     if expected is None:
@@ -672,7 +637,7 @@ def test_lookups_scan_the_prefix_up_to_the_first_miss(
 
 def test_get_num_new_matched_tokens() -> None:
     sched, manager = _scheduler()
-    request = _req(100)  # 6 full blocks
+    request = make_request(100)  # 6 full blocks
     keys = [make_offload_key(h, 0) for h in request.block_hashes]
     # Less than one block beyond what the GPU prefix cache serves: no lookup, no touch.
     assert sched.get_num_new_matched_tokens(request, 96 - 15) == (0, False)
@@ -697,12 +662,13 @@ def test_a_key_noted_without_a_tier_is_forgotten_once_readable_or_absent() -> No
     sched, manager = _scheduler()
     sources: dict[OffloadKey, str] = {}
     manager.promotion_source = sources.get  # type: ignore[method-assign]
-    request = _req(49)  # 3 full blocks
+    request = make_request(49)  # 3 full blocks
     k0, k1, k2 = (make_offload_key(h, 0) for h in request.block_hashes)
     manager.results = {k0: None, k1: None, k2: None}
     sources[k1] = "redis"
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
-    promoted = sched._req_status[request.request_id].promoted_keys
+    # The notes are the state of a lookup that has not loaded yet: no public view of them.
+    promoted = sched._request_states[request.request_id].promoted_keys
     assert promoted == {k0: None, k1: "redis", k2: None}
     # The next step: k0 and k1 are readable, k2 absent; only k1 came from a named tier.
     manager.results = {k0: True, k1: True, k2: False}
@@ -713,7 +679,7 @@ def test_a_key_noted_without_a_tier_is_forgotten_once_readable_or_absent() -> No
 
 def test_lookup_of_a_second_group_stops_at_the_first_groups_hits() -> None:
     sched, manager = _scheduler(block_sizes=(8, 16))
-    request = _req(80, hash_block_size=8)  # 5 offloaded blocks of 16 tokens
+    request = make_request(80, hash_block_size=8)  # 5 offloaded blocks of 16 tokens
     g0 = [make_offload_key(h, 0) for h in request.block_hashes[1::2]]
     g1 = [make_offload_key(h, 1) for h in request.block_hashes[1::2]]
     manager.results.update(dict.fromkeys(g0[:3] + g1, True))
@@ -723,7 +689,7 @@ def test_lookup_of_a_second_group_stops_at_the_first_groups_hits() -> None:
 
 def test_load_job_specs_are_group_major_with_block_indices() -> None:
     sched, manager = _scheduler(block_sizes=(8, 16), block_size=32)
-    request = _req(130, hash_block_size=8)  # 4 offloaded blocks of 32 tokens
+    request = make_request(130, hash_block_size=8)  # 4 offloaded blocks of 32 tokens
     keys = [[make_offload_key(h, g) for h in request.block_hashes[3::4]] for g in (0, 1)]
     manager.results.update(dict.fromkeys(keys[0] + keys[1], True))
     # 16 tokens served by the GPU prefix cache: the first offloaded block is loaded in part.

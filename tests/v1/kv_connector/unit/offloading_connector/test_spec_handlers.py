@@ -22,6 +22,9 @@ from typing_extensions import override
 
 import vllm.distributed.kv_transfer.kv_connector.v1.offloading as connector_pkg
 from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, random_tokens
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -162,21 +165,29 @@ def test_engine_uses_an_out_of_tree_specs_handlers(tmp_path: Path) -> None:
     config = make_config(tmp_path, tensor_parallel_size=2, extra=extra)
     prompt = random_tokens(random.Random(1), 100)
     with EngineCore(config) as engine:
-        spec = engine.spec
-        assert isinstance(spec, CountingSpec)
-        assert spec.built == [0, 1]
+        # Every connector instance builds its own spec, as in upstream vLLM: the scheduler
+        # side's builds the manager, each rank's its handlers.
+        assert isinstance(engine.connector, OffloadingConnector)
+        assert isinstance(engine.connector.spec, CountingSpec)
+        assert engine.connector.spec.built == []
+        specs = []
+        for worker in engine.workers:
+            assert isinstance(worker.connector, OffloadingConnector)
+            specs.append(worker.connector.spec)
+        assert all(isinstance(s, CountingSpec) for s in specs)
+        assert [s.built for s in specs] == [[0], [1]]
         expected = engine.generate({"a": prompt}, max_tokens=2)["a"]
         engine.kv_cache_manager.reset_prefix_cache()  # GPU only: the CPU tier keeps the blocks
         assert engine.generate({"b": prompt}, max_tokens=2)["b"] == expected
         assert engine.stats.tokens_from_cpu == 96 and engine.stats.blocks_loaded_verified == 6
         assert engine.stats.verification_failures == 0
-        for rank in (0, 1):
+        for rank, spec in enumerate(specs):
             assert spec.handlers[(rank, "GPU_to_CPU")].jobs >= 1
             assert spec.handlers[(rank, "CPU_to_GPU")].jobs == 1
-        assert spec.closed == []
-    assert spec.closed == [0, 1]
+            assert spec.closed == []
+    assert [s.closed for s in specs] == [[0], [1]]
     # The connector shut each handler down before close() released the region.
-    assert all(h.shutdowns >= 1 for h in spec.handlers.values())
+    assert all(h.shutdowns >= 1 for s in specs for h in s.handlers.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,8 +236,8 @@ class ConflictingSpec(CountingSpec):
 
 def test_handlers_that_cannot_all_be_registered_are_released(tmp_path: Path) -> None:
     with EngineCore(make_config(tmp_path)) as engine:
-        assert engine.spec is not None
-        spec = ConflictingSpec(engine.spec.config, engine.spec.run)
+        assert isinstance(engine.connector, OffloadingConnector)
+        spec = ConflictingSpec(engine.connector.spec.config, engine.connector.spec.run)
         worker = OffloadingConnectorWorker(spec, 0)
         caches = canonical_kv_caches(engine.workers[0].kv_caches)
         with pytest.raises(ValueError, match="already registered"):

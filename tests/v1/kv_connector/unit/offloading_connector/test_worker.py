@@ -18,6 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     TransferSpec,
     TransferStats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
+    OffloadingConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -102,8 +105,9 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
     load = RecordingHandler("load", calls)
 
     with EngineCore(make_config(tmp_path)) as engine:
-        assert isinstance(engine.spec, CPUOffloadingSpec)
-        worker = OffloadingConnectorWorker(RecordingSpec(engine.spec, store, load), 0)
+        assert isinstance(engine.connector, OffloadingConnector)
+        assert isinstance(engine.connector.spec, CPUOffloadingSpec)
+        worker = OffloadingConnectorWorker(RecordingSpec(engine.connector.spec, store, load), 0)
         worker.register_kv_caches(canonical_kv_caches(engine.workers[0].kv_caches))
         yield worker, store, load, calls
         worker.shutdown()

@@ -364,6 +364,8 @@ def mark_forward(engine: EngineCore, log: TransferLog) -> None:
     forward passes), so it indexes ``capture_metadata``'s list in both scheduling modes: a
     ``step()`` call that only applies the step in flight schedules nothing.
     """
+    # The forward pass is internal to the worker (no hook reports it): wrapping it is the only
+    # way to see when it starts.
     for worker in engine.workers:
         original = worker._forward
 

@@ -734,6 +734,7 @@ class _RecordingLibrary:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, str]] = []
+        self.methods: list[ops.CopyMethod] = []  # of each copy_blocks call
         self._handles = itertools.count(1)
 
     def _note(self, name: str, device: int) -> int:
@@ -757,6 +758,7 @@ class _RecordingLibrary:
         stream: int,
     ) -> None:
         self._note("copy_blocks", device)
+        self.methods.append(method)
         ops.copy_blocks(regions, src, dst, backend="torch")
 
     def host_register(self, device: int, ptr: int, nbytes: int, flags: int) -> bool:
@@ -779,21 +781,30 @@ class _RecordingLibrary:
         return lambda device, *args: self._note(name, device)
 
 
+def _on_recording_library(
+    monkeypatch: pytest.MonkeyPatch, setups: list[Setup], device: int, num_devices: int
+) -> tuple[Setup, _RecordingLibrary, CanonicalKVCaches]:
+    """A host-memory setup (k = 4) whose KV cache claims to be on ``cuda:<device>``, with the
+    CUDA library replaced by a recording stand-in that sees ``num_devices`` GPUs."""
+    host = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[1], "torch")
+    setups.append(host)
+    fake = _RecordingLibrary()
+    monkeypatch.setattr(ops, "cuda_library", lambda: fake)
+    monkeypatch.setattr(ops, "copy_backend", lambda: "cuda")
+    monkeypatch.setattr(ops, "cuda_devices", lambda: ops.CudaDevices(num_devices, ""))
+    kv = CanonicalKVCaches(
+        tuple(dataclasses.replace(t, device_index=device) for t in host.kv.tensors),
+        host.kv.group_data_refs,
+    )
+    return host, fake, kv
+
+
 def test_handlers_bind_every_cuda_call_to_the_kv_cache_device(
     monkeypatch: pytest.MonkeyPatch, setups: list[Setup]
 ) -> None:
     """The KV cache says cuda:3: every library call names device 3, whichever thread makes it,
     and stores wait for the compute stream the caller gave."""
-    host = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[1], "torch")  # k = 4
-    setups.append(host)
-    fake = _RecordingLibrary()
-    monkeypatch.setattr(ops, "cuda_library", lambda: fake)
-    monkeypatch.setattr(ops, "copy_backend", lambda: "cuda")
-    monkeypatch.setattr(ops, "cuda_devices", lambda: ops.CudaDevices(4, ""))
-    kv = CanonicalKVCaches(
-        tuple(dataclasses.replace(t, device_index=3) for t in host.kv.tensors),
-        host.kv.group_data_refs,
-    )
+    host, fake, kv = _on_recording_library(monkeypatch, setups, device=3, num_devices=4)
     streams_asked: list[str] = []
 
     def compute_stream() -> int:
@@ -806,7 +817,7 @@ def test_handlers_bind_every_cuda_call_to_the_kv_cache_device(
     worker = OffloadingWorker()
     handlers.register(worker)
     assert handlers.gpu_to_cpu_handler.device == 3
-    assert "cuda:3/dma" in repr(handlers.cpu_to_gpu_handler)
+    assert "cuda:3/auto (dma from 1048576 B" in repr(handlers.cpu_to_gpu_handler)
     store = TransferSpec(GPULoadStoreSpec(list(range(8)), [8], [0]), CPULoadStoreSpec([2, 5]))
     load = TransferSpec(CPULoadStoreSpec([2, 5]), GPULoadStoreSpec(list(range(30, 38)), [8], [0]))
     g0 = host.gpu_bytes()
@@ -815,6 +826,8 @@ def test_handlers_bind_every_cuda_call_to_the_kv_cache_device(
     assert worker.transfer_async(2, load)
     worker.wait({1, 2})
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
+    # Jobs of small pages take the SM-copy kernel (the host memory is pinned and mapped).
+    assert fake.methods == [ops.CopyMethod.KERNEL, ops.CopyMethod.KERNEL]
     handlers.shutdown()
     assert {device for _, device, _ in fake.calls} == {3}
     threads = {thread for name, _, thread in fake.calls if name == "copy_blocks"}
@@ -836,6 +849,39 @@ def test_handlers_bind_every_cuda_call_to_the_kv_cache_device(
     )
     with pytest.raises(ValueError, match="cuda:4 but the CUDA copy library sees 4 GPU"):
         CpuGpuOffloadingHandlers(invisible, 4, cpu_views=host.handlers.cpu_views)
+
+
+def test_each_cuda_job_takes_the_path_its_chunk_size_and_direction_choose(
+    monkeypatch: pytest.MonkeyPatch, setups: list[Setup]
+) -> None:
+    """With the CUDA library (a recording stand-in), each job's method comes from the handlers'
+    policy: by direction, and DMA for every job when the host memory could not be pinned."""
+    host, fake, kv = _on_recording_library(monkeypatch, setups, device=0, num_devices=1)
+    store = TransferSpec(GPULoadStoreSpec(list(range(8)), [8], [0]), CPULoadStoreSpec([2, 5]))
+    load = TransferSpec(CPULoadStoreSpec([2, 5]), GPULoadStoreSpec(list(range(30, 38)), [8], [0]))
+    kernel, dma = ops.CopyMethod.KERNEL, ops.CopyMethod.DMA
+    for copy_method, pin, expected in (
+        (ops.CopyMethodPolicy(load_dma_min_chunk_bytes=0), True, [kernel, dma]),
+        (ops.CopyMethodPolicy(store_dma_min_chunk_bytes=0), True, [dma, kernel]),
+        (None, False, [dma, dma]),  # not pinned: no kernel
+        (ops.CopyMethod.DMA_LOOP, True, [ops.CopyMethod.DMA_LOOP] * 2),
+    ):
+        fake.methods.clear()
+        handlers = CpuGpuOffloadingHandlers(
+            kv,
+            4,
+            cpu_views=host.handlers.cpu_views,
+            copy_method=copy_method,
+            pin_memory=pin,
+            compute_stream=lambda: 77,
+        )
+        worker = OffloadingWorker()
+        handlers.register(worker)
+        assert worker.transfer_async(1, store) and worker.transfer_async(2, load)
+        worker.wait({1, 2})
+        assert [r.success for r in worker.get_finished()] == [True, True]
+        handlers.shutdown()
+        assert fake.methods == expected, copy_method
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks torch without CUDA")

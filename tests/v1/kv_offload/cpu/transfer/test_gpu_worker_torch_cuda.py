@@ -77,7 +77,8 @@ def test_cuda_kv_caches_register_with_their_device() -> None:
         handlers.register(worker)
         for h in handlers.handlers:
             assert h.uses_cuda and h.device == device.index
-            assert h.copy_method is ops.CopyMethod.DMA
+            # Each job's path is chosen by its chunk size (no fixed method).
+            assert h.copy_method is None and h.copy_policy == ops.CopyMethodPolicy()
         # Host registration is the handlers' own resource; nothing public reports it.
         assert handlers._registered, "the CPU views were not pinned"
     finally:

@@ -68,7 +68,10 @@ class CpuGpuOffloadingHandlers:
             stride ``(row_bytes, 1)``), e.g. from a region created elsewhere. Without ``region``
             and ``cpu_views``, zeroed views are allocated in one private mapping, laid out like a
             one-worker region.
-        copy_method: CUDA path only: ``DMA`` (default) or ``KERNEL`` (or ``DMA_LOOP``).
+        copy_method: CUDA path only: how each job's copy method is chosen
+            (``CopyMethodPolicy``; default: the SM-copy kernel for chunks under 1 MiB, batched
+            DMA from 1 MiB, per direction), or one method for every job (``DMA``, ``KERNEL``,
+            ``DMA_LOOP``).
         max_ctas: CUDA kernel path only: most thread blocks (0: the library default).
         compute_stream: returns the model's compute stream handle on the KV cache's device
             (default: torch's current stream there, ``current_compute_stream``).
@@ -98,7 +101,7 @@ class CpuGpuOffloadingHandlers:
         *,
         region: SharedOffloadRegion | None = None,
         cpu_views: Sequence[torch.Tensor] | None = None,
-        copy_method: ops.CopyMethod = ops.CopyMethod.DMA,
+        copy_method: ops.CopyMethod | ops.CopyMethodPolicy | None = None,
         max_ctas: int = 0,
         compute_stream: ComputeStreamFn | None = None,
         pin_memory: bool = True,
@@ -142,7 +145,13 @@ class CpuGpuOffloadingHandlers:
         self.kv_caches = kv_caches
 
         lib = None
-        method = copy_method
+        if copy_method is None:
+            policy = ops.CopyMethodPolicy()
+        elif isinstance(copy_method, ops.CopyMethod):
+            policy = ops.CopyMethodPolicy(method=copy_method)
+        else:
+            policy = copy_method
+        pinned = False
         device = kv_caches.device_index
         if device is not None:
             lib = ops.cuda_library()
@@ -160,12 +169,13 @@ class CpuGpuOffloadingHandlers:
             self._lib = lib
             self._device = device
             pinned = pin_memory and self._pin(lib, device, region, views)
-            if method is ops.CopyMethod.KERNEL and not pinned:
+            if policy.method in (None, ops.CopyMethod.KERNEL) and not pinned:
                 logger.warning("CPU KV memory is not pinned and mapped: using DMA, not the kernel")
-                method = ops.CopyMethod.DMA
         logger.info(
             "GPU<->CPU offload handlers: %s, %d tensors, %d groups, factors %s, %d CPU blocks",
-            f"CUDA {method.name} on cuda:{device}" if lib is not None else "torch (host memory)",
+            f"CUDA {policy.describe()} on cuda:{device}"
+            if lib is not None
+            else "torch (host memory)",
             len(kv_caches.tensors),
             kv_caches.num_groups,
             list(factors),
@@ -177,7 +187,7 @@ class CpuGpuOffloadingHandlers:
         def handler(store: bool) -> SingleDirectionOffloadingHandler:
             planner = JobPlanner(kv_caches, views, factors, num_cpu_blocks, store=store)
             return SingleDirectionOffloadingHandler(
-                planner, store, lib, device, method, max_ctas, compute, order
+                planner, store, lib, device, policy, pinned, max_ctas, compute, order
             )
 
         self.gpu_to_cpu_handler = handler(store=True)

@@ -117,7 +117,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         store: True for GPU -> CPU, False for CPU -> GPU.
         lib: the CUDA copy library when the KV cache is device memory; None for the torch path.
         device: the KV cache's device ordinal (required with ``lib``).
-        method: CUDA copy method.
+        method: which CUDA copy path each job takes (``CopyMethodPolicy``: by the job's chunk
+            size and direction, or one fixed method).
+        kernel_available: whether the CPU memory is pinned and mapped, as the SM-copy kernel
+            needs (without it every job takes DMA).
         max_ctas: CUDA kernel path only: most thread blocks (0: library default).
         compute_stream: the model's compute stream on ``device`` (stores wait for it).
         order: the hazard table shared with the other direction's handler.
@@ -132,7 +135,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         store: bool,
         lib: ops.CudaCopyLibrary | None,
         device: int | None,
-        method: ops.CopyMethod,
+        method: ops.CopyMethodPolicy,
+        kernel_available: bool,
         max_ctas: int,
         compute_stream: ComputeStreamFn,
         order: CrossDirectionOrder,
@@ -143,7 +147,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._store = store
         self._lib = lib
         self._device = device if device is not None else -1
-        self._method = method
+        self._policy = method
+        self._kernel_available = kernel_available
         self._max_ctas = max_ctas
         self._compute_stream = compute_stream
         self._order = order
@@ -167,8 +172,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
 
     @property
     def copy_method(self) -> ops.CopyMethod | None:
-        """The CUDA copy method, or None on the torch path."""
-        return self._method if self._lib is not None else None
+        """The fixed CUDA copy method, or None on the torch path or when each job's method is
+        chosen by its size (``copy_policy``)."""
+        if self._lib is None:
+            return None
+        return self._policy.choose_fixed(self._kernel_available)
+
+    @property
+    def copy_policy(self) -> ops.CopyMethodPolicy:
+        """How each job's CUDA copy method is chosen (unused on the torch path)."""
+        return self._policy
 
     def _split(self, spec: TransferSpec) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
         src, dst = spec
@@ -232,13 +245,20 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._free_events += [e for e in (start, end) if e is not None]
             raise
         error = None
+        method = self._policy.choose(
+            plan.regions,
+            plan.src_ids,
+            plan.dst_ids,
+            store=self._store,
+            kernel_available=self._kernel_available,
+        )
         try:
             lib.copy_blocks(
                 self._device,
                 plan.regions,
                 plan.src_ids,
                 plan.dst_ids,
-                self._method,
+                method,
                 self._max_ctas,
                 stream.handle,
             )
@@ -328,7 +348,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     @override
     def __repr__(self) -> str:
         path = (
-            f"cuda:{self._device}/{self._method.name.lower()}" if self._lib is not None else "torch"
+            f"cuda:{self._device}/{self._policy.describe()}" if self._lib is not None else "torch"
         )
         return (
             f"SingleDirectionOffloadingHandler({self.transfer_type[0]}->{self.transfer_type[1]}, "

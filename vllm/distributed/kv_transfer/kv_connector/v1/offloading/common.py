@@ -119,6 +119,11 @@ class OffloadingWorkerMetadata(KVConnectorWorkerMetadata):
         )
 
     @override
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes of the transfers in ``transfer_stats``, per ``"SRC_to_DST"``."""
+        return {f"{src}_to_{dst}": t.num_bytes for (src, dst), t in self.transfer_stats.items()}
+
+    @override
     def aggregate(self, other: Self) -> Self:
         completed = Counter(self.completed_jobs)
         completed.update(other.completed_jobs)

@@ -419,13 +419,6 @@ CATALOG: tuple[MetricDef, ...] = (
         buckets=WAIT_STEP_BUCKETS,
     ),
     _m(
-        "kv_offload_manager_seconds",
-        _C,
-        (),
-        "seconds",
-        "Time spent inside OffloadingManager calls.",
-    ),
-    _m(
         "kv_offload_schedule_end_seconds",
         _H,
         (),
@@ -439,6 +432,16 @@ CATALOG: tuple[MetricDef, ...] = (
         (),
         "seconds",
         "Time of the whole scheduler-side connector per engine step (manager included).",
+        buckets=STEP_BUCKETS,
+        source="engine",
+    ),
+    _m(
+        "kv_offload_scheduler_step_cpu_seconds",
+        _H,
+        (),
+        "seconds",
+        "Engine-thread CPU time of the whole scheduler-side connector per engine step (manager "
+        "included).",
         buckets=STEP_BUCKETS,
         source="engine",
     ),

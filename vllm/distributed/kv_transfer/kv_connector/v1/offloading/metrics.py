@@ -4,7 +4,7 @@
 
 ``OffloadingSchedulerMetrics`` owns what ``OffloadingConnectorScheduler`` counts: jobs and blocks
 moved, failures, flushes, deferrals, resets and schedule ends, the per-direction transfer totals
-the workers report, and the time spent inside manager calls; ``as_dict`` is the flat view that
+the workers report, and the time of each ``on_schedule_end``; ``as_dict`` is the flat view that
 ``OffloadingConnectorScheduler.get_stats()`` returns. It only counts: nothing the connector
 decides depends on it.
 
@@ -81,7 +81,6 @@ class OffloadingSchedulerMetrics:
         schedule_ends: ``manager.on_schedule_end()`` calls (one per step).
         schedule_end_seconds: the duration of each ``on_schedule_end()`` call not yet collected
             (drained by ``stats_collector``; one float per step).
-        manager_seconds: time spent inside manager calls.
         transfers: per ``(src medium, dst medium)``, the workers' transfer totals, summed over
             ranks (a job run by two ranks counts twice; bytes are the total moved).
     """
@@ -104,26 +103,17 @@ class OffloadingSchedulerMetrics:
     loaded_blocks: int = 0
     schedule_ends: int = 0
     schedule_end_seconds: list[float] = field(default_factory=list)
-    manager_seconds: float = 0.0
     transfers: dict[TransferType, TransferStats] = field(default_factory=dict)
 
-    def timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        """Call a manager method, adding its duration to ``manager_seconds``."""
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.manager_seconds += time.perf_counter() - start
-
     def timed_schedule_end(self, fn: Callable[[], None]) -> None:
-        """Call ``manager.on_schedule_end``, timing it into ``manager_seconds`` and, as one
-        sample of the step, into ``schedule_end_seconds``."""
+        """Call ``manager.on_schedule_end``, timing it (one sample of the step) into
+        ``schedule_end_seconds``. The other manager calls are not timed one by one: the engine
+        times each connector hook, manager calls included."""
         start = time.perf_counter()
         try:
             fn()
         finally:
             elapsed = time.perf_counter() - start
-            self.manager_seconds += elapsed
             if len(self.schedule_end_seconds) < MAX_PENDING_SAMPLES:
                 self.schedule_end_seconds.append(elapsed)
             self.schedule_ends += 1
@@ -146,13 +136,12 @@ class OffloadingSchedulerMetrics:
 
         Returns:
             The counters by attribute name, ``jobs_in_flight``, ``schedule_ends``,
-            ``manager_seconds``, ``transfer.<SRC>_to_<DST>.{jobs,bytes,seconds}`` per direction,
+            ``transfer.<SRC>_to_<DST>.{jobs,bytes,seconds}`` per direction,
             then ``manager.<key>`` per manager statistic.
         """
         stats: dict[str, int | float] = {name: getattr(self, name) for name in _COUNTER_NAMES}
         stats["jobs_in_flight"] = jobs_in_flight
         stats["schedule_ends"] = self.schedule_ends
-        stats["manager_seconds"] = self.manager_seconds
         for (src, dst), t in self.transfers.items():
             prefix = f"transfer.{src}_to_{dst}"
             stats[f"{prefix}.jobs"] = t.num_jobs

@@ -4,7 +4,9 @@
 
 Besides the request's progress (what was offered to ``prepare_store``, what its lookups found
 being promoted, its jobs in flight), the state maps the request's offloaded blocks to their keys
-and GPU blocks, and turns its finished load job into a ``LoadResult``.
+and GPU blocks (what a step may store, and the GPU blocks of what the manager accepted), and
+turns its finished load job into a ``LoadResult`` (the engine's view of it, defined with the
+connector interface in ``kv_connector.v1.base``).
 
 Block geometry: an *offloaded block* holds ``B = offloaded_block_size`` tokens, i.e.
 ``factor[g] = B // gpu_block_size[g]`` GPU blocks of KV-cache group ``g``. The key of offloaded
@@ -18,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId, ReqId
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import LookupFn
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult, PromotedBlock
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import GroupLayout, LookupFn
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.transfer_jobs import (
     GPUBlockRef,
     TransferJobStatus,
 )
@@ -35,50 +38,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.request import Request
 
 
-@dataclass(frozen=True, slots=True)
-class PromotedBlock:
-    """An offloaded block of a finished load that was promoted from a secondary tier for it.
-
-    Attributes:
-        start_token, end_token: the tokens of the load that the block holds.
-        tier: type name of the tier it was promoted from (e.g. ``"redis"``); None when the
-            manager could not tell.
-        key: the key that was promoted (of the first KV-cache group that was).
-        stored_here: whether this connector had stored the key itself (from the GPU) before the
-            load finished; None when the connector does not track its stores
-            (``OffloadingConnectorScheduler.stored_keys``).
-    """
-
-    start_token: int
-    end_token: int
-    tier: str | None
-    key: OffloadKey
-    stored_here: bool | None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """Outcome of a finished load job, as reported by ``update_connector_output``.
-
-    Attributes:
-        req_id: the request that loaded.
-        num_blocks: offloaded blocks the load spans (an SWA group loads only some of them).
-        num_tokens: tokens loaded.
-        num_promoted_tokens: of those, tokens of blocks this request's lookups found being
-            promoted from a secondary tier (rather than being stored by this connector).
-        success: every worker loaded every block.
-        promoted_blocks: the promoted blocks, by which the engine attributes served tokens to
-            the tier they came from.
-    """
-
-    req_id: ReqId
-    num_blocks: int
-    num_tokens: int
-    num_promoted_tokens: int
-    success: bool
-    promoted_blocks: tuple[PromotedBlock, ...] = ()
-
-
 @dataclass(eq=False)
 class RequestOffloadState:
     """What the connector tracks for one request, from first sight until it is dropped.
@@ -87,6 +46,8 @@ class RequestOffloadState:
 
     Attributes:
         req: the engine's request (read-only here).
+        layout: the run's KV-cache groups and block sizes (shared by every request).
+        hashes_per_block: hashed blocks of ``req.block_hashes`` per offloaded block.
         req_context: the one ``ReqContext`` used for all of the request's manager calls.
         offloading_context: the manager's policy for the request.
         offload_keys: per group, the keys of the request's full offloaded blocks (extended
@@ -107,10 +68,12 @@ class RequestOffloadState:
     """
 
     req: Request
+    layout: GroupLayout
+    hashes_per_block: int
     req_context: ReqContext
     offloading_context: RequestOffloadingContext
-    offload_keys: list[list[OffloadKey]]
-    block_ids: list[list[int]]
+    offload_keys: list[list[OffloadKey]] = field(init=False)
+    block_ids: list[list[int]] = field(init=False)
     next_stored_block_idx: int = 0
     num_locally_computed_tokens: int = 0
     expect_fresh_alloc: bool = False
@@ -118,25 +81,66 @@ class RequestOffloadState:
     transfer_jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
 
-    def extend_offload_keys(self, hashes_per_block: int) -> int:
-        """Extend the keys to every full offloaded block; return their count.
+    def __post_init__(self) -> None:
+        num_groups = len(self.layout.gpu_block_sizes)
+        self.offload_keys = [[] for _ in range(num_groups)]
+        self.block_ids = [[] for _ in range(num_groups)]
 
-        Args:
-            hashes_per_block: hashed blocks of ``req.block_hashes`` per offloaded block.
-        """
+    def extend_offload_keys(self) -> int:
+        """Extend the keys to every full offloaded block; return their count."""
         hashes = self.req.block_hashes
-        num_blocks = len(hashes) // hashes_per_block
+        step = self.hashes_per_block
+        num_blocks = len(hashes) // step
         keys0 = self.offload_keys[0]
         if len(keys0) < num_blocks:
-            step = hashes_per_block
             new_hashes = [hashes[(i + 1) * step - 1] for i in range(len(keys0), num_blocks)]
             for g, keys in enumerate(self.offload_keys):
                 keys.extend(make_offload_key(h, g) for h in new_hashes)
         return num_blocks
 
-    def keys_of(self, start: int, end: int) -> list[OffloadKey]:
-        """Keys of offloaded blocks ``[start, end)`` of every group, group-major."""
-        return [key for keys in self.offload_keys for key in keys[start:end]]
+    def offloadable_end(self, num_computed: int, num_scheduled: int, prompt_only: bool) -> int:
+        """The end (exclusive, in offloaded blocks) of the blocks that may be stored once a step
+        computing ``num_scheduled`` tokens after ``num_computed`` ends: full blocks with keys, of
+        the prompt only if ``prompt_only``. Extends the keys as the block hashes grew."""
+        req = self.req
+        num_offloadable = min(num_computed + num_scheduled, req.num_tokens)
+        if prompt_only:
+            num_offloadable = min(num_offloadable, req.num_prompt_tokens)
+        block_size = self.layout.offloaded_block_size
+        return min(num_offloadable // block_size, self.extend_offload_keys())
+
+    def num_tokens_in_blocks(self) -> int:
+        """Tokens the request's recorded GPU blocks hold, in the group that holds fewest."""
+        return min(
+            len(ids) * size
+            for ids, size in zip(self.block_ids, self.layout.gpu_block_sizes, strict=True)
+        )
+
+    def store_gpu_indices(
+        self, keys_to_store: Sequence[OffloadKey], start: int, end: int
+    ) -> list[list[int]]:
+        """Per group, the indices (into ``block_ids``) of ``keys_to_store``, which
+        ``prepare_store`` picked among the keys of offloaded blocks ``[start, end)`` and returned
+        in group order."""
+        # Position of each offered key: (group, offloaded block index).
+        position = {
+            key: (g, i)
+            for g, group_keys in enumerate(self.offload_keys)
+            for i, key in enumerate(group_keys[start:end], start)
+        }
+        layout = self.layout
+        gpu_indices: list[list[int]] = [[] for _ in layout.gpu_block_sizes]
+        last_group = 0
+        for key in keys_to_store:
+            g, i = position[key]
+            assert g >= last_group, (
+                f"request {self.req.request_id}: prepare_store returned keys out of group order "
+                f"(key {key.hex()} of group {g} after group {last_group})"
+            )
+            last_group = g
+            factor = layout.offloaded_block_size // layout.gpu_block_sizes[g]
+            gpu_indices[g].extend(range(i * factor, (i + 1) * factor))
+        return gpu_indices
 
     def gpu_spec(
         self, blocks_per_group: Sequence[Sequence[int]]
@@ -205,10 +209,7 @@ class RequestOffloadState:
         return lookup_key
 
     def finish_load(
-        self,
-        job: TransferJobStatus,
-        offloaded_block_size: int,
-        stored_keys: set[OffloadKey] | None = None,
+        self, job: TransferJobStatus, stored_keys: set[OffloadKey] | None = None
     ) -> LoadResult:
         """The outcome of the request's load ``job``, every worker having reported it.
 
@@ -217,10 +218,9 @@ class RequestOffloadState:
 
         Args:
             job: the finished load job.
-            offloaded_block_size: tokens per offloaded block.
             stored_keys: the keys this connector stored so far, when it tracks them.
         """
-        block_size = offloaded_block_size
+        block_size = self.layout.offloaded_block_size
         start_tok, end_tok = job.token_range
         first = start_tok // block_size
         # Every group's keys of a block, not job.keys: an SWA group loads only its window.

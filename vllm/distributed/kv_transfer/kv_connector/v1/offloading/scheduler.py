@@ -27,58 +27,49 @@ directly. Loads are never fenced: the engine keeps a loading request's blocks un
 reported, even if the request is aborted.
 
 The books of the jobs in flight (ids, worker reports, the fence index, the jobs issued before a
-``reset_cache``) are kept by a ``jobs.TransferJobTable``, the statistics by a
-``metrics.OffloadingSchedulerMetrics``; which requests and GPU blocks a step's store jobs cover is
-computed by ``store_jobs``; completing a reported job, by ``completions``. Engine calls that
-contradict the books raise before any change (``engine_checks``).
+``reset_cache``) are kept by a ``transfer_jobs.TransferJobTable``, the statistics by a
+``metrics.OffloadingSchedulerMetrics``, what is known of each request (its keys, GPU blocks,
+what it may store) by its ``request_state.RequestOffloadState``. Engine calls that contradict the
+books raise before any change: each public method runs its check from ``engine_checks`` first.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     JobId,
     OffloadingConnectorMetadata,
-    OffloadingWorkerMetadata,
     ReqId,
     TransferJob,
     TransferSpec,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.completions import complete_job
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.engine_checks import (
-    check_alloc,
-    check_scheduler_output,
+    EngineCallChecks,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
     lookup_hit_end,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import (
-    GPUBlockRef,
-    TransferJobStatus,
-    TransferJobTable,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadingSchedulerMetrics,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
-    LoadResult,
     RequestOffloadState,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.stats_collector import (
     SchedulerStatsCollector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.store_jobs import (
-    offloadable_end,
-    store_candidates,
-    store_gpu_indices,
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.transfer_jobs import (
+    GPUBlockRef,
+    TransferJobStatus,
+    TransferJobTable,
 )
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GroupBlockIds, SchedulerOutput
@@ -103,11 +94,12 @@ __all__ = [
 logger = init_logger(__name__)
 
 
-class OffloadingConnectorScheduler:
+class OffloadingConnectorScheduler(EngineCallChecks):
     """The scheduler-side half of the offloading connector (see the module docstring).
 
     Runs on the scheduler thread; no method blocks. Every call costs O(keys and blocks of the
-    requests it concerns), never O(cache size).
+    requests it concerns), never O(cache size). The checks of the engine's calls are the
+    ``EngineCallChecks`` methods, run once at the top of each public method.
 
     Args:
         spec: the offloading spec; ``spec.get_manager()`` is the manager this half drives.
@@ -126,9 +118,6 @@ class OffloadingConnectorScheduler:
         self.gpu_block_sizes: tuple[int, ...] = tuple(spec.gpu_block_size)
         self.num_groups = len(self.gpu_block_sizes)
         self.offloaded_block_size: int = spec.offloaded_block_size
-        self.block_size_factors: tuple[int, ...] = tuple(
-            self.offloaded_block_size // b for b in self.gpu_block_sizes
-        )
         self.hash_block_size = hash_block_size or math.gcd(*self.gpu_block_sizes)
         if self.offloaded_block_size % self.hash_block_size:
             raise ValueError(
@@ -148,7 +137,7 @@ class OffloadingConnectorScheduler:
         self._metrics = OffloadingSchedulerMetrics()
         # Turns the counters above, the manager's and the tiers' into per-step stats.
         self.stats_collector = SchedulerStatsCollector(spec, self.manager, self._metrics)
-        self._req_status: dict[ReqId, RequestOffloadState] = {}
+        self._request_states: dict[ReqId, RequestOffloadState] = {}
         # Running requests whose latest prepare_store found no room: offered again at the next
         # step even when not scheduled in it (under async scheduling a request's last step is
         # scheduled before the completions that free the room arrive).
@@ -170,20 +159,19 @@ class OffloadingConnectorScheduler:
     # -----------------------------------------------------------------------------------------
 
     def _get_or_create_state(self, request: Request) -> RequestOffloadState:
-        state = self._req_status.get(request.request_id)
+        state = self._request_states.get(request.request_id)
         if state is None:
             ctx = ReqContext(
                 req_id=request.request_id, kv_transfer_params=request.kv_transfer_params
             )
-            offloading_context = self._metrics.timed(self.manager.on_new_request, ctx)
             state = RequestOffloadState(
                 req=request,
+                layout=self.layout,
+                hashes_per_block=self.hashes_per_block,
                 req_context=ctx,
-                offloading_context=offloading_context,
-                offload_keys=[[] for _ in range(self.num_groups)],
-                block_ids=[[] for _ in range(self.num_groups)],
+                offloading_context=self.manager.on_new_request(ctx),
             )
-            self._req_status[request.request_id] = state
+            self._request_states[request.request_id] = state
         return state
 
     # -----------------------------------------------------------------------------------------
@@ -211,7 +199,7 @@ class OffloadingConnectorScheduler:
         state.expect_fresh_alloc = True
         self._deferred_store_reqs.discard(request.request_id)  # a restart offers all blocks anew
         block_size = self.offloaded_block_size
-        num_blocks = state.extend_offload_keys(self.hashes_per_block)
+        num_blocks = state.extend_offload_keys()
         if num_blocks * block_size - num_computed_tokens < block_size:
             return 0, False
         if self._jobs.awaiting_pre_reset_reports:
@@ -228,16 +216,11 @@ class OffloadingConnectorScheduler:
             for g, keys in enumerate(state.offload_keys)
             for key in keys[layout.touch_start(g, num_blocks) : num_blocks]
         ]
-        self._metrics.timed(self.manager.touch, touched, state.req_context)
+        self.manager.touch(touched, state.req_context)
 
         start = num_computed_tokens // block_size
-        t0 = time.perf_counter()
-        try:
-            lookup = state.lookup_fn(self.manager, self._jobs.is_being_stored)
-            end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
-        finally:
-            # One clock read per lookup rather than per key: this loop is the hot path.
-            self._metrics.manager_seconds += time.perf_counter() - t0
+        lookup = state.lookup_fn(self.manager, self._jobs.is_being_stored)
+        end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
         limit = end - start
         if deferred:
             self._metrics.deferred_lookups += 1
@@ -269,30 +252,14 @@ class OffloadingConnectorScheduler:
                 (0 for none).
 
         Raises:
-            ValueError: the call contradicts the connector's books (``engine_checks.check_alloc``),
-                loads keys another load job is loading, or the manager refused the load (its
-                ``prepare_load`` raised): nothing changed.
+            ValueError: the call contradicts the connector's books (``_check_alloc``), or the
+                manager refused the load (its ``prepare_load`` raised): nothing changed.
         """
-        req_id = request.request_id
-        state = check_alloc(
-            req_id,
-            self._req_status.get(req_id),
-            blocks,
-            num_external_tokens,
-            self.offloaded_block_size,
-            self.gpu_block_sizes,
-        )
+        state = self._check_alloc(request.request_id, blocks, num_external_tokens)
         num_local = state.num_locally_computed_tokens
         block_size = self.offloaded_block_size
         end_tokens = num_local + num_external_tokens
         start, end = num_local // block_size, end_tokens // block_size
-        keys = self.layout.load_keys(state.offload_keys, start, end) if num_external_tokens else []
-        if self._jobs.any_being_loaded(keys):
-            # The lookup answered None for such a request: the engine must not load it now.
-            raise ValueError(
-                f"update_state_after_alloc: request {req_id!r} loads blocks that another "
-                "request's load job is still loading (its lookup was deferred)"
-            )
         old_block_ids, fresh = state.block_ids, state.expect_fresh_alloc
         num_allocated_before = len(self._current_batch_allocated_blocks)
         state.block_ids = []
@@ -305,10 +272,11 @@ class OffloadingConnectorScheduler:
         state.expect_fresh_alloc = False
         if num_external_tokens == 0:
             return
+        keys = self.layout.load_keys(state.offload_keys, start, end)
         gpu_indices = self.layout.load_gpu_indices(num_local, end_tokens)
         try:
             dst_spec, gpu_refs = state.gpu_spec(gpu_indices)
-            src_spec = self._metrics.timed(self.manager.prepare_load, keys, state.req_context)
+            src_spec = self.manager.prepare_load(keys, state.req_context)
         except Exception:
             # Refused (e.g. more tokens than the lookup found): undo the allocation's books.
             state.block_ids, state.expect_fresh_alloc = old_block_ids, fresh
@@ -341,7 +309,7 @@ class OffloadingConnectorScheduler:
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
-            state = self._req_status[req_id]
+            state = self._request_states[req_id]
             if self.layout.has_sliding_window:
                 self.layout.skip_freed_blocks(state.block_ids, num_computed)
             if new_block_ids is None:
@@ -350,7 +318,7 @@ class OffloadingConnectorScheduler:
                 state.block_ids[g].extend(ids)
                 self._current_batch_allocated_blocks.extend((g, b) for b in ids)
         for req_id in scheduler_output.preempted_req_ids:
-            preempted = self._req_status.get(req_id)
+            preempted = self._request_states.get(req_id)
             if preempted is None:
                 continue
             preempted.block_ids = [[] for _ in range(self.num_groups)]
@@ -358,27 +326,45 @@ class OffloadingConnectorScheduler:
             jobs_to_flush.update(preempted.transfer_jobs)
         return jobs_to_flush
 
+    def _store_candidates(self, scheduler_output: SchedulerOutput) -> list[tuple[ReqId, int]]:
+        """``(req_id, num_computed_tokens)`` of every request whose blocks may be offered now.
+
+        The step's scheduled requests, then the deferred ones (their latest ``prepare_store``
+        found no room) that were not scheduled but still run and hold blocks: under async
+        scheduling a request's last step is scheduled before the completions that free the room
+        arrive, so it is offered again even when not scheduled. Such a request's computed tokens
+        (the engine's ``Request.num_computed_tokens``, checked by nothing this step) count only
+        as far as its recorded GPU blocks hold them.
+        """
+        candidates: list[tuple[ReqId, int]] = [
+            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        candidates.extend(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id in self._deferred_store_reqs - scheduler_output.num_scheduled_tokens.keys():
+            retry = self._request_states.get(req_id)
+            if retry is not None and not retry.finished and any(retry.block_ids):
+                num_computed = min(retry.req.num_computed_tokens, retry.num_tokens_in_blocks())
+                candidates.append((req_id, num_computed))
+        self._deferred_store_reqs.clear()
+        return candidates
+
     def _build_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[JobId, TransferJob]:
         """Offer the step's requests' newly full blocks to ``prepare_store``; a store job per
-        request with keys to store (see ``store_jobs``)."""
+        request with keys to store."""
         store_jobs: dict[JobId, TransferJob] = {}
-        candidates = store_candidates(scheduler_output, self._deferred_store_reqs, self._req_status)
-        self._deferred_store_reqs.clear()
-        for req_id, num_computed in candidates:
-            state = self._req_status[req_id]
+        for req_id, num_computed in self._store_candidates(scheduler_output):
+            state = self._request_states[req_id]
             start = state.next_stored_block_idx
-            end = offloadable_end(
-                state,
+            end = state.offloadable_end(
                 num_computed,
                 scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                self.offloaded_block_size,
-                self.hashes_per_block,
                 self.offload_prompt_only,
             )
             if end <= start:
                 continue
             keys = self.layout.store_keys(state.offload_keys, state.block_ids, start, end)
-            output = self._metrics.timed(self.manager.prepare_store, keys, state.req_context)
+            output = self.manager.prepare_store(keys, state.req_context)
             if output is None:
                 # Not enough evictable room now; these blocks are offered again next step.
                 self._metrics.deferred_stores += 1
@@ -388,12 +374,10 @@ class OffloadingConnectorScheduler:
             keys_to_store = output.keys_to_store
             if not keys_to_store:
                 continue
-            # check_scheduler_output refused scheduled requests with a load in flight; a
-            # deferred one is undeferred by the lookup that precedes any load.
+            # _check_step refused scheduled requests with a load in flight; a deferred one is
+            # undeferred by the lookup that precedes any load.
             assert all(self._jobs[j].is_store for j in state.transfer_jobs), f"{req_id}: a load"
-            gpu_indices = store_gpu_indices(
-                req_id, state, keys_to_store, start, end, self.block_size_factors
-            )
+            gpu_indices = state.store_gpu_indices(keys_to_store, start, end)
             src_spec, gpu_refs = state.gpu_spec(gpu_indices)
             job_id = self._jobs.add_store(req_id, keys_to_store, gpu_refs)
             if self.layout.has_sliding_window and any(
@@ -422,10 +406,10 @@ class OffloadingConnectorScheduler:
         as the last manager call.
 
         Raises:
-            ValueError: the step's output contradicts the connector's books
-                (``engine_checks.check_scheduler_output``); nothing changed.
+            ValueError: the step's output contradicts the connector's books (``_check_step``);
+                nothing changed.
         """
-        check_scheduler_output(scheduler_output, self._req_status, self._jobs)
+        self._check_step(scheduler_output)
         jobs_to_flush = self._update_req_states(scheduler_output)
         jobs_to_flush |= self._jobs.take_flushes(self._current_batch_allocated_blocks)
         self._metrics.flushed_jobs += len(jobs_to_flush)
@@ -450,14 +434,9 @@ class OffloadingConnectorScheduler:
         """Account the workers' reports; complete every job all workers have reported."""
         if connector_output.kv_connector_stats is not None:
             self.stats_collector.add_worker_stats(connector_output.kv_connector_stats)
-        meta = connector_output.kv_connector_worker_meta
-        if meta is None:
+        if connector_output.kv_connector_worker_meta is None:
             return
-        if not isinstance(meta, OffloadingWorkerMetadata):
-            raise TypeError(
-                f"update_connector_output: worker metadata is {type(meta).__name__}, "
-                "expected OffloadingWorkerMetadata"
-            )
+        meta = self._check_worker_meta(connector_output.kv_connector_worker_meta)
         self._metrics.record_transfers(meta.transfer_stats)
         reported = self._jobs.account_reports(meta.completed_jobs, meta.failed_jobs)
         self._metrics.stale_completions += reported.num_stale
@@ -465,15 +444,31 @@ class OffloadingConnectorScheduler:
             self._finish_job(job)
 
     def _finish_job(self, job: TransferJobStatus) -> None:
-        """Complete a job every worker reported (the table returns each exactly once)."""
-        state = self._req_status[job.req_id]
-        result = complete_job(
-            job, state, self.manager, self._metrics, self.offloaded_block_size, self.stored_keys
-        )
-        if result is not None:
-            self._load_results.append(result)
+        """Complete a job every worker reported (the table returns each exactly once): tell the
+        manager with exactly the job's keys, count it, and keep a load's result."""
+        state = self._request_states[job.req_id]
+        metrics = self._metrics
+        num_keys = len(job.keys)
+        if job.is_store:
+            self.manager.complete_store(job.keys, state.req_context, job.success)
+            if not job.success:
+                metrics.failed_store_jobs += 1
+                metrics.failed_store_blocks += num_keys
+            else:
+                metrics.stored_blocks += num_keys
+                if self.stored_keys is not None:
+                    self.stored_keys.update(job.keys)
+        else:
+            self.manager.complete_load(job.keys, state.req_context)
+            self._load_results.append(state.finish_load(job, self.stored_keys))
+            if not job.success:
+                metrics.failed_load_jobs += 1
+                metrics.failed_load_blocks += num_keys
+            else:
+                metrics.loaded_blocks += num_keys
+        state.transfer_jobs.discard(job.job_id)
         if state.finished and not state.transfer_jobs:
-            del self._req_status[job.req_id]
+            del self._request_states[job.req_id]
 
     def take_load_results(self) -> list[LoadResult]:
         """Return (and forget) the load jobs finished since the last call."""
@@ -496,22 +491,20 @@ class OffloadingConnectorScheduler:
         Raises:
             ValueError: the request already finished (nothing changed).
         """
-        state = self._req_status.get(request.request_id)
+        state = self._check_finish(request.request_id)
         if state is None:
             # Finished before the connector saw it: open and close it for the manager.
             ctx = ReqContext(
                 req_id=request.request_id, kv_transfer_params=request.kv_transfer_params
             )
-            self._metrics.timed(self.manager.on_new_request, ctx)
-            self._metrics.timed(self.manager.on_request_finished, ctx)
+            self.manager.on_new_request(ctx)
+            self.manager.on_request_finished(ctx)
             return False, None
-        if state.finished:
-            raise ValueError(f"request_finished: request {request.request_id!r} finished twice")
         state.finished = True
         self._jobs.fence(state.transfer_jobs)
-        self._metrics.timed(self.manager.on_request_finished, state.req_context)
+        self.manager.on_request_finished(state.req_context)
         if not state.transfer_jobs:
-            del self._req_status[request.request_id]
+            del self._request_states[request.request_id]
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -531,16 +524,12 @@ class OffloadingConnectorScheduler:
         copy still reads or writes. Stores need no such gate: workers run a step's stores only
         after waiting for the flushed jobs.
         """
-        if self._current_batch_load_jobs or self._current_batch_allocated_blocks:
-            raise RuntimeError(
-                "reset_cache: called in the middle of a step (after update_state_after_alloc, "
-                "before build_connector_meta); nothing was reset"
-            )
+        self._check_reset()
         self._jobs.reset()
-        for req_id in [r for r, s in self._req_status.items() if s.finished]:
-            del self._req_status[req_id]
-        self._metrics.timed(self.manager.reset_cache)
-        for state in self._req_status.values():
+        for req_id in [r for r, s in self._request_states.items() if s.finished]:
+            del self._request_states[req_id]
+        self.manager.reset_cache()
+        for state in self._request_states.values():
             state.next_stored_block_idx = 0
             state.transfer_jobs.clear()
             state.promoted_keys.clear()
@@ -556,7 +545,7 @@ class OffloadingConnectorScheduler:
 
         Keys: the job/block counters (``load_jobs``, ``store_blocks``, ...; a block is one key,
         i.e. one offloaded block of one KV-cache group), ``jobs_in_flight``, ``schedule_ends``,
-        ``manager_seconds`` (time spent inside manager calls), and per transfer direction
+        and per transfer direction
         ``transfer.<SRC>_to_<DST>.{jobs,bytes,seconds}``, summed over worker ranks (a job run by
         two ranks counts twice; bytes are the total moved).
         """
@@ -570,19 +559,10 @@ class OffloadingConnectorScheduler:
         """Shut the manager down."""
         self.manager.shutdown()
 
-    # -----------------------------------------------------------------------------------------
-    # Accessors (engine)
-    # -----------------------------------------------------------------------------------------
-
-    @property
-    def manager_seconds(self) -> float:
-        """Seconds spent inside manager calls so far (cumulative); the engine times steps by it."""
-        return self._metrics.manager_seconds
-
     def tracks_request(self, req_id: ReqId) -> bool:
         """Whether a request with this id is tracked: live, or finished with jobs in flight.
 
         The engine refuses to reuse such an id: the new request's jobs would be confused with
         the old one's.
         """
-        return req_id in self._req_status
+        return req_id in self._request_states

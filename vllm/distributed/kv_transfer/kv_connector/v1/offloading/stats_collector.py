@@ -44,6 +44,7 @@ TRANSFER_FAILED_JOBS = "vllm:kv_offload_transfer_failed_jobs"
 TRANSFER_LATENCY = "vllm:kv_offload_transfer_latency_seconds"
 TRANSFER_SIZE = "vllm:kv_offload_transfer_size_bytes"
 SCHEDULER_STEP_SECONDS = "vllm:kv_offload_scheduler_step_seconds"
+SCHEDULER_STEP_CPU_SECONDS = "vllm:kv_offload_scheduler_step_cpu_seconds"
 
 
 class SchedulerStatsCollector:
@@ -117,10 +118,12 @@ class SchedulerStatsCollector:
                 "vllm:kv_offload_lookup_async_delay_seconds", time.perf_counter() - start
             )
 
-    def observe_step_seconds(self, seconds: float) -> None:
-        """The whole scheduler-side connector took ``seconds`` in one engine step (the engine
-        measures it around every connector call)."""
-        self._pending.observe_histogram(SCHEDULER_STEP_SECONDS, seconds)
+    def observe_step(self, wall_seconds: float, cpu_seconds: float) -> None:
+        """The whole scheduler-side connector took ``wall_seconds`` in one engine step, of which
+        ``cpu_seconds`` on the engine thread's CPU (the engine measures both around every
+        connector call)."""
+        self._pending.observe_histogram(SCHEDULER_STEP_SECONDS, wall_seconds)
+        self._pending.observe_histogram(SCHEDULER_STEP_CPU_SECONDS, cpu_seconds)
 
     # -----------------------------------------------------------------------------------------
     # Collection
@@ -155,7 +158,6 @@ class SchedulerStatsCollector:
         self._count(stats, "vllm:kv_offload_allocation_failure", (), m.deferred_stores)
         self._count(stats, "vllm:kv_offload_flushed_jobs", (), m.flushed_jobs)
         self._count(stats, "vllm:kv_offload_lookup_deferrals", (), m.deferred_lookups)
-        self._count(stats, "vllm:kv_offload_manager_seconds", (), m.manager_seconds)
         samples, m.schedule_end_seconds = m.schedule_end_seconds, []
         stats.observe_many("vllm:kv_offload_schedule_end_seconds", samples)
         samples, self._lookup_seconds = self._lookup_seconds, []

@@ -207,10 +207,6 @@ class OffloadingConnectorWorker:
             return None
         return self._stats.clone_and_reset()
 
-    def has_jobs_in_flight(self) -> bool:
-        """Whether jobs were submitted or deferred and not reported yet."""
-        return bool(self._unsubmitted_store_jobs or self._load_jobs)
-
     def shutdown(self) -> None:
         """Shut the handlers down (they wait for transfers in flight), then release their
         resources; idempotent."""

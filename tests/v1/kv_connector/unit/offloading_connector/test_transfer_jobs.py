@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.jobs import TransferJobTable
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.transfer_jobs import TransferJobTable
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 
 
