@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, BlockFileCorrup
 from vllm.v1.kv_offload.tiering.fs import block_io
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     HOST_TAG,
+    PRIVATE,
     HeaderBuffers,
     is_stale_tmp,
     is_stale_tmp_file,
@@ -64,19 +65,20 @@ def _write(dir_fd: int, row: memoryview, *, o_direct: bool = False) -> None:
         key=KEY,
         run_digest=DIGEST,
         o_direct=o_direct,
+        modes=PRIVATE,
     )
 
 
 def test_open_dir_refuses_symlinks(tmp_path: Path, dir_fd: int) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    os.close(open_dir("real", dir_fd, create=False))
+    os.close(open_dir("real", dir_fd))
     with pytest.raises(OSError) as info:
-        open_dir("link", dir_fd, create=True)
+        open_dir("link", dir_fd, create=PRIVATE)
     assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
     with pytest.raises(FileNotFoundError):
-        open_dir("absent", dir_fd, create=False)
-    os.close(open_dir("created", dir_fd, create=True))
+        open_dir("absent", dir_fd)
+    os.close(open_dir("created", dir_fd, create=PRIVATE))
     assert (tmp_path / "created").is_dir()
 
 
@@ -173,5 +175,5 @@ def test_stale_tmp_file_must_be_a_regular_file_old_enough(tmp_path: Path, dir_fd
 
 
 def test_o_direct_probe_leaves_nothing_behind(tmp_path: Path, dir_fd: int) -> None:
-    assert isinstance(probe_o_direct(dir_fd, "0badc0de"), bool)
+    assert isinstance(probe_o_direct(dir_fd, "0badc0de", PRIVATE), bool)
     assert list(tmp_path.iterdir()) == []

@@ -32,6 +32,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -46,6 +47,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
 )
 
 if TYPE_CHECKING:
+    from vllm.v1.kv_offload.tiering.fs.config import Permissions
     from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath
 
 logger = init_logger(__name__)
@@ -141,14 +143,105 @@ def is_stale_tmp_file(dir_fd: int, name: str, max_age_s: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Permissions
+# ---------------------------------------------------------------------------------------------
+
+_SETGID = stat.S_ISGID
+
+
+def process_umask() -> int:
+    """The process's file mode creation mask.
+
+    Read from ``/proc/self/status`` where the kernel reports it (Linux >= 4.7): setting and
+    restoring it, the only portable way, would briefly apply another mask to files other threads
+    create meanwhile.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+@dataclass(frozen=True)
+class FileModes:
+    """The modes of every directory and file the tier creates, exact whatever the umask.
+
+    Block files, their slot links (hard links: the same inode), ``config.json``, presence and
+    probe files get ``files``; every directory, the root included when the tier creates it,
+    gets ``dirs``. The umask is read once, when the tier starts: a file mode it would narrow is
+    set again with ``fchmod`` right after creation; a directory is always set (directories are
+    few, and ``mkdir`` ignores the set-group-ID bit that ``"group"`` uses).
+
+    Attributes:
+        permissions: the config value these modes implement.
+        dirs: mode of directories: 0700, or 2770 for ``"group"`` (set-group-ID, so that every
+            directory and file below the root gets the root's group).
+        files: mode of files: 0600, or 0660 for ``"group"``.
+        open_bits: mode bits of an existing root that let users read it who should not: group
+            and others for ``"private"``, others for ``"group"``.
+        umask: the process's umask when the tier started.
+    """
+
+    permissions: Permissions
+    dirs: int
+    files: int
+    open_bits: int
+    umask: int
+
+    @classmethod
+    def of(cls, permissions: Permissions) -> FileModes:
+        """The modes of ``permissions``, with the process's umask read now."""
+        if permissions == "group":
+            return cls(permissions, _SETGID | 0o770, 0o660, 0o007, process_umask())
+        return cls(permissions, 0o700, 0o600, 0o077, process_umask())
+
+    def fix_dir(self, fd: int) -> None:
+        """Give a directory this tier just created exactly ``dirs``."""
+        os.fchmod(fd, self.dirs)
+
+    def fix_file(self, fd: int) -> None:
+        """Give a file this tier just created exactly ``files`` (a no-op unless the umask
+        narrowed it)."""
+        if self.files & self.umask:
+            os.fchmod(fd, self.files)
+
+    def create_file(self, name: str, flags: int, dir_fd: int) -> int:
+        """``os.open(name, flags | O_CREAT ...)`` of a new file with exactly ``files``."""
+        fd = os.open(name, flags, self.files, dir_fd=dir_fd)
+        try:
+            self.fix_file(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+PRIVATE = FileModes.of("private")
+"""Private modes (0700 / 0600) under the umask of the import: for files made before a tier has
+its own ``FileModes`` (probes) and for tests."""
+
+
+# ---------------------------------------------------------------------------------------------
 # Directories
 # ---------------------------------------------------------------------------------------------
 
 
-def open_dir(name: str, dir_fd: int, *, create: bool) -> int:
+def open_dir(name: str, dir_fd: int, *, create: FileModes | None = None) -> int:
     """Open directory ``name`` under ``dir_fd`` without following a symlink; maybe create it.
 
-    A newly created directory's entry is made durable (the parent is fsynced).
+    A directory this call creates gets exactly ``create.dirs`` (whatever the umask), and its
+    entry is made durable (the parent is fsynced).
+
+    Args:
+        name: the directory's name.
+        dir_fd: its parent.
+        create: create it with these modes if absent; None: never create.
 
     Raises:
         OSError: ``FileNotFoundError`` if absent and not ``create``; ``ELOOP``/``ENOTDIR`` if
@@ -157,16 +250,17 @@ def open_dir(name: str, dir_fd: int, *, create: bool) -> int:
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        if not create:
+        if create is None:
             raise
     try:
-        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        os.mkdir(name, create.dirs, dir_fd=dir_fd)
         created = True
     except FileExistsError:
         created = False  # a concurrent writer made it
     fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     if created:
         try:
+            create.fix_dir(fd)
             os.fsync(dir_fd)
         except BaseException:
             os.close(fd)
@@ -174,7 +268,7 @@ def open_dir(name: str, dir_fd: int, *, create: bool) -> int:
     return fd
 
 
-def open_block_dir(rank_fd: int, path: BlockPath, *, create: bool) -> int:
+def open_block_dir(rank_fd: int, path: BlockPath, *, create: FileModes | None = None) -> int:
     """Open (or create) ``<hhh>/<hh>_g<group>`` under the rank directory; returns its fd."""
     fd1 = open_dir(path.dir1, rank_fd, create=create)
     try:
@@ -277,6 +371,7 @@ def write_block_file(
     key: bytes,
     run_digest: bytes,
     o_direct: bool,
+    modes: FileModes,
     on_created: CreatedHook | None = None,
 ) -> None:
     """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically and durably.
@@ -296,6 +391,7 @@ def write_block_file(
         key: the block's key (stamped into the header).
         run_digest: the run digest (stamped into the header).
         o_direct: use O_DIRECT.
+        modes: the file's mode (``modes.files``).
         on_created: called with ``(tmp, fd)`` once the empty temporary file exists, before any
             byte is written (the capacity slot is claimed there); it may raise to abandon the
             write. What it returns, if not None, is called if the file is not published, while
@@ -312,7 +408,7 @@ def write_block_file(
         payload_len=len(payload),
         checksum=payload_checksum(payload),
     )
-    fd = os.open(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), 0o644, dir_fd=leaf_fd)
+    fd = modes.create_file(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), leaf_fd)
     published = False
     undo: Callable[[], None] | None = None
     try:
@@ -446,7 +542,7 @@ def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> b
 # ---------------------------------------------------------------------------------------------
 
 
-def probe_o_direct(dir_fd: int, writer: str) -> bool:
+def probe_o_direct(dir_fd: int, writer: str, modes: FileModes) -> bool:
     """Whether O_DIRECT works in directory ``dir_fd``: write, fsync and read back one page.
 
     False on platforms without O_DIRECT and on filesystems that reject it (tmpfs, overlayfs,
@@ -461,7 +557,7 @@ def probe_o_direct(dir_fd: int, writer: str) -> bool:
     src, dst = memoryview(src_mm), memoryview(dst_mm)
     try:
         src[:] = secrets.token_bytes(page)
-        fd = os.open(name, _WRITE_FLAGS | O_DIRECT, 0o644, dir_fd=dir_fd)
+        fd = modes.create_file(name, _WRITE_FLAGS | O_DIRECT, dir_fd)
         try:
             _write_all(fd, [src])
             os.fsync(fd)

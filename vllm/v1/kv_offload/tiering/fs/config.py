@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
 ODirectMode = Literal["auto", True, False]
+Permissions = Literal["private", "group"]
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -87,6 +88,10 @@ class FsTierConfig:
         max_read_failures: consecutive failed reads (transient errors such as EACCES or EIO) of
             one block file after which the tier stops serving it: lookups miss, it becomes the
             first eviction victim, and the next store of the block replaces it.
+        permissions: ``"private"``: directories 0700 and files 0600, whatever the umask (only
+            the user running the tier can read the cached blocks); ``"group"``: directories
+            2770 (set-group-ID) and files 0660, for a cache shared by the users of the root's
+            group.
     """
 
     root_dir: str
@@ -100,6 +105,7 @@ class FsTierConfig:
     reconcile_interval_s: float = 1.0
     reconcile_batch: int = 1024
     max_read_failures: int = 3
+    permissions: Permissions = "private"
 
     @classmethod
     def from_kwargs(
@@ -116,6 +122,7 @@ class FsTierConfig:
         reconcile_interval_s: Any = 1.0,
         reconcile_batch: Any = 1024,
         max_read_failures: Any = 3,
+        permissions: Any = "private",
     ) -> FsTierConfig:
         """Validate raw config values (e.g. decoded JSON) and normalise them.
 
@@ -138,6 +145,8 @@ class FsTierConfig:
             raise _bad("enable_events", enable_events, "a bool")
         if not (isinstance(o_direct, bool) or (isinstance(o_direct, str) and o_direct == "auto")):
             raise _bad("o_direct", o_direct, "'auto', true or false")
+        if permissions not in ("private", "group") or not isinstance(permissions, str):
+            raise _bad("permissions", permissions, "'private' or 'group'")
         return cls(
             root_dir=os.path.realpath(os.path.abspath(os.path.expanduser(root_dir))),
             n_read_threads=_parse_threads("n_read_threads", n_read_threads),
@@ -156,4 +165,5 @@ class FsTierConfig:
             ),
             reconcile_batch=_parse_int("reconcile_batch", reconcile_batch, 1, 1 << 24),
             max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
+            permissions=cast(Permissions, permissions),
         )

@@ -57,7 +57,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import file_size
-from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
+from vllm.v1.kv_offload.tiering.fs.block_io import (
+    FileModes,
+    register_writer,
+    unregister_writer,
+)
 from vllm.v1.kv_offload.tiering.fs.block_jobs import JobRecord, block_tasks
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
@@ -110,6 +114,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         reconcile_batch: directory entries examined per reconcile step (default 1024).
         max_read_failures: consecutive failed reads after which a block file is no longer
             served and the next store replaces it (default 3).
+        permissions: ``"private"`` (default: directories 0700, files 0600, whatever the umask)
+            or ``"group"`` (2770 and 0660: a cache shared by the root's group).
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape,
@@ -140,6 +146,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         reconcile_interval_s: float = 1.0,
         reconcile_batch: int = 1024,
         max_read_failures: int = 3,
+        permissions: str = "private",
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
@@ -155,6 +162,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             reconcile_interval_s=reconcile_interval_s,
             reconcile_batch=reconcile_batch,
             max_read_failures=max_read_failures,
+            permissions=permissions,
         )
         view = primary_kv_view
         self._num_rows, self._row_bytes = primary_view_rows(view, "fs")
@@ -169,7 +177,9 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         self._writer = register_writer()
         self._slots: CapacitySlots | None = None
         try:
-            self._run_dir = RunDirectory.open(config.root_dir, self._mapper, self._writer)
+            self._run_dir = RunDirectory.open(
+                config.root_dir, self._mapper, self._writer, FileModes.of(config.permissions)
+            )
             try:
                 o_direct_on = self._run_dir.decide_o_direct(
                     config.o_direct, view, self._row_bytes, self._writer
@@ -199,6 +209,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             o_direct=o_direct_on,
             min_free_bytes=min_free,
             writer=self._writer,
+            modes=self._run_dir.modes,
             root_dir=config.root_dir,
             max_bytes=config.max_bytes,
             max_read_failures=config.max_read_failures,
@@ -508,6 +519,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             self._row_bytes,
             self._config.stale_tmp_age_s,
             self._run_dir.rank_dir,
+            self._run_dir.modes,
         )
 
     def _first_pass(self, stop: threading.Event) -> ScanStats:

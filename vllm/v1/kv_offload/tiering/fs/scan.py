@@ -174,7 +174,7 @@ class RankDirWalker:
             if len(dir1) != 3:
                 continue
             try:
-                fd1 = open_dir(dir1, self._rank_fd, create=False)
+                fd1 = open_dir(dir1, self._rank_fd)
             except OSError as e:
                 logger.warning("fs tier scan: cannot open %s: %s", dir1, e)
                 stats.errors += 1
@@ -206,7 +206,7 @@ class RankDirWalker:
         index = self._index
         ticket = index.ticket()
         try:
-            fd2 = open_dir(dir2, fd1, create=False)
+            fd2 = open_dir(dir2, fd1)
         except FileNotFoundError:
             return 1
         except OSError as e:

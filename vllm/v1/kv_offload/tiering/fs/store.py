@@ -35,6 +35,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import MAX_KEY_BYTES, BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
+    FileModes,
     HeaderBuffers,
     open_block_dir,
     read_block_file,
@@ -98,6 +99,7 @@ class BlockStore:
         writer: writer id for temporary file names.
         root_dir: for log messages.
         max_bytes: for log messages.
+        modes: of the directories and files it creates.
         max_read_failures: consecutive failed reads after which a file is given up.
         slots: the capacity slots that bound the directory as a whole (None: ``max_bytes`` is
             only enforced on this instance's index, or there is no ``max_bytes``).
@@ -115,6 +117,7 @@ class BlockStore:
         writer: str,
         root_dir: str,
         max_bytes: int | None,
+        modes: FileModes,
         max_read_failures: int = 3,
         slots: CapacitySlots | None = None,
     ) -> None:
@@ -124,6 +127,7 @@ class BlockStore:
         self._row_bytes = row_bytes
         self.file_size = file_size(row_bytes)
         self._o_direct = o_direct
+        self._modes = modes
         self._writer = writer
         self._max_bytes = max_bytes
         self._buffers = HeaderBuffers()
@@ -220,6 +224,7 @@ class BlockStore:
                 key=key,
                 run_digest=self._mapper.run_digest,
                 o_direct=self._o_direct,
+                modes=self._modes,
                 on_created=(
                     None
                     if self._slots is None
@@ -421,7 +426,7 @@ class BlockStore:
             return False
         if st.st_size != self.file_size:
             try:
-                leaf_fd = open_block_dir(rank_fd, path, create=False)
+                leaf_fd = open_block_dir(rank_fd, path)
             except OSError as e:
                 self._log(logging.WARNING, "probe", "fs tier: cannot open %s: %s", path.rel, e)
                 return False
@@ -515,7 +520,7 @@ class BlockStore:
         fd = leaf_fd
         try:
             if fd is None:
-                fd = open_block_dir(self._rank_fd, path, create=False)
+                fd = open_block_dir(self._rank_fd, path)
         except FileNotFoundError:
             outcome, kept = RemoveOutcome.VANISHED, None
         except OSError as e:
@@ -582,7 +587,9 @@ class BlockStore:
         path = self._mapper.block_path(key)
         ticket = self._index.ticket()
         try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=op == "store")
+            leaf_fd = open_block_dir(
+                self._rank_fd, path, create=self._modes if op == "store" else None
+            )
         except OSError as e:
             if op == "load" and isinstance(e, FileNotFoundError):
                 self._index.observe(key, None, ticket, hot=False)
