@@ -28,7 +28,16 @@ import pytest
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import block_io
 
-from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, resolve_lookups, store
+from .conftest import (
+    ROW_BYTES,
+    Primary,
+    TierFactory,
+    key_of,
+    load,
+    resolve_lookups,
+    share,
+    store,
+)
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 HUGE = 2 << 30  # 2 GiB, sparse: no real disk space is used
@@ -70,6 +79,7 @@ def test_lookup_probe_deletes_a_wrong_size_file_and_never_indexes_it(
     make_tier: TierFactory, primary: Primary
 ) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE)
+    share(tier, make_tier())  # with another writer, keys the index lacks are probed
     keys = [key_of(i) for i in range(3)]
     assert store(tier, primary, keys, [0, 1, 2])
     bad = key_of(100)
@@ -168,6 +178,7 @@ def test_a_block_replaced_by_another_instance_is_served_again(
 ) -> None:
     tier = make_tier(max_read_failures=1)
     other = make_tier()
+    share(tier, other)
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     path = tier.block_file_path(key)

@@ -3,15 +3,16 @@
 """The background reconcile and the capacity slots, in one process (issue #12, part 3).
 
 Several tiers over one root play the instances that share a directory. Each test drives one
-mechanism deterministically: ``wait_reconciled`` waits for a complete reconcile pass instead of
-sleeping, and races are set up by doing, on the real directory, what the other party would do.
+mechanism deterministically: ``wait_reconciled`` waits for a complete reconcile round instead of
+sleeping, and races are set up by doing, on the real directory, what the other party would do,
+that party included: a live second tier, or the presence file a crashed one leaves. (A tier that
+is the only writer walks the directory only when it finds evidence of a change behind its back.)
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,7 +28,17 @@ from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker
 from vllm.v1.kv_offload.tiering.fs.slots import SLOTS_DIR, slot_location
 
-from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, resolve_lookups, store
+from .conftest import (
+    ROW_BYTES,
+    Primary,
+    TierFactory,
+    key_of,
+    load,
+    register_dead_writer,
+    resolve_lookups,
+    share,
+    store,
+)
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 FAST: dict[str, Any] = {"reconcile_interval_s": 0.01}
@@ -140,6 +151,7 @@ def test_the_scheduler_never_waits_for_a_stuck_reconcile(
 ) -> None:
     started, release = threading.Event(), threading.Event()
     tier = make_tier(**FAST)
+    make_tier(**IDLE)  # another writer: tier walks the directory again
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     real_leaf = RankDirWalker._leaf
@@ -195,12 +207,20 @@ def test_every_block_file_holds_a_slot_and_a_full_directory_evicts_lru(
     assert tier.slots is not None and tier.slots.num_taken() == 3
 
 
-def test_a_garbage_slot_is_freed(make_tier: TierFactory, primary: Primary) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["sole writer", "shared root"])
+def test_a_garbage_slot_is_freed(make_tier: TierFactory, primary: Primary, shared: bool) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
+    if shared:
+        share(tier, make_tier(max_bytes=4 * FILE_SIZE))
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     os.unlink(tier.block_file_path(key))  # its slot now names an inode nothing else names
-    assert tier.wait_reconciled(10)
+    if not shared:
+        # Alone, the tier trusts its index until it meets the change: the load that finds the
+        # file gone is the evidence that sends the reconcile through the directory.
+        assert tier.sole_writer and resolve_lookups(tier, [key]) == [True]
+        assert not load(tier, primary, [key], [1])
+    assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert _slot_names(tier) == [] and _disk_bytes(tier) == 0
     assert tier.usage().used_bytes == 0
 
@@ -209,9 +229,9 @@ def test_a_crashed_writers_claim_is_freed(make_tier: TierFactory, primary: Prima
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
     assert store(tier, primary, [key_of(1)], [0])
     leaf = Path(tier.block_file_path(key_of(1))).parent
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    tmp = leaf / f".{'ab' * 32}.{HOST_TAG}.{proc.pid}.0badc0de.12345678.tmp"
+    presence = register_dead_writer(tier)
+    pid = presence.name.split(".")[1]
+    tmp = leaf / f".{'ab' * 32}.{HOST_TAG}.{pid}.0badc0de.12345678.tmp"
     free = min({0, 1, 2, 3} - {_slot_number(p) for p in _slot_names(tier)})
     sub, name = slot_location(free)
     (Path(tier.rank_dir) / SLOTS_DIR / sub).mkdir(exist_ok=True)
@@ -221,7 +241,8 @@ def test_a_crashed_writers_claim_is_freed(make_tier: TierFactory, primary: Prima
     os.link(staging, Path(tier.rank_dir) / SLOTS_DIR / sub / name)
     os.link(staging, tmp)
     staging.unlink()
-    # Pass 1 removes the dead writer's temporary file, pass 2 frees its slot.
+    # The dead writer's presence file sends the reconcile through the directory: the pass
+    # removes its temporary file and frees the slot that file claimed.
     assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert not tmp.exists() and len(_slot_names(tier)) == 1, _inodes(tier)
     assert _disk_bytes(tier) == FILE_SIZE
@@ -370,11 +391,10 @@ def test_a_dead_releasers_grab_is_recovered(make_tier: TierFactory, primary: Pri
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    grab = slot.parent / f".g0.{HOST_TAG}.{proc.pid}.0badc0de.12345678.tmp"
+    pid = register_dead_writer(tier).name.split(".")[1]
+    grab = slot.parent / f".g0.{HOST_TAG}.{pid}.0badc0de.12345678.tmp"
     os.rename(slot, grab)  # the releaser died between its grab and its unlink
-    assert tier.wait_reconciled(10)
+    assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert not grab.exists()
     assert len(_slot_names(tier)) == 1 and os.stat(tier.block_file_path(key)).st_nlink == 2
 
@@ -383,6 +403,7 @@ def test_two_slots_of_one_inode_are_reduced_to_one(
     make_tier: TierFactory, primary: Primary
 ) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
+    share(tier, make_tier(max_bytes=4 * FILE_SIZE))  # such doubles come from races between them
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)

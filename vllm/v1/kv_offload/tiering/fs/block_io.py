@@ -121,15 +121,21 @@ def is_stale_tmp(name: str, age_s: float, max_age_s: float) -> bool:
     match = _TMP_RE.match(name)
     if match is None:
         return False
-    if match.group("host") == HOST_TAG:
-        pid = int(match.group("pid"))
-        if pid == os.getpid():
-            with _live_writers_lock:
-                if match.group("writer") not in _live_writers:
-                    return True
-        elif not _pid_alive(pid):
-            return True
-    return age_s >= max_age_s
+    return writer_gone(match.group("host"), int(match.group("pid")), match.group("writer")) or (
+        age_s >= max_age_s
+    )
+
+
+def writer_gone(host: str, pid: int, writer: str) -> bool:
+    """Whether the tier instance ``writer`` of process ``pid`` on host ``host`` (its tag) is
+    known to be gone: on this host, the process no longer exists, or it is this process and the
+    instance was unregistered. False for other hosts (nothing can tell from here)."""
+    if host != HOST_TAG:
+        return False
+    if pid == os.getpid():
+        with _live_writers_lock:
+            return writer not in _live_writers
+    return not _pid_alive(pid)
 
 
 def is_stale_tmp_file(dir_fd: int, name: str, max_age_s: float) -> bool:

@@ -149,6 +149,7 @@ class CapacityIndex:
         self._changes: deque[tuple[int, OffloadKey]] = deque()
         self._change_window = change_window
         self._forgotten_seq = 0  # every change up to this number has left the window
+        self._outside_changes = 0
 
     # -----------------------------------------------------------------------------------------
     # Introspection
@@ -242,7 +243,17 @@ class CapacityIndex:
         with self._lock:
             return self._seq
 
-    def observe(self, key: OffloadKey, size: int | None, ticket: int, *, hot: bool) -> bool:
+    @property
+    def num_outside_changes(self) -> int:
+        """Observations, other than the reconcile walk's, that changed the index: a file found
+        that it lacked, or a file it held found gone or resized. Each is evidence that the
+        directory changed behind this tier's back (another writer, an operator): the reconcile
+        then walks it again even when this tier is the only registered writer."""
+        return self._outside_changes
+
+    def observe(
+        self, key: OffloadKey, size: int | None, ticket: int, *, hot: bool, from_walk: bool = False
+    ) -> bool:
         """Record that a stat taken after ``ticket`` found ``key``'s file (``size``) or not (None).
 
         Ignored while the key is being written or removed by this tier, and when the key changed
@@ -254,6 +265,8 @@ class CapacityIndex:
             ticket: from ``ticket()``, taken before the stat.
             hot: place a newly found file at the most recently used end (a lookup hit) rather
                 than the least recently used end (found by the start-up scan).
+            from_walk: the stat is the reconcile walk's (not counted in
+                ``num_outside_changes``: the walk is what corrects them).
 
         Returns:
             Whether the key counts as present now. While it is being written, the stat's answer;
@@ -271,19 +284,19 @@ class CapacityIndex:
                 if old is not None:
                     self._pop(key)
                     self._used -= old
-                    self._record_change(key)
+                    self._record_change(key, outside=not from_walk)
                 return False
             if old is None:
                 self._add(key, size)
                 self._used += size
                 if not hot:
                     self._entries.move_to_end(key, last=False)
-                self._record_change(key)
+                self._record_change(key, outside=not from_walk)
             else:
                 if size != old:
                     self._used += size - old
                     self._entries[key] = size
-                    self._record_change(key)
+                    self._record_change(key, outside=not from_walk)
                 if hot:
                     self._entries.move_to_end(key)
             return True
@@ -513,7 +526,9 @@ class CapacityIndex:
                 if not inners:
                     del self._buckets[outer]
 
-    def _record_change(self, key: OffloadKey) -> None:
+    def _record_change(self, key: OffloadKey, *, outside: bool = False) -> None:
+        if outside:
+            self._outside_changes += 1
         self._seq += 1
         self._last_change[key] = self._seq
         self._changes.append((self._seq, key))

@@ -67,12 +67,13 @@ from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, IndexSnapshot
 from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
-from vllm.v1.kv_offload.tiering.fs.lookup import FsLookupManager
+from vllm.v1.kv_offload.tiering.fs.lookup import FsLookups
 from vllm.v1.kv_offload.tiering.fs.reconcile import Reconciler
 from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket, scan_rank_dir
 from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
 from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+from vllm.v1.kv_offload.tiering.fs.writers import WriterRegistry
 from vllm.v1.kv_offload.tiering.run_identity import run_fields_from_spec
 from vllm.v1.kv_offload.tiering.tier_plumbing import (
     AsyncLookupTier,
@@ -186,7 +187,16 @@ class FileSystemSecondaryTier(AsyncLookupTier):
                 )
                 min_free = self._run_dir.resolve_min_free_bytes(config.min_free_bytes)
                 self._slots = self._open_slots()
+                # Registered before the first block file is written (see writers.py).
+                self._writers = WriterRegistry(
+                    self._run_dir.rank_fd,
+                    self._writer,
+                    self._run_dir.modes,
+                    config.stale_tmp_age_s,
+                )
             except BaseException:
+                if self._slots is not None:
+                    self._slots.close()
                 self._run_dir.close()
                 raise
         except BaseException:
@@ -223,7 +233,6 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         )
         if self._slots is not None:
             self._slots.bind_remover(self._store.remove_block_file)
-        self._lookups = FsLookupManager(tier_type, self._store.probe)
         self._walker = RankDirWalker(
             self._run_dir.rank_fd,
             self._index,
@@ -235,6 +244,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         )
         self._reconciler = Reconciler(
             self._walker,
+            index=self._index,
+            count_writers=self._writers.count_others,
             first_pass=self._first_pass,
             after_first=self._after_scan,
             # Without slots, this is how files others wrote get evicted; with them, the directory
@@ -244,6 +255,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             batch=config.reconcile_batch,
             name=f"vllm_fs_tier_{tier_type}_scan",
         )
+        self._lookups = FsLookups(tier_type, self._index, self._store, self._reconciler)
         self._scan_thread = self._reconciler.thread
         self._scan_started = time.monotonic()
         self._reconciler.start()
@@ -304,8 +316,9 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         return self._index.snapshot()
 
     def stats(self) -> dict[str, int]:
-        """Cumulative per-block counters (see ``BlockStore.counters``)."""
-        return self._store.counters()
+        """Cumulative counters: per job and block (``BlockStore.counters``) and per lookup
+        (``lookup_counters``); ``get_stats().counters``."""
+        return self._store.counters() | self.lookup_counters()
 
     @property
     def slots(self) -> CapacitySlots | None:
@@ -318,9 +331,18 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         return self._reconciler.wait_for_scan(timeout)
 
     def wait_reconciled(self, timeout: float | None = None) -> bool:
-        """Block until a complete reconcile pass that started after this call ended (tests,
-        tools); False if ``timeout`` expired first."""
-        return self._reconciler.wait_for_pass(timeout)
+        """Block until the reconcile finished a round that started after this call (tests,
+        tools): a complete pass over the directory, or, when this instance is the only writer
+        and nothing changed behind its back, a listing of the writers that found none. False
+        if ``timeout`` expired first."""
+        return self._reconciler.wait_for_round(timeout)
+
+    @property
+    def sole_writer(self) -> bool:
+        """Whether this instance is the only writer of its run directory and its index holds
+        every block file in it: lookups then answer at once, absent keys included, and the
+        reconcile only lists the writers (see ``writers``)."""
+        return self._reconciler.solo
 
     def last_reconcile(self) -> ScanStats | None:
         """What the last complete reconcile pass found and did."""
@@ -352,11 +374,6 @@ class FileSystemSecondaryTier(AsyncLookupTier):
     # -----------------------------------------------------------------------------------------
     # SecondaryTierManager (scheduler thread)
     # -----------------------------------------------------------------------------------------
-
-    @override
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """None until a background ``stat`` answered (a later step), then True/False."""
-        return self._lookups.lookup(key, req_context)
 
     @override
     def submit_store(self, job: JobMetadata) -> None:
@@ -449,7 +466,9 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             stuck.append("the start-up scan or reconcile")
         self._pool.shutdown()
         self._flat.release()
+        self._writers.leave()  # after the last I/O: others stop counting this instance
         if not stuck:
+            self._writers.close()
             if self._slots is not None:
                 self._slots.close()
             self._run_dir.close()

@@ -75,8 +75,11 @@ class ReadFailures:
         """Whether ``key``'s file (``file_id`` when known) is given up.
 
         A ``file_id`` that differs from the failing file's clears the count: the file was
-        replaced, so the new one gets its own tries.
+        replaced, so the new one gets its own tries. O(1), and without the lock for a key with
+        no failure (every lookup asks).
         """
+        if key not in self._failures:
+            return False
         with self._lock:
             entry = self._failures.get(key)
             if entry is None:

@@ -39,6 +39,7 @@ import contextlib
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
-    is_stale_tmp_file,
+    is_stale_tmp,
     open_dir,
     read_header_key,
     unlink_block,
@@ -235,7 +236,9 @@ class RankDirWalker:
                     if parsed is not None and parsed[0] is not None:
                         seen.add(parsed[0])
             for key in index.keys_in_bucket(dir1, dir2):
-                if key not in seen and not index.observe(key, None, ticket, hot=False):
+                if key not in seen and not index.observe(
+                    key, None, ticket, hot=False, from_walk=True
+                ):
                     stats.forgotten += 1
             return len(names) + 1
         finally:
@@ -297,7 +300,7 @@ class RankDirWalker:
                 return None
         # Only a file new to this instance is placed by its age; a known one keeps its rank.
         hot = hot_since is not None and st.st_mtime >= hot_since and key not in self._index
-        if self._index.observe(key, st.st_size, ticket, hot=hot):
+        if self._index.observe(key, st.st_size, ticket, hot=hot, from_walk=True):
             stats.blocks += 1
             stats.bytes += st.st_size
         return key
@@ -323,10 +326,25 @@ class RankDirWalker:
                 self._slots.release_inode(removed.st_ino)
 
     def _maybe_remove_tmp(self, dir_fd: int, name: str, stats: ScanStats) -> None:
-        if is_stale_tmp_file(dir_fd, name, self._stale_tmp_age_s):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=dir_fd)
-                stats.tmp_removed += 1
+        """Delete ``name`` if it is a leftover temporary file (``is_stale_tmp``); one that held a
+        capacity slot (a dead writer's claim) frees it too, so one pass undoes the claim."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode) or not is_stale_tmp(
+            name, time.time() - st.st_mtime, self._stale_tmp_age_s
+        ):
+            return
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return
+        stats.tmp_removed += 1
+        if self._slots is not None and st.st_nlink > 1:
+            n = self._slots.slot_of(st.st_ino)  # learnt by this pass's slot walk
+            if n is not None and self._slots.release(n, None):
+                stats.slots.reclaimed += 1
 
     def _forget_if_gone(self, dir1: str, dir2: str | None, stats: ScanStats) -> None:
         """Indexed keys live under ``dir1/dir2`` (``dir2`` None: anywhere under ``dir1``) but
@@ -345,7 +363,7 @@ class RankDirWalker:
         inners = [dir2] if dir2 is not None else self._index.inner_buckets(dir1)
         for inner in inners:
             for key in self._index.keys_in_bucket(dir1, inner):
-                if not self._index.observe(key, None, ticket, hot=False):
+                if not self._index.observe(key, None, ticket, hot=False, from_walk=True):
                     stats.forgotten += 1
 
 

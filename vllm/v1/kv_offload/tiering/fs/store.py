@@ -378,10 +378,11 @@ class BlockStore:
         self._count("blocks_loaded")
         return True
 
-    def _count_read_failure(self, leaf_fd: int, key: OffloadKey, path: BlockPath) -> None:
-        """A transient error failed a read of ``key``'s file: count it, maybe give the file up."""
+    def _count_read_failure(self, leaf_fd: int | None, key: OffloadKey, path: BlockPath) -> None:
+        """A transient error failed a read of ``key``'s file (``leaf_fd`` None: its directory
+        could not be opened): count it, maybe give the file up."""
         try:
-            st = regular_file_stat(leaf_fd, path.name)
+            st = None if leaf_fd is None else regular_file_stat(leaf_fd, path.name)
         except OSError:
             st = None  # cannot tell which file: counted against the one that failed before
         if not self._read_failures.failed(key, None if st is None else file_identity(st)):
@@ -400,6 +401,10 @@ class BlockStore:
     # -----------------------------------------------------------------------------------------
     # Probe
     # -----------------------------------------------------------------------------------------
+
+    def given_up(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s file failed ``max_read_failures`` reads in a row (no system call)."""
+        return self._read_failures.given_up(key)
 
     def probe(self, key: OffloadKey) -> bool:
         """Whether ``key``'s file looks loadable: a regular file of the right size, below real
@@ -595,6 +600,9 @@ class BlockStore:
                 self._index.observe(key, None, ticket, hot=False)
             else:
                 self._log_os_error(op, key, e)
+                if op == "load":
+                    # E.g. a symlink planted in the path: bounded retries, as for the file.
+                    self._count_read_failure(None, key, path)
             return self._failed(f"{op}_failures")
         try:
             return body(leaf_fd, path, ticket)
