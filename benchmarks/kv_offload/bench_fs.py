@@ -17,9 +17,14 @@ For each block size, in the same run and the same directory:
 Throughput counts payload bytes (the rows); the tier's 4 KiB header per file is overhead it pays.
 Reported numbers are the median of ``--repeat`` runs.
 
+With ``--integrity``, every size is also measured with a fleet secret (keyed integrity: an
+HMAC-SHA256 of each block on store and on load), in the same run and against the same baseline:
+the ``keyed / unkeyed`` ratios are what the MAC costs.
+
 Usage::
 
     python benchmarks/kv_offload/bench_fs.py --dir /path/on/the/filesystem [--sizes 256K,2M,8M]
+        [--integrity]
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Result:
     block_bytes: int
     num_blocks: int
     o_direct: bool
+    keyed: bool
     baseline_store_gib_s: float
     tier_store_gib_s: float
     baseline_load_gib_s: float
@@ -162,7 +168,10 @@ def bench_size(
     n_write: int,
     blocks_per_job: int,
     o_direct_mode: bool | str = "auto",
+    key_file: str | None = None,
 ) -> Result:
+    """Baseline and tier, store and load, ``repeat`` times; the tier signs and checks every
+    block with the secret in ``key_file`` if given."""
     num_blocks = max(1, total_bytes // block_bytes)
     mm = mmap.mmap(-1, 2 * num_blocks * block_bytes)  # source rows, then destination rows
     view = memoryview(mm).cast("B", (2 * num_blocks, block_bytes))
@@ -199,6 +208,7 @@ def bench_size(
                 n_write_threads=n_write,
                 min_free_bytes=0,
                 o_direct=o_direct_mode,
+                **({} if key_file is None else {"integrity_key_file": key_file}),
             )
             try:
                 tier.wait_for_scan(60)
@@ -232,6 +242,7 @@ def bench_size(
         block_bytes=block_bytes,
         num_blocks=num_blocks,
         o_direct=o_direct,
+        keyed=key_file is not None,
         baseline_store_gib_s=rate("bs"),
         tier_store_gib_s=rate("ts"),
         baseline_load_gib_s=rate("bl"),
@@ -259,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--o-direct", choices=("auto", "on", "off"), default="auto", help="the tier's o_direct"
     )
+    parser.add_argument(
+        "--integrity",
+        action="store_true",
+        help="also measure every size with a fleet secret (keyed integrity: MAC per block)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
 
@@ -267,37 +283,56 @@ def main(argv: list[str] | None = None) -> int:
     base_dir = Path(tempfile.mkdtemp(prefix="bench_fs_", dir=parent))
     o_direct_mode: bool | str = {"on": True, "off": False}.get(args.o_direct, "auto")
     results: list[Result] = []
+    key_files: list[str | None] = [None]
+    if args.integrity:
+        key_path = base_dir / "fleet.key"
+        key_path.write_bytes(os.urandom(32))
+        key_path.chmod(0o600)
+        key_files.append(str(key_path))
     try:
         for size in args.sizes.split(","):
-            results.append(
-                bench_size(
-                    base_dir,
-                    parse_size("--sizes", size),
-                    parse_size("--total", args.total),
-                    args.repeat,
-                    args.read_threads,
-                    args.write_threads,
-                    args.blocks_per_job,
-                    o_direct_mode,
+            for key_file in key_files:
+                results.append(
+                    bench_size(
+                        base_dir,
+                        parse_size("--sizes", size),
+                        parse_size("--total", args.total),
+                        args.repeat,
+                        args.read_threads,
+                        args.write_threads,
+                        args.blocks_per_job,
+                        o_direct_mode,
+                        key_file,
+                    )
                 )
-            )
     finally:
         shutil.rmtree(base_dir, ignore_errors=True)
 
     print(f"filesystem: {parent} ({os.cpu_count()} CPUs); {args.repeat} runs; GiB/s (median)")
     print(
-        "| block | blocks | O_DIRECT | store: baseline | store: tier | ratio | ratio (best) "
+        "| block | blocks | O_DIRECT | MAC | store: baseline | store: tier | ratio | ratio (best) "
         "| load: baseline | load: tier | ratio | ratio (best) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {_fmt_size(r.block_bytes)} | {r.num_blocks} | {'yes' if r.o_direct else 'no'} "
+            f"| {'yes' if r.keyed else 'no'} "
             f"| {r.baseline_store_gib_s:.2f} | {r.tier_store_gib_s:.2f} | {r.store_ratio:.2f} "
             f"| {r.store_ratio_best:.2f} "
             f"| {r.baseline_load_gib_s:.2f} | {r.tier_load_gib_s:.2f} | {r.load_ratio:.2f} "
             f"| {r.load_ratio_best:.2f} |"
         )
+    if args.integrity:
+        # Each keyed row follows its unkeyed row: the MAC's cost, against the same baseline.
+        for plain, keyed in zip(results[::2], results[1::2], strict=True):
+            print(
+                f"MAC cost at {_fmt_size(plain.block_bytes)}: keyed / unkeyed tier throughput, "
+                f"store {keyed.store_ratio / plain.store_ratio:.2f} "
+                f"(best {keyed.store_ratio_best / plain.store_ratio_best:.2f}), "
+                f"load {keyed.load_ratio / plain.load_ratio:.2f} "
+                f"(best {keyed.load_ratio_best / plain.load_ratio_best:.2f})"
+            )
     if args.json:
         Path(args.json).write_text(
             json.dumps(

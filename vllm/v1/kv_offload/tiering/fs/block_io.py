@@ -39,6 +39,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
+    IntegrityKey,
     decode_header,
     encode_header,
     file_size,
@@ -378,6 +379,7 @@ def write_block_file(
     run_digest: bytes,
     o_direct: bool,
     modes: FileModes,
+    integrity: IntegrityKey | None = None,
     on_created: CreatedHook | None = None,
 ) -> None:
     """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically and durably.
@@ -398,6 +400,7 @@ def write_block_file(
         run_digest: the run digest (stamped into the header).
         o_direct: use O_DIRECT.
         modes: the file's mode (``modes.files``).
+        integrity: sign the block with this fleet key (a MAC in the header); None: CRCs only.
         on_created: called with ``(tmp, fd)`` once the empty temporary file exists, before any
             byte is written (the capacity slot is claimed there); it may raise to abandon the
             write. What it returns, if not None, is called if the file is not published, while
@@ -413,6 +416,8 @@ def write_block_file(
         run_digest=run_digest,
         payload_len=len(payload),
         checksum=payload_checksum(payload),
+        integrity=integrity,
+        payload=payload,
     )
     fd = modes.create_file(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), leaf_fd)
     published = False
@@ -453,14 +458,22 @@ def read_block_file(
     key: bytes,
     run_digest: bytes,
     o_direct: bool,
+    integrity: IntegrityKey | None = None,
 ) -> None:
     """Read and verify block file ``name`` into ``payload`` (a primary row).
 
     ``payload`` may be partly written when this raises; the caller must not mark it valid.
 
+    Args:
+        integrity: the fleet key the block must be signed with (its MAC is checked); None: the
+            CRCs of any block.
+
     Raises:
-        BlockFileCorrupt: wrong size, short read, bad header or checksum; ``file_id`` names the
-            inode that was read, so only that file is deleted.
+        BlockFileCorrupt: wrong size, short read, bad header or checksum, or (``BlockForged``) a
+            MAC that does not verify; ``file_id`` names the inode that was read, so only that
+            file is deleted.
+        BlockNotAuthenticated: ``integrity`` is set and the file was written without it (no key,
+            or another key id).
         OSError: a system-call error (``FileNotFoundError`` when the file vanished), or
             ``EINVAL`` when ``name`` is not a regular file.
     """
@@ -477,9 +490,9 @@ def read_block_file(
         if got != expected:
             raise BlockFileCorrupt(f"read {got} of {expected} bytes (truncated)", file_id)
         try:
-            verify_parts(header_buf, payload, key=key, run_digest=run_digest)
+            verify_parts(header_buf, payload, key=key, run_digest=run_digest, integrity=integrity)
         except BlockFileCorrupt as e:
-            raise BlockFileCorrupt(e.reason, file_id) from None
+            raise type(e)(e.reason, file_id) from None
     finally:
         os.close(fd)
 

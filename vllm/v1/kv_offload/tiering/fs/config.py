@@ -17,6 +17,7 @@ from typing import Any, Literal, cast
 
 from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
+from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
 
 ODirectMode = Literal["auto", True, False]
 Permissions = Literal["private", "group"]
@@ -92,6 +93,9 @@ class FsTierConfig:
             the user running the tier can read the cached blocks); ``"group"``: directories
             2770 (set-group-ID) and files 0660, for a cache shared by the users of the root's
             group.
+        integrity: the fleet's integrity key (``block_format.IntegrityKey``, from the
+            ``integrity_key_env`` or ``integrity_key_file`` key): every block file then carries
+            a MAC, and a file whose MAC does not verify is never served. None: CRCs only.
     """
 
     root_dir: str
@@ -106,6 +110,7 @@ class FsTierConfig:
     reconcile_batch: int = 1024
     max_read_failures: int = 3
     permissions: Permissions = "private"
+    integrity: IntegrityKey | None = None
 
     @classmethod
     def from_kwargs(
@@ -123,14 +128,18 @@ class FsTierConfig:
         reconcile_batch: Any = 1024,
         max_read_failures: Any = 3,
         permissions: Any = "private",
+        integrity_key_env: Any = None,
+        integrity_key_file: Any = None,
     ) -> FsTierConfig:
-        """Validate raw config values (e.g. decoded JSON) and normalise them.
+        """Validate raw config values (e.g. decoded JSON) and normalise them; reads the
+        integrity secret.
 
         ``root_dir`` is made absolute and its symlinks resolved, once, here: the tier never
         follows a symlink below it.
 
         Raises:
-            ValueError: a missing ``root_dir`` or any invalid value, naming the key.
+            ValueError: a missing ``root_dir`` or any invalid value, naming the key (never a
+                secret).
         """
         if root_dir is None:
             raise ValueError(
@@ -166,4 +175,7 @@ class FsTierConfig:
             reconcile_batch=_parse_int("reconcile_batch", reconcile_batch, 1, 1 << 24),
             max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
             permissions=cast(Permissions, permissions),
+            integrity=IntegrityKey.from_config(
+                env=integrity_key_env, file=integrity_key_file, tier="fs"
+            ),
         )

@@ -117,6 +117,11 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             served and the next store replaces it (default 3).
         permissions: ``"private"`` (default: directories 0700, files 0600, whatever the umask)
             or ``"group"`` (2770 and 0660: a cache shared by the root's group).
+        integrity_key_env, integrity_key_file: where the fleet secret is (an environment
+            variable name, or a file of raw bytes only its owner may read), at most one: every
+            block file then carries an HMAC-SHA256, and one whose MAC does not verify is deleted
+            and counted (``forged_removed``), never served; one written without the key (or
+            with another) is a miss (``unauthenticated_misses``). Default: none, CRCs only.
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape,
@@ -148,6 +153,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         reconcile_batch: int = 1024,
         max_read_failures: int = 3,
         permissions: str = "private",
+        integrity_key_env: str | None = None,
+        integrity_key_file: str | None = None,
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
@@ -164,6 +171,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             reconcile_batch=reconcile_batch,
             max_read_failures=max_read_failures,
             permissions=permissions,
+            integrity_key_env=integrity_key_env,
+            integrity_key_file=integrity_key_file,
         )
         view = primary_kv_view
         self._num_rows, self._row_bytes = primary_view_rows(view, "fs")
@@ -224,6 +233,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             max_bytes=config.max_bytes,
             max_read_failures=config.max_read_failures,
             slots=self._slots,
+            integrity=config.integrity,
         )
         # Scheduler thread only.
         self._jobs: dict[int, JobRecord] = {}

@@ -71,6 +71,21 @@ class ReadFailures:
                 self._failures.popitem(last=False)
             return count == self._limit
 
+    def give_up(self, key: OffloadKey, file_id: FileId | None) -> bool:
+        """Give ``key``'s file ``file_id`` up at once (it can never be served: e.g. it is not
+        authenticated with the fleet's key).
+
+        Returns:
+            True if it was not given up already.
+        """
+        with self._lock:
+            old = self._failures.pop(key, None)
+            already = old is not None and old[1] >= self._limit and old[0] == file_id
+            self._failures[key] = (file_id, self._limit)
+            while len(self._failures) > _MAX_TRACKED:
+                self._failures.popitem(last=False)
+            return not already
+
     def given_up(self, key: OffloadKey, file_id: FileId | None = None) -> bool:
         """Whether ``key``'s file (``file_id`` when known) is given up.
 

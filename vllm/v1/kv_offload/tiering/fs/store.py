@@ -33,7 +33,16 @@ from typing import Literal
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.block_format import MAX_KEY_BYTES, BlockFileCorrupt, file_size
+from vllm.v1.kv_offload.tiering.block_format import (
+    KEY_ID_BYTES,
+    MAC_BYTES,
+    MAX_KEY_BYTES,
+    BlockFileCorrupt,
+    BlockForged,
+    BlockNotAuthenticated,
+    IntegrityKey,
+    file_size,
+)
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     FileModes,
     HeaderBuffers,
@@ -48,7 +57,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, RemoveOutcome, ReserveStatus
 from vllm.v1.kv_offload.tiering.fs.meters import BusyClock, FreeSpaceGuard, RateLimitedLog
-from vllm.v1.kv_offload.tiering.fs.read_failures import ReadFailures, file_identity
+from vllm.v1.kv_offload.tiering.fs.read_failures import FileId, ReadFailures, file_identity
 from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
 
 __all__ = ["BlockStore", "BusyClock", "NoFreeSlot"]
@@ -70,6 +79,8 @@ COUNTER_NAMES = (
     "reads_given_up",
     "slots_lost",
     "claim_misses",
+    "forged_removed",
+    "unauthenticated_misses",
 )
 """Every counter ``BlockStore.counters`` reports (0 until counted), besides the busy times."""
 
@@ -103,6 +114,8 @@ class BlockStore:
         max_read_failures: consecutive failed reads after which a file is given up.
         slots: the capacity slots that bound the directory as a whole (None: ``max_bytes`` is
             only enforced on this instance's index, or there is no ``max_bytes``).
+        integrity: the fleet key: blocks are written with a MAC and loaded only if theirs
+            verifies; None: CRCs only.
     """
 
     def __init__(
@@ -120,6 +133,7 @@ class BlockStore:
         modes: FileModes,
         max_read_failures: int = 3,
         slots: CapacitySlots | None = None,
+        integrity: IntegrityKey | None = None,
     ) -> None:
         self._rank_fd = rank_fd
         self._mapper = mapper
@@ -139,6 +153,11 @@ class BlockStore:
         self._load_clock = BusyClock()
         self._read_failures = ReadFailures(max_read_failures)
         self._slots = slots
+        self._integrity = integrity
+        # A keyed header also holds the MAC trailer (kind, key id, MAC).
+        self._max_key_bytes = MAX_KEY_BYTES - (
+            0 if integrity is None else 4 + KEY_ID_BYTES + MAC_BYTES
+        )
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts: ``blocks_written``, ``blocks_skipped`` (already present),
@@ -146,7 +165,9 @@ class BlockStore:
         wrong-size ones included), ``store_failures``, ``load_failures``, ``reads_given_up``
         (files no longer served after ``max_read_failures`` failed reads), ``slots_lost``
         (published files found without their capacity slot, see ``_keep_slot``),
-        ``claim_misses`` (random evictions that freed no slot); ``store_jobs`` /
+        ``claim_misses`` (random evictions that freed no slot); ``forged_removed`` (files whose
+        MAC did not verify, deleted) and ``unauthenticated_misses`` (loads of files not signed
+        with the fleet's key: misses, the file kept); ``store_jobs`` /
         ``load_jobs`` and ``store_jobs_failed`` / ``load_jobs_failed``, the jobs reported (by
         the tier) and those of them that failed; and ``store_busy_us`` / ``load_busy_us``, the
         wall time (in microseconds) during which at least one store / load was running (see
@@ -176,7 +197,7 @@ class BlockStore:
             return self._store(key, row)
 
     def _store(self, key: OffloadKey, row: memoryview) -> bool:
-        if len(key) > MAX_KEY_BYTES:
+        if len(key) > self._max_key_bytes:
             self._log(logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key))
             return self._failed("store_failures")
         return self._in_leaf_dir("store", key, functools.partial(self._store_in, key, row))
@@ -225,6 +246,7 @@ class BlockStore:
                 run_digest=self._mapper.run_digest,
                 o_direct=self._o_direct,
                 modes=self._modes,
+                integrity=self._integrity,
                 on_created=(
                     None
                     if self._slots is None
@@ -353,21 +375,45 @@ class BlockStore:
                 key=key,
                 run_digest=self._mapper.run_digest,
                 o_direct=self._o_direct,
+                integrity=self._integrity,
             )
         except FileNotFoundError:
             self._read_failures.clear(key)
             self._index.observe(key, None, ticket, hot=False)
             return self._failed("load_failures")
         except BlockFileCorrupt as e:
+            forged = isinstance(e, BlockForged)
             self._log(
                 logging.WARNING,
-                "corrupt",
-                "fs tier: block file %s is invalid (%s); deleting it",
+                "forged" if forged else "corrupt",
+                "fs tier: block file %s %s (%s); deleting it",
                 path.rel,
+                "failed authentication" if forged else "is invalid",
                 e.reason,
             )
             self._read_failures.clear(key)
-            self._remove_corrupt(leaf_fd, key, path, e.file_id)
+            self._remove(
+                key,
+                path,
+                e.file_id,
+                "forged_removed" if forged else "corrupt_removed",
+                leaf_fd=leaf_fd,
+            )
+            return self._failed("load_failures")
+        except BlockNotAuthenticated as e:
+            # Written before the fleet had its secret, or under another one: never served, but
+            # kept (its owner may read it) until it is evicted first or the next store of the
+            # block replaces it.
+            self._log(
+                logging.WARNING,
+                "unauthenticated",
+                "fs tier: block file %s is not authenticated with the fleet's key (%s); it is "
+                "not served, and the next store of the block replaces it",
+                path.rel,
+                e.reason,
+            )
+            self._count("unauthenticated_misses")
+            self._give_up(leaf_fd, key, path)
             return self._failed("load_failures")
         except OSError as e:
             self._log_os_error("load", key, e)
@@ -378,14 +424,25 @@ class BlockStore:
         self._count("blocks_loaded")
         return True
 
-    def _count_read_failure(self, leaf_fd: int | None, key: OffloadKey, path: BlockPath) -> None:
-        """A transient error failed a read of ``key``'s file (``leaf_fd`` None: its directory
-        could not be opened): count it, maybe give the file up."""
+    def _file_identity(self, leaf_fd: int | None, path: BlockPath) -> FileId | None:
+        """The identity of ``path``'s file now; None if it cannot be told."""
         try:
             st = None if leaf_fd is None else regular_file_stat(leaf_fd, path.name)
         except OSError:
-            st = None  # cannot tell which file: counted against the one that failed before
-        if not self._read_failures.failed(key, None if st is None else file_identity(st)):
+            st = None
+        return None if st is None else file_identity(st)
+
+    def _give_up(self, leaf_fd: int, key: OffloadKey, path: BlockPath) -> None:
+        """Stop serving ``key``'s file at once: lookups miss it, it is evicted first, and the
+        next store replaces it."""
+        if self._read_failures.give_up(key, self._file_identity(leaf_fd, path)):
+            self._index.demote(key)
+
+    def _count_read_failure(self, leaf_fd: int | None, key: OffloadKey, path: BlockPath) -> None:
+        """A transient error failed a read of ``key``'s file (``leaf_fd`` None: its directory
+        could not be opened): count it, maybe give the file up."""
+        # A file that cannot be told apart is counted against the one that failed before.
+        if not self._read_failures.failed(key, self._file_identity(leaf_fd, path)):
             return
         self._index.demote(key)
         self._count("reads_given_up")
