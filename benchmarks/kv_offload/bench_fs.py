@@ -237,7 +237,7 @@ def bench_size(
                 **({} if key_file is None else {"integrity_key_file": key_file}),
             )
             try:
-                tier.wait_for_scan(60)
+                tier.wait_until_ready(60)
                 o_direct = tier.uses_o_direct
                 keys = bench_keys(num_blocks, rep)
                 samples["ts"].append(

@@ -203,7 +203,7 @@ def make_tier(root: Path, primary: Primary) -> Iterator[TierFactory]:
         kwargs.setdefault("min_free_bytes", 0)
         tier = FileSystemSecondaryTier(spec, view, "fs", **kwargs)
         tiers.append(tier)
-        assert tier.wait_for_scan(10) is not None
+        assert tier.wait_until_ready(10)
         return tier
 
     yield factory

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     read_block_file,
     register_writer,
     tmp_name,
-    unlink_if_same,
+    unlink_block,
     unregister_writer,
     write_block_file,
 )
@@ -127,7 +127,7 @@ def test_verified_read(tmp_path: Path, dir_fd: int, row: memoryview) -> None:
         out_mm.close()
 
 
-def test_unlink_if_same_spares_a_replaced_file(tmp_path: Path, dir_fd: int) -> None:
+def test_unlink_block_spares_a_replaced_file(tmp_path: Path, dir_fd: int) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(b"old")
     st = os.stat(path)
@@ -135,12 +135,13 @@ def test_unlink_if_same_spares_a_replaced_file(tmp_path: Path, dir_fd: int) -> N
     replacement = tmp_path / "new"
     replacement.write_bytes(b"new")
     os.replace(replacement, path)  # another writer published a fresh file
-    assert not unlink_if_same(dir_fd, "f.bin", old_id)
+    assert unlink_block(dir_fd, "f.bin", old_id) is None
     assert path.read_bytes() == b"new"
     st = os.stat(path)
-    assert unlink_if_same(dir_fd, "f.bin", (st.st_dev, st.st_ino))
+    removed = unlink_block(dir_fd, "f.bin", (st.st_dev, st.st_ino))
+    assert removed is not None and removed.st_ino == st.st_ino
     assert not path.exists()
-    assert not unlink_if_same(dir_fd, "f.bin", None)
+    assert unlink_block(dir_fd, "f.bin", None) is None
 
 
 def test_temporary_file_names_and_staleness() -> None:

@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
 )
 
 from .conftest import Primary, TierFactory, key_of, load, resolve_lookups, store
+from .tier_state import block_file
 
 SECRET = b"fleet secret \x00\x01\x02 binary bytes"
 
@@ -59,7 +60,7 @@ def test_a_keyed_fleet_shares_blocks_bit_exact(
     writer = make_tier(integrity_key_file=_key_file(tmp_path, text.encode()))
     keys = [key_of(i) for i in range(3)]
     assert store(writer, primary, keys, [0, 1, 2])
-    assert all(_flags(writer.block_file_path(k)) & FLAG_KEYED for k in keys)
+    assert all(_flags(block_file(writer, k)) & FLAG_KEYED for k in keys)
     writer.shutdown()
     # The same secret from an environment variable: the same key, the blocks verify.
     reader = make_tier(integrity_key_env="KVO_FLEET_SECRET")
@@ -76,7 +77,7 @@ def test_a_block_correct_in_every_field_but_its_mac_is_refused_deleted_and_count
     tier = make_tier(integrity_key_file=_key_file(tmp_path))
     key, other = key_of(1), key_of(2)
     assert store(tier, primary, [key, other], [0, 1])
-    path = tier.block_file_path(key)
+    path = block_file(tier, key)
     _forge(path)
     assert not load(tier, primary, [key], [4])
     assert not primary.holds(4, key)
@@ -99,7 +100,7 @@ def test_a_block_written_without_the_key_is_a_miss_kept_and_then_replaced(
     key = key_of(1)
     assert store(unkeyed, primary, [key], [0])
     unkeyed.shutdown()
-    path = tier_path = unkeyed.block_file_path(key)
+    path = tier_path = block_file(unkeyed, key)
     inode = os.stat(path).st_ino
     tier = make_tier(integrity_key_file=_key_file(tmp_path))
     assert resolve_lookups(tier, [key]) == [True], "found on disk (the scan reads no header)"
@@ -125,7 +126,7 @@ def test_a_changed_secret_reads_old_blocks_as_misses(
     old.shutdown()
     new = make_tier(integrity_key_file=_key_file(tmp_path, b"the new fleet secret", "new.key"))
     assert not load(new, primary, [key], [4])
-    assert os.path.exists(new.block_file_path(key))
+    assert os.path.exists(block_file(new, key))
     counters = new.get_stats().counters
     assert counters["unauthenticated_misses"] == 1 and counters["forged_removed"] == 0
 
@@ -136,7 +137,7 @@ def test_without_a_secret_an_unkeyed_cache_is_read_as_before(
     tier = make_tier()
     key = key_of(1)
     assert store(tier, primary, [key], [0])
-    assert _flags(tier.block_file_path(key)) == 0, "byte-identical to the format without keys"
+    assert _flags(block_file(tier, key)) == 0, "byte-identical to the format without keys"
     assert load(tier, primary, [key], [4]) and primary.holds(4, key)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
+from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker
 
 from .conftest import (
     Primary,
@@ -28,7 +29,6 @@ from .conftest import (
     make_spec,
     register_dead_writer,
     resolve_lookups,
-    share,
     store,
 )
 
@@ -62,8 +62,11 @@ def test_a_sole_writer_answers_every_lookup_at_once(
 def test_with_another_writer_only_keys_the_index_lacks_are_deferred(
     make_tier: TierFactory, primary: Primary
 ) -> None:
-    a, b = make_tier(**FAST), make_tier(**FAST)
-    share(a, b)
+    b = make_tier()
+    # a sees b registered when its start-up scan begins; its reconcile then idles, so only the
+    # probe can tell it what b writes.
+    a = make_tier(reconcile_interval_s=3600)
+    assert not a.sole_writer
     mine, theirs, nobodys = key_of(1), key_of(2), key_of(3)
     assert store(a, primary, [mine], [0])
     assert store(b, primary, [theirs], [1])
@@ -125,15 +128,15 @@ def test_lookups_while_the_start_up_scan_runs_are_deferred(
     assert store(first, primary, [on_disk], [0])
     first.shutdown()
     started, release = threading.Event(), threading.Event()
-    real_scan = fs_manager.scan_rank_dir
+    real_scan = RankDirWalker.scan
 
     def held_scan(*args: Any, **kwargs: Any) -> Any:
         started.set()
         assert release.wait(30)
         return real_scan(*args, **kwargs)
 
-    monkeypatch.setattr(fs_manager, "scan_rank_dir", held_scan)
-    tier = fs_manager.FileSystemSecondaryTier(
+    monkeypatch.setattr(RankDirWalker, "scan", held_scan)
+    tier = FileSystemSecondaryTier(
         make_spec(), primary.view, "fs", root_dir=first.config.root_dir, min_free_bytes=0,
         n_read_threads=1, n_write_threads=1, **FAST,
     )  # fmt: skip

@@ -8,9 +8,11 @@ planted anywhere below the rank directory fails the operation (``ELOOP``/``ENOTD
 redirecting it outside the root.
 
 Atomicity: a block is written to a temporary file in its final directory (``O_EXCL``), fsynced,
-renamed over the final name (``os.replace``, atomic on POSIX filesystems), and the directory is
-fsynced. A reader therefore sees either no file or a complete one; a crash leaves at most a
-temporary file, whose name never matches a block file name.
+and renamed over the final name (``os.replace``, atomic on POSIX filesystems). A reader therefore
+sees either no file or a complete one; a crash leaves at most a temporary file, whose name never
+matches a block file name. The durability of the new names (and of new block directories) is
+the job's: one directory ``fsync`` when its last block is written (``transfers.JobRecord``; see
+docs/fs_tier.md, "Crash safety").
 
 Temporary file names: ``.<stem>.<host>.<pid>.<writer>.<random>.tmp`` where ``<host>`` is 8 hex
 digits of the host name's BLAKE2b digest, ``<pid>`` the writing process and ``<writer>`` a random
@@ -239,16 +241,20 @@ its own ``FileModes`` (probes) and for tests."""
 # ---------------------------------------------------------------------------------------------
 
 
-def open_dir(name: str, dir_fd: int, *, create: FileModes | None = None) -> int:
+def open_dir(
+    name: str, dir_fd: int, *, create: FileModes | None = None, durable: bool = True
+) -> int:
     """Open directory ``name`` under ``dir_fd`` without following a symlink; maybe create it.
 
-    A directory this call creates gets exactly ``create.dirs`` (whatever the umask), and its
-    entry is made durable (the parent is fsynced).
+    A directory this call creates gets exactly ``create.dirs`` (whatever the umask), and, if
+    ``durable``, its entry is made durable (the parent is fsynced).
 
     Args:
         name: the directory's name.
         dir_fd: its parent.
         create: create it with these modes if absent; None: never create.
+        durable: fsync the parent after creating it (block directories leave that to the
+            job's directory fsync).
 
     Raises:
         OSError: ``FileNotFoundError`` if absent and not ``create``; ``ELOOP``/``ENOTDIR`` if
@@ -268,7 +274,8 @@ def open_dir(name: str, dir_fd: int, *, create: FileModes | None = None) -> int:
     if created:
         try:
             create.fix_dir(fd)
-            os.fsync(dir_fd)
+            if durable:
+                os.fsync(dir_fd)
         except BaseException:
             os.close(fd)
             raise
@@ -276,10 +283,11 @@ def open_dir(name: str, dir_fd: int, *, create: FileModes | None = None) -> int:
 
 
 def open_block_dir(rank_fd: int, path: BlockPath, *, create: FileModes | None = None) -> int:
-    """Open (or create) ``<hhh>/<hh>_g<group>`` under the rank directory; returns its fd."""
-    fd1 = open_dir(path.dir1, rank_fd, create=create)
+    """Open (or create) ``<hhh>/<hh>_g<group>`` under the rank directory; returns its fd. New
+    directories are not fsynced here: the storing job's directory fsync covers them."""
+    fd1 = open_dir(path.dir1, rank_fd, create=create, durable=False)
     try:
-        return open_dir(path.dir2, fd1, create=create)
+        return open_dir(path.dir2, fd1, create=create, durable=False)
     finally:
         os.close(fd1)
 
@@ -382,13 +390,14 @@ def write_block_file(
     integrity: IntegrityKey | None = None,
     on_created: CreatedHook | None = None,
 ) -> None:
-    """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically and durably.
+    """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically.
 
     Steps: checksum the payload, create ``tmp`` (``O_EXCL``; ``O_DIRECT`` if asked, which needs
     ``payload`` page-aligned and a multiple of the page size), call ``on_created``, write header
-    + payload, fsync, close, rename onto the final name, fsync the directory. On any failure
-    before the rename the temporary file is removed (after ``on_created``'s undo, if any) and the
-    error re-raised; the final name is then untouched.
+    + payload, fsync, close, rename onto the final name. The file's bytes are durable before its
+    name exists; the name is made durable by the caller (``fsync`` of ``leaf_fd``, once per
+    job). On any failure before the rename the temporary file is removed (after
+    ``on_created``'s undo, if any) and the error re-raised; the final name is then untouched.
 
     Args:
         leaf_fd: the ``<hh>_g<group>`` directory.
@@ -442,11 +451,6 @@ def write_block_file(
                     logger.warning("fs tier: cannot undo the claim of %s: %s", tmp, e)
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=leaf_fd)
-    try:
-        os.fsync(leaf_fd)
-    except OSError as e:
-        # The file is complete and in place; only the durability of its name is in doubt.
-        logger.warning("fs tier: fsync of the directory of %s failed: %s", path.rel, e)
 
 
 def read_block_file(
@@ -549,11 +553,6 @@ def unlink_block(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> os.
     except FileNotFoundError:
         return None
     return st
-
-
-def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> bool:
-    """``unlink_block`` returning whether the file was unlinked."""
-    return unlink_block(dir_fd, name, file_id) is not None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,8 +46,15 @@ def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
+def default_io_threads() -> int:
+    """I/O threads of each kind when the config does not say: as many as the host has CPUs,
+    from 2 to 8. The threads mostly wait for the disk (``fsync``), so a few per kind keep it
+    busy; more would only add wake-ups on a small host."""
+    return min(8, max(2, os.cpu_count() or 2))
+
+
 def _parse_threads(key: str, value: Any) -> int:
-    return _parse_int(key, value, 1, 256)
+    return default_io_threads() if value is None else _parse_int(key, value, 1, 256)
 
 
 def _parse_seconds(key: str, value: Any, *, positive: bool) -> float:
@@ -68,8 +75,10 @@ class FsTierConfig:
 
     Attributes:
         root_dir: absolute, symlink-resolved root directory shared by every run.
-        n_read_threads: I/O threads that prefer loads (they take stores when no load is queued).
-        n_write_threads: I/O threads that prefer stores (they take loads when no store is queued).
+        n_read_threads: I/O threads that prefer loads (they take stores when no load is queued);
+            by default ``default_io_threads()``: the host's CPUs, from 2 to 8.
+        n_write_threads: I/O threads that prefer stores (they take loads when no store is
+            queued); same default.
         max_bytes: bound on the bytes of block files of this run directory (LRU eviction above
             it); None means bounded only by ``min_free_bytes``.
         min_free_bytes: free bytes the tier leaves on the filesystem; a store that would go below
@@ -99,8 +108,8 @@ class FsTierConfig:
     """
 
     root_dir: str
-    n_read_threads: int = 8
-    n_write_threads: int = 8
+    n_read_threads: int
+    n_write_threads: int
     max_bytes: int | None = None
     min_free_bytes: int | None = None
     o_direct: ODirectMode = "auto"
@@ -117,8 +126,8 @@ class FsTierConfig:
         cls,
         *,
         root_dir: Any,
-        n_read_threads: Any = 8,
-        n_write_threads: Any = 8,
+        n_read_threads: Any = None,
+        n_write_threads: Any = None,
         max_bytes: Any = None,
         min_free_bytes: Any = None,
         o_direct: Any = "auto",

@@ -10,7 +10,7 @@
   directory and its index is complete (``Reconciler.solo``: the start-up scan ended, no other
   instance registered since the last complete pass).
 * Otherwise (another writer shares the directory, or the scan is still running) the key goes to
-  the background probe (``BlockStore.probe``: one ``stat``), answered a step later.
+  the background probe (``BlockTransfers.probe``: one ``stat``), answered a step later.
 
 Staleness is safe either way: a stale "present" (someone removed the file) is a failed load,
 whose blocks are recomputed; a stale "absent" (another instance registered and wrote it within
@@ -28,9 +28,9 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
+    from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex
     from vllm.v1.kv_offload.tiering.fs.reconcile import Reconciler
-    from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+    from vllm.v1.kv_offload.tiering.fs.transfers import BlockTransfers
 
 
 class FsLookups(AsyncLookupManager):
@@ -47,7 +47,7 @@ class FsLookups(AsyncLookupManager):
     """
 
     def __init__(
-        self, name: str, index: CapacityIndex, store: BlockStore, reconciler: Reconciler
+        self, name: str, index: CapacityIndex, store: BlockTransfers, reconciler: Reconciler
     ) -> None:
         self._index = index
         self._store = store

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Generator
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex
 from vllm.v1.kv_offload.tiering.fs.meters import RateLimitedLog
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats
 
