@@ -7,8 +7,9 @@ relative to its parent's descriptor, and every block file with ``O_NOFOLLOW``, s
 planted anywhere below the rank directory fails the operation (``ELOOP``/``ENOTDIR``) instead of
 redirecting it outside the root.
 
-Atomicity: a block is written to a temporary file in its final directory (``O_EXCL``), fsynced,
-and renamed over the final name (``os.replace``, atomic on POSIX filesystems). A reader therefore
+Atomicity: a block is written to a temporary file in its final directory (``O_EXCL``; with
+buffered I/O fsynced), and renamed over the final name (``os.replace``, atomic on POSIX
+filesystems). A reader therefore
 sees either no file or a complete one; a crash leaves at most a temporary file, whose name never
 matches a block file name. The durability of the new names (and of new block directories) is
 the job's: one directory ``fsync`` when its last block is written (``transfers.JobRecord``; see
@@ -394,10 +395,12 @@ def write_block_file(
 
     Steps: checksum the payload, create ``tmp`` (``O_EXCL``; ``O_DIRECT`` if asked, which needs
     ``payload`` page-aligned and a multiple of the page size), call ``on_created``, write header
-    + payload, fsync, close, rename onto the final name. The file's bytes are durable before its
-    name exists; the name is made durable by the caller (``fsync`` of ``leaf_fd``, once per
-    job). On any failure before the rename the temporary file is removed (after
-    ``on_created``'s undo, if any) and the error re-raised; the final name is then untouched.
+    + payload, with buffered I/O ``fsync`` (with O_DIRECT the bytes are on the device when the
+    write returns), close, rename onto the final name. The name, and the bytes' way out of the
+    device's write cache, are made durable by the caller's ``fsync`` of ``leaf_fd``, once per job
+    (docs/fs_tier.md, "Crash safety"). On any failure before the rename the temporary file is
+    removed (after ``on_created``'s undo, if any) and the error re-raised; the final name is then
+    untouched.
 
     Args:
         leaf_fd: the ``<hh>_g<group>`` directory.
@@ -436,7 +439,8 @@ def write_block_file(
             if on_created is not None:
                 undo = on_created(tmp, fd)
             _write_all(fd, [header_buf, payload])
-            os.fsync(fd)
+            if not o_direct:
+                os.fsync(fd)  # the page cache's bytes on the device before the name exists
         finally:
             os.close(fd)
         os.replace(tmp, path.name, src_dir_fd=leaf_fd, dst_dir_fd=leaf_fd)
