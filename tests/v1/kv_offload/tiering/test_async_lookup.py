@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Tests of ``AsyncLookupManager``: batching per step, generations, cleanup, failures."""
+"""Tests of ``AsyncLookupManager``: answers from a local view, batching per step, generations,
+cleanup, failures, the deferral counters."""
 
 from __future__ import annotations
 
@@ -241,14 +242,19 @@ def test_wait_idle_times_out_while_busy(mgr: SetLookup) -> None:
     assert mgr.wait_idle(WAIT_S) is True
 
 
+def _lookup_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"vllm_offloading_lookup_{name}"]
+
+
 def test_shutdown_stops_the_thread() -> None:
+    before = len(_lookup_threads("test"))
     mgr = SetLookup()
-    assert mgr._thread.is_alive()
-    assert mgr._thread.daemon
+    threads = _lookup_threads("test")
+    assert len(threads) == before + 1 and all(t.daemon for t in threads)
     mgr.lookup(key(1), CTX_A)
     mgr.flush()
     assert mgr.shutdown() is True
-    assert not mgr._thread.is_alive()
+    assert len(_lookup_threads("test")) == before
     assert len(mgr.calls) == 1  # batches posted before shutdown are still processed
     assert mgr.shutdown() is True  # idempotent
     mgr.lookup(key(2), CTX_A)
@@ -295,3 +301,52 @@ def test_step_lookup_answers_every_request_of_a_step_in_one_call() -> None:
         assert mgr.lookup(key(4), a) is False and mgr.lookup(key(5), b) is False
     finally:
         mgr.shutdown()
+
+
+class LocalViewLookup(SetLookup):
+    """Knows some keys locally (``answer_now``); the rest goes to the probe."""
+
+    def __init__(self, known: dict[OffloadKey, bool], present: Iterable[OffloadKey]) -> None:
+        self.known = known
+        super().__init__(present)
+
+    @override
+    def answer_now(self, key: OffloadKey) -> bool | None:
+        return self.known.get(key)
+
+
+def test_answer_now_decides_in_the_step_that_asks_and_only_the_rest_is_deferred() -> None:
+    mgr = LocalViewLookup(known={key(1): True, key(2): False}, present=[key(3)])
+    try:
+        assert mgr.counters() == dict.fromkeys(
+            ("lookup_requests", "lookup_deferred_requests", "lookup_deferred_keys"), 0
+        )
+        assert [mgr.lookup(key(i), CTX_A) for i in (1, 2)] == [True, False]
+        assert [mgr.lookup(key(i), CTX_B) for i in (1, 3, 4)] == [True, None, None]
+        resolve(mgr)
+        assert mgr.calls and all(k not in (key(1), key(2)) for c in mgr.calls for k in c[0])
+        assert [mgr.lookup(key(i), CTX_B) for i in (1, 3, 4)] == [True, True, False]
+        assert mgr.counters() == {
+            "lookup_requests": 2,
+            "lookup_deferred_requests": 1,  # b waited a step; a never did
+            "lookup_deferred_keys": 2,
+        }
+        # What the local view learns takes over: no probe, no deferral.
+        mgr.known[key(4)] = True
+        mgr.cleanup("b")
+        assert mgr.lookup(key(4), CTX_B) is True
+        assert mgr.counters()["lookup_requests"] == 3  # b, cleaned up, asked again
+        assert mgr.counters()["lookup_deferred_requests"] == 1
+    finally:
+        mgr.shutdown()
+
+
+def test_a_request_deferred_over_several_steps_counts_once(mgr: SetLookup) -> None:
+    gate = hold_probe(mgr, key(1))
+    assert mgr.lookup(key(1), CTX_A) is None  # still in flight: a second step of waiting
+    assert mgr.lookup(key(2), CTX_A) is None
+    gate.set()
+    resolve(mgr)
+    assert mgr.lookup(key(1), CTX_A) is True
+    assert mgr.counters()["lookup_deferred_requests"] == 1
+    assert mgr.counters()["lookup_deferred_keys"] == 2

@@ -1,19 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Answer a secondary tier's lookups from a background thread, one batch per scheduler step.
+"""Answer a secondary tier's lookups in the step that asks when the tier can know, else from a
+background thread, one batch per scheduler step.
 
-A tier whose presence check is slow (a filesystem ``stat``, a remote ``HEAD``) must not run it on
-the scheduler thread. ``AsyncLookupManager`` is composed *inside* such a tier; the tier delegates:
+A tier whose presence check is slow (a filesystem ``stat``, a remote ``EXISTS``) must not run it
+on the scheduler thread. ``AsyncLookupManager`` is composed *inside* such a tier; the tier
+delegates (``tier_plumbing.AsyncLookupTier`` does it):
 
 * ``SecondaryTierManager.lookup``              -> ``AsyncLookupManager.lookup``
 * ``SecondaryTierManager.on_schedule_end``     -> ``AsyncLookupManager.flush``
 * ``SecondaryTierManager.on_request_finished`` -> ``AsyncLookupManager.cleanup(req_id)``
 * ``SecondaryTierManager.shutdown``            -> ``AsyncLookupManager.shutdown``
 
-The first lookup of a key returns None ("ask again next step") and queues the key. At the end of
-the step ``flush()`` posts every key queued during the step as ONE work item; the background
-thread resolves it (one ``batch_lookup`` call per request) while the model runs, and a later
-step's ``lookup`` returns True or False.
+A lookup first asks the hook ``answer_now``: a tier with a local view (the fs tier's index of
+the files it wrote and found; a cache of keys a server confirmed) answers True or False there,
+at once, whenever that view can decide. Only a key it cannot decide is *deferred*: the lookup
+returns None ("ask again next step") and queues the key. At the end of the step ``flush()`` posts
+every key queued during the step as ONE work item; the background thread resolves it (one
+``batch_lookup`` call per request) while the model runs, and a later step's ``lookup`` returns
+True or False. ``counters()`` counts the requests that asked and those a lookup deferred.
 
 Threading: every dict and set below is owned by the scheduler thread, so ``lookup``/``flush``/
 ``cleanup`` take no lock. The two threads only exchange whole lists through a ``SimpleQueue``
@@ -63,9 +68,10 @@ class _LookupState:
 class AsyncLookupManager(ABC):
     """Resolves key-presence probes on a daemon thread, batched per scheduler step.
 
-    Subclasses implement only ``batch_lookup``. Every other method must be called from the
-    scheduler thread (the thread that owns the tier); none of them blocks except ``shutdown``
-    and the test helper ``wait_idle``.
+    Subclasses implement ``batch_lookup`` and may override the hooks ``answer_now`` (answer
+    from a local view, on the scheduler thread) and ``step_lookup`` (answer a whole step in one
+    round trip). Every other method must be called from the scheduler thread (the thread that
+    owns the tier); none of them blocks except ``shutdown`` and ``wait_idle``.
 
     A key's state lives while at least one request refers to it, or while a probe for it is in
     flight (a request that finishes does not cancel a probe that others may share). Once no
@@ -88,6 +94,12 @@ class AsyncLookupManager(ABC):
         self._next_generation = 0
         self._num_posted = 0
         self._closed = False
+        # Requests that asked, and those a lookup deferred, until cleanup (for the counters).
+        self._asked: set[str] = set()
+        self._deferred: set[str] = set()
+        self._num_requests = 0
+        self._num_deferred_requests = 0
+        self._num_deferred_keys = 0
         # Cross-thread channels: whole lists change hands, never shared mutable state.
         self._lookup_queue: queue.SimpleQueue[list[_BatchItem] | None] = queue.SimpleQueue()
         self._pending_results: collections.deque[list[_ResultItem]] = collections.deque()
@@ -115,30 +127,64 @@ class AsyncLookupManager(ABC):
             One bool per key, in the order of ``keys``.
         """
 
+    def answer_now(self, key: OffloadKey) -> bool | None:
+        """Hook: answer a lookup of ``key`` from the tier's local view, or None to probe it.
+
+        Called on the scheduler thread by every ``lookup``, before anything is queued; it must
+        not block (no system call, no network). Return True or False when the view can decide
+        (the answer is the lookup's, at once: a stale True costs a failed load, a stale False a
+        recompute, so only what the view knows is fit to answer); None sends the key to the
+        background probe. Default: None, every key is probed.
+        """
+        return None
+
     # -----------------------------------------------------------------------------------------
     # Scheduler thread
     # -----------------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """Return the probed presence of ``key``; None until the probe has been answered.
+        """Return the presence of ``key``: ``answer_now``'s if it decides, else the probed one,
+        None until the probe has been answered.
 
-        The first lookup of a key (or the first after its state was dropped) queues a probe for
-        this step's batch and returns None. O(1) plus the results that arrived since the last
-        call.
+        The first undecided lookup of a key (or the first after its state was dropped) queues a
+        probe for this step's batch and returns None. O(1) plus the results that arrived since
+        the last call.
         """
-        self._drain_results()
         req_id = req_context.req_id
+        if req_id not in self._asked:
+            self._asked.add(req_id)
+            self._num_requests += 1
+        known = self.answer_now(key)
+        if known is not None:
+            return known
+        self._drain_results()
         state = self._lookup_state.get(key)
         if state is None:
             state = _LookupState(generation=self._new_generation(), phase=_Phase.PENDING)
             self._lookup_state[key] = state
             self._lookup_batch.append((key, req_context, state.generation))
+            self._num_deferred_keys += 1
         state.request_ids.add(req_id)
         req_keys = self._req_keys.get(req_id)
         if req_keys is None:
             req_keys = self._req_keys[req_id] = set()
         req_keys.add(key)
+        if state.result is None and req_id not in self._deferred:
+            self._deferred.add(req_id)
+            self._num_deferred_requests += 1
         return state.result
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative lookup counts, for the tier's ``get_stats().counters``:
+        ``lookup_requests`` (requests that looked up at least one key), ``lookup_deferred_requests``
+        (those that got None at least once: they waited a step or more for this tier) and
+        ``lookup_deferred_keys`` (keys sent to the background probe). A request cleaned up and
+        seen again counts again."""
+        return {
+            "lookup_requests": self._num_requests,
+            "lookup_deferred_requests": self._num_deferred_requests,
+            "lookup_deferred_keys": self._num_deferred_keys,
+        }
 
     def flush(self) -> None:
         """Post every probe queued during this step to the worker as one batch.
@@ -169,6 +215,8 @@ class AsyncLookupManager(ABC):
         then kept for whoever asks next, or dropped on arrival if nobody did). O(keys of the
         request).
         """
+        self._asked.discard(req_id)
+        self._deferred.discard(req_id)
         keys = self._req_keys.pop(req_id, None)
         if not keys:
             return
@@ -216,7 +264,7 @@ class AsyncLookupManager(ABC):
         return True
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until the worker has processed every batch posted so far (for tests).
+        """Block until the worker has processed every batch posted so far (tests, tools).
 
         Results are applied by the next ``lookup``/``flush`` on the scheduler thread.
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Plumbing shared by secondary tiers that answer lookups in the background (fs, redis).
 
-``AsyncLookupTier`` routes the request hooks to the tier's ``AsyncLookupManager``;
+``AsyncLookupTier`` routes ``lookup`` and the request hooks to the tier's ``AsyncLookupManager``;
 ``primary_view_rows`` and ``check_job_rows`` check the primary view and a job's rows.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing_extensions import override
 
-from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, SecondaryTierManager
 
@@ -39,16 +39,30 @@ def check_job_rows(job: JobMetadata, num_rows: int, tier: str) -> None:
 
 
 class AsyncLookupTier(SecondaryTierManager):
-    """A secondary tier whose lookups are batched per step on a background thread.
+    """A secondary tier whose lookups are answered by an ``AsyncLookupManager``: at once when its
+    ``answer_now`` can decide, else batched per step on a background thread.
 
-    Subclasses set ``self._lookups`` in ``__init__``.
+    Subclasses set ``self._lookups`` in ``__init__``, shut it down in ``shutdown()`` and add
+    ``lookup_counters()`` to their ``get_stats().counters``.
     """
 
     _lookups: AsyncLookupManager
 
     def wait_lookups_idle(self, timeout: float | None = None) -> bool:
-        """Block until the lookup thread processed every flushed batch (tests)."""
+        """Block until the lookup thread answered every batch flushed so far (a drain, as
+        ``drain_jobs`` is for jobs); the next lookups of those keys answer without deferring."""
         return self._lookups.wait_idle(timeout)
+
+    def lookup_counters(self) -> dict[str, int]:
+        """``lookup_requests``, ``lookup_deferred_requests`` and ``lookup_deferred_keys`` (see
+        ``AsyncLookupManager.counters``)."""
+        return self._lookups.counters()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True or False at once when the tier's local view decides, else None until the
+        background probe answered (a later step)."""
+        return self._lookups.lookup(key, req_context)
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import mmap
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from tests.v1.kv_offload.utils import make_cpu_spec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 
 ROW_BYTES = 1 << 20
@@ -130,15 +132,46 @@ def load(
 def resolve_lookups(
     tier: FileSystemSecondaryTier, keys: list[OffloadKey], req: ReqContext | None = None
 ) -> list[bool | None]:
-    """First lookups (all None), one step end, wait for the probe thread, then the answers."""
+    """The tier's answers for ``keys``, as one request: the lookups; if some deferred (None), one
+    step end, the probe thread drained, and the lookups again."""
     req = req or ReqContext("lookup-req")
-    first = [tier.lookup(key, req) for key in keys]
-    assert first == [None] * len(keys), first
-    tier.on_schedule_end()
-    assert tier.wait_lookups_idle(10)
+    answers = [tier.lookup(key, req) for key in keys]
+    if None in answers:
+        tier.on_schedule_end()
+        assert tier.wait_lookups_idle(10)
+        answers = [tier.lookup(key, req) for key in keys]
+    tier.on_request_finished(req)
+    return answers
+
+
+def first_lookups(
+    tier: FileSystemSecondaryTier, keys: list[OffloadKey], req: ReqContext | None = None
+) -> list[bool | None]:
+    """The answers of the step that asks (None: deferred to the probe), as one request, which
+    is then finished."""
+    req = req or ReqContext("first-lookup-req")
     answers = [tier.lookup(key, req) for key in keys]
     tier.on_request_finished(req)
     return answers
+
+
+def share(*tiers: FileSystemSecondaryTier) -> None:
+    """Wait until each of ``tiers`` (over one root, all started) has seen the others: a tier
+    started before another registered learns of it at its next reconcile round, until then it
+    may still take itself for the only writer."""
+    for tier in tiers:
+        assert tier.wait_reconciled(10)
+        assert not tier.sole_writer
+
+
+def register_dead_writer(tier: FileSystemSecondaryTier) -> Path:
+    """What a crashed instance on this host leaves in ``writers/``: its presence file, naming a
+    process that no longer exists (the layout of ``docs/fs_tier.md``)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    path = Path(tier.rank_dir) / "writers" / f"{HOST_TAG}.{proc.pid}.0badc0de"
+    path.touch()
+    return path
 
 
 TierFactory = Callable[..., FileSystemSecondaryTier]
@@ -170,7 +203,7 @@ def make_tier(root: Path, primary: Primary) -> Iterator[TierFactory]:
         kwargs.setdefault("min_free_bytes", 0)
         tier = FileSystemSecondaryTier(spec, view, "fs", **kwargs)
         tiers.append(tier)
-        assert tier.wait_for_scan(10) is not None
+        assert tier.wait_until_ready(10)
         return tier
 
     yield factory

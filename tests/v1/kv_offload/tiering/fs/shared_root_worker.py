@@ -58,7 +58,7 @@ def main() -> None:
     view = memoryview(mm).cast("B", (rows, row_bytes))
     arr = np.frombuffer(mm, dtype=np.uint8).reshape(rows, row_bytes)
     tier = FileSystemSecondaryTier(spec, view, "fs", root_dir=root, **params["tier"])
-    assert tier.wait_for_scan(30) is not None
+    assert tier.wait_until_ready(30)
     rng = random.Random(params["seed"])
     universe = [key_of(i) for i in params["keys"]]
     ctx = ReqContext("worker")
@@ -112,12 +112,12 @@ def main() -> None:
     tier.drain_jobs()
     collect()
     assert not in_flight
-    say("DONE " + json.dumps({**tier.stats(), "wrong": wrong, "loads_ok": loads_ok}))
+    say("DONE " + json.dumps({**tier.get_stats().counters, "wrong": wrong, "loads_ok": loads_ok}))
     for line in sys.stdin:
         command = line.strip()
         if command == "usage":
-            usage = tier.usage()
-            say("USAGE " + json.dumps([usage.used_bytes, usage.num_blocks]))
+            stats = tier.get_stats()
+            say("USAGE " + json.dumps([stats.used_bytes, stats.num_blocks]))
         elif command == "quit":
             break
     tier.shutdown()

@@ -28,7 +28,17 @@ import pytest
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import block_io
 
-from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, resolve_lookups, store
+from .conftest import (
+    ROW_BYTES,
+    Primary,
+    TierFactory,
+    key_of,
+    load,
+    resolve_lookups,
+    share,
+    store,
+)
+from .tier_state import block_file, check_index, counters, index_of, lru_keys, scan_stats, usage
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 HUGE = 2 << 30  # 2 GiB, sparse: no real disk space is used
@@ -49,39 +59,40 @@ def test_scan_deletes_a_wrong_size_file_instead_of_evicting_valid_blocks(
     first = make_tier()
     assert store(first, primary, keys[:4], [0, 1, 2, 3])
     assert store(first, primary, keys[4:], [4, 5, 6, 7])
-    bad_path = first.block_file_path(key_of(100))
+    bad_path = block_file(first, key_of(100))
     first.shutdown()
     _plant(bad_path, size)
 
     second = make_tier(max_bytes=8 * FILE_SIZE)
-    scan = second.wait_for_scan(10)
+    scan = scan_stats(second)
     assert scan is not None and scan.completed
     assert not os.path.exists(bad_path), "the wrong-size file is deleted"
-    assert scan.invalid_removed == 1 and second.stats()["corrupt_removed"] == 1
+    assert scan.invalid_removed == 1 and counters(second)["corrupt_removed"] == 1
     assert scan.blocks == 8, "the wrong-size file is never indexed"
-    assert second.usage().used_bytes == 8 * FILE_SIZE
-    assert second.stats().get("blocks_evicted", 0) == 0, "no valid block was evicted"
+    assert usage(second).used_bytes == 8 * FILE_SIZE
+    assert counters(second).get("blocks_evicted", 0) == 0, "no valid block was evicted"
     assert load(second, primary, keys[:4], [8, 9, 10, 11])
     assert all(primary.holds(8 + i, key) for i, key in enumerate(keys[:4]))
-    second.index.check_invariants()
+    check_index(second)
 
 
 def test_lookup_probe_deletes_a_wrong_size_file_and_never_indexes_it(
     make_tier: TierFactory, primary: Primary
 ) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE)
+    share(tier, make_tier())  # with another writer, keys the index lacks are probed
     keys = [key_of(i) for i in range(3)]
     assert store(tier, primary, keys, [0, 1, 2])
     bad = key_of(100)
-    _plant(tier.block_file_path(bad), HUGE)
+    _plant(block_file(tier, bad), HUGE)
     assert resolve_lookups(tier, [bad, *keys]) == [False, True, True, True]
-    assert not os.path.exists(tier.block_file_path(bad))
-    assert tier.usage().used_bytes == 3 * FILE_SIZE and bad not in tier.index
-    assert tier.stats()["corrupt_removed"] == 1
+    assert not os.path.exists(block_file(tier, bad))
+    assert usage(tier).used_bytes == 3 * FILE_SIZE and bad not in index_of(tier)
+    assert counters(tier)["corrupt_removed"] == 1
     # The next store has room without evicting anything.
     assert store(tier, primary, [key_of(3)], [3])
-    assert all(os.path.exists(tier.block_file_path(key)) for key in keys)
-    tier.index.check_invariants()
+    assert all(os.path.exists(block_file(tier, key)) for key in keys)
+    check_index(tier)
 
 
 def test_store_deletes_a_truncated_file_before_rewriting_it(
@@ -90,10 +101,10 @@ def test_store_deletes_a_truncated_file_before_rewriting_it(
     tier = make_tier(max_bytes=4 * FILE_SIZE)
     key = key_of(1)
     assert store(tier, primary, [key], [0])
-    os.truncate(tier.block_file_path(key), 100)
+    os.truncate(block_file(tier, key), 100)
     assert store(tier, primary, [key], [0])
-    assert tier.stats()["corrupt_removed"] == 1
-    assert tier.usage().used_bytes == FILE_SIZE
+    assert counters(tier)["corrupt_removed"] == 1
+    assert usage(tier).used_bytes == FILE_SIZE
     assert load(tier, primary, [key], [1]) and primary.holds(1, key)
 
 
@@ -121,7 +132,7 @@ def test_a_block_that_keeps_failing_to_read_is_dropped_then_replaced(
     tier = make_tier(max_read_failures=3)
     key, other = key_of(1), key_of(2)
     assert store(tier, primary, [key, other], [0, 1])
-    path = tier.block_file_path(key)
+    path = block_file(tier, key)
     inode = os.stat(path).st_ino
     failing = _FailingOpen(monkeypatch, Path(path).name)
     for attempt in range(3):
@@ -134,18 +145,18 @@ def test_a_block_that_keeps_failing_to_read_is_dropped_then_replaced(
     assert resolve_lookups(tier, [key, other]) == [False, True]
     assert failing.calls == 3
     # ... it stays accounted (it still occupies the disk) but is the first eviction victim ...
-    assert tier.index.keys_lru_order()[0] == key
-    assert tier.usage().used_bytes == 2 * FILE_SIZE
+    assert lru_keys(tier)[0] == key
+    assert usage(tier).used_bytes == 2 * FILE_SIZE
     # ... and the next store replaces it instead of skipping it as already present.
-    written = tier.stats()["blocks_written"]
+    written = counters(tier)["blocks_written"]
     assert store(tier, primary, [key], [0])
-    assert tier.stats()["blocks_written"] == written + 1
+    assert counters(tier)["blocks_written"] == written + 1
     assert os.stat(path).st_ino != inode
     failing.on = False
     assert resolve_lookups(tier, [key]) == [True]
     assert load(tier, primary, [key], [5]) and primary.holds(5, key)
-    assert tier.usage().used_bytes == 2 * FILE_SIZE
-    tier.index.check_invariants()
+    assert usage(tier).used_bytes == 2 * FILE_SIZE
+    check_index(tier)
 
 
 def test_read_failures_must_be_consecutive(
@@ -154,7 +165,7 @@ def test_read_failures_must_be_consecutive(
     tier = make_tier(max_read_failures=2)
     key = key_of(1)
     assert store(tier, primary, [key], [0])
-    failing = _FailingOpen(monkeypatch, Path(tier.block_file_path(key)).name)
+    failing = _FailingOpen(monkeypatch, Path(block_file(tier, key)).name)
     for _ in range(3):
         failing.on = True
         assert not load(tier, primary, [key], [4])
@@ -168,9 +179,10 @@ def test_a_block_replaced_by_another_instance_is_served_again(
 ) -> None:
     tier = make_tier(max_read_failures=1)
     other = make_tier()
+    share(tier, other)
     key = key_of(1)
     assert store(tier, primary, [key], [0])
-    path = tier.block_file_path(key)
+    path = block_file(tier, key)
     failing = _FailingOpen(monkeypatch, Path(path).name)
     assert not load(tier, primary, [key], [4])
     assert resolve_lookups(tier, [key]) == [False]
@@ -228,7 +240,7 @@ def test_a_non_directory_in_place_of_a_slot_directory_is_replaced_at_start(
     assert (rank_dir / where).is_dir() and not (rank_dir / where).is_symlink()
     keys = [key_of(i) for i in range(3)]
     assert store(tier, primary, keys, [0, 1, 2])
-    assert tier.stats()["blocks_written"] == 3 and tier.stats().get("store_failures", 0) == 0
+    assert counters(tier)["blocks_written"] == 3 and counters(tier).get("store_failures", 0) == 0
     assert len(_slot_names(rank_dir)) == 3, "every block file holds a slot"
     assert not outside.exists() or not any(outside.iterdir()), "nothing written through a link"
     assert load(tier, primary, keys, [4, 5, 6]) and primary.holds(4, keys[0])

@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, BlockFileCorrup
 from vllm.v1.kv_offload.tiering.fs import block_io
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     HOST_TAG,
+    PRIVATE,
     HeaderBuffers,
     is_stale_tmp,
     is_stale_tmp_file,
@@ -25,7 +26,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     read_block_file,
     register_writer,
     tmp_name,
-    unlink_if_same,
+    unlink_block,
     unregister_writer,
     write_block_file,
 )
@@ -64,19 +65,20 @@ def _write(dir_fd: int, row: memoryview, *, o_direct: bool = False) -> None:
         key=KEY,
         run_digest=DIGEST,
         o_direct=o_direct,
+        modes=PRIVATE,
     )
 
 
 def test_open_dir_refuses_symlinks(tmp_path: Path, dir_fd: int) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    os.close(open_dir("real", dir_fd, create=False))
+    os.close(open_dir("real", dir_fd))
     with pytest.raises(OSError) as info:
-        open_dir("link", dir_fd, create=True)
+        open_dir("link", dir_fd, create=PRIVATE)
     assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
     with pytest.raises(FileNotFoundError):
-        open_dir("absent", dir_fd, create=False)
-    os.close(open_dir("created", dir_fd, create=True))
+        open_dir("absent", dir_fd)
+    os.close(open_dir("created", dir_fd, create=PRIVATE))
     assert (tmp_path / "created").is_dir()
 
 
@@ -125,7 +127,7 @@ def test_verified_read(tmp_path: Path, dir_fd: int, row: memoryview) -> None:
         out_mm.close()
 
 
-def test_unlink_if_same_spares_a_replaced_file(tmp_path: Path, dir_fd: int) -> None:
+def test_unlink_block_spares_a_replaced_file(tmp_path: Path, dir_fd: int) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(b"old")
     st = os.stat(path)
@@ -133,12 +135,13 @@ def test_unlink_if_same_spares_a_replaced_file(tmp_path: Path, dir_fd: int) -> N
     replacement = tmp_path / "new"
     replacement.write_bytes(b"new")
     os.replace(replacement, path)  # another writer published a fresh file
-    assert not unlink_if_same(dir_fd, "f.bin", old_id)
+    assert unlink_block(dir_fd, "f.bin", old_id) is None
     assert path.read_bytes() == b"new"
     st = os.stat(path)
-    assert unlink_if_same(dir_fd, "f.bin", (st.st_dev, st.st_ino))
+    removed = unlink_block(dir_fd, "f.bin", (st.st_dev, st.st_ino))
+    assert removed is not None and removed.st_ino == st.st_ino
     assert not path.exists()
-    assert not unlink_if_same(dir_fd, "f.bin", None)
+    assert unlink_block(dir_fd, "f.bin", None) is None
 
 
 def test_temporary_file_names_and_staleness() -> None:
@@ -173,5 +176,5 @@ def test_stale_tmp_file_must_be_a_regular_file_old_enough(tmp_path: Path, dir_fd
 
 
 def test_o_direct_probe_leaves_nothing_behind(tmp_path: Path, dir_fd: int) -> None:
-    assert isinstance(probe_o_direct(dir_fd, "0badc0de"), bool)
+    assert isinstance(probe_o_direct(dir_fd, "0badc0de", PRIVATE), bool)
     assert list(tmp_path.iterdir()) == []

@@ -45,7 +45,8 @@ def test_defaults_and_root_normalisation(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "real")
     config = FsTierConfig.from_kwargs(root_dir=tmp_path / "link" / ".." / "link")
     assert config.root_dir == str((tmp_path / "real").resolve())
-    assert (config.n_read_threads, config.n_write_threads) == (8, 8)
+    threads = min(8, max(2, os.cpu_count() or 2))  # the host's CPUs, from 2 to 8
+    assert (config.n_read_threads, config.n_write_threads) == (threads, threads)
     assert config.max_bytes is None and config.min_free_bytes is None
     assert config.o_direct == "auto" and config.enable_events is False
     assert os.path.isabs(FsTierConfig.from_kwargs(root_dir="relative/dir").root_dir)

@@ -26,6 +26,7 @@ import pytest
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 
 from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, make_spec, resolve_lookups
+from .tier_state import block_file, scan_stats, usage
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 
@@ -39,6 +40,7 @@ _WRITER = textwrap.dedent(
     from vllm.v1.kv_offload.spec import KVCacheRunInfo
     from vllm.v1.kv_offload.tiering.base import JobMetadata
     from vllm.v1.kv_offload.tiering.fs import block_io
+    from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 
     root, mode, run_json = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -68,7 +70,7 @@ _WRITER = textwrap.dedent(
 
     if mode == "mid_write":
         stalled = key_of(1000)
-        stalled_name = tier.block_file_path(stalled).rsplit("/", 1)[1][: -len(".bin")]
+        stalled_name = FileMapper.block_path(stalled).stem
         real_write_all = block_io._write_all
 
         def write_half_then_hang(fd, bufs):
@@ -158,7 +160,7 @@ def test_sigkill_mid_write_then_restart(
     finally:
         _kill(proc)
     tier = make_tier()
-    scan = tier.wait_for_scan(10)
+    scan = scan_stats(tier)
     assert scan is not None and scan.tmp_removed == 1 and scan.blocks == 6
     assert _tmp_files(root) == []
     keys = [key_of(i) for i in range(6)]
@@ -167,7 +169,7 @@ def test_sigkill_mid_write_then_restart(
     assert load(tier, primary, keys, list(range(6)))
     assert all(primary.holds(i, key) for i, key in enumerate(keys))
     assert not load(tier, primary, [stalled], [6])
-    assert tier.usage().used_bytes == 6 * FILE_SIZE
+    assert usage(tier).used_bytes == 6 * FILE_SIZE
 
 
 def test_sigkill_of_a_busy_writer_then_restart(
@@ -179,17 +181,17 @@ def test_sigkill_of_a_busy_writer_then_restart(
     finally:
         _kill(proc)
     tier = make_tier()
-    assert tier.wait_for_scan(10) is not None
+    assert tier.wait_until_ready(10)
     assert _tmp_files(root) == []
     published = sorted(Path(tier.rank_dir).rglob("*.bin"))
     assert len(published) >= 24
     assert all(p.stat().st_size == FILE_SIZE for p in published)
     # Every published block verifies bit-exactly; which ones exist is up to the kill's timing.
-    by_name = {Path(tier.block_file_path(key_of(i))).name: key_of(i) for i in range(4096)}
+    by_name = {Path(block_file(tier, key_of(i))).name: key_of(i) for i in range(4096)}
     keys = [by_name[p.name] for p in published]
     for start in range(0, len(keys), 8):
         chunk = keys[start : start + 8]
         assert load(tier, primary, chunk, list(range(len(chunk))))
         assert all(primary.holds(i, key) for i, key in enumerate(chunk))
-    assert tier.usage().used_bytes == len(keys) * FILE_SIZE
+    assert usage(tier).used_bytes == len(keys) * FILE_SIZE
     assert os.listdir(tier.rank_dir)

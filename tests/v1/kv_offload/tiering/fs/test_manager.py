@@ -22,12 +22,12 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, MAGIC
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.fs import block_io
-from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
-from vllm.v1.kv_offload.tiering.fs import store as store_module
+from vllm.v1.kv_offload.tiering.fs import block_io, meters
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
+from vllm.v1.kv_offload.tiering.fs.lookup import FsLookups
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
-from vllm.v1.kv_offload.tiering.fs.scan import ScanStats
+from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats
+from vllm.v1.kv_offload.tiering.fs.transfers import BlockTransfers, JobChunk
 
 from .conftest import (
     ROW_BYTES,
@@ -39,7 +39,18 @@ from .conftest import (
     make_spec,
     resolve_lookups,
     run_jobs,
+    share,
     store,
+)
+from .tier_state import (
+    block_file,
+    check_index,
+    counters,
+    descriptors_of,
+    lru_keys,
+    scan_stats,
+    threads_named,
+    usage,
 )
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
@@ -96,7 +107,7 @@ class Gate:
         The I/O thread that took ``j`` stays busy until ``release`` is set.
         """
         started = started or self.started
-        self.hold(tier._store, "load" if j.is_promotion else "store", started)
+        self.hold(BlockTransfers, "load" if j.is_promotion else "store", started)
         (tier.submit_load if j.is_promotion else tier.submit_store)(j)
         assert started.wait(10)
         return j
@@ -128,11 +139,11 @@ def test_store_then_load_is_bit_exact(
         assert primary.holds(8 + i, key)
     # Files stay after a load; each is header + row.
     assert [p.stat().st_size for p in _block_files(tier)] == [FILE_SIZE] * 4
-    assert tier.stats()["blocks_written"] == 4
-    assert tier.stats()["blocks_loaded"] == 4
-    assert tier.stats()["store_busy_us"] > 0 and tier.stats()["load_busy_us"] > 0
-    assert tier.usage().used_bytes == 4 * FILE_SIZE
-    tier.index.check_invariants()
+    assert counters(tier)["blocks_written"] == 4
+    assert counters(tier)["blocks_loaded"] == 4
+    assert counters(tier)["store_busy_us"] > 0 and counters(tier)["load_busy_us"] > 0
+    assert usage(tier).used_bytes == 4 * FILE_SIZE
+    check_index(tier)
 
 
 def test_layout_and_config_json(make_tier: TierFactory, primary: Primary, root: Path) -> None:
@@ -142,20 +153,20 @@ def test_layout_and_config_json(make_tier: TierFactory, primary: Primary, root: 
     key = key_of(5, group=3)
     assert store(tier, primary, [key, short, long_hash], [0, 1, 2])
 
-    base = Path(tier.config_path).parent
-    assert base.parent == root
+    rank = Path(tier.rank_dir)
+    assert rank.parent == root and rank.name.endswith("_r0")
+    base = root / rank.name.removesuffix("_r0")
     model, digest = base.name.rsplit("_", 1)
     assert model == "org_test-model" and len(digest) == 16
-    assert Path(tier.rank_dir) == root / f"{base.name}_r0"
-    fields = json.loads(Path(tier.config_path).read_text())
+    fields = json.loads((base / "config.json").read_text())
     assert fields["model_name"] == "org/test-model"
     assert fields["row_bytes"] == ROW_BYTES and fields["format_version"] == 1
 
     hex_hash = key[:-4].hex()
     expected = Path(tier.rank_dir) / hex_hash[:3] / f"{hex_hash[3:5]}_g3" / f"{hex_hash}.bin"
-    assert Path(tier.block_file_path(key)) == expected and expected.is_file()
+    assert Path(block_file(tier, key)) == expected and expected.is_file()
     for digested in (short, long_hash):
-        path = Path(tier.block_file_path(digested))
+        path = Path(block_file(tier, digested))
         assert path.name.startswith("z") and len(path.name) == 1 + 64 + 4
         assert path.is_file()
     head = expected.read_bytes()[:HEADER_SIZE]
@@ -172,18 +183,9 @@ def test_store_skips_blocks_already_present(make_tier: TierFactory, primary: Pri
     assert _event_keys(tier) == [(False, set(keys[:2]))]
     assert store(tier, primary, keys, [0, 1, 2])
     assert {p: p.stat().st_ino for p in _block_files(tier) if p in inodes} == inodes
-    assert tier.stats()["blocks_written"] == 3 and tier.stats()["blocks_skipped"] == 2
+    assert counters(tier)["blocks_written"] == 3 and counters(tier)["blocks_skipped"] == 2
     assert _event_keys(tier) == [(False, set(keys[2:]))]  # only the block really written
-    assert tier.usage().used_bytes == 3 * FILE_SIZE
-
-
-def test_lookup_is_none_first_then_true_or_false(make_tier: TierFactory, primary: Primary) -> None:
-    tier = make_tier()
-    stored, absent = key_of(1), key_of(2)
-    assert store(tier, primary, [stored], [0])
-    assert resolve_lookups(tier, [stored, absent]) == [True, False]
-    # A new request after cleanup probes again (None first).
-    assert resolve_lookups(tier, [absent], ReqContext("other")) == [False]
+    assert usage(tier).used_bytes == 3 * FILE_SIZE
 
 
 def test_empty_job_and_pending_work(make_tier: TierFactory, primary: Primary) -> None:
@@ -254,7 +256,7 @@ def test_config_keys_are_validated(
 
 def test_config_json_of_another_run_is_refused(make_tier: TierFactory, root: Path) -> None:
     tier = make_tier()
-    config_path = Path(tier.config_path)
+    config_path = Path(tier.rank_dir.removesuffix("_r0")) / "config.json"
     tier.shutdown()
     fields = json.loads(config_path.read_text())
     fields["dtype"] = "bfloat16"
@@ -283,12 +285,12 @@ def test_missing_file_fails_the_whole_job_once(make_tier: TierFactory, primary: 
     tier = make_tier()
     keys = [key_of(i) for i in range(3)]
     assert store(tier, primary, keys, [0, 1, 2])
-    os.unlink(tier.block_file_path(keys[1]))
+    os.unlink(block_file(tier, keys[1]))
     j = job(keys, [4, 5, 6], load=True)
     assert run_jobs(tier, j) == {j.job_id: False}
     assert list(tier.get_finished_jobs()) == []
     # The vanished file is a miss, and no longer accounted.
-    assert tier.usage().used_bytes == 2 * FILE_SIZE
+    assert usage(tier).used_bytes == 2 * FILE_SIZE
     assert resolve_lookups(tier, keys) == [True, False, True]
     assert load(tier, primary, [keys[0], keys[2]], [4, 6])
 
@@ -349,24 +351,24 @@ def test_corrupt_file_fails_load_and_is_deleted(
     keys = [key_of(1), key_of(2)]
     assert store(tier, primary, keys, [0, 1])
     _event_keys(tier)
-    path = tier.block_file_path(keys[0])
+    path = block_file(tier, keys[0])
     damage(path)
     assert not load(tier, primary, keys, [4, 5])
     assert not os.path.exists(path)
     assert _event_keys(tier) == [(True, {keys[0]})]
-    assert tier.stats()["corrupt_removed"] == 1
-    assert tier.usage().used_bytes == FILE_SIZE
+    assert counters(tier)["corrupt_removed"] == 1
+    assert usage(tier).used_bytes == FILE_SIZE
     assert resolve_lookups(tier, keys) == [False, True]
-    tier.index.check_invariants()
+    check_index(tier)
 
 
 def test_foreign_file_of_another_key_is_deleted(make_tier: TierFactory, primary: Primary) -> None:
     tier = make_tier()
     mine, other = key_of(1), key_of(2)
     assert store(tier, primary, [other], [0])
-    target = Path(tier.block_file_path(mine))
+    target = Path(block_file(tier, mine))
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(tier.block_file_path(other), target)  # valid file, wrong key
+    shutil.copyfile(block_file(tier, other), target)  # valid file, wrong key
     assert not load(tier, primary, [mine], [3])
     assert not target.exists()
     assert load(tier, primary, [other], [4]) and primary.holds(4, other)
@@ -377,41 +379,59 @@ def test_file_of_another_run_is_deleted(make_tier: TierFactory, primary: Primary
     fp8 = make_tier(spec=make_spec(dtype="fp8"))
     key = key_of(1)
     assert store(fp8, primary, [key], [0])
-    target = Path(fp16.block_file_path(key))
+    target = Path(block_file(fp16, key))
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(fp8.block_file_path(key), target)  # same key, other run's bytes
+    shutil.copyfile(block_file(fp8, key), target)  # same key, other run's bytes
     assert not load(fp16, primary, [key], [3])
     assert not target.exists()
 
 
-def test_failed_load_turns_lookup_into_a_miss(make_tier: TierFactory, primary: Primary) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["sole writer", "shared root"])
+def test_failed_load_turns_lookup_into_a_miss(
+    make_tier: TierFactory, primary: Primary, shared: bool
+) -> None:
     tier = make_tier()
+    if shared:
+        share(tier, make_tier())
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     req = ReqContext("waiting")
-    assert tier.lookup(key, req) is None
-    tier.on_schedule_end()
-    assert tier.wait_lookups_idle(10)
-    assert tier.lookup(key, req) is True
-    _truncate(tier.block_file_path(key))
+    assert tier.lookup(key, req) is True, "a key the index holds answers at once"
+    _truncate(block_file(tier, key))
     j = job([key], [1], load=True, req=req)
     assert run_jobs(tier, j) == {j.job_id: False}
-    assert tier.lookup(key, req) is False  # not True again: no livelock on a broken block
+    # Not True again (no livelock on a broken block): the corrupt file was deleted and
+    # forgotten, so alone the tier knows it is absent, beside another writer it probes.
+    assert resolve_lookups(tier, [key], req) == [False]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["sole writer", "shared root"])
 def test_symlinked_block_file_is_never_followed(
-    make_tier: TierFactory, primary: Primary, tmp_path: Path
+    make_tier: TierFactory, primary: Primary, tmp_path: Path, shared: bool
 ) -> None:
-    tier = make_tier()
+    writer = make_tier()
     key = key_of(1)
-    assert store(tier, primary, [key], [0])
-    path = Path(tier.block_file_path(key))
+    assert store(writer, primary, [key], [0])
+    path = Path(block_file(writer, key))
     outside = tmp_path / "outside.bin"
     shutil.move(path, outside)
     path.symlink_to(outside)
     before = outside.read_bytes()
-    assert resolve_lookups(tier, [key]) == [False]
-    assert not load(tier, primary, [key], [1])  # ELOOP: transient, nothing deleted
+    # The writer's index still holds the key (the swap happened behind its back): a stale
+    # "present" is a failed load, never a followed link.
+    assert resolve_lookups(writer, [key]) == [True]
+    assert not load(writer, primary, [key], [1])  # ELOOP: transient, nothing deleted
+    assert path.is_symlink() and outside.read_bytes() == before
+    assert not primary.holds(1, key)
+    # An instance started now never indexes it: absent at once when alone, after a probe (one
+    # lstat) beside another writer.
+    if not shared:
+        writer.shutdown()
+    fresh = make_tier()
+    if shared:
+        share(writer, fresh)
+    assert resolve_lookups(fresh, [key]) == [False]
+    assert not load(fresh, primary, [key], [1])
     assert path.is_symlink() and outside.read_bytes() == before
     assert not primary.holds(1, key)
 
@@ -419,19 +439,26 @@ def test_symlinked_block_file_is_never_followed(
 def test_symlinked_directory_is_never_followed(
     make_tier: TierFactory, primary: Primary, tmp_path: Path
 ) -> None:
-    tier = make_tier()
+    writer = make_tier()
     key, neighbour = key_of(1), key_of(2)
-    assert store(tier, primary, [key], [0])
-    dir1 = Path(tier.block_file_path(key)).parent.parent
+    assert store(writer, primary, [key], [0])
+    tier = make_tier()  # shares the root: knows the file from its scan
+    share(writer, tier)
+    dir1 = Path(block_file(tier, key)).parent.parent
     outside = tmp_path / "outside_dir"
     shutil.move(dir1, outside)
     dir1.symlink_to(outside, target_is_directory=True)
     snapshot = {p: p.read_bytes() for p in _files_under(outside)}
+    # A transient error (ELOOP/ENOTDIR) keeps the file in the index, and lookups find it until
+    # max_read_failures (3) reads in a row failed; then the probe, which lstats each component,
+    # answers.
+    for _ in range(3):
+        assert resolve_lookups(tier, [key]) == [True]
+        assert not load(tier, primary, [key], [1])
     assert resolve_lookups(tier, [key]) == [False]
-    assert not load(tier, primary, [key], [1])
     # A store whose path runs through the symlink fails instead of writing outside the root.
     clash = make_offload_key(key[:-4], 1)  # same <hhh>, other group
-    assert Path(tier.block_file_path(clash)).parent.parent == dir1
+    assert Path(block_file(tier, clash)).parent.parent == dir1
     assert not store(tier, primary, [clash], [2])
     assert {p: p.read_bytes() for p in _files_under(outside)} == snapshot
     assert store(tier, primary, [neighbour], [3])
@@ -444,7 +471,7 @@ def test_transient_open_error_fails_job_and_keeps_file(
     tier = make_tier()
     keys = [key_of(1), key_of(2)]
     assert store(tier, primary, keys, [0, 1])
-    victim = Path(tier.block_file_path(keys[1])).name
+    victim = Path(block_file(tier, keys[1])).name
     real_open = os.open
 
     def failing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
@@ -455,8 +482,8 @@ def test_transient_open_error_fails_job_and_keeps_file(
     monkeypatch.setattr(block_io.os, "open", failing_open)
     assert not load(tier, primary, keys, [4, 5])
     monkeypatch.undo()
-    assert os.path.exists(tier.block_file_path(keys[1]))
-    assert tier.usage().used_bytes == 2 * FILE_SIZE
+    assert os.path.exists(block_file(tier, keys[1]))
+    assert usage(tier).used_bytes == 2 * FILE_SIZE
     assert load(tier, primary, keys, [4, 5]) and primary.holds(5, keys[1])
 
 
@@ -483,7 +510,7 @@ def test_enospc_mid_write_removes_tmp_and_tier_keeps_working(
     assert not store(tier, primary, keys, [0, 1])
     assert calls == 2
     assert _tmp_files(tier) == [] and _block_files(tier) == []
-    assert tier.usage().used_bytes == 0 and list(tier.take_events()) == []
+    assert usage(tier).used_bytes == 0 and list(tier.take_events()) == []
     monkeypatch.setattr(block_io, "_write_all", real_write_all)
     assert store(tier, primary, keys, [0, 1])
     assert load(tier, primary, keys, [2, 3]) and primary.holds(3, keys[1])
@@ -517,11 +544,11 @@ def test_real_enospc_on_a_full_tmpfs(
     assert _tmp_files(tier) == []
     on_disk = len(_block_files(tier))
     assert on_disk == sum(results)
-    assert tier.usage().used_bytes == on_disk * FILE_SIZE
+    assert usage(tier).used_bytes == on_disk * FILE_SIZE
     # The tier keeps working: loads succeed, and a store succeeds once space is freed.
     assert load(tier, primary, keys[:1], [10]) and primary.holds(10, keys[0])
-    os.unlink(tier.block_file_path(keys[1]))
-    os.unlink(tier.block_file_path(keys[2]))
+    os.unlink(block_file(tier, keys[1]))
+    os.unlink(block_file(tier, keys[2]))
     assert store(tier, primary, [keys[-1]], [15])
 
 
@@ -549,26 +576,26 @@ def test_failed_store_accounts_a_file_changed_behind_the_tier(
     tier = make_tier()
     keys = [key_of(1), key_of(2)]
     assert store(tier, primary, keys, [0, 1])
-    path = tier.block_file_path(keys[0])
+    path = block_file(tier, keys[0])
     if left_bytes is None:
         os.unlink(path)
     else:
         os.truncate(path, left_bytes)
-    assert tier.usage().used_bytes == 2 * FILE_SIZE  # the tier cannot know yet
+    assert usage(tier).used_bytes == 2 * FILE_SIZE  # the tier cannot know yet
     real_statvfs = os.statvfs
 
     def nearly_full(fd: Any) -> Any:
         st = real_statvfs(fd)
         return os.statvfs_result((*st[:4], 0, *st[5:]))  # f_bavail = 0
 
-    monkeypatch.setattr(store_module.os, "statvfs", nearly_full)
+    monkeypatch.setattr(meters.os, "statvfs", nearly_full)
     assert not store(tier, primary, [keys[0]], [0])
     monkeypatch.undo()
     # Counted as it is on disk: gone, or (truncated, the wrong size) deleted, never indexed.
-    assert tier.usage().used_bytes == FILE_SIZE
-    tier.index.check_invariants()
+    assert usage(tier).used_bytes == FILE_SIZE
+    check_index(tier)
     assert store(tier, primary, [keys[0]], [0])
-    assert tier.usage().used_bytes == 2 * FILE_SIZE
+    assert usage(tier).used_bytes == 2 * FILE_SIZE
 
 
 def test_max_bytes_evicts_least_recently_used(make_tier: TierFactory, primary: Primary) -> None:
@@ -578,10 +605,10 @@ def test_max_bytes_evicts_least_recently_used(make_tier: TierFactory, primary: P
         assert store(tier, primary, [keys[i]], [i])
     tier.touch([keys[0]], ReqContext("r"))  # keys[1] is now the least recently used
     assert store(tier, primary, [keys[3]], [3])
-    assert not os.path.exists(tier.block_file_path(keys[1]))
+    assert not os.path.exists(block_file(tier, keys[1]))
     assert load(tier, primary, [keys[2]], [8])  # a load counts as a use
     assert store(tier, primary, [keys[4]], [4])
-    assert not os.path.exists(tier.block_file_path(keys[0]))
+    assert not os.path.exists(block_file(tier, keys[0]))
     assert _event_keys(tier) == [
         (False, set(keys[:3])),  # consecutive stored events are merged
         (True, {keys[1]}),
@@ -589,9 +616,9 @@ def test_max_bytes_evicts_least_recently_used(make_tier: TierFactory, primary: P
         (True, {keys[0]}),
         (False, {keys[4]}),
     ]
-    assert tier.usage().used_bytes == 3 * FILE_SIZE == len(_block_files(tier)) * FILE_SIZE
+    assert usage(tier).used_bytes == 3 * FILE_SIZE == len(_block_files(tier)) * FILE_SIZE
     assert resolve_lookups(tier, keys) == [False, False, True, True, True]
-    tier.index.check_invariants()
+    check_index(tier)
 
 
 def _wait_results(tier: FileSystemSecondaryTier, count: int) -> dict[int, bool]:
@@ -618,13 +645,13 @@ def test_blocks_being_loaded_are_never_evicted(
     store_c = job([c], [2], load=False)
     tier.submit_store(store_c)
     assert _wait_results(tier, 1) == {store_c.job_id: True}
-    assert os.path.exists(tier.block_file_path(a)) and not os.path.exists(tier.block_file_path(b))
+    assert os.path.exists(block_file(tier, a)) and not os.path.exists(block_file(tier, b))
     gate.release.set()
     tier.drain_jobs()
     assert {r.job_id: r.success for r in tier.get_finished_jobs()} == {load_job.job_id: True}
     assert primary.holds(8, a)
-    assert tier.usage().num_pinned == 0
-    tier.index.check_invariants()
+    assert usage(tier).num_pinned == 0
+    check_index(tier)
 
 
 def test_store_fails_when_only_pinned_blocks_could_be_evicted(
@@ -640,13 +667,13 @@ def test_store_fails_when_only_pinned_blocks_could_be_evicted(
     store_b = job([b], [1], load=False)
     tier.submit_store(store_b)
     assert _wait_results(tier, 1) == {store_b.job_id: False}
-    assert _tmp_files(tier) == [] and not os.path.exists(tier.block_file_path(b))
+    assert _tmp_files(tier) == [] and not os.path.exists(block_file(tier, b))
     gate.release.set()
     tier.drain_jobs()
     assert {r.job_id: r.success for r in tier.get_finished_jobs()} == {load_job.job_id: True}
     assert store(tier, primary, [b], [1])  # a is evictable again
-    assert not os.path.exists(tier.block_file_path(a))
-    assert tier.usage().used_bytes == FILE_SIZE
+    assert not os.path.exists(block_file(tier, a))
+    assert usage(tier).used_bytes == FILE_SIZE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,18 +719,16 @@ def test_shutdown_discards_queued_tasks_and_reports_them_failed(
     # the freed I/O threads would run them first (shutdown stops lookups and the reconciler
     # before the pool). If shutdown never drops them, the gate is never released and the
     # stopper stays blocked, which fails the test below.
-    pool = tier._pool
-    real_done = pool._task_done
-    dropped: set[int] = set()
+    real_cancel = JobChunk.cancel
+    cancelled: list[JobChunk] = []
 
-    def task_done(j: Any, ok: bool) -> None:
-        real_done(j, ok)
-        if not ok and j.job_id in {q.job_id for q in queued}:
-            dropped.add(j.job_id)
-            if len(dropped) == len(queued):
-                gate.release.set()
+    def cancel(chunk: JobChunk) -> None:
+        real_cancel(chunk)
+        cancelled.append(chunk)
+        if len(cancelled) == len(queued):  # each queued job is one chunk of one block
+            gate.release.set()
 
-    monkeypatch.setattr(pool, "_task_done", task_done)
+    monkeypatch.setattr(JobChunk, "cancel", cancel)
     stopper = threading.Thread(target=tier.shutdown)
     stopper.start()
     stopper.join(20)
@@ -716,7 +741,7 @@ def test_shutdown_discards_queued_tasks_and_reports_them_failed(
         queued[1].job_id: False,
     }
     assert primary.holds(4, keys[0])
-    assert tier.usage().num_pinned == 0
+    assert usage(tier).num_pinned == 0
     assert not [t for t in threading.enumerate() if t.name.startswith("vllm_fs_tier_fs")]
 
 
@@ -733,10 +758,10 @@ def test_restart_serves_existing_blocks_and_rebuilds_usage(
     assert store(first, primary, keys, [0, 1, 2, 3])
     first.shutdown()
     second = make_tier()
-    scan = second.wait_for_scan(10)
+    scan = scan_stats(second)
     assert scan is not None and scan.completed and scan.blocks == 4
-    assert second.usage().used_bytes == 4 * FILE_SIZE
-    assert sorted(second.index.keys_lru_order()) == sorted(keys)
+    assert usage(second).used_bytes == 4 * FILE_SIZE
+    assert sorted(lru_keys(second)) == sorted(keys)
     assert resolve_lookups(second, keys) == [True] * 4
     assert load(second, primary, keys, [8, 9, 10, 11])
     assert all(primary.holds(8 + i, key) for i, key in enumerate(keys))
@@ -748,7 +773,7 @@ def test_restart_scan_evicts_down_to_max_bytes(make_tier: TierFactory, primary: 
     assert store(first, primary, keys, [0, 1, 2, 3])
     first.shutdown()
     second = make_tier(max_bytes=2 * FILE_SIZE, enable_events=True)
-    assert second.usage().used_bytes == 2 * FILE_SIZE
+    assert usage(second).used_bytes == 2 * FILE_SIZE
     assert len(_block_files(second)) == 2
     removed = [k for is_removed, ks in _event_keys(second) if is_removed for k in ks]
     assert len(removed) == 2
@@ -758,7 +783,7 @@ def test_restart_removes_leftover_tmp_files(make_tier: TierFactory, primary: Pri
     first = make_tier()
     key = key_of(1)
     assert store(first, primary, [key], [0])
-    leaf = Path(first.block_file_path(key)).parent
+    leaf = Path(block_file(first, key)).parent
     first.shutdown()
     dead_pid = _exited_pid()
     old = time.time() - 3600
@@ -776,11 +801,11 @@ def test_restart_removes_leftover_tmp_files(make_tier: TierFactory, primary: Pri
         path.write_bytes(b"partial")
     os.utime(leftovers["old_other_host"], (old, old))
     second = make_tier(stale_tmp_age_s=600)
-    scan = second.wait_for_scan(10)
+    scan = scan_stats(second)
     assert scan is not None and scan.tmp_removed == 3
     assert not any(p.exists() for p in leftovers.values())
     assert all(p.exists() for p in kept.values())
-    assert second.usage().used_bytes == FILE_SIZE
+    assert usage(second).used_bytes == FILE_SIZE
 
 
 def _exited_pid() -> int:
@@ -793,23 +818,24 @@ def test_two_instances_share_one_root(make_tier: TierFactory, primary: Primary) 
     a = make_tier(enable_events=True, max_bytes=2 * FILE_SIZE)
     b = make_tier(enable_events=True)
     assert a.rank_dir == b.rank_dir
+    share(a, b)
     k1, k2, k3 = key_of(1), key_of(2), key_of(3)
     assert store(a, primary, [k1], [0])
     assert resolve_lookups(b, [k1]) == [True]
     assert load(b, primary, [k1], [8]) and primary.holds(8, k1)
-    assert b.usage().used_bytes == FILE_SIZE  # b learnt about a's file
+    assert usage(b).used_bytes == FILE_SIZE  # b learnt about a's file
     assert store(b, primary, [k1, k2], [0, 1])  # k1 exists: skipped, k2 written
     assert _event_keys(b) == [(False, {k2})]
-    assert b.stats()["blocks_skipped"] == 1
+    assert counters(b)["blocks_skipped"] == 1
     assert resolve_lookups(a, [k2]) == [True]
     # a evicts k1 (its LRU) to store k3; b sees a miss, not an error.
     assert store(a, primary, [k3], [2])
-    assert not os.path.exists(a.block_file_path(k1))
+    assert not os.path.exists(block_file(a, k1))
     assert not load(b, primary, [k1], [9])
-    assert b.usage().used_bytes == FILE_SIZE  # the vanished file is no longer accounted
+    assert usage(b).used_bytes == FILE_SIZE  # the vanished file is no longer accounted
     assert resolve_lookups(b, [k1, k2, k3]) == [False, True, True]
-    a.index.check_invariants()
-    b.index.check_invariants()
+    check_index(a)
+    check_index(b)
 
 
 def test_scan_never_blocks_the_scheduler(
@@ -822,7 +848,7 @@ def test_scan_never_blocks_the_scheduler(
     key = key_of(1)
     assert store(first, primary, [key], [0])
     first.shutdown()
-    gate.hold(fs_manager, "scan_rank_dir")
+    gate.hold(RankDirWalker, "scan")
     tier = FileSystemSecondaryTier(
         spec, primary.view, "fs", root_dir=str(root), min_free_bytes=0, n_read_threads=1,
         n_write_threads=1,
@@ -833,12 +859,12 @@ def test_scan_never_blocks_the_scheduler(
         assert resolve_lookups(tier, [key]) == [True]
         assert load(tier, primary, [key], [5]) and primary.holds(5, key)
         assert store(tier, primary, [key_of(2)], [1])
-        assert tier.wait_for_scan(0) is None
+        assert not tier.wait_until_ready(0)
         gate.release.set()
-        scan = tier.wait_for_scan(10)
+        scan = scan_stats(tier)
         assert scan is not None and scan.completed
-        assert tier.usage().used_bytes == 2 * FILE_SIZE
-        tier.index.check_invariants()
+        assert usage(tier).used_bytes == 2 * FILE_SIZE
+        check_index(tier)
     finally:
         gate.release.set()
         tier.shutdown()
@@ -859,8 +885,13 @@ def test_shutdown_keeps_directories_open_while_a_lookup_is_stuck(
     gate: Gate,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    other = make_tier()  # another writer: a key the index lacks is probed
+    others_fds = set(descriptors_of(other.rank_dir))
+    others_threads = set(threads_named("vllm_offloading_lookup_fs"))
     tier = make_tier()
-    gate.hold(tier._lookups, "_probe")
+    share(tier, other)
+    gate.hold(FsLookups, "batch_lookup")
+    # A timeout only tests shorten: no public setting for how long shutdown waits for a thread.
     monkeypatch.setattr(tier, "_THREAD_STOP_TIMEOUT_S", 0.05)
     assert tier.lookup(key_of(1), ReqContext("r")) is None
     tier.on_schedule_end()  # posts the lookup batch to the probe thread
@@ -868,11 +899,14 @@ def test_shutdown_keeps_directories_open_while_a_lookup_is_stuck(
     with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload.tiering"):
         tier.shutdown()
     assert any("descriptors stay open" in r.getMessage() for r in caplog.records)
-    rank_fd = tier._run_dir.rank_fd
-    assert rank_fd >= 0 and os.fstat(rank_fd), "the stuck probe's directory is still open"
+    open_fds = set(descriptors_of(tier.rank_dir)) - others_fds
+    assert open_fds, "the stuck probe's directory is still open"
     gate.release.set()
-    assert tier._lookups.shutdown(timeout=10), "the probe finished once released"
-    tier._run_dir.close()
+    for thread in set(threads_named("vllm_offloading_lookup_fs")) - others_threads:
+        thread.join(10)
+        assert not thread.is_alive(), "the probe finished once released"
+    for fd in open_fds:
+        os.close(fd)
 
 
 def test_shutdown_keeps_directories_open_while_the_scan_is_stuck(
@@ -888,7 +922,8 @@ def test_shutdown_keeps_directories_open_while_the_scan_is_stuck(
         gate.wait()
         return ScanStats()
 
-    monkeypatch.setattr(fs_manager, "scan_rank_dir", stuck_scan)
+    monkeypatch.setattr(RankDirWalker, "scan", stuck_scan)
+    # A timeout only tests shorten: no public setting for how long shutdown waits for a thread.
     monkeypatch.setattr(FileSystemSecondaryTier, "_THREAD_STOP_TIMEOUT_S", 0.05)
     tier = FileSystemSecondaryTier(
         make_spec(primary.row_bytes, primary.num_rows),
@@ -901,12 +936,15 @@ def test_shutdown_keeps_directories_open_while_the_scan_is_stuck(
     with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload.tiering"):
         tier.shutdown()  # returns although the scan is stuck
     assert any("start-up scan" in r.getMessage() for r in caplog.records)
-    assert os.fstat(tier._run_dir.rank_fd), "the stuck scan's directory is still open"
+    open_fds = descriptors_of(tier.rank_dir)
+    assert open_fds, "the stuck scan's directory is still open"
     gate.release.set()
-    tier._scan_thread.join(10)
-    assert not tier._scan_thread.is_alive()
-    assert tier.usage().used_bytes == 0, "a stopped scan evicts and indexes nothing more"
-    tier._run_dir.close()
+    for thread in threads_named("vllm_fs_tier_fs_scan"):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert tier.get_stats().used_bytes == 0, "a stopped scan evicts and indexes nothing more"
+    for fd in open_fds:
+        os.close(fd)
 
 
 def test_primary_rows_are_released_at_shutdown(make_tier: TierFactory) -> None:

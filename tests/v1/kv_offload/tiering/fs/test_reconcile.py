@@ -3,15 +3,16 @@
 """The background reconcile and the capacity slots, in one process (issue #12, part 3).
 
 Several tiers over one root play the instances that share a directory. Each test drives one
-mechanism deterministically: ``wait_reconciled`` waits for a complete reconcile pass instead of
-sleeping, and races are set up by doing, on the real directory, what the other party would do.
+mechanism deterministically: ``wait_reconciled`` waits for a complete reconcile round instead of
+sleeping, and races are set up by doing, on the real directory, what the other party would do,
+that party included: a live second tier, or the presence file a crashed one leaves. (A tier that
+is the only writer walks the directory only when it finds evidence of a change behind its back.)
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,7 +28,28 @@ from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker
 from vllm.v1.kv_offload.tiering.fs.slots import SLOTS_DIR, slot_location
 
-from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, resolve_lookups, store
+from .conftest import (
+    ROW_BYTES,
+    Primary,
+    TierFactory,
+    key_of,
+    load,
+    register_dead_writer,
+    resolve_lookups,
+    share,
+    store,
+)
+from .tier_state import (
+    block_file,
+    check_index,
+    counters,
+    descriptors_of,
+    lru_keys,
+    scan_stats,
+    slots_of,
+    threads_named,
+    usage,
+)
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 FAST: dict[str, Any] = {"reconcile_interval_s": 0.01}
@@ -63,7 +85,7 @@ def _slot_names(tier: FileSystemSecondaryTier) -> list[Path]:
 
 
 def _slot_of(tier: FileSystemSecondaryTier, key: Any) -> Path:
-    ino = os.stat(tier.block_file_path(key)).st_ino
+    ino = os.stat(block_file(tier, key)).st_ino
     (slot,) = [p for p in _slot_names(tier) if p.stat().st_ino == ino]
     return slot
 
@@ -82,20 +104,20 @@ def test_usage_converges_to_files_other_instances_wrote_and_deleted(
     assert store(b, primary, keys, list(range(6)))
     # No lookup, load or store of a touches these keys: only the reconcile can tell it.
     assert a.wait_reconciled(10)
-    assert (a.usage().used_bytes, a.usage().num_blocks) == (6 * FILE_SIZE, 6)
+    assert (usage(a).used_bytes, usage(a).num_blocks) == (6 * FILE_SIZE, 6)
     for key in keys[:4]:
-        os.unlink(b.block_file_path(key))  # b (or an operator) deleted them
+        os.unlink(block_file(b, key))  # b (or an operator) deleted them
     assert a.wait_reconciled(10)
-    assert (a.usage().used_bytes, a.usage().num_blocks) == (2 * FILE_SIZE, 2)
-    assert sorted(a.index.keys_lru_order()) == sorted(keys[4:])
+    assert (usage(a).used_bytes, usage(a).num_blocks) == (2 * FILE_SIZE, 2)
+    assert sorted(lru_keys(a)) == sorted(keys[4:])
     # A whole leaf directory removed by an operator is forgotten too.
-    leaf = Path(b.block_file_path(keys[4])).parent
+    leaf = Path(block_file(b, keys[4])).parent
     for path in leaf.iterdir():
         path.unlink()
     leaf.rmdir()
     assert a.wait_reconciled(10)
-    assert a.usage().num_blocks == 1
-    a.index.check_invariants()
+    assert usage(a).num_blocks == 1
+    check_index(a)
 
 
 def test_files_found_by_the_reconcile_rank_by_age(make_tier: TierFactory, primary: Primary) -> None:
@@ -103,13 +125,13 @@ def test_files_found_by_the_reconcile_rank_by_age(make_tier: TierFactory, primar
     b = make_tier()
     old, new = key_of(1), key_of(2)
     assert store(b, primary, [old], [0])
-    past = os.stat(b.block_file_path(old)).st_mtime - 3600
-    os.utime(b.block_file_path(old), (past, past))
+    past = os.stat(block_file(b, old)).st_mtime - 3600
+    os.utime(block_file(b, old), (past, past))
     assert a.wait_reconciled(10)
     assert store(a, primary, [key_of(3)], [1])
     assert store(b, primary, [new], [2])  # written while a runs: recent
     assert a.wait_reconciled(10)
-    assert a.index.keys_lru_order() == [old, key_of(3), new]
+    assert lru_keys(a) == [old, key_of(3), new]
 
 
 def test_reconcile_steps_are_bounded(
@@ -118,7 +140,7 @@ def test_reconcile_steps_are_bounded(
     writer = make_tier()
     keys = [key_of(i) for i in range(6)]
     assert store(writer, primary, keys, list(range(6)))
-    assert len({Path(writer.block_file_path(k)).parent for k in keys}) == 6
+    assert len({Path(block_file(writer, k)).parent for k in keys}) == 6
     times: list[float] = []
     real_leaf = RankDirWalker._leaf
 
@@ -140,6 +162,7 @@ def test_the_scheduler_never_waits_for_a_stuck_reconcile(
 ) -> None:
     started, release = threading.Event(), threading.Event()
     tier = make_tier(**FAST)
+    make_tier(**IDLE)  # another writer: tier walks the directory again
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     real_leaf = RankDirWalker._leaf
@@ -149,7 +172,9 @@ def test_the_scheduler_never_waits_for_a_stuck_reconcile(
         assert release.wait(30)
         return real_leaf(self, *args)
 
+    # Private: the walk's step over one leaf directory is where a hung filesystem would block.
     monkeypatch.setattr(RankDirWalker, "_leaf", stuck_leaf)
+    # A timeout only tests shorten: no public setting for how long shutdown waits for a thread.
     monkeypatch.setattr(FileSystemSecondaryTier, "_THREAD_STOP_TIMEOUT_S", 0.05)
     try:
         assert started.wait(10)
@@ -157,10 +182,13 @@ def test_the_scheduler_never_waits_for_a_stuck_reconcile(
         assert load(tier, primary, [key], [5]) and primary.holds(5, key)
         assert store(tier, primary, [key_of(2)], [1])
         tier.shutdown()  # returns although the reconcile is stuck
+        open_fds = descriptors_of(tier.rank_dir)  # kept open for the stuck thread
     finally:
         release.set()
-    tier._scan_thread.join(10)
-    tier._run_dir.close()
+    for thread in threads_named("vllm_fs_tier_fs_scan"):
+        thread.join(10)
+    for fd in open_fds:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +206,7 @@ def test_stores_evict_files_other_instances_wrote(make_tier: TierFactory, primar
         assert len(_block_files(a)) <= 4 and _disk_bytes(a) <= 4 * FILE_SIZE
     assert len(_slot_names(a)) == 4
     assert all(p.stat().st_nlink == 2 for p in _block_files(a)), "every block file has a slot"
-    assert b.stats()["blocks_evicted"] >= 2
+    assert counters(b)["blocks_evicted"] >= 2
 
 
 def test_every_block_file_holds_a_slot_and_a_full_directory_evicts_lru(
@@ -188,30 +216,38 @@ def test_every_block_file_holds_a_slot_and_a_full_directory_evicts_lru(
     keys = [key_of(i) for i in range(5)]
     for i, key in enumerate(keys):
         assert store(tier, primary, [key], [i])
-    assert {str(p) for p in _block_files(tier)} == {tier.block_file_path(k) for k in keys[2:]}
+    assert {str(p) for p in _block_files(tier)} == {block_file(tier, k) for k in keys[2:]}
     assert {p.stat().st_ino for p in _slot_names(tier)} == {
         p.stat().st_ino for p in _block_files(tier)
     }
-    assert tier.slots is not None and tier.slots.num_taken() == 3
+    assert slots_of(tier) is not None and slots_of(tier).num_taken() == 3
 
 
-def test_a_garbage_slot_is_freed(make_tier: TierFactory, primary: Primary) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["sole writer", "shared root"])
+def test_a_garbage_slot_is_freed(make_tier: TierFactory, primary: Primary, shared: bool) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
+    if shared:
+        share(tier, make_tier(max_bytes=4 * FILE_SIZE))
     key = key_of(1)
     assert store(tier, primary, [key], [0])
-    os.unlink(tier.block_file_path(key))  # its slot now names an inode nothing else names
-    assert tier.wait_reconciled(10)
+    os.unlink(block_file(tier, key))  # its slot now names an inode nothing else names
+    if not shared:
+        # Alone, the tier trusts its index until it meets the change: the load that finds the
+        # file gone is the evidence that sends the reconcile through the directory.
+        assert tier.sole_writer and resolve_lookups(tier, [key]) == [True]
+        assert not load(tier, primary, [key], [1])
+    assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert _slot_names(tier) == [] and _disk_bytes(tier) == 0
-    assert tier.usage().used_bytes == 0
+    assert usage(tier).used_bytes == 0
 
 
 def test_a_crashed_writers_claim_is_freed(make_tier: TierFactory, primary: Primary) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
     assert store(tier, primary, [key_of(1)], [0])
-    leaf = Path(tier.block_file_path(key_of(1))).parent
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    tmp = leaf / f".{'ab' * 32}.{HOST_TAG}.{proc.pid}.0badc0de.12345678.tmp"
+    leaf = Path(block_file(tier, key_of(1))).parent
+    presence = register_dead_writer(tier)
+    pid = presence.name.split(".")[1]
+    tmp = leaf / f".{'ab' * 32}.{HOST_TAG}.{pid}.0badc0de.12345678.tmp"
     free = min({0, 1, 2, 3} - {_slot_number(p) for p in _slot_names(tier)})
     sub, name = slot_location(free)
     (Path(tier.rank_dir) / SLOTS_DIR / sub).mkdir(exist_ok=True)
@@ -221,7 +257,8 @@ def test_a_crashed_writers_claim_is_freed(make_tier: TierFactory, primary: Prima
     os.link(staging, Path(tier.rank_dir) / SLOTS_DIR / sub / name)
     os.link(staging, tmp)
     staging.unlink()
-    # Pass 1 removes the dead writer's temporary file, pass 2 frees its slot.
+    # The dead writer's presence file sends the reconcile through the directory: the pass
+    # removes its temporary file and frees the slot that file claimed.
     assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert not tmp.exists() and len(_slot_names(tier)) == 1, _inodes(tier)
     assert _disk_bytes(tier) == FILE_SIZE
@@ -235,11 +272,11 @@ def test_slotless_files_are_given_slots_up_to_the_bound_at_start(
     assert store(first, primary, keys, list(range(5)))
     first.shutdown()
     second = make_tier(max_bytes=3 * FILE_SIZE, enable_events=True)
-    scan = second.wait_for_scan(10)
+    scan = scan_stats(second)
     assert scan is not None and (scan.adopted, scan.unslotted_removed) == (3, 2)
     assert len(_block_files(second)) == 3 and len(_slot_names(second)) == 3
     assert all(p.stat().st_nlink == 2 for p in _block_files(second))
-    assert second.usage().used_bytes == 3 * FILE_SIZE
+    assert usage(second).used_bytes == 3 * FILE_SIZE
     removed = [k for e in second.take_events() if e.removed for k in e.keys]
     assert len(removed) == 2
 
@@ -258,7 +295,7 @@ def test_lowering_max_bytes_keeps_files_within_the_new_slots(
     slots = _slot_names(second)
     assert len(slots) == 3 and all(_slot_number(p) < 3 for p in slots), slots
     assert len(_block_files(second)) == 3 and _disk_bytes(second) == 3 * FILE_SIZE
-    assert second.usage().used_bytes == 3 * FILE_SIZE
+    assert usage(second).used_bytes == 3 * FILE_SIZE
     for path in _block_files(second):
         assert path.stat().st_nlink == 2
 
@@ -269,7 +306,7 @@ def test_without_hard_links_instances_evict_each_others_files(
     monkeypatch.setattr(RunDirectory, "supports_hard_links", lambda self, writer: False)
     a = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
     b = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
-    assert a.slots is None and b.slots is None
+    assert slots_of(a) is None and slots_of(b) is None
     assert store(a, primary, [key_of(i) for i in range(4)], [0, 1, 2, 3])
     assert store(b, primary, [key_of(i) for i in range(10, 14)], [4, 5, 6, 7])
     # Over the bound (8 files) until the instances reconcile: then each evicts what it finds.
@@ -277,7 +314,7 @@ def test_without_hard_links_instances_evict_each_others_files(
     assert a.wait_reconciled(10) and b.wait_reconciled(10)
     assert len(_block_files(a)) <= 4
     for tier in (a, b):
-        assert tier.usage().used_bytes == len(_block_files(a)) * FILE_SIZE
+        assert usage(tier).used_bytes == len(_block_files(a)) * FILE_SIZE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,10 +330,10 @@ def test_a_release_from_stale_knowledge_leaves_a_live_slot_alone(
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)
     n = _slot_number(slot)
-    assert tier.slots is not None
-    assert not tier.slots.release(n, slot.stat().st_ino + 12345)  # not the inode it holds
-    assert not tier.slots.release(n, None)  # not garbage: the block file names it too
-    assert slot.exists() and os.stat(tier.block_file_path(key)).st_nlink == 2
+    assert slots_of(tier) is not None
+    assert not slots_of(tier).release(n, slot.stat().st_ino + 12345)  # not the inode it holds
+    assert not slots_of(tier).release(n, None)  # not garbage: the block file names it too
+    assert slot.exists() and os.stat(block_file(tier, key)).st_nlink == 2
 
 
 def test_a_live_slot_grabbed_by_mistake_is_put_back(
@@ -320,9 +357,9 @@ def test_a_live_slot_grabbed_by_mistake_is_put_back(
         return st
 
     monkeypatch.setattr(slots_module.os, "stat", garbage_at_first_look)
-    assert tier.slots is not None and not tier.slots.release(n, None)
+    assert slots_of(tier) is not None and not slots_of(tier).release(n, None)
     monkeypatch.undo()
-    assert slot.exists() and slot.stat().st_ino == os.stat(tier.block_file_path(key)).st_ino
+    assert slot.exists() and slot.stat().st_ino == os.stat(block_file(tier, key)).st_ino
     assert not [p for p in slot.parent.iterdir() if p.name.startswith(".")], "no grab left"
 
 
@@ -344,8 +381,8 @@ def test_a_published_file_that_lost_its_slot_claims_another(
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     monkeypatch.undo()
-    assert tier.stats()["slots_lost"] == 1
-    assert os.stat(tier.block_file_path(key)).st_nlink == 2 and len(_slot_names(tier)) == 1
+    assert counters(tier)["slots_lost"] == 1
+    assert os.stat(block_file(tier, key)).st_nlink == 2 and len(_slot_names(tier)) == 1
 
 
 def test_a_retransmitted_nfs_link_counts_as_claimed(
@@ -362,7 +399,7 @@ def test_a_retransmitted_nfs_link_counts_as_claimed(
     assert store(tier, primary, [key_of(1)], [0])
     monkeypatch.undo()
     assert len(_slot_names(tier)) == 1
-    assert os.stat(tier.block_file_path(key_of(1))).st_nlink == 2
+    assert os.stat(block_file(tier, key_of(1))).st_nlink == 2
 
 
 def test_a_dead_releasers_grab_is_recovered(make_tier: TierFactory, primary: Primary) -> None:
@@ -370,19 +407,19 @@ def test_a_dead_releasers_grab_is_recovered(make_tier: TierFactory, primary: Pri
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    grab = slot.parent / f".g0.{HOST_TAG}.{proc.pid}.0badc0de.12345678.tmp"
+    pid = register_dead_writer(tier).name.split(".")[1]
+    grab = slot.parent / f".g0.{HOST_TAG}.{pid}.0badc0de.12345678.tmp"
     os.rename(slot, grab)  # the releaser died between its grab and its unlink
-    assert tier.wait_reconciled(10)
+    assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert not grab.exists()
-    assert len(_slot_names(tier)) == 1 and os.stat(tier.block_file_path(key)).st_nlink == 2
+    assert len(_slot_names(tier)) == 1 and os.stat(block_file(tier, key)).st_nlink == 2
 
 
 def test_two_slots_of_one_inode_are_reduced_to_one(
     make_tier: TierFactory, primary: Primary
 ) -> None:
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
+    share(tier, make_tier(max_bytes=4 * FILE_SIZE))  # such doubles come from races between them
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)
@@ -391,4 +428,4 @@ def test_two_slots_of_one_inode_are_reduced_to_one(
     os.link(slot, Path(tier.rank_dir) / SLOTS_DIR / sub / name)  # raises unless linked
     # (No st_nlink == 3 check here: the background reconcile may already have run.)
     assert tier.wait_reconciled(10)
-    assert os.stat(tier.block_file_path(key)).st_nlink == 2 and len(_slot_names(tier)) == 1
+    assert os.stat(block_file(tier, key)).st_nlink == 2 and len(_slot_names(tier)) == 1

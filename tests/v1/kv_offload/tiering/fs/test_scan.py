@@ -15,10 +15,12 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import scan as scan_module
-from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
-from vllm.v1.kv_offload.tiering.fs.scan import ScanStats, scan_rank_dir
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex
+from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats
+from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
 
-from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, store
+from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, make_spec, store
+from .tier_state import block_file, check_index, lru_keys
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 
@@ -29,18 +31,18 @@ def _scan(rank_dir: str, digest: bytes, stop: threading.Event | None = None) -> 
     index = CapacityIndex(max_bytes=None)
     fd = os.open(rank_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        stats = scan_rank_dir(
-            fd,
-            index,
-            run_digest=digest,
-            payload_len=ROW_BYTES,
-            stale_tmp_age_s=600,
-            stop=stop or threading.Event(),
+        walker = RankDirWalker(
+            fd, index, run_digest=digest, payload_len=ROW_BYTES, stale_tmp_age_s=600
         )
+        stats = walker.scan(stop or threading.Event())
     finally:
         os.close(fd)
-    index.check_invariants()
+    check_index(index)
     return index, stats
+
+
+# The digest every block header of the tests' run carries (docs/fs_tier.md: the run's identity).
+DIGEST = RunIdentity.from_spec(make_spec(), ROW_BYTES).digest
 
 
 def test_scan_indexes_block_files_and_ignores_foreign_ones(
@@ -58,14 +60,14 @@ def test_scan_indexes_block_files_and_ignores_foreign_ones(
     (rank / "abc" / "notes_g1" / "x.bin").write_bytes(b"x")
     misplaced = rank / "fff" / "ff_g0"
     misplaced.mkdir(parents=True)
-    source = Path(tier.block_file_path(keys[0]))
+    source = Path(block_file(tier, keys[0]))
     shutil.copyfile(source, misplaced / source.name)  # valid bytes, wrong directory
     # A well-named symlink is not a block file.
-    leaf = Path(tier.block_file_path(keys[1])).parent
+    leaf = Path(block_file(tier, keys[1])).parent
     (leaf / f"{leaf.parent.name}{leaf.name[:2]}00000000.bin").symlink_to(source)
-    index, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
+    index, stats = _scan(tier.rank_dir, DIGEST)
     assert stats.completed and stats.blocks == 3 and stats.bytes == 3 * FILE_SIZE
-    assert sorted(index.keys_lru_order()) == sorted(keys)
+    assert sorted(lru_keys(index)) == sorted(keys)
     assert (rank / "README").exists() and (misplaced).exists()
 
 
@@ -73,10 +75,10 @@ def test_scan_deletes_unreadable_digested_files(make_tier: TierFactory, primary:
     tier = make_tier()
     digested = make_offload_key(b"\x07", 0)
     assert store(tier, primary, [digested], [0])
-    path = Path(tier.block_file_path(digested))
+    path = Path(block_file(tier, digested))
     with open(path, "r+b") as f:
         f.write(b"garbage!")
-    index, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
+    index, stats = _scan(tier.rank_dir, DIGEST)
     assert stats.invalid_removed == 1 and stats.blocks == 0 and len(index) == 0
     assert not path.exists()
 
@@ -87,7 +89,7 @@ def test_scan_keeps_a_good_file_renamed_over_a_corrupt_one(
     tier = make_tier()
     digested = make_offload_key(b"\x07", 0)
     assert store(tier, primary, [digested], [0])
-    path = Path(tier.block_file_path(digested))
+    path = Path(block_file(tier, digested))
     good = path.with_name("good.copy")
     shutil.copyfile(path, good)
     with open(path, "r+b") as f:
@@ -102,7 +104,7 @@ def test_scan_keeps_a_good_file_renamed_over_a_corrupt_one(
             os.replace(good, path)
 
     monkeypatch.setattr(scan_module, "read_header_key", read_then_replace)
-    _, stats = _scan(tier.rank_dir, tier._mapper.run_digest)
+    _, stats = _scan(tier.rank_dir, DIGEST)
     assert stats.invalid_removed == 0
     assert path.exists(), "the good file renamed over the corrupt one survives"
     assert load(tier, primary, [digested], [1]) and primary.holds(1, digested)
@@ -113,5 +115,5 @@ def test_scan_stops_when_asked(make_tier: TierFactory, primary: Primary) -> None
     assert store(tier, primary, [key_of(i) for i in range(3)], [0, 1, 2])
     stop = threading.Event()
     stop.set()
-    index, stats = _scan(tier.rank_dir, tier._mapper.run_digest, stop)
+    index, stats = _scan(tier.rank_dir, DIGEST, stop)
     assert not stats.completed and len(index) == 0

@@ -22,7 +22,8 @@ from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 
-from .conftest import ROW_BYTES, Primary, TierFactory, job, key_of
+from .conftest import ROW_BYTES, Primary, TierFactory, job, key_of, register_dead_writer
+from .tier_state import block_file, check_index, counters, index_of, indexed_size, usage
 
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 MAX_FILES = 6
@@ -47,7 +48,7 @@ class Vandal(threading.Thread):
             self.poke.acquire()
             if self.stop:
                 return
-            by_path = {self.tier.block_file_path(key): key for key in UNIVERSE}
+            by_path = {block_file(self.tier, key): key for key in UNIVERSE}
             existing = sorted(str(p) for p in Path(self.tier.rank_dir).rglob("*.bin"))
             if not existing:
                 continue
@@ -65,7 +66,7 @@ class Vandal(threading.Thread):
 
 
 def _disk_sizes(tier: FileSystemSecondaryTier) -> dict[OffloadKey, int]:
-    by_path = {tier.block_file_path(key): key for key in UNIVERSE}
+    by_path = {block_file(tier, key): key for key in UNIVERSE}
     sizes: dict[OffloadKey, int] = {}
     for path in Path(tier.rank_dir).rglob("*.bin"):
         sizes[by_path[str(path)]] = path.stat().st_size
@@ -130,8 +131,8 @@ def test_concurrent_stores_loads_and_vandalism_keep_exact_accounting(
             tier.on_schedule_end()
             if step % 3 == 0:
                 vandal.poke.release()
-            tier.index.check_invariants()
-            assert tier.usage().used_bytes <= MAX_FILES * FILE_SIZE
+            check_index(tier)
+            assert usage(tier).used_bytes <= MAX_FILES * FILE_SIZE
         tier.drain_jobs()
         collect()
     finally:
@@ -141,18 +142,18 @@ def test_concurrent_stores_loads_and_vandalism_keep_exact_accounting(
     assert not in_flight
     assert loads_ok > 20 and len(stored_ok) > 100, (loads_ok, len(stored_ok))
 
-    # Reconcile what the vandal did behind the tier's back (the lookup probe stats every key),
-    # then the index must match the directory exactly.
+    # Reconcile what the vandal did behind the tier's back: a writer found gone (the presence
+    # file a crash leaves) sends the reconcile through the whole directory; then the index must
+    # match the directory exactly.
     tier.on_request_finished(req)
-    assert tier.wait_lookups_idle(10)
-    for key in UNIVERSE:
-        tier._store.probe(key)
+    register_dead_writer(tier)
+    assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     disk = _disk_sizes(tier)
-    assert {key: tier.index.size_of(key) for key in UNIVERSE} == {
+    assert {key: indexed_size(index_of(tier), key) for key in UNIVERSE} == {
         key: disk.get(key) for key in UNIVERSE
     }
-    tier.index.check_invariants()
-    snap = tier.usage()
+    check_index(tier)
+    snap = usage(tier)
     assert snap.used_bytes == sum(disk.values()) <= MAX_FILES * FILE_SIZE
     assert snap.num_writing == snap.num_removing == snap.num_pinned == 0
     assert not list(Path(tier.rank_dir).rglob("*.tmp"))
@@ -162,5 +163,5 @@ def test_concurrent_stores_loads_and_vandalism_keep_exact_accounting(
         (present.discard if removed else present.add)(key)
     assert set(disk) <= present
     assert present - set(disk) <= vandal.deleted | vandal.truncated
-    stats = tier.stats()
+    stats = counters(tier)
     assert stats["blocks_evicted"] > 0 and vandal.deleted and vandal.truncated

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSeco
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from .conftest import key_of, pattern
+from .tier_state import block_file
 
 ROW_BYTES = 1 << 20
 NUM_CPU_BLOCKS = 4
@@ -112,7 +113,7 @@ def test_store_evict_from_cpu_promote_back_bit_exact(tmp_path: Path, engines: li
     writer = ReqContext("writer")
     engine.manager.on_new_request(writer)
     engine.store(first, writer)
-    assert all(Path(engine.tier.block_file_path(key)).is_file() for key in first)
+    assert all(Path(block_file(engine.tier, key)).is_file() for key in first)
     engine.store(second, writer)  # the CPU tier is full: the first blocks are evicted from it
     assert engine.manager.primary_tier.lookup(first[0], writer) is False
     engine.manager.on_request_finished(writer)
@@ -156,7 +157,7 @@ def test_a_corrupt_block_is_never_served_through_the_stack(
     engine.shutdown()
     engines.remove(engine)
     # Flip one payload bit of the second block on disk (same size: only the checksum sees it).
-    path = Path(engine.tier.block_file_path(keys[1]))
+    path = Path(block_file(engine.tier, keys[1]))
     with open(path, "r+b") as f:
         f.seek(path.stat().st_size - 1)
         last = f.read(1)[0]

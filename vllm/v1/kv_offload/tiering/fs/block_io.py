@@ -7,10 +7,13 @@ relative to its parent's descriptor, and every block file with ``O_NOFOLLOW``, s
 planted anywhere below the rank directory fails the operation (``ELOOP``/``ENOTDIR``) instead of
 redirecting it outside the root.
 
-Atomicity: a block is written to a temporary file in its final directory (``O_EXCL``), fsynced,
-renamed over the final name (``os.replace``, atomic on POSIX filesystems), and the directory is
-fsynced. A reader therefore sees either no file or a complete one; a crash leaves at most a
-temporary file, whose name never matches a block file name.
+Atomicity: a block is written to a temporary file in its final directory (``O_EXCL``; with
+buffered I/O fsynced), and renamed over the final name (``os.replace``, atomic on POSIX
+filesystems). A reader therefore
+sees either no file or a complete one; a crash leaves at most a temporary file, whose name never
+matches a block file name. The durability of the new names (and of new block directories) is
+the job's: one directory ``fsync`` when its last block is written (``transfers.JobRecord``; see
+docs/fs_tier.md, "Crash safety").
 
 Temporary file names: ``.<stem>.<host>.<pid>.<writer>.<random>.tmp`` where ``<host>`` is 8 hex
 digits of the host name's BLAKE2b digest, ``<pid>`` the writing process and ``<writer>`` a random
@@ -32,12 +35,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
+    IntegrityKey,
     decode_header,
     encode_header,
     file_size,
@@ -46,6 +51,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
 )
 
 if TYPE_CHECKING:
+    from vllm.v1.kv_offload.tiering.fs.config import Permissions
     from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath
 
 logger = init_logger(__name__)
@@ -119,15 +125,21 @@ def is_stale_tmp(name: str, age_s: float, max_age_s: float) -> bool:
     match = _TMP_RE.match(name)
     if match is None:
         return False
-    if match.group("host") == HOST_TAG:
-        pid = int(match.group("pid"))
-        if pid == os.getpid():
-            with _live_writers_lock:
-                if match.group("writer") not in _live_writers:
-                    return True
-        elif not _pid_alive(pid):
-            return True
-    return age_s >= max_age_s
+    return writer_gone(match.group("host"), int(match.group("pid")), match.group("writer")) or (
+        age_s >= max_age_s
+    )
+
+
+def writer_gone(host: str, pid: int, writer: str) -> bool:
+    """Whether the tier instance ``writer`` of process ``pid`` on host ``host`` (its tag) is
+    known to be gone: on this host, the process no longer exists, or it is this process and the
+    instance was unregistered. False for other hosts (nothing can tell from here)."""
+    if host != HOST_TAG:
+        return False
+    if pid == os.getpid():
+        with _live_writers_lock:
+            return writer not in _live_writers
+    return not _pid_alive(pid)
 
 
 def is_stale_tmp_file(dir_fd: int, name: str, max_age_s: float) -> bool:
@@ -141,14 +153,109 @@ def is_stale_tmp_file(dir_fd: int, name: str, max_age_s: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Permissions
+# ---------------------------------------------------------------------------------------------
+
+_SETGID = stat.S_ISGID
+
+
+def process_umask() -> int:
+    """The process's file mode creation mask.
+
+    Read from ``/proc/self/status`` where the kernel reports it (Linux >= 4.7): setting and
+    restoring it, the only portable way, would briefly apply another mask to files other threads
+    create meanwhile.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+@dataclass(frozen=True)
+class FileModes:
+    """The modes of every directory and file the tier creates, exact whatever the umask.
+
+    Block files, their slot links (hard links: the same inode), ``config.json``, presence and
+    probe files get ``files``; every directory, the root included when the tier creates it,
+    gets ``dirs``. The umask is read once, when the tier starts: a file mode it would narrow is
+    set again with ``fchmod`` right after creation; a directory is always set (directories are
+    few, and ``mkdir`` ignores the set-group-ID bit that ``"group"`` uses).
+
+    Attributes:
+        permissions: the config value these modes implement.
+        dirs: mode of directories: 0700, or 2770 for ``"group"`` (set-group-ID, so that every
+            directory and file below the root gets the root's group).
+        files: mode of files: 0600, or 0660 for ``"group"``.
+        open_bits: mode bits of an existing root that let users read it who should not: group
+            and others for ``"private"``, others for ``"group"``.
+        umask: the process's umask when the tier started.
+    """
+
+    permissions: Permissions
+    dirs: int
+    files: int
+    open_bits: int
+    umask: int
+
+    @classmethod
+    def of(cls, permissions: Permissions) -> FileModes:
+        """The modes of ``permissions``, with the process's umask read now."""
+        if permissions == "group":
+            return cls(permissions, _SETGID | 0o770, 0o660, 0o007, process_umask())
+        return cls(permissions, 0o700, 0o600, 0o077, process_umask())
+
+    def fix_dir(self, fd: int) -> None:
+        """Give a directory this tier just created exactly ``dirs``."""
+        os.fchmod(fd, self.dirs)
+
+    def fix_file(self, fd: int) -> None:
+        """Give a file this tier just created exactly ``files`` (a no-op unless the umask
+        narrowed it)."""
+        if self.files & self.umask:
+            os.fchmod(fd, self.files)
+
+    def create_file(self, name: str, flags: int, dir_fd: int) -> int:
+        """``os.open(name, flags | O_CREAT ...)`` of a new file with exactly ``files``."""
+        fd = os.open(name, flags, self.files, dir_fd=dir_fd)
+        try:
+            self.fix_file(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+PRIVATE = FileModes.of("private")
+"""Private modes (0700 / 0600) under the umask of the import: for files made before a tier has
+its own ``FileModes`` (probes) and for tests."""
+
+
+# ---------------------------------------------------------------------------------------------
 # Directories
 # ---------------------------------------------------------------------------------------------
 
 
-def open_dir(name: str, dir_fd: int, *, create: bool) -> int:
+def open_dir(
+    name: str, dir_fd: int, *, create: FileModes | None = None, durable: bool = True
+) -> int:
     """Open directory ``name`` under ``dir_fd`` without following a symlink; maybe create it.
 
-    A newly created directory's entry is made durable (the parent is fsynced).
+    A directory this call creates gets exactly ``create.dirs`` (whatever the umask), and, if
+    ``durable``, its entry is made durable (the parent is fsynced).
+
+    Args:
+        name: the directory's name.
+        dir_fd: its parent.
+        create: create it with these modes if absent; None: never create.
+        durable: fsync the parent after creating it (block directories leave that to the
+            job's directory fsync).
 
     Raises:
         OSError: ``FileNotFoundError`` if absent and not ``create``; ``ELOOP``/``ENOTDIR`` if
@@ -157,28 +264,31 @@ def open_dir(name: str, dir_fd: int, *, create: bool) -> int:
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        if not create:
+        if create is None:
             raise
     try:
-        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        os.mkdir(name, create.dirs, dir_fd=dir_fd)
         created = True
     except FileExistsError:
         created = False  # a concurrent writer made it
     fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     if created:
         try:
-            os.fsync(dir_fd)
+            create.fix_dir(fd)
+            if durable:
+                os.fsync(dir_fd)
         except BaseException:
             os.close(fd)
             raise
     return fd
 
 
-def open_block_dir(rank_fd: int, path: BlockPath, *, create: bool) -> int:
-    """Open (or create) ``<hhh>/<hh>_g<group>`` under the rank directory; returns its fd."""
-    fd1 = open_dir(path.dir1, rank_fd, create=create)
+def open_block_dir(rank_fd: int, path: BlockPath, *, create: FileModes | None = None) -> int:
+    """Open (or create) ``<hhh>/<hh>_g<group>`` under the rank directory; returns its fd. New
+    directories are not fsynced here: the storing job's directory fsync covers them."""
+    fd1 = open_dir(path.dir1, rank_fd, create=create, durable=False)
     try:
-        return open_dir(path.dir2, fd1, create=create)
+        return open_dir(path.dir2, fd1, create=create, durable=False)
     finally:
         os.close(fd1)
 
@@ -277,15 +387,20 @@ def write_block_file(
     key: bytes,
     run_digest: bytes,
     o_direct: bool,
+    modes: FileModes,
+    integrity: IntegrityKey | None = None,
     on_created: CreatedHook | None = None,
 ) -> None:
-    """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically and durably.
+    """Publish ``payload`` as block file ``path.name`` in ``leaf_fd``, atomically.
 
     Steps: checksum the payload, create ``tmp`` (``O_EXCL``; ``O_DIRECT`` if asked, which needs
     ``payload`` page-aligned and a multiple of the page size), call ``on_created``, write header
-    + payload, fsync, close, rename onto the final name, fsync the directory. On any failure
-    before the rename the temporary file is removed (after ``on_created``'s undo, if any) and the
-    error re-raised; the final name is then untouched.
+    + payload, with buffered I/O ``fsync`` (with O_DIRECT the bytes are on the device when the
+    write returns), close, rename onto the final name. The name, and the bytes' way out of the
+    device's write cache, are made durable by the caller's ``fsync`` of ``leaf_fd``, once per job
+    (docs/fs_tier.md, "Crash safety"). On any failure before the rename the temporary file is
+    removed (after ``on_created``'s undo, if any) and the error re-raised; the final name is then
+    untouched.
 
     Args:
         leaf_fd: the ``<hh>_g<group>`` directory.
@@ -296,6 +411,8 @@ def write_block_file(
         key: the block's key (stamped into the header).
         run_digest: the run digest (stamped into the header).
         o_direct: use O_DIRECT.
+        modes: the file's mode (``modes.files``).
+        integrity: sign the block with this fleet key (a MAC in the header); None: CRCs only.
         on_created: called with ``(tmp, fd)`` once the empty temporary file exists, before any
             byte is written (the capacity slot is claimed there); it may raise to abandon the
             write. What it returns, if not None, is called if the file is not published, while
@@ -311,8 +428,10 @@ def write_block_file(
         run_digest=run_digest,
         payload_len=len(payload),
         checksum=payload_checksum(payload),
+        integrity=integrity,
+        payload=payload,
     )
-    fd = os.open(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), 0o644, dir_fd=leaf_fd)
+    fd = modes.create_file(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), leaf_fd)
     published = False
     undo: Callable[[], None] | None = None
     try:
@@ -320,7 +439,8 @@ def write_block_file(
             if on_created is not None:
                 undo = on_created(tmp, fd)
             _write_all(fd, [header_buf, payload])
-            os.fsync(fd)
+            if not o_direct:
+                os.fsync(fd)  # the page cache's bytes on the device before the name exists
         finally:
             os.close(fd)
         os.replace(tmp, path.name, src_dir_fd=leaf_fd, dst_dir_fd=leaf_fd)
@@ -335,11 +455,6 @@ def write_block_file(
                     logger.warning("fs tier: cannot undo the claim of %s: %s", tmp, e)
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=leaf_fd)
-    try:
-        os.fsync(leaf_fd)
-    except OSError as e:
-        # The file is complete and in place; only the durability of its name is in doubt.
-        logger.warning("fs tier: fsync of the directory of %s failed: %s", path.rel, e)
 
 
 def read_block_file(
@@ -351,14 +466,22 @@ def read_block_file(
     key: bytes,
     run_digest: bytes,
     o_direct: bool,
+    integrity: IntegrityKey | None = None,
 ) -> None:
     """Read and verify block file ``name`` into ``payload`` (a primary row).
 
     ``payload`` may be partly written when this raises; the caller must not mark it valid.
 
+    Args:
+        integrity: the fleet key the block must be signed with (its MAC is checked); None: the
+            CRCs of any block.
+
     Raises:
-        BlockFileCorrupt: wrong size, short read, bad header or checksum; ``file_id`` names the
-            inode that was read, so only that file is deleted.
+        BlockFileCorrupt: wrong size, short read, bad header or checksum, or (``BlockForged``) a
+            MAC that does not verify; ``file_id`` names the inode that was read, so only that
+            file is deleted.
+        BlockNotAuthenticated: ``integrity`` is set and the file was written without it (no key,
+            or another key id).
         OSError: a system-call error (``FileNotFoundError`` when the file vanished), or
             ``EINVAL`` when ``name`` is not a regular file.
     """
@@ -375,9 +498,9 @@ def read_block_file(
         if got != expected:
             raise BlockFileCorrupt(f"read {got} of {expected} bytes (truncated)", file_id)
         try:
-            verify_parts(header_buf, payload, key=key, run_digest=run_digest)
+            verify_parts(header_buf, payload, key=key, run_digest=run_digest, integrity=integrity)
         except BlockFileCorrupt as e:
-            raise BlockFileCorrupt(e.reason, file_id) from None
+            raise type(e)(e.reason, file_id) from None
     finally:
         os.close(fd)
 
@@ -436,17 +559,12 @@ def unlink_block(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> os.
     return st
 
 
-def unlink_if_same(dir_fd: int, name: str, file_id: tuple[int, int] | None) -> bool:
-    """``unlink_block`` returning whether the file was unlinked."""
-    return unlink_block(dir_fd, name, file_id) is not None
-
-
 # ---------------------------------------------------------------------------------------------
 # Capability probe
 # ---------------------------------------------------------------------------------------------
 
 
-def probe_o_direct(dir_fd: int, writer: str) -> bool:
+def probe_o_direct(dir_fd: int, writer: str, modes: FileModes) -> bool:
     """Whether O_DIRECT works in directory ``dir_fd``: write, fsync and read back one page.
 
     False on platforms without O_DIRECT and on filesystems that reject it (tmpfs, overlayfs,
@@ -461,7 +579,7 @@ def probe_o_direct(dir_fd: int, writer: str) -> bool:
     src, dst = memoryview(src_mm), memoryview(dst_mm)
     try:
         src[:] = secrets.token_bytes(page)
-        fd = os.open(name, _WRITE_FLAGS | O_DIRECT, 0o644, dir_fd=dir_fd)
+        fd = modes.create_file(name, _WRITE_FLAGS | O_DIRECT, dir_fd)
         try:
             _write_all(fd, [src])
             os.fsync(fd)

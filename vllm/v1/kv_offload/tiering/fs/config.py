@@ -17,8 +17,10 @@ from typing import Any, Literal, cast
 
 from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
+from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
 
 ODirectMode = Literal["auto", True, False]
+Permissions = Literal["private", "group"]
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -44,8 +46,15 @@ def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
+def default_io_threads() -> int:
+    """I/O threads of each kind when the config does not say: as many as the host has CPUs,
+    from 2 to 8. The threads mostly wait for the disk (``fsync``), so a few per kind keep it
+    busy; more would only add wake-ups on a small host."""
+    return min(8, max(2, os.cpu_count() or 2))
+
+
 def _parse_threads(key: str, value: Any) -> int:
-    return _parse_int(key, value, 1, 256)
+    return default_io_threads() if value is None else _parse_int(key, value, 1, 256)
 
 
 def _parse_seconds(key: str, value: Any, *, positive: bool) -> float:
@@ -66,8 +75,10 @@ class FsTierConfig:
 
     Attributes:
         root_dir: absolute, symlink-resolved root directory shared by every run.
-        n_read_threads: I/O threads that prefer loads (they take stores when no load is queued).
-        n_write_threads: I/O threads that prefer stores (they take loads when no store is queued).
+        n_read_threads: I/O threads that prefer loads (they take stores when no load is queued);
+            by default ``default_io_threads()``: the host's CPUs, from 2 to 8.
+        n_write_threads: I/O threads that prefer stores (they take loads when no store is
+            queued); same default.
         max_bytes: bound on the bytes of block files of this run directory (LRU eviction above
             it); None means bounded only by ``min_free_bytes``.
         min_free_bytes: free bytes the tier leaves on the filesystem; a store that would go below
@@ -87,11 +98,18 @@ class FsTierConfig:
         max_read_failures: consecutive failed reads (transient errors such as EACCES or EIO) of
             one block file after which the tier stops serving it: lookups miss, it becomes the
             first eviction victim, and the next store of the block replaces it.
+        permissions: ``"private"``: directories 0700 and files 0600, whatever the umask (only
+            the user running the tier can read the cached blocks); ``"group"``: directories
+            2770 (set-group-ID) and files 0660, for a cache shared by the users of the root's
+            group.
+        integrity: the fleet's integrity key (``block_format.IntegrityKey``, from the
+            ``integrity_key_env`` or ``integrity_key_file`` key): every block file then carries
+            a MAC, and a file whose MAC does not verify is never served. None: CRCs only.
     """
 
     root_dir: str
-    n_read_threads: int = 8
-    n_write_threads: int = 8
+    n_read_threads: int
+    n_write_threads: int
     max_bytes: int | None = None
     min_free_bytes: int | None = None
     o_direct: ODirectMode = "auto"
@@ -100,14 +118,16 @@ class FsTierConfig:
     reconcile_interval_s: float = 1.0
     reconcile_batch: int = 1024
     max_read_failures: int = 3
+    permissions: Permissions = "private"
+    integrity: IntegrityKey | None = None
 
     @classmethod
     def from_kwargs(
         cls,
         *,
         root_dir: Any,
-        n_read_threads: Any = 8,
-        n_write_threads: Any = 8,
+        n_read_threads: Any = None,
+        n_write_threads: Any = None,
         max_bytes: Any = None,
         min_free_bytes: Any = None,
         o_direct: Any = "auto",
@@ -116,14 +136,19 @@ class FsTierConfig:
         reconcile_interval_s: Any = 1.0,
         reconcile_batch: Any = 1024,
         max_read_failures: Any = 3,
+        permissions: Any = "private",
+        integrity_key_env: Any = None,
+        integrity_key_file: Any = None,
     ) -> FsTierConfig:
-        """Validate raw config values (e.g. decoded JSON) and normalise them.
+        """Validate raw config values (e.g. decoded JSON) and normalise them; reads the
+        integrity secret.
 
         ``root_dir`` is made absolute and its symlinks resolved, once, here: the tier never
         follows a symlink below it.
 
         Raises:
-            ValueError: a missing ``root_dir`` or any invalid value, naming the key.
+            ValueError: a missing ``root_dir`` or any invalid value, naming the key (never a
+                secret).
         """
         if root_dir is None:
             raise ValueError(
@@ -138,6 +163,8 @@ class FsTierConfig:
             raise _bad("enable_events", enable_events, "a bool")
         if not (isinstance(o_direct, bool) or (isinstance(o_direct, str) and o_direct == "auto")):
             raise _bad("o_direct", o_direct, "'auto', true or false")
+        if permissions not in ("private", "group") or not isinstance(permissions, str):
+            raise _bad("permissions", permissions, "'private' or 'group'")
         return cls(
             root_dir=os.path.realpath(os.path.abspath(os.path.expanduser(root_dir))),
             n_read_threads=_parse_threads("n_read_threads", n_read_threads),
@@ -156,4 +183,8 @@ class FsTierConfig:
             ),
             reconcile_batch=_parse_int("reconcile_batch", reconcile_batch, 1, 1 << 24),
             max_read_failures=_parse_int("max_read_failures", max_read_failures, 1, 1000),
+            permissions=cast(Permissions, permissions),
+            integrity=IntegrityKey.from_config(
+                env=integrity_key_env, file=integrity_key_file, tier="fs"
+            ),
         )

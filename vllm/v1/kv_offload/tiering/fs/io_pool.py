@@ -11,10 +11,12 @@ So neither queue starves (each has workers that prefer it), idle workers help th
 and under pressure loads, which a request is waiting for, are served by their own workers
 however many stores are queued.
 
-A job is a list of tasks (one per block). It finishes when its last task has run; it succeeded
-iff every task returned True. Finished jobs are collected by ``get_finished()``, each exactly
-once. ``shutdown()`` cancels queued tasks (their jobs finish as failed) and joins the workers,
-letting tasks already running complete.
+A job is a list of tasks (a few chunks of its blocks). It finishes when its last task has run;
+it succeeded iff every task returned True. Its ``on_done`` hook, if any, runs on the thread that
+ran its last task, before the job is reported (the fs tier fsyncs a store job's directory
+there). Finished jobs are collected by ``get_finished()``, each exactly once. ``shutdown()``
+cancels queued tasks (their jobs finish as failed) and joins the workers, letting tasks already
+running complete.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
@@ -46,6 +48,7 @@ class IoTask(ABC):
 class _Job:
     job_id: int
     remaining: int
+    on_done: Callable[[], None] | None
     success: bool = True
 
 
@@ -95,10 +98,21 @@ class DualQueueThreadPool:
         """Jobs submitted and not finished yet."""
         return self._jobs_in_flight
 
-    def submit(self, job_id: int, tasks: Sequence[IoTask], *, is_load: bool) -> None:
+    def submit(
+        self,
+        job_id: int,
+        tasks: Sequence[IoTask],
+        *,
+        is_load: bool,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         """Queue the tasks of job ``job_id``; returns at once.
 
-        A job without tasks finishes at once, successfully.
+        A job without tasks finishes at once, successfully (``on_done`` is not called).
+
+        Args:
+            on_done: called once, on the pool thread that ends the job's last task (run or
+                cancelled), before the job is reported; an exception is logged.
 
         Raises:
             RuntimeError: the pool is shut down (nothing was queued).
@@ -109,7 +123,7 @@ class DualQueueThreadPool:
             if not tasks:
                 self._finished.append((job_id, True))
                 return
-            job = _Job(job_id, len(tasks))
+            job = _Job(job_id, len(tasks), on_done)
             (self._loads if is_load else self._stores).extend((job, task) for task in tasks)
             self._jobs_in_flight += 1
             self._cond.notify(len(tasks))
@@ -176,7 +190,14 @@ class DualQueueThreadPool:
                 job.success = False
             job.remaining -= 1
             assert job.remaining >= 0, f"job {job.job_id}: more tasks finished than submitted"
-            if job.remaining == 0:
-                self._finished.append((job.job_id, job.success))
-                self._jobs_in_flight -= 1
-                self._cond.notify_all()
+            if job.remaining:
+                return
+        if job.on_done is not None:
+            try:
+                job.on_done()
+            except Exception:
+                logger.exception("fs tier: finishing job %d failed", job.job_id)
+        with self._cond:
+            self._finished.append((job.job_id, job.success))
+            self._jobs_in_flight -= 1
+            self._cond.notify_all()

@@ -7,20 +7,28 @@ per block, under a directory derived from the run's identity (see ``file_mapper`
 survives restarts and is shared by every instance that mounts the same root with the same run
 fields.
 
+Components (one module per concern): ``transfers`` (the read/write path: a job's stores and
+loads, in chunks, and the lookup probe), ``capacity`` (the capacity index and the removal of
+files through it), ``slots`` (the bound of a directory shared by several instances), ``scan``
+(the start-up scan and the walk every reconcile pass does), ``reconcile`` (the thread that runs
+them), ``writers`` (which instances write the directory), ``lookup`` (lookups from the index,
+else a background probe), ``io_pool`` (the I/O threads), ``run_dir`` (directories at start).
+
 Threads:
     * the scheduler thread calls the ``SecondaryTierManager`` methods; they only queue work and
-      do O(keys) bookkeeping (no system call);
+      do O(keys) bookkeeping (no system call); lookups answer from the index when it can tell;
     * ``n_read_threads`` + ``n_write_threads`` I/O threads (``DualQueueThreadPool``) copy between
-      primary rows and files;
-    * the async-lookup thread ``stat`` s files for ``lookup``;
+      primary rows and files, a chunk of a job at a time;
+    * the async-lookup thread ``stat`` s the files of lookups the index cannot answer;
     * the scan thread rebuilds the capacity index at start and removes crash leftovers, then
-      keeps reconciling it with the directory (files other instances wrote or deleted), a
-      bounded number of entries per interval (``reconcile``).
+      lists the other writers and, while there is something to learn, keeps reconciling the
+      index with the directory (files other instances wrote or deleted), a bounded number of
+      entries per interval (``reconcile``).
 
 Guarantees:
-    * A block file is published atomically (tmp file, fsync, rename, directory fsync); a reader
-      never sees a partial file, and a crash leaves only temporary files, which are never served
-      and are removed by the next start-up scan.
+    * A block file is published atomically (tmp file, fsync, rename; one directory fsync per
+      job); a reader never sees a partial file, and a crash leaves only temporary files, which
+      are never served and are removed by the next start-up scan.
     * Every load is verified (header, key, run digest, size, CRC-32 of the payload). A corrupt,
       truncated or foreign file fails the job and is deleted; a file of the wrong size is deleted
       wherever the tier meets it and never indexed. A transient error (any ``OSError``: EACCES,
@@ -40,7 +48,6 @@ Guarantees:
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
@@ -57,18 +64,23 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import file_size
-from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
-from vllm.v1.kv_offload.tiering.fs.block_jobs import JobRecord, block_tasks
+from vllm.v1.kv_offload.tiering.fs.block_io import (
+    FileModes,
+    register_writer,
+    unregister_writer,
+)
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, FileRemover
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
-from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, IndexSnapshot
 from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
-from vllm.v1.kv_offload.tiering.fs.lookup import FsLookupManager
+from vllm.v1.kv_offload.tiering.fs.lookup import FsLookups
+from vllm.v1.kv_offload.tiering.fs.meters import Counters, FreeSpaceGuard
 from vllm.v1.kv_offload.tiering.fs.reconcile import Reconciler
 from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
-from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket, scan_rank_dir
+from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket
 from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
-from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+from vllm.v1.kv_offload.tiering.fs.transfers import BlockTransfers, JobRecord, job_tasks
+from vllm.v1.kv_offload.tiering.fs.writers import WriterRegistry
 from vllm.v1.kv_offload.tiering.run_identity import run_fields_from_spec
 from vllm.v1.kv_offload.tiering.tier_plumbing import (
     AsyncLookupTier,
@@ -99,7 +111,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
 
     Tier kwargs (the ``secondary_tiers`` entry of type ``"fs"``; see ``FsTierConfig``):
         root_dir: required; created if missing. Unusable -> ``OSError`` naming it.
-        n_read_threads, n_write_threads: I/O threads (default 8 each).
+        n_read_threads, n_write_threads: I/O threads (default: the host's CPUs, from 2 to 8,
+            each).
         max_bytes: LRU bound on this run's block files (bytes or e.g. ``"64GiB"``); default none.
         min_free_bytes: free space to leave on the filesystem (default min(1 GiB, 5 %)).
         o_direct: ``"auto"`` (default), true or false.
@@ -110,6 +123,13 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         reconcile_batch: directory entries examined per reconcile step (default 1024).
         max_read_failures: consecutive failed reads after which a block file is no longer
             served and the next store replaces it (default 3).
+        permissions: ``"private"`` (default: directories 0700, files 0600, whatever the umask)
+            or ``"group"`` (2770 and 0660: a cache shared by the root's group).
+        integrity_key_env, integrity_key_file: where the fleet secret is (an environment
+            variable name, or a file of raw bytes only its owner may read), at most one: every
+            block file then carries an HMAC-SHA256, and one whose MAC does not verify is deleted
+            and counted (``forged_removed``), never served; one written without the key (or
+            with another) is a miss (``unauthenticated_misses``). Default: none, CRCs only.
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape,
@@ -130,8 +150,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         primary_kv_view: memoryview,
         tier_type: str,
         root_dir: str | os.PathLike[str] | None = None,
-        n_read_threads: int = 8,
-        n_write_threads: int = 8,
+        n_read_threads: int | None = None,
+        n_write_threads: int | None = None,
         max_bytes: int | str | None = None,
         min_free_bytes: int | str | None = None,
         o_direct: bool | str = "auto",
@@ -140,6 +160,9 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         reconcile_interval_s: float = 1.0,
         reconcile_batch: int = 1024,
         max_read_failures: int = 3,
+        permissions: str = "private",
+        integrity_key_env: str | None = None,
+        integrity_key_file: str | None = None,
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
@@ -155,6 +178,9 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             reconcile_interval_s=reconcile_interval_s,
             reconcile_batch=reconcile_batch,
             max_read_failures=max_read_failures,
+            permissions=permissions,
+            integrity_key_env=integrity_key_env,
+            integrity_key_file=integrity_key_file,
         )
         view = primary_kv_view
         self._num_rows, self._row_bytes = primary_view_rows(view, "fs")
@@ -169,14 +195,25 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         self._writer = register_writer()
         self._slots: CapacitySlots | None = None
         try:
-            self._run_dir = RunDirectory.open(config.root_dir, self._mapper, self._writer)
+            self._run_dir = RunDirectory.open(
+                config.root_dir, self._mapper, self._writer, FileModes.of(config.permissions)
+            )
             try:
                 o_direct_on = self._run_dir.decide_o_direct(
                     config.o_direct, view, self._row_bytes, self._writer
                 )
                 min_free = self._run_dir.resolve_min_free_bytes(config.min_free_bytes)
                 self._slots = self._open_slots()
+                # Registered before the first block file is written (see writers.py).
+                self._writers = WriterRegistry(
+                    self._run_dir.rank_fd,
+                    self._writer,
+                    self._run_dir.modes,
+                    config.stale_tmp_age_s,
+                )
             except BaseException:
+                if self._slots is not None:
+                    self._slots.close()
                 self._run_dir.close()
                 raise
         except BaseException:
@@ -186,23 +223,41 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         # Flat byte view of the primary rows; row b is [b * row_bytes, (b + 1) * row_bytes).
         self._flat: memoryview = view.cast("B")
         self._events: deque[tuple[OffloadKey, bool]] = deque()
+        self._counters = Counters()
         self._index = CapacityIndex(
             config.max_bytes,
             on_change=self._record_event if config.enable_events else None,
             bucket_of=leaf_bucket,
         )
-        self._store = BlockStore(
-            self._run_dir.rank_fd,
+        rank_fd = self._run_dir.rank_fd
+        self._remover = FileRemover(
+            rank_fd,
             self._mapper,
             self._index,
-            row_bytes=self._row_bytes,
+            self._counters,
+            file_size=file_size(self._row_bytes),
+            slots=self._slots,
+        )
+        if self._slots is not None:
+            self._slots.bind_remover(self._remover.evict)
+        self._transfers = BlockTransfers(
+            rank_fd,
+            self._flat,
+            self._row_bytes,
+            mapper=self._mapper,
+            index=self._index,
+            remover=self._remover,
+            counters=self._counters,
             o_direct=o_direct_on,
-            min_free_bytes=min_free,
+            modes=self._run_dir.modes,
+            free_space=FreeSpaceGuard(
+                rank_fd, min_free, file_size(self._row_bytes), config.root_dir
+            ),
             writer=self._writer,
-            root_dir=config.root_dir,
             max_bytes=config.max_bytes,
             max_read_failures=config.max_read_failures,
             slots=self._slots,
+            integrity=config.integrity,
         )
         # Scheduler thread only.
         self._jobs: dict[int, JobRecord] = {}
@@ -210,21 +265,21 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         self._pool = DualQueueThreadPool(
             config.n_read_threads, config.n_write_threads, f"vllm_fs_tier_{tier_type}"
         )
-        if self._slots is not None:
-            self._slots.bind_remover(self._store.remove_block_file)
-        self._lookups = FsLookupManager(tier_type, self._store.probe)
         self._walker = RankDirWalker(
-            self._run_dir.rank_fd,
+            rank_fd,
             self._index,
             run_digest=self._mapper.run_digest,
             payload_len=self._row_bytes,
             stale_tmp_age_s=config.stale_tmp_age_s,
-            store=self._store,
+            remover=self._remover,
+            counters=self._counters,
             slots=self._slots,
         )
         self._reconciler = Reconciler(
             self._walker,
-            first_pass=self._first_pass,
+            index=self._index,
+            count_writers=self._writers.count_others,
+            first_pass=self._walker.scan,
             after_first=self._after_scan,
             # Without slots, this is how files others wrote get evicted; with them, the directory
             # is bounded already and a view that briefly counts a file twice must not evict.
@@ -233,8 +288,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             batch=config.reconcile_batch,
             name=f"vllm_fs_tier_{tier_type}_scan",
         )
-        self._scan_thread = self._reconciler.thread
-        self._scan_started = time.monotonic()
+        self._lookups = FsLookups(tier_type, self._index, self._transfers, self._reconciler)
+        self._scan_started = time.monotonic()  # the scan starts with the thread
         self._reconciler.start()
         logger.info(
             "fs tier: %s (O_DIRECT %s, max_bytes=%s in %s slots, min_free_bytes=%d, %d+%d I/O "
@@ -251,7 +306,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         )
 
     # -----------------------------------------------------------------------------------------
-    # Introspection (tests, benchmarks, operators)
+    # What an operator may ask
     # -----------------------------------------------------------------------------------------
 
     @property
@@ -261,13 +316,8 @@ class FileSystemSecondaryTier(AsyncLookupTier):
 
     @property
     def rank_dir(self) -> str:
-        """Absolute path of this run's block directory."""
+        """Absolute path of this run's block directory (layout: docs/fs_tier.md)."""
         return self._run_dir.rank_dir
-
-    @property
-    def config_path(self) -> str:
-        """Absolute path of this run's ``config.json``."""
-        return self._run_dir.config_path
 
     @property
     def uses_o_direct(self) -> bool:
@@ -277,62 +327,42 @@ class FileSystemSecondaryTier(AsyncLookupTier):
     @property
     def block_file_size(self) -> int:
         """Bytes of one block file (header + one primary row)."""
-        return self._store.file_size
+        return self._transfers.file_size
 
     @property
-    def index(self) -> CapacityIndex:
-        """The capacity index (read-only use)."""
-        return self._index
-
-    def block_file_path(self, key: OffloadKey) -> str:
-        """Absolute path of ``key``'s block file (whether or not it exists)."""
-        return os.path.join(self._run_dir.rank_dir, self._mapper.block_path(key).rel)
-
-    def usage(self) -> IndexSnapshot:
-        """Bytes and blocks accounted by the capacity index."""
-        return self._index.snapshot()
-
-    def stats(self) -> dict[str, int]:
-        """Cumulative per-block counters (see ``BlockStore.counters``)."""
-        return self._store.counters()
-
-    @property
-    def slots(self) -> CapacitySlots | None:
-        """The capacity slots bounding the directory (None without ``max_bytes``, or where the
-        filesystem has no hard links)."""
-        return self._slots
-
-    def wait_for_scan(self, timeout: float | None = None) -> ScanStats | None:
-        """Block until the start-up scan ended (tests); None if ``timeout`` expired."""
-        return self._reconciler.wait_for_scan(timeout)
+    def sole_writer(self) -> bool:
+        """Whether this instance is the only writer of its run directory and its index holds
+        every block file in it: lookups then answer at once, absent keys included, and the
+        reconcile only lists the writers (docs/fs_tier.md, "Who writes the directory")."""
+        return self._reconciler.solo
 
     def wait_reconciled(self, timeout: float | None = None) -> bool:
-        """Block until a complete reconcile pass that started after this call ended (tests,
-        tools); False if ``timeout`` expired first."""
-        return self._reconciler.wait_for_pass(timeout)
-
-    def last_reconcile(self) -> ScanStats | None:
-        """What the last complete reconcile pass found and did."""
-        return self._reconciler.last_pass
+        """Block until the reconcile finished a round that started after this call: a complete
+        pass over the directory, or, when this instance is the only writer and nothing changed
+        behind its back, a listing of the writers that found none. After it, ``get_stats``
+        accounts every change made to the directory before the call. False if ``timeout``
+        expired first."""
+        return self._reconciler.wait_for_round(timeout)
 
     @override
     def get_stats(self) -> TierStats:
-        """Blocks and bytes of the capacity index, block file size and ``stats()`` counters."""
-        usage = self.usage()
+        """Blocks and bytes of the capacity index, the block file size, and the counters of
+        docs/fs_tier.md ("Statistics"): per job and block, and per lookup."""
+        usage = self._index.snapshot()
         return TierStats(
             tier_type=self.tier_type,
             num_blocks=usage.num_blocks,
             used_bytes=usage.used_bytes,
             block_bytes=self.block_file_size,
-            counters=self.stats(),
+            counters=self._counters.snapshot() | self.lookup_counters(),
             capacity_bytes=usage.max_bytes,
         )
 
     @override
     def wait_until_ready(self, timeout_s: float | None = None) -> bool:
-        """Wait for the start-up scan (``wait_for_scan``): the index then counts every block
-        file already on disk."""
-        return self.wait_for_scan(timeout_s) is not None
+        """Wait for the start-up scan: the index then counts every block file already on
+        disk."""
+        return self._reconciler.wait_for_scan(timeout_s) is not None
 
     @override
     def __repr__(self) -> str:
@@ -343,19 +373,16 @@ class FileSystemSecondaryTier(AsyncLookupTier):
     # -----------------------------------------------------------------------------------------
 
     @override
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """None until a background ``stat`` answered (a later step), then True/False."""
-        return self._lookups.lookup(key, req_context)
-
-    @override
     def submit_store(self, job: JobMetadata) -> None:
-        """Queue one write task per block; blocks already on disk are skipped by their task."""
+        """Queue the job's writes (a few tasks of several blocks each); blocks already on disk
+        are skipped by their task."""
         record = self._new_record(job)
         self._submit(job, record, is_load=False)
 
     @override
     def submit_load(self, job: JobMetadata) -> None:
-        """Pin the keys against eviction and queue one verified-read task per block."""
+        """Pin the keys against eviction and queue the job's verified reads (a few tasks of
+        several blocks each)."""
         record = self._new_record(job)
         keys = list(job.keys)
         self._index.pin(keys)
@@ -377,9 +404,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
                 f"{[key.hex() for key in record.failed_keys]}"
             )
             kind = "load_jobs" if record.is_promotion else "store_jobs"
-            self._store.count(kind)
-            if not success:
-                self._store.count(f"{kind}_failed")
+            self._counters.add({kind: 1, f"{kind}_failed": 0 if success else 1})
             if record.is_promotion and record.failed_keys:
                 # Stop requests from retrying blocks this tier could not deliver.
                 self._lookups.mark_miss(record.failed_keys)
@@ -438,7 +463,9 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             stuck.append("the start-up scan or reconcile")
         self._pool.shutdown()
         self._flat.release()
+        self._writers.leave()  # after the last I/O: others stop counting this instance
         if not stuck:
+            self._writers.close()
             if self._slots is not None:
                 self._slots.close()
             self._run_dir.close()
@@ -464,24 +491,16 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         return JobRecord(is_promotion=job.is_promotion)
 
     def _submit(self, job: JobMetadata, record: JobRecord, *, is_load: bool) -> None:
-        tasks = block_tasks(job, record, self._run_block, self._index)
+        threads = self._config.n_read_threads if is_load else self._config.n_write_threads
+        tasks = job_tasks(job, record, self._transfers, threads)
         self._jobs[job.job_id] = record
         try:
-            self._pool.submit(job.job_id, tasks, is_load=is_load)
+            self._pool.submit(
+                job.job_id, tasks, is_load=is_load, on_done=None if is_load else record.finish
+            )
         except BaseException:
             del self._jobs[job.job_id]
             raise
-
-    def _run_block(self, key: OffloadKey, block_id: int, is_load: bool) -> bool:
-        """I/O thread: move one block between primary row ``block_id`` and ``key``'s file.
-
-        The row is bytes ``[block_id * row_bytes, (block_id + 1) * row_bytes)`` of the flat
-        primary view (every worker's slice of the block, then padding). The slice is released
-        before returning so that ``shutdown()`` can release the view.
-        """
-        start = block_id * self._row_bytes
-        with self._flat[start : start + self._row_bytes] as row:
-            return self._store.load(key, row) if is_load else self._store.store(key, row)
 
     def _record_event(self, key: OffloadKey, present: bool) -> None:
         # Called under the index lock: events are in the order of the changes.
@@ -508,19 +527,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             self._row_bytes,
             self._config.stale_tmp_age_s,
             self._run_dir.rank_dir,
-        )
-
-    def _first_pass(self, stop: threading.Event) -> ScanStats:
-        """Scan thread: pass 0, the start-up scan, at full speed."""
-        self._scan_started = time.monotonic()
-        return scan_rank_dir(
-            self._run_dir.rank_fd,
-            self._index,
-            run_digest=self._mapper.run_digest,
-            payload_len=self._row_bytes,
-            stale_tmp_age_s=self._config.stale_tmp_age_s,
-            stop=stop,
-            walker=self._walker,
+            self._run_dir.modes,
         )
 
     def _after_scan(self, stats: ScanStats) -> None:
@@ -550,4 +557,4 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         newly found, may have pushed it over)."""
         victims = self._index.evict_to_fit()
         if victims:
-            self._store.remove_victims(victims)
+            self._remover.remove_victims(victims)

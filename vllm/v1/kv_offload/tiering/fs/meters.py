@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Small thread-safe meters of the filesystem tier: a rate-limited log and an I/O busy clock."""
+"""Small thread-safe meters of the filesystem tier: its counters, a rate-limited log, the I/O busy
+clocks and the free-space guard."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.logger import init_logger
@@ -16,6 +18,63 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _LOG_INTERVAL_S = 10.0
+
+
+COUNTER_NAMES = (
+    "store_jobs",
+    "store_jobs_failed",
+    "load_jobs",
+    "load_jobs_failed",
+    "blocks_written",
+    "blocks_skipped",
+    "blocks_loaded",
+    "blocks_evicted",
+    "corrupt_removed",
+    "forged_removed",
+    "unauthenticated_misses",
+    "store_failures",
+    "load_failures",
+    "reads_given_up",
+    "slots_lost",
+    "claim_misses",
+)
+"""Every counter ``Counters.snapshot`` reports (0 until counted), besides the busy times; see
+docs/fs_tier.md ("Statistics")."""
+
+
+class Counters:
+    """The tier's cumulative counters and its store/load busy clocks; thread-safe.
+
+    I/O threads add a job's (or a chunk's) counts at once (``add``); ``snapshot`` reads them all.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: Counter[str] = Counter()
+        self.store_clock = BusyClock()
+        """Wall time during which at least one store ran."""
+        self.load_clock = BusyClock()
+        """Wall time during which at least one load ran."""
+
+    def add(self, counts: Mapping[str, int]) -> None:
+        """Add ``counts`` (name -> increment; names from ``COUNTER_NAMES``)."""
+        if counts:
+            with self._lock:
+                self._values.update(counts)
+
+    def incr(self, name: str) -> None:
+        """Add one to ``name``."""
+        with self._lock:
+            self._values[name] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter of ``COUNTER_NAMES``, and ``store_busy_us`` / ``load_busy_us``: the wall
+        time (microseconds) during which at least one store / load was running."""
+        with self._lock:
+            values = dict.fromkeys(COUNTER_NAMES, 0) | self._values
+        values["store_busy_us"] = round(self.store_clock.seconds() * 1e6)
+        values["load_busy_us"] = round(self.load_clock.seconds() * 1e6)
+        return values
 
 
 class RateLimitedLog:

@@ -16,9 +16,11 @@ import errno
 import json
 import mmap
 import os
+import stat
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.fs.block_io import (
+    FileModes,
     buffer_address,
     open_dir,
     probe_o_direct,
@@ -45,16 +47,23 @@ class RunDirectory:
         rank_fd: descriptor of the block directory.
     """
 
-    def __init__(self, root_dir: str, mapper: FileMapper, root_fd: int, rank_fd: int) -> None:
+    def __init__(
+        self, root_dir: str, mapper: FileMapper, root_fd: int, rank_fd: int, modes: FileModes
+    ) -> None:
         self.root_dir = root_dir
         self.rank_dir = os.path.join(root_dir, mapper.rank_dir_name)
         self.config_path = os.path.join(root_dir, mapper.base_name, CONFIG_FILE)
+        self.modes = modes
         self._root_fd = root_fd
         self.rank_fd = rank_fd
 
     @classmethod
-    def open(cls, root_dir: str, mapper: FileMapper, writer: str) -> RunDirectory:
+    def open(cls, root_dir: str, mapper: FileMapper, writer: str, modes: FileModes) -> RunDirectory:
         """Create/open the run's directories and write or check ``config.json``.
+
+        The root, if this call creates it, and every directory and file below get ``modes``
+        (its missing parents are created as ``os.makedirs`` does, under the umask). An existing
+        root that others may read (``modes.open_bits``) is left as it is, with one WARNING.
 
         Raises:
             OSError: ``root_dir`` (named in the message) cannot be created, opened or written.
@@ -62,19 +71,28 @@ class RunDirectory:
         """
         root_fd = rank_fd = -1
         try:
-            os.makedirs(root_dir, exist_ok=True)
+            os.makedirs(os.path.dirname(root_dir), exist_ok=True)
+            try:
+                os.mkdir(root_dir, modes.dirs)
+                created = True
+            except FileExistsError:
+                created = False
             root_fd = os.open(root_dir, _ROOT_FLAGS)
-            base_fd = open_dir(mapper.base_name, root_fd, create=True)
+            if created:
+                modes.fix_dir(root_fd)
+            else:
+                _warn_if_open(root_dir, os.fstat(root_fd).st_mode, modes)
+            base_fd = open_dir(mapper.base_name, root_fd, create=modes)
             try:
                 _write_or_check_config(
-                    base_fd, mapper, os.path.join(root_dir, mapper.base_name), writer
+                    base_fd, mapper, os.path.join(root_dir, mapper.base_name), writer, modes
                 )
             finally:
                 os.close(base_fd)
-            rank_fd = open_dir(mapper.rank_dir_name, root_fd, create=True)
+            rank_fd = open_dir(mapper.rank_dir_name, root_fd, create=modes)
             # The block directory itself must be writable (config.json may already exist).
             probe = tmp_name("probe", writer)
-            os.close(os.open(probe, _NEW_FILE_FLAGS, 0o644, dir_fd=rank_fd))
+            os.close(modes.create_file(probe, _NEW_FILE_FLAGS, rank_fd))
             os.unlink(probe, dir_fd=rank_fd)
         except BaseException as e:
             for fd in (rank_fd, root_fd):
@@ -85,7 +103,7 @@ class RunDirectory:
                     e.errno, f"fs tier: root_dir {root_dir!r} is not usable: {e.strerror or e}"
                 ) from e
             raise
-        return cls(root_dir, mapper, root_fd, rank_fd)
+        return cls(root_dir, mapper, root_fd, rank_fd, modes)
 
     def decide_o_direct(
         self, mode: bool | str, rows: memoryview, row_bytes: int, writer: str
@@ -106,7 +124,7 @@ class RunDirectory:
         aligned = row_bytes % mmap.PAGESIZE == 0 and (
             len(rows) == 0 or buffer_address(rows) % mmap.PAGESIZE == 0
         )
-        works = probe_o_direct(self.rank_fd, writer)
+        works = probe_o_direct(self.rank_fd, writer, self.modes)
         if mode is True and not (works and aligned):
             raise OSError(
                 errno.EINVAL,
@@ -121,7 +139,7 @@ class RunDirectory:
         and SMB filesystems lack it)."""
         src, dst = tmp_name("probe", writer), tmp_name("probe", writer)
         try:
-            os.close(os.open(src, _NEW_FILE_FLAGS, 0o644, dir_fd=self.rank_fd))
+            os.close(self.modes.create_file(src, _NEW_FILE_FLAGS, self.rank_fd))
             os.link(src, dst, src_dir_fd=self.rank_fd, dst_dir_fd=self.rank_fd,
                     follow_symlinks=False)  # fmt: skip
         except OSError as e:
@@ -150,7 +168,28 @@ class RunDirectory:
                     os.close(fd)
 
 
-def _write_or_check_config(base_fd: int, mapper: FileMapper, base_dir: str, writer: str) -> None:
+def _warn_if_open(root_dir: str, mode: int, modes: FileModes) -> None:
+    """One WARNING if users other than those ``modes`` allows may read the existing root (it is
+    not changed: its owner chose its mode)."""
+    if not mode & modes.open_bits:
+        return
+    who = "other users" if modes.permissions == "private" else "users outside its group"
+    logger.warning(
+        "fs tier: root_dir %s (mode %04o) is open to %s, who may read the cached blocks (KV "
+        "caches of every prompt); the tier leaves its mode as it is: `chmod %s %s` to make "
+        "it %s",
+        root_dir,
+        stat.S_IMODE(mode),
+        who,
+        "700" if modes.permissions == "private" else "o-rwx",
+        root_dir,
+        "private" if modes.permissions == "private" else "its group's only",
+    )
+
+
+def _write_or_check_config(
+    base_fd: int, mapper: FileMapper, base_dir: str, writer: str, modes: FileModes
+) -> None:
     expected = mapper.run_config_json
     path = os.path.join(base_dir, CONFIG_FILE)
     try:
@@ -174,7 +213,7 @@ def _write_or_check_config(base_fd: int, mapper: FileMapper, base_dir: str, writ
             return
     # Atomic publication, like block files: concurrent first starts write identical bytes.
     tmp = tmp_name("config", writer)
-    fd = os.open(tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=base_fd)
+    fd = modes.create_file(tmp, _NEW_FILE_FLAGS, base_fd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(expected.encode() + b"\n")

@@ -7,8 +7,8 @@ blocks already there from its first lookup (lookups ``stat`` the files). What a 
 the *accounting* (bytes used, LRU order), and with other instances on the same root it keeps
 that accounting converging to the directory: files others wrote are added, files others deleted
 are forgotten. ``RankDirWalker.walk`` does one pass, one directory per step; the start-up scan
-(``scan_rank_dir``) runs a pass at full speed, the reconcile thread (``reconcile``) runs pass
-after pass, a bounded number of entries per interval.
+(``RankDirWalker.scan``) runs a pass at full speed, the reconcile thread (``reconcile``) runs
+passes when there is something to learn, a bounded number of entries per interval.
 
 A pass reads the capacity slot directories first (``slots.walk_subdir``: garbage slots freed,
 so that the block files below can be adopted), then every leaf directory
@@ -39,6 +39,7 @@ import contextlib
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,17 +49,18 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
-    is_stale_tmp_file,
+    is_stale_tmp,
     open_dir,
     read_header_key,
     unlink_block,
 )
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
-from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex
 from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots, SlotWalkStats
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+    from vllm.v1.kv_offload.tiering.fs.capacity import FileRemover
+    from vllm.v1.kv_offload.tiering.fs.meters import Counters
 
 logger = init_logger(__name__)
 
@@ -104,7 +106,7 @@ def leaf_bucket(key: OffloadKey) -> tuple[Hashable, Hashable]:
 class RankDirWalker:
     """Walks one rank directory for one tier, a leaf directory per step.
 
-    Thread-safety: one pass at a time (the scan/reconcile thread); the index, store and slots
+    Thread-safety: one pass at a time (the scan/reconcile thread); the index, remover and slots
     it calls are thread-safe. Borrowed: ``rank_fd`` and everything else passed in.
 
     Args:
@@ -113,8 +115,9 @@ class RankDirWalker:
         run_digest: to validate headers of digested-name files.
         payload_len: payload bytes of a block file.
         stale_tmp_age_s: passed to ``is_stale_tmp``.
-        store: deletes invalid and unslotted files through the index (events, counters, slots);
-            None (tests of the scan alone): invalid files are unlinked directly.
+        remover: deletes invalid and unslotted files through the index (events, counters,
+            slots); None (tests of the scan alone): invalid files are unlinked directly.
+        counters: where invalid files removed directly are counted; None: not counted.
         slots: the capacity slots, walked first; None: no slots.
     """
 
@@ -126,7 +129,8 @@ class RankDirWalker:
         run_digest: bytes,
         payload_len: int,
         stale_tmp_age_s: float,
-        store: BlockStore | None = None,
+        remover: FileRemover | None = None,
+        counters: Counters | None = None,
         slots: CapacitySlots | None = None,
     ) -> None:
         self._rank_fd = rank_fd
@@ -135,8 +139,30 @@ class RankDirWalker:
         self._payload_len = payload_len
         self._file_size = file_size(payload_len)
         self._stale_tmp_age_s = stale_tmp_age_s
-        self._store = store
+        self._remover = remover
+        self._counters = counters
         self._slots = slots
+
+    def scan(
+        self, stop: threading.Event, on_progress: Callable[[ScanStats], None] | None = None
+    ) -> ScanStats:
+        """One complete pass at full speed (the start-up scan): index files, delete leftovers.
+
+        Args:
+            stop: checked between directories; when set the scan returns early
+                (``completed=False``).
+            on_progress: called after each ``<hhh>`` directory (tests).
+        """
+        stats = ScanStats()
+        steps = self.walk(stats, hot_since=None, on_progress=on_progress)
+        try:
+            while not stop.is_set():
+                if next(steps, None) is None:
+                    return stats
+        finally:
+            steps.close()
+        stats.completed = False
+        return stats
 
     def walk(
         self,
@@ -174,7 +200,7 @@ class RankDirWalker:
             if len(dir1) != 3:
                 continue
             try:
-                fd1 = open_dir(dir1, self._rank_fd, create=False)
+                fd1 = open_dir(dir1, self._rank_fd)
             except OSError as e:
                 logger.warning("fs tier scan: cannot open %s: %s", dir1, e)
                 stats.errors += 1
@@ -206,7 +232,7 @@ class RankDirWalker:
         index = self._index
         ticket = index.ticket()
         try:
-            fd2 = open_dir(dir2, fd1, create=False)
+            fd2 = open_dir(dir2, fd1)
         except FileNotFoundError:
             return 1
         except OSError as e:
@@ -235,7 +261,9 @@ class RankDirWalker:
                     if parsed is not None and parsed[0] is not None:
                         seen.add(parsed[0])
             for key in index.keys_in_bucket(dir1, dir2):
-                if key not in seen and not index.observe(key, None, ticket, hot=False):
+                if key not in seen and not index.observe(
+                    key, None, ticket, hot=False, from_walk=True
+                ):
                     stats.forgotten += 1
             return len(names) + 1
         finally:
@@ -257,8 +285,8 @@ class RankDirWalker:
             if not stat.S_ISREG(st.st_mode):
                 return key
             if st.st_size != self._file_size:
-                if key is not None and self._store is not None:
-                    if self._store.remove_invalid(fd2, key, path, st):
+                if key is not None and self._remover is not None:
+                    if self._remover.remove_wrong_size(fd2, key, path, st):
                         stats.invalid_removed += 1
                     return None
                 raise BlockFileCorrupt(
@@ -291,13 +319,16 @@ class RankDirWalker:
             if adopted:
                 stats.adopted += 1
             else:
-                assert self._store is not None, "slots need a store to evict through"
-                if self._store.remove_unslotted(fd2, key, path, st):
+                # No slot is free for it: it is beyond the bound (written without max_bytes, or
+                # found at start above a lowered one).
+                assert self._remover is not None, "slots need a remover to evict through"
+                file_id = (st.st_dev, st.st_ino)
+                if self._remover.remove(key, path, file_id, "blocks_evicted", leaf_fd=fd2):
                     stats.unslotted_removed += 1
                 return None
         # Only a file new to this instance is placed by its age; a known one keeps its rank.
         hot = hot_since is not None and st.st_mtime >= hot_since and key not in self._index
-        if self._index.observe(key, st.st_size, ticket, hot=hot):
+        if self._index.observe(key, st.st_size, ticket, hot=hot, from_walk=True):
             stats.blocks += 1
             stats.bytes += st.st_size
         return key
@@ -316,17 +347,32 @@ class RankDirWalker:
         if removed is None:
             return
         stats.invalid_removed += 1
-        if self._store is not None:
-            self._store.count("corrupt_removed")
+        if self._counters is not None:
+            self._counters.incr("corrupt_removed")
         if self._slots is not None:
             with contextlib.suppress(OSError):  # else garbage, freed by a later slot walk
                 self._slots.release_inode(removed.st_ino)
 
     def _maybe_remove_tmp(self, dir_fd: int, name: str, stats: ScanStats) -> None:
-        if is_stale_tmp_file(dir_fd, name, self._stale_tmp_age_s):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=dir_fd)
-                stats.tmp_removed += 1
+        """Delete ``name`` if it is a leftover temporary file (``is_stale_tmp``); one that held a
+        capacity slot (a dead writer's claim) frees it too, so one pass undoes the claim."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode) or not is_stale_tmp(
+            name, time.time() - st.st_mtime, self._stale_tmp_age_s
+        ):
+            return
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return
+        stats.tmp_removed += 1
+        if self._slots is not None and st.st_nlink > 1:
+            n = self._slots.slot_of(st.st_ino)  # learnt by this pass's slot walk
+            if n is not None and self._slots.release(n, None):
+                stats.slots.reclaimed += 1
 
     def _forget_if_gone(self, dir1: str, dir2: str | None, stats: ScanStats) -> None:
         """Indexed keys live under ``dir1/dir2`` (``dir2`` None: anywhere under ``dir1``) but
@@ -345,50 +391,5 @@ class RankDirWalker:
         inners = [dir2] if dir2 is not None else self._index.inner_buckets(dir1)
         for inner in inners:
             for key in self._index.keys_in_bucket(dir1, inner):
-                if not self._index.observe(key, None, ticket, hot=False):
+                if not self._index.observe(key, None, ticket, hot=False, from_walk=True):
                     stats.forgotten += 1
-
-
-def scan_rank_dir(
-    rank_fd: int,
-    index: CapacityIndex,
-    *,
-    run_digest: bytes,
-    payload_len: int,
-    stale_tmp_age_s: float,
-    stop: threading.Event,
-    on_progress: Callable[[ScanStats], None] | None = None,
-    walker: RankDirWalker | None = None,
-) -> ScanStats:
-    """One complete pass at full speed (the start-up scan): index files, delete leftovers.
-
-    Args:
-        rank_fd: descriptor of ``<root>/<model>_<digest>_r<rank>`` (not closed here).
-        index: where found files are recorded.
-        run_digest: to validate headers of digested-name files.
-        payload_len: payload bytes of a block file.
-        stale_tmp_age_s: passed to ``is_stale_tmp``.
-        stop: checked between directories; when set the scan returns early
-            (``completed=False``).
-        on_progress: called after each ``<hhh>`` directory (tests).
-        walker: the tier's walker (with its store and slots); None: a plain one from the
-            arguments above.
-    """
-    if walker is None:
-        walker = RankDirWalker(
-            rank_fd,
-            index,
-            run_digest=run_digest,
-            payload_len=payload_len,
-            stale_tmp_age_s=stale_tmp_age_s,
-        )
-    stats = ScanStats()
-    steps = walker.walk(stats, hot_since=None, on_progress=on_progress)
-    try:
-        while not stop.is_set():
-            if next(steps, None) is None:
-                return stats
-    finally:
-        steps.close()
-    stats.completed = False
-    return stats

@@ -58,6 +58,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
+    FileModes,
     is_stale_tmp_file,
     open_block_dir,
     open_dir,
@@ -144,6 +145,7 @@ class CapacitySlots:
         payload_len: payload bytes of a block file (to validate headers).
         stale_tmp_age_s: age after which a grab name of a possibly live releaser is recovered.
         rank_dir: the rank directory's path (for messages).
+        modes: of the directories it creates.
 
     Raises:
         OSError: naming the directory, if ``slots/`` or one of its subdirectories below
@@ -159,9 +161,11 @@ class CapacitySlots:
         payload_len: int,
         stale_tmp_age_s: float,
         rank_dir: str,
+        modes: FileModes,
     ) -> None:
         assert capacity >= 1, f"capacity={capacity}"
         self._rank_fd = rank_fd
+        self._modes = modes
         self._slots_path = os.path.join(rank_dir, SLOTS_DIR)
         self.capacity = capacity
         self._writer = writer
@@ -178,11 +182,11 @@ class CapacitySlots:
         self._retired: list[int] = []
         self._sub_fds: dict[str, int] = {}
         self._num_subdirs = -(-capacity // SLOTS_PER_SUBDIR)
-        self._slots_fd = _open_repairing(rank_fd, SLOTS_DIR, self._slots_path)
+        self._slots_fd = _open_repairing(rank_fd, SLOTS_DIR, self._slots_path, modes)
         try:
             for hi in range(self._num_subdirs):
                 sub = f"{hi:03x}"
-                fd = _open_repairing(self._slots_fd, sub, self._sub_path(sub))
+                fd = _open_repairing(self._slots_fd, sub, self._sub_path(sub), self._modes)
                 if hi < _MAX_CACHED_SUBDIRS:
                     self._sub_fds[sub] = fd
                 else:
@@ -235,8 +239,8 @@ class CapacitySlots:
         if fd is not None:
             return fd, True
         if own:
-            return _open_repairing(self._slots_fd, sub, self._sub_path(sub)), False
-        return open_dir(sub, self._slots_fd, create=False), False
+            return _open_repairing(self._slots_fd, sub, self._sub_path(sub), self._modes), False
+        return open_dir(sub, self._slots_fd), False
 
     def _repair(self, sub: str, fd: int) -> bool:
         """A system call in ``slots/<sub>`` (descriptor ``fd``) failed as if the directory were
@@ -254,10 +258,14 @@ class CapacitySlots:
             if os.fstat(self._slots_fd).st_nlink == 0:
                 logger.warning("fs tier: %s was removed; recreating it", self._slots_path)
                 self._retired.append(self._slots_fd)
-                self._slots_fd = _open_repairing(self._rank_fd, SLOTS_DIR, self._slots_path)
+                self._slots_fd = _open_repairing(
+                    self._rank_fd, SLOTS_DIR, self._slots_path, self._modes
+                )
             logger.warning("fs tier: %s was removed; recreating it", self._sub_path(sub))
             self._retired.append(fd)
-            self._sub_fds[sub] = _open_repairing(self._slots_fd, sub, self._sub_path(sub))
+            self._sub_fds[sub] = _open_repairing(
+                self._slots_fd, sub, self._sub_path(sub), self._modes
+            )
         return True
 
     # -----------------------------------------------------------------------------------------
@@ -480,7 +488,7 @@ class CapacitySlots:
             return self._remove(key, (st.st_dev, st.st_ino))
         path = self._mapper.block_path(key)
         try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=False)
+            leaf_fd = open_block_dir(self._rank_fd, path)
         except OSError:
             return False
         try:
@@ -652,7 +660,7 @@ class CapacitySlots:
         stats.leftovers += 1
 
 
-def _open_repairing(parent_fd: int, name: str, path: str) -> int:
+def _open_repairing(parent_fd: int, name: str, path: str, modes: FileModes) -> int:
     """Open (creating it if absent) directory ``name`` under ``parent_fd``; a non-directory in
     its place (a file, a symlink: not followed) is replaced, with a WARNING naming ``path``.
 
@@ -662,7 +670,7 @@ def _open_repairing(parent_fd: int, name: str, path: str) -> int:
     try:
         for _ in range(3):
             try:
-                return open_dir(name, parent_fd, create=True)
+                return open_dir(name, parent_fd, create=modes)
             except OSError as e:
                 if e.errno not in _NOT_A_DIRECTORY:
                     raise

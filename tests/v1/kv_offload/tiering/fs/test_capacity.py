@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Tests of ``CapacityIndex``: LRU eviction, pins, and exact accounting under any interleaving.
+"""Tests of ``capacity.CapacityIndex``: LRU eviction, pins, exact accounting under any interleaving.
 
 The stateful test plays the tier's protocol against a model filesystem (a dict), with every step
 that is concurrent in the tier split into separate rules (reserve / unlink victims / rename /
@@ -11,6 +11,7 @@ I/O threads, the lookup thread, the scan and other instances sharing the directo
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import settings
@@ -18,13 +19,32 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
-from vllm.v1.kv_offload.tiering.fs.index import (
+from vllm.v1.kv_offload.tiering.fs.capacity import (
     CapacityIndex,
     RemoveOutcome,
     ReserveStatus,
 )
 
+from .tier_state import check_index, indexed_size, lru_keys
+
 SIZE = 100
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """One key's ``reserve_many``: its status and the victims chosen for it."""
+
+    status: ReserveStatus
+    victims: tuple[tuple[OffloadKey, int], ...]
+
+
+def reserve(index: CapacityIndex, key: OffloadKey, size: int) -> Reservation:
+    statuses, victims = index.reserve_many([key], size)
+    return Reservation(statuses[0], tuple(victims))
+
+
+def commit(index: CapacityIndex, key: OffloadKey, size: int) -> None:
+    index.commit_many([key], size)
 
 
 def k(i: int) -> OffloadKey:
@@ -33,11 +53,11 @@ def k(i: int) -> OffloadKey:
 
 def _store(index: CapacityIndex, key: OffloadKey, size: int = SIZE) -> list[OffloadKey]:
     """Reserve, 'unlink' the victims and commit; returns the victims."""
-    res = index.reserve(key, size)
+    res = reserve(index, key, size)
     assert res.status is ReserveStatus.OK, res
     for victim, _ in res.victims:
         index.finish_remove(victim, RemoveOutcome.REMOVED, None)
-    index.commit(key, size)
+    commit(index, key, size)
     return [v for v, _ in res.victims]
 
 
@@ -48,10 +68,10 @@ def test_lru_eviction_order_with_touch() -> None:
     index.touch([k(0)])
     assert _store(index, k(3)) == [k(1)]
     index.touch([k(3), k(2)])  # the first key ends up the most recent
-    assert index.keys_lru_order() == [k(0), k(2), k(3)]
+    assert lru_keys(index) == [k(0), k(2), k(3)]
     assert _store(index, k(4)) == [k(0)]
     assert index.used_bytes == 3 * SIZE
-    index.check_invariants()
+    check_index(index)
 
 
 def test_pinned_blocks_are_never_victims() -> None:
@@ -59,7 +79,7 @@ def test_pinned_blocks_are_never_victims() -> None:
     _store(index, k(0))
     _store(index, k(1))
     index.pin([k(0), k(1)])
-    assert index.reserve(k(2), SIZE).status is ReserveStatus.NO_ROOM
+    assert reserve(index, k(2), SIZE).status is ReserveStatus.NO_ROOM
     assert index.used_bytes == 2 * SIZE  # a failed reserve changes nothing
     index.unpin([k(1)])
     assert _store(index, k(2)) == [k(1)]  # k(0) is older but pinned
@@ -70,51 +90,51 @@ def test_pinned_blocks_are_never_victims() -> None:
     assert _store(index, k(4)) == [k(0)]
     with pytest.raises(AssertionError, match="not pinned"):
         index.unpin([k(0)])
-    index.check_invariants()
+    check_index(index)
 
 
 def test_busy_and_oversized_reservations() -> None:
     index = CapacityIndex(max_bytes=2 * SIZE)
-    assert index.reserve(k(0), 3 * SIZE).status is ReserveStatus.NO_ROOM
-    assert index.reserve(k(0), SIZE).status is ReserveStatus.OK
-    assert index.reserve(k(0), SIZE).status is ReserveStatus.BUSY_WRITING
+    assert reserve(index, k(0), 3 * SIZE).status is ReserveStatus.NO_ROOM
+    assert reserve(index, k(0), SIZE).status is ReserveStatus.OK
+    assert reserve(index, k(0), SIZE).status is ReserveStatus.BUSY_WRITING
     index.abort(k(0))
     _store(index, k(1))
     assert index.begin_remove(k(1))
-    assert index.reserve(k(1), SIZE).status is ReserveStatus.BUSY_REMOVING
+    assert reserve(index, k(1), SIZE).status is ReserveStatus.BUSY_REMOVING
     assert not index.begin_remove(k(1))
     index.finish_remove(k(1), RemoveOutcome.REMOVED, None)
     assert index.used_bytes == 0 and len(index) == 0
-    index.check_invariants()
+    check_index(index)
 
 
 def test_replacing_a_wrong_size_file_accounts_both_until_commit() -> None:
     index = CapacityIndex(max_bytes=None)
     index.observe(k(0), 10, index.ticket(), hot=True)  # a truncated file found on disk
-    assert index.reserve(k(0), SIZE).status is ReserveStatus.OK
+    assert reserve(index, k(0), SIZE).status is ReserveStatus.OK
     assert index.used_bytes == 10 + SIZE  # the old file is still on disk during the write
     index.abort(k(0))
-    assert index.used_bytes == 10 and index.size_of(k(0)) == 10
-    assert index.reserve(k(0), SIZE).status is ReserveStatus.OK
-    index.commit(k(0), SIZE)
+    assert index.used_bytes == 10 and indexed_size(index, k(0)) == 10
+    assert reserve(index, k(0), SIZE).status is ReserveStatus.OK
+    commit(index, k(0), SIZE)
     assert index.used_bytes == SIZE
-    index.check_invariants()
+    check_index(index)
 
 
 def test_stale_observations_are_ignored() -> None:
     index = CapacityIndex(max_bytes=None)
     ticket = index.ticket()  # a lookup stats k(0): absent...
-    assert index.reserve(k(0), SIZE).status is ReserveStatus.OK
-    index.commit(k(0), SIZE)  # ...meanwhile this tier writes it...
+    assert reserve(index, k(0), SIZE).status is ReserveStatus.OK
+    commit(index, k(0), SIZE)  # ...meanwhile this tier writes it...
     assert index.observe(k(0), None, ticket, hot=True)  # ...the late "absent" is stale
-    assert index.size_of(k(0)) == SIZE
+    assert indexed_size(index, k(0)) == SIZE
     ticket = index.ticket()  # the scan stats k(0): present...
     assert index.begin_remove(k(0))
     assert not index.observe(k(0), SIZE, index.ticket(), hot=False)  # ignored while removing
     index.finish_remove(k(0), RemoveOutcome.REMOVED, None)
     assert not index.observe(k(0), SIZE, ticket, hot=False)  # ...applied after the removal
     assert index.used_bytes == 0 and k(0) not in index
-    index.check_invariants()
+    check_index(index)
 
 
 def test_observations_older_than_the_window_are_conservative() -> None:
@@ -146,10 +166,10 @@ def test_change_callback_only_for_real_changes() -> None:
         max_bytes=SIZE, on_change=lambda key, present: changes.append((key, present))
     )
     index.observe(k(9), SIZE, index.ticket(), hot=True)  # someone else's file: no event
-    res = index.reserve(k(0), SIZE)
+    res = reserve(index, k(0), SIZE)
     assert [v for v, _ in res.victims] == [k(9)]
     index.finish_remove(k(9), RemoveOutcome.VANISHED, None)  # already gone: no event
-    index.commit(k(0), SIZE)
+    commit(index, k(0), SIZE)
     assert index.begin_remove(k(0))
     index.finish_remove(k(0), RemoveOutcome.KEPT, SIZE)  # unlink failed: no event
     assert index.begin_remove(k(0))
@@ -186,7 +206,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(key=keys_st)
     def reserve(self, key: OffloadKey) -> None:
         before = self.index.used_bytes
-        res = self.index.reserve(key, SIZE)
+        res = reserve(self.index, key, SIZE)
         if res.status is ReserveStatus.OK:
             assert key not in self.writing
             for victim, _ in res.victims:
@@ -212,7 +232,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self._unlink(len(self.unlinks) - 1)
             self._rename(key)
             del self.writing[key]
-            self.index.commit(key, SIZE)
+            commit(self.index, key, SIZE)
 
     def _rename(self, key: OffloadKey) -> None:
         self.writing[key] = True
@@ -230,7 +250,7 @@ class IndexMachine(RuleBasedStateMachine):
     def commit(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from([k_ for k_, r in self.writing.items() if r]))
         del self.writing[key]
-        self.index.commit(key, SIZE)
+        commit(self.index, key, SIZE)
 
     @precondition(lambda self: any(not renamed for renamed in self.writing.values()))
     @rule(data=st.data())
@@ -315,7 +335,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_is_exact(self) -> None:
-        self.index.check_invariants()
+        check_index(self.index)
         snap = self.index.snapshot()
         assert snap.num_writing == len(self.writing)
         assert snap.num_removing == len(set(self.unlinks))
@@ -323,7 +343,7 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def no_phantom_blocks(self) -> None:
         # Every indexed block exists, unless someone removed it behind the index's back.
-        for key in self.index.keys_lru_order():
+        for key in lru_keys(self.index):
             assert key in self.disk or key in self.ext_deleted, f"phantom {key.hex()}"
 
     @invariant()
@@ -339,9 +359,9 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def sizes_match_disk(self) -> None:
-        for key in self.index.keys_lru_order():
+        for key in lru_keys(self.index):
             if key in self.disk and key not in self.ext_created:
-                assert self.index.size_of(key) == self.disk[key]
+                assert indexed_size(self.index, key) == self.disk[key]
 
 
 TestIndexMachine = IndexMachine.TestCase

@@ -1,15 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Capacity accounting of the filesystem tier: which block files exist, how big, in LRU order.
+"""Capacity accounting and removal of the filesystem tier's block files.
 
-The directory is the source of truth; this index is the tier's exact running account of it, so
-that ``max_bytes`` can be enforced without listing directories. Every change of a block file's
-existence goes through the index:
+``CapacityIndex`` is the tier's exact running account of which block files exist, how big, in LRU
+order, so that ``max_bytes`` can be enforced without listing directories; ``FileRemover`` removes
+block files through it (evictions, invalid files), freeing their capacity slots. The directory is
+the source of truth; every change of a block file's existence goes through the index:
 
-* Files this tier writes: ``reserve`` (room accounted, LRU victims chosen) -> write ->
-  ``commit`` (the file exists) or ``abort`` (it does not).
-* Files this tier removes (LRU victims, corrupt files): ``begin_remove`` -> unlink ->
-  ``finish_remove`` with what really happened.
+* Files this tier writes: ``reserve_many`` (room accounted, LRU victims chosen, for a job's
+  blocks at once) -> write -> ``commit_many`` (the files exist) or ``abort`` (one does not).
+* Files this tier removes (LRU victims, corrupt files): ``begin_remove`` (or chosen by a
+  reservation) -> unlink -> ``finish_remove`` with what really happened (``FileRemover.remove``).
 * Files others create or remove (another instance on the same root, an operator, the start-up
   scan finding files): ``observe`` after a ``stat``, with a ``ticket`` taken *before* the stat.
 
@@ -17,23 +18,37 @@ Races are resolved with tickets: every change the index records for a key (a com
 removal, an applied observation that added, removed or resized the file) is numbered, and an
 observation whose ticket predates the latest change of its key is stale and ignored (the index
 already holds newer information, so an old stat can neither resurrect a removed file nor undo a
-newer stat). Keys being written or
-removed are not touched by observations at all. This keeps ``used_bytes`` equal to the sum of the
-sizes of the files the index holds plus the reservations in progress, under any interleaving.
+newer stat). Keys being written or removed are not touched by observations at all. This keeps
+``used_bytes`` equal to the sum of the sizes of the files the index holds plus the reservations
+in progress, under any interleaving.
 
 Locking: one lock; every method is O(keys passed) (eviction: O(victims + pinned entries skipped)),
-and no system call is made while holding it, so the scheduler thread may call ``pin``/``touch``.
+and no system call is made while holding it, so the scheduler thread may call ``pin``/``touch``
+and the lookups read membership without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
+import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.tiering.fs.block_io import open_block_dir, regular_file_size, unlink_block
+from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
+from vllm.v1.kv_offload.tiering.fs.meters import Counters, RateLimitedLog
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
+
+logger = init_logger(__name__)
 
 BucketOf = Callable[[OffloadKey], tuple[Hashable, Hashable]]
 """The directory a key's file lives in, as ``(outer, inner)`` (``<hhh>``, ``<hh>_g<group>``):
@@ -45,7 +60,7 @@ ChangeCallback = Callable[[OffloadKey, bool], None]
 
 
 class ReserveStatus(enum.Enum):
-    """Outcome of ``CapacityIndex.reserve``."""
+    """Outcome of one key's reservation (``CapacityIndex.reserve_many``)."""
 
     OK = enum.auto()
     """Room accounted; the caller must unlink the victims, write, then commit or abort."""
@@ -57,18 +72,9 @@ class ReserveStatus(enum.Enum):
     """Not enough unpinned blocks to evict (or the file is larger than ``max_bytes``)."""
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """Result of ``reserve``: the status and, when OK, the files to unlink first.
-
-    Attributes:
-        status: see ``ReserveStatus``.
-        victims: ``(key, size)`` of each evicted block, now being removed (``begin_remove``
-            already done); the caller unlinks each and calls ``finish_remove``.
-    """
-
-    status: ReserveStatus
-    victims: tuple[tuple[OffloadKey, int], ...] = ()
+Victims = list[tuple[OffloadKey, int]]
+"""``(key, size)`` of evicted blocks, being removed (``begin_remove`` done): the caller unlinks
+each and calls ``finish_remove`` (``FileRemover.remove_victims``)."""
 
 
 class RemoveOutcome(enum.Enum):
@@ -90,7 +96,7 @@ class _Write:
 
 @dataclass(frozen=True)
 class IndexSnapshot:
-    """A consistent copy of the index's counters (tests, stats)."""
+    """A consistent copy of the index's counters (``usage()``, stats)."""
 
     used_bytes: int
     num_blocks: int
@@ -103,10 +109,11 @@ class IndexSnapshot:
 class CapacityIndex:
     """LRU accounting of one run directory's block files, bounded by ``max_bytes``.
 
-    Invariant (``check_invariants``): ``used_bytes == sum(sizes of indexed files) +
-    sum(reserved + replaced of writes in progress)``, and, when ``max_bytes`` is set, every
-    successful ``reserve`` leaves ``used_bytes <= max_bytes``. Observed files (written by others)
-    may push ``used_bytes`` above ``max_bytes`` until the next ``reserve`` or ``evict_to_fit``.
+    Invariant (checked by the tests' ``tier_state.check_index``): ``used_bytes == sum(sizes of
+    indexed files) + sum(reserved + replaced of writes in progress)``, and, when ``max_bytes`` is
+    set, every successful reservation leaves ``used_bytes <= max_bytes``. Observed files
+    (written by others) may push ``used_bytes`` above ``max_bytes`` until the next reservation
+    or ``evict_to_fit``.
     This bounds the index's view; the directory as a whole, which the view may lag, is bounded
     by the capacity slots, which ask for more victims with ``evict_lru`` when it is full.
 
@@ -149,6 +156,7 @@ class CapacityIndex:
         self._changes: deque[tuple[int, OffloadKey]] = deque()
         self._change_window = change_window
         self._forgotten_seq = 0  # every change up to this number has left the window
+        self._outside_changes = 0
 
     # -----------------------------------------------------------------------------------------
     # Introspection
@@ -169,16 +177,6 @@ class CapacityIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
-
-    def size_of(self, key: OffloadKey) -> int | None:
-        """Indexed size of ``key``'s file, or None if not indexed."""
-        with self._lock:
-            return self._entries.get(key)
-
-    def keys_lru_order(self) -> list[OffloadKey]:
-        """Indexed keys, least recently used first (tests; O(n))."""
-        with self._lock:
-            return list(self._entries)
 
     def keys_in_bucket(self, outer: Hashable, inner: Hashable) -> list[OffloadKey]:
         """Indexed keys whose ``bucket_of`` is ``(outer, inner)`` (O(those keys))."""
@@ -207,32 +205,6 @@ class CapacityIndex:
                 max_bytes=self._max_bytes,
             )
 
-    def check_invariants(self) -> None:
-        """Assert the accounting invariant (O(n); tests and debugging)."""
-        with self._lock:
-            expected = sum(self._entries.values()) + sum(
-                w.size + (w.replaced or 0) for w in self._writing.values()
-            )
-            assert self._used == expected, f"used_bytes={self._used} but files sum to {expected}"
-            for key in self._writing:
-                assert key not in self._entries, f"key {key.hex()} both indexed and being written"
-                assert key not in self._removing, f"key {key.hex()} both written and removed"
-            for key in self._removing:
-                assert key not in self._entries, f"key {key.hex()} both indexed and being removed"
-            for key, count in self._pins.items():
-                assert count > 0, f"key {key.hex()} has pin count {count}"
-            if self._bucket_of is not None:
-                grouped = 0
-                for outer, inners in self._buckets.items():
-                    assert inners, f"empty bucket {outer!r}"
-                    for inner, keys in inners.items():
-                        assert keys, f"empty bucket {(outer, inner)!r}"
-                        grouped += len(keys)
-                        for key in keys:
-                            assert key in self._entries
-                            assert self._bucket_of(key) == (outer, inner)
-                assert grouped == len(self._entries), f"{grouped} grouped keys"
-
     # -----------------------------------------------------------------------------------------
     # Observations (files found by a stat)
     # -----------------------------------------------------------------------------------------
@@ -242,7 +214,24 @@ class CapacityIndex:
         with self._lock:
             return self._seq
 
-    def observe(self, key: OffloadKey, size: int | None, ticket: int, *, hot: bool) -> bool:
+    @property
+    def num_outside_changes(self) -> int:
+        """Observations, other than the reconcile walk's, that changed the index: a file found
+        that it lacked, or a file it held found gone or resized. Each is evidence that the
+        directory changed behind this tier's back (another writer, an operator): the reconcile
+        then walks it again even when this tier is the only registered writer."""
+        return self._outside_changes
+
+    def observe_many(self, keys: Iterable[OffloadKey], size: int, ticket: int) -> None:
+        """``observe(key, size, ticket, hot=True)`` for each of ``keys`` (files a load just
+        read), under one lock."""
+        with self._lock:
+            for key in keys:
+                self._observe(key, size, ticket, hot=True, from_walk=False)
+
+    def observe(
+        self, key: OffloadKey, size: int | None, ticket: int, *, hot: bool, from_walk: bool = False
+    ) -> bool:
         """Record that a stat taken after ``ticket`` found ``key``'s file (``size``) or not (None).
 
         Ignored while the key is being written or removed by this tier, and when the key changed
@@ -254,88 +243,119 @@ class CapacityIndex:
             ticket: from ``ticket()``, taken before the stat.
             hot: place a newly found file at the most recently used end (a lookup hit) rather
                 than the least recently used end (found by the start-up scan).
+            from_walk: the stat is the reconcile walk's (not counted in
+                ``num_outside_changes``: the walk is what corrects them).
 
         Returns:
             Whether the key counts as present now. While it is being written, the stat's answer;
             while it is being removed, False.
         """
         with self._lock:
-            if key in self._removing:
-                return False
-            if key in self._writing:
-                return size is not None
-            if ticket < self._forgotten_seq or self._last_change.get(key, -1) > ticket:
-                return key in self._entries
-            old = self._entries.get(key)
-            if size is None:
-                if old is not None:
-                    self._pop(key)
-                    self._used -= old
-                    self._record_change(key)
-                return False
-            if old is None:
-                self._add(key, size)
-                self._used += size
-                if not hot:
-                    self._entries.move_to_end(key, last=False)
-                self._record_change(key)
-            else:
-                if size != old:
-                    self._used += size - old
-                    self._entries[key] = size
-                    self._record_change(key)
-                if hot:
-                    self._entries.move_to_end(key)
-            return True
+            return self._observe(key, size, ticket, hot=hot, from_walk=from_walk)
+
+    def _observe(
+        self, key: OffloadKey, size: int | None, ticket: int, *, hot: bool, from_walk: bool
+    ) -> bool:
+        if key in self._removing:
+            return False
+        if key in self._writing:
+            return size is not None
+        if ticket < self._forgotten_seq or self._last_change.get(key, -1) > ticket:
+            return key in self._entries
+        old = self._entries.get(key)
+        if size is None:
+            if old is not None:
+                self._pop(key)
+                self._used -= old
+                self._record_change(key, outside=not from_walk)
+            return False
+        if old is None:
+            self._add(key, size)
+            self._used += size
+            if not hot:
+                self._entries.move_to_end(key, last=False)
+            self._record_change(key, outside=not from_walk)
+        else:
+            if size != old:
+                self._used += size - old
+                self._entries[key] = size
+                self._record_change(key, outside=not from_walk)
+            if hot:
+                self._entries.move_to_end(key)
+        return True
 
     # -----------------------------------------------------------------------------------------
     # Writes
     # -----------------------------------------------------------------------------------------
 
-    def reserve(self, key: OffloadKey, size: int) -> Reservation:
-        """Account ``size`` bytes for a new file of ``key``, evicting LRU blocks if needed.
+    def reserve_many(
+        self, keys: Sequence[OffloadKey], size: int
+    ) -> tuple[list[ReserveStatus], Victims]:
+        """Account ``size`` bytes for a new file of each of ``keys`` (a job's blocks, in order),
+        evicting LRU blocks if needed; one lock for all.
 
-        On OK the key is "being written": observations leave it alone and it cannot be evicted.
-        The victims are "being removed". Nothing changes unless the status is OK.
+        A key whose status is OK is "being written": observations leave it alone and it cannot
+        be evicted. The victims (never one of ``keys``) are "being removed". Nothing changes for
+        a key whose status is not OK.
+
+        Returns:
+            The status of each key, and the victims of them all.
         """
-        assert size > 0, f"reserve of {size} bytes for key {key.hex()}"
+        assert size > 0, f"reserve of {size} bytes"
+        exclude = set(keys)
+        statuses: list[ReserveStatus] = []
+        victims: Victims = []
         with self._lock:
-            if key in self._writing:
-                return Reservation(ReserveStatus.BUSY_WRITING)
-            if key in self._removing:
-                return Reservation(ReserveStatus.BUSY_REMOVING)
-            replaced = self._entries.get(key)
-            victims: list[tuple[OffloadKey, int]] = []
-            if self._max_bytes is not None:
-                if size > self._max_bytes:
-                    return Reservation(ReserveStatus.NO_ROOM)
-                # The replaced file is freed by our own rename, not by eviction.
-                excess = self._used + size - self._max_bytes
-                if excess > 0:
-                    victims = self._pick_victims(excess, exclude=key)
-                    if sum(v for _, v in victims) < excess:
-                        return Reservation(ReserveStatus.NO_ROOM)
-            for victim, victim_size in victims:
-                self._pop(victim)
-                self._used -= victim_size
-                self._removing[victim] = victim_size
-            if replaced is not None:
-                self._pop(key)
-            self._writing[key] = _Write(size, replaced)
-            self._used += size
-            return Reservation(ReserveStatus.OK, tuple(victims))
+            for key in keys:
+                statuses.append(self._reserve(key, size, exclude, victims))
+        return statuses, victims
 
-    def commit(self, key: OffloadKey, size: int) -> None:
-        """The new file of ``key`` (``size`` bytes) is in place: index it as most recently used."""
+    def _reserve(
+        self, key: OffloadKey, size: int, exclude: set[OffloadKey], victims: Victims
+    ) -> ReserveStatus:
+        """One key of ``reserve_many`` (lock held); its victims are appended to ``victims``."""
+        if key in self._writing:
+            return ReserveStatus.BUSY_WRITING
+        if key in self._removing:
+            return ReserveStatus.BUSY_REMOVING
+        replaced = self._entries.get(key)
+        chosen: Victims = []
+        if self._max_bytes is not None:
+            if size > self._max_bytes:
+                return ReserveStatus.NO_ROOM
+            # The replaced file is freed by our own rename, not by eviction.
+            excess = self._used + size - self._max_bytes
+            if excess > 0:
+                chosen = self._pick_victims(excess, exclude)
+                if sum(v for _, v in chosen) < excess:
+                    return ReserveStatus.NO_ROOM
+        for victim, victim_size in chosen:
+            self._pop(victim)
+            self._used -= victim_size
+            self._removing[victim] = victim_size
+        victims.extend(chosen)
+        if replaced is not None:
+            self._pop(key)
+        self._writing[key] = _Write(size, replaced)
+        self._used += size
+        return ReserveStatus.OK
+
+    def commit_many(self, keys: Iterable[OffloadKey], size: int) -> None:
+        """The new files of ``keys`` (``size`` bytes each) are in place: index them as most
+        recently used, in order."""
         with self._lock:
-            write = self._writing.pop(key, None)
-            assert write is not None, f"commit of key {key.hex()} that is not being written"
-            self._used -= write.size + (write.replaced or 0)
-            self._add(key, size)
-            self._used += size
-            self._record_change(key)
-            if self._on_change is not None:
-                self._on_change(key, True)
+            for key in keys:
+                self._commit(key, size)
+
+    def _commit(self, key: OffloadKey, size: int) -> None:
+        write = self._writing.pop(key, None)
+        assert write is not None, f"commit of key {key.hex()} that is not being written"
+        self._used -= write.size + (write.replaced or 0)
+        self._add(key, size)
+        self._used += size
+        self._record_change(key)
+        if self._on_change is not None:
+            self._on_change(key, True)
 
     def abort(self, key: OffloadKey) -> None:
         """The write of ``key`` failed; the final name is unchanged (a replaced file stays)."""
@@ -464,23 +484,21 @@ class CapacityIndex:
     # Internals (lock held)
     # -----------------------------------------------------------------------------------------
 
-    def _pick_victims(
-        self, needed: int, exclude: OffloadKey | None
-    ) -> list[tuple[OffloadKey, int]]:
-        victims: list[tuple[OffloadKey, int]] = []
+    def _pick_victims(self, needed: int, exclude: Collection[OffloadKey]) -> Victims:
+        victims: Victims = []
         freed = 0
         pins = self._pins
         for key, size in self._entries.items():
             if freed >= needed:
                 break
-            if key == exclude or key in pins:
+            if key in exclude or key in pins:
                 continue
             victims.append((key, size))
             freed += size
         return victims
 
     def _take_victims(self, needed: int) -> list[tuple[OffloadKey, int]]:
-        victims = self._pick_victims(needed, exclude=None)
+        victims = self._pick_victims(needed, ())
         for victim, victim_size in victims:
             self._pop(victim)
             self._used -= victim_size
@@ -513,7 +531,9 @@ class CapacityIndex:
                 if not inners:
                     del self._buckets[outer]
 
-    def _record_change(self, key: OffloadKey) -> None:
+    def _record_change(self, key: OffloadKey, *, outside: bool = False) -> None:
+        if outside:
+            self._outside_changes += 1
         self._seq += 1
         self._last_change[key] = self._seq
         self._changes.append((self._seq, key))
@@ -522,3 +542,137 @@ class CapacityIndex:
             if self._last_change.get(old_key) == seq:
                 del self._last_change[old_key]
             self._forgotten_seq = seq
+
+
+class FileRemover:
+    """Removes block files of one rank directory through the capacity index and frees their
+    capacity slots: evictions, and files found invalid.
+
+    Thread-safety: any thread (the index has its lock; the unlink of one inode is checked, see
+    ``block_io.unlink_block``). Borrowed: ``rank_fd``, the index, the slots and the counters.
+
+    Args:
+        rank_fd: the rank directory.
+        mapper: key -> path.
+        index: the capacity index.
+        counters: where removals are counted.
+        file_size: bytes of a block file of this run (a file of another size is never indexed).
+        slots: the capacity slots, or None.
+    """
+
+    def __init__(
+        self,
+        rank_fd: int,
+        mapper: FileMapper,
+        index: CapacityIndex,
+        counters: Counters,
+        *,
+        file_size: int,
+        slots: CapacitySlots | None,
+    ) -> None:
+        self._rank_fd = rank_fd
+        self._mapper = mapper
+        self._index = index
+        self._counters = counters
+        self._file_size = file_size
+        self._slots = slots
+        self._log = RateLimitedLog(logger)
+
+    def remove_victims(self, victims: Iterable[tuple[OffloadKey, int]]) -> None:
+        """Unlink evicted blocks (already chosen and marked by the index) and settle each."""
+        for key, size in victims:
+            self.remove(key, self._mapper.block_path(key), None, "blocks_evicted", begun=True,
+                        size_if_unknown=size)  # fmt: skip
+
+    def evict(self, key: OffloadKey, file_id: tuple[int, int]) -> bool:
+        """Evict ``key``'s block file for the capacity slots (``CapacitySlots.bind_remover``):
+        if it is still inode ``file_id`` and this tier is neither writing nor reading it."""
+        return self.remove(
+            key, self._mapper.block_path(key), file_id, "blocks_evicted", unless_pinned=True
+        )
+
+    def remove_wrong_size(
+        self, leaf_fd: int, key: OffloadKey, path: BlockPath, st: os.stat_result
+    ) -> bool:
+        """Delete ``key``'s file of the wrong size (the inode ``st`` describes, only), counted
+        as corrupt; returns whether this call removed it."""
+        self._log(
+            logging.WARNING,
+            "wrong_size",
+            "fs tier: block file %s has %d bytes instead of %d; deleting it",
+            path.rel,
+            st.st_size,
+            self._file_size,
+        )
+        return self.remove(key, path, (st.st_dev, st.st_ino), "corrupt_removed", leaf_fd=leaf_fd)
+
+    def remove(
+        self,
+        key: OffloadKey,
+        path: BlockPath,
+        file_id: tuple[int, int] | None,
+        counter: str,
+        *,
+        leaf_fd: int | None = None,
+        begun: bool = False,
+        unless_pinned: bool = False,
+        size_if_unknown: int | None = None,
+    ) -> bool:
+        """Remove ``key``'s block file if it is inode ``file_id`` (None: whatever file), through
+        the index (``begin_remove`` unless ``begun``, then ``finish_remove`` with what really
+        happened), free its capacity slot, and count ``counter`` if this call removed it.
+
+        Args:
+            leaf_fd: the block's directory if the caller has it open (else opened here).
+            unless_pinned: do nothing if a load of ``key`` is in flight.
+            size_if_unknown: what the index keeps counting if the directory cannot be opened.
+
+        Returns:
+            Whether this call removed the file.
+        """
+        if not begun and not self._index.begin_remove(key, unless_pinned=unless_pinned):
+            return False  # this tier is rewriting it (the rename replaces it) or removing it
+        outcome, kept = RemoveOutcome.KEPT, size_if_unknown
+        fd = leaf_fd
+        try:
+            if fd is None:
+                fd = open_block_dir(self._rank_fd, path)
+        except FileNotFoundError:
+            outcome, kept = RemoveOutcome.VANISHED, None
+        except OSError as e:
+            self._log(logging.WARNING, "unlink", "fs tier: cannot remove %s: %s", path.rel, e)
+        else:
+            try:
+                removed = unlink_block(fd, path.name, file_id)
+                if removed is not None:
+                    outcome, kept = RemoveOutcome.REMOVED, None
+                    self._release_slot(removed, path)
+                else:
+                    # Gone, or replaced by another writer since it was judged: leave the new one.
+                    kept = regular_file_size(fd, path.name)
+                    outcome = RemoveOutcome.VANISHED if kept is None else RemoveOutcome.KEPT
+            except OSError as e:
+                self._log(logging.WARNING, "unlink", "fs tier: cannot remove %s: %s", path.rel, e)
+                with contextlib.suppress(OSError):
+                    kept = regular_file_size(fd, path.name)
+            finally:
+                if leaf_fd is None:
+                    os.close(fd)
+        if kept is not None and kept != self._file_size:
+            kept = None  # a file of the wrong size is never indexed (it is retried when met)
+        self._index.finish_remove(key, outcome, kept)
+        if outcome is RemoveOutcome.REMOVED:
+            self._counters.incr(counter)
+        return outcome is RemoveOutcome.REMOVED
+
+    def _release_slot(self, st: os.stat_result, path: BlockPath) -> None:
+        """The block name of inode ``st`` is gone: free its capacity slot (if known)."""
+        if self._slots is None:
+            return
+        try:
+            self._slots.release_inode(st.st_ino)
+        except OSError as e:
+            # The slot stays as garbage; the reconcile (or a claim that meets it) frees it.
+            self._log(
+                logging.WARNING, "slot", "fs tier: cannot free the slot of %s: %s", path.rel, e
+            )
