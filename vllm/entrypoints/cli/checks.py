@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from vllm.entrypoints.cli.report.text import format_bytes
 
@@ -111,3 +112,17 @@ def plot_format_problem(path: Path) -> str | None:
         f"--plot {path}: {named}, and the format is taken from the suffix: use one of "
         f"{', '.join('.' + f for f in formats)} (e.g. {path.with_suffix('.png').name})"
     )
+
+
+def redis_problem(flag: str, tier_kwargs: dict[str, Any]) -> str | None:
+    """Why the redis tier could not use its server (``flag`` names the option that gave it):
+    the server is probed as the tier would use it (connect, ``AUTH``, ``SELECT``, ``PING``), so
+    a wrong URL or password is refused before the baseline runs, not found after it. One line,
+    the password masked; None when the server answers."""
+    from vllm.v1.kv_offload.tiering.redis.probe import probe_server
+
+    try:
+        problem = probe_server(tier_kwargs)
+    except ValueError as e:  # the tier's config refused a value (its message names it)
+        return f"{flag}: {e}"
+    return None if problem is None else f"{flag} {problem}"
