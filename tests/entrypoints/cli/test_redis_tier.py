@@ -60,6 +60,12 @@ def _secret_file(tmp_path: Path, name: str, data: bytes, mode: int = 0o600) -> P
     return path
 
 
+def test_a_url_of_another_scheme_is_refused_without_its_password(tmp_path: Path) -> None:
+    proc, _ = _run(tmp_path, *SMALL, "--redis-url", f"http://:{PASSWORD}@127.0.0.1:1")
+    assert proc.returncode == 2 and "is not a redis URL" in proc.stderr
+    assert PASSWORD not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("case", ["refused", "wrong-password", "no-password", "no-host"])
 def test_a_server_the_tier_cannot_use_is_refused_before_the_baseline(
     tmp_path: Path, locked: RedisServer, case: str

@@ -88,8 +88,12 @@ def default_fs_root() -> Path:
 def parse_redis_url(text: str) -> str:
     scheme = text.partition("://")[0] if "://" in text else ""
     if scheme not in REDIS_URL_SCHEMES:
+        from vllm.v1.kv_offload.tiering.redis.redaction import redact_url
+
+        # Never its password: a URL is shown redacted, a text with user info not at all.
+        shown = redact_url(text) if "://" in text else text if "@" not in text else "the value"
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
+            f"{shown!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
             "unix:///PATH"
         )
     return text
