@@ -229,3 +229,37 @@ def test_a_fleet_never_prints_the_password_while_its_server_dies_and_comes_back(
     assert proc.returncode == 0, printed[-4000:]
     assert PASSWORD not in printed
     assert "redis://:***@127.0.0.1" in printed, "the output names the server, masked"
+    # -v: the instances logged, their redis tiers too (start-up, and the outage).
+    instance_lines = [line for line in printed.splitlines() if line.startswith("engine ")]
+    assert any("redis tier" in line for line in instance_lines), instance_lines[:20]
+
+
+def test_a_server_that_refuses_the_tier_after_the_probe_fails_the_verdict_saying_so(
+    tmp_path: Path, locked: RedisServer
+) -> None:
+    # The probe passes; the password changes as the baseline starts (a rotated secret), so the
+    # offloaded run's tier never gets an answer: the verdict says why instead of passing.
+    admin = locked.client()
+    out = tmp_path / "report.json"
+    args = [*SMALL, "--no-progress", "--no-fs", "--json", str(out)]
+    args += ["--redis-url", f"redis://:{PASSWORD}@127.0.0.1:{locked.port}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "run", *args],
+        cwd=REPO,
+        env=command_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # the header: printed once the options (and probe) passed
+    admin.config_set("requirepass", "rotated-" + PASSWORD)
+    rest, err = proc.communicate(timeout=600)
+    admin.close()
+    text = " ".join((first + rest).split())
+    assert proc.returncode == 1, text + err
+    assert "the redis tier never answered (authentication failed)" in text
+    doc = json.loads(out.read_text())
+    assert doc["runs"]["offload"]["redis_down"] == "authentication failed"
+    assert doc["verdict"]["status"] == "FAIL"
+    assert PASSWORD not in first + rest + err + out.read_text()

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.report.figures import (
     Direction,
     FsTierState,
@@ -263,6 +263,15 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
             failed_blocks=sum(tc.get(name, 0) for name in load_failed),
         )
         result.corrupt_blocks_detected += sum(tc.get(name, 0) for name in CORRUPT_COUNTERS)
+        if (
+            tier_type == REDIS_TIER_TYPE
+            and tc.get("server_answers", 1) == 0
+            and tc.get("breaker_trips", 0)
+        ):
+            # Cut off, and not one round trip answered: down, or refusing the credentials.
+            result.redis_down = (
+                "authentication failed" if tc.get("auth_failures", 0) else "server unreachable"
+            )
         if tier_type == FS_TIER_TYPE and result.fs is not None:
             result.fs.files_at_end = tier.num_blocks
             result.fs.bytes_at_end = tier.used_bytes
@@ -280,7 +289,7 @@ class EngineRun:
         config: the invocation's settings.
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
-        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
     """
 
     def __init__(
@@ -288,7 +297,7 @@ class EngineRun:
         config: RunConfig,
         offload: bool,
         instance_id: str | None = None,
-        exporter: MetricsExporter | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.label = "offload" if offload else "baseline"
         self.result = RunResult(label=self.label, offload=offload)
@@ -298,11 +307,11 @@ class EngineRun:
         if offload and tiers.fs is not None:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic())
-        self._exporter = exporter
+        self._metrics = metrics
         engine = EngineCore(engine_config(config, offload, instance_id))
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
-        if exporter is not None:
-            callback = exporter.attach(engine, self.label, self.sampler)
+        if metrics is not None:
+            callback = metrics.attach(engine, self.label, self.sampler)
         # From here on the engine belongs to the front end's thread (and is shut down by it).
         self.llm = AsyncLLM(engine, step_callback=callback)
 
@@ -340,9 +349,9 @@ class EngineRun:
                 f"{self.label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the "
                 "last output"
             ) from None
-        exporter = self._exporter
-        if exporter is not None:
-            await self.llm.call(lambda e: exporter.flush(e, self.label))
+        metrics = self._metrics
+        if metrics is not None:
+            await self.llm.call(lambda e: metrics.flush(e, self.label))
         snapshot = await self.llm.call(snapshot_engine)
         result = self.result
         result.samples = self.sampler.samples

@@ -106,6 +106,7 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         },
         "fs_tier": None if run.fs is None else fs_json(run.fs),
         "redis_url": run.redis_url,
+        "redis_down": run.redis_down,
         "cross_instance_tokens": run.cross_instance_tokens,
     }
     if samples:
@@ -119,6 +120,7 @@ def verdict_json(v: Verdict) -> dict[str, Any]:
         "status": "PASS" if v.passed else "FAIL",
         "served_correctly": v.served_correctly,
         "storage_intact": v.storage_intact,
+        "tiers_working": v.tiers_working,
         "reasons": list(v.reasons),
     }
 
