@@ -28,7 +28,7 @@ import pytest
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
 from vllm.entrypoints.cli.fleet import cross_instance_tokens, route
 from vllm.entrypoints.cli.main import main
-from vllm.entrypoints.cli.option_values import redact_url
+from vllm.v1.kv_offload.tiering.redis.redaction import redact_url
 
 from .test_metrics import figure_checks, free_port, scrape_while_running, value
 from .workload_args import REPO, command_env, workload_args

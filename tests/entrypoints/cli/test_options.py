@@ -274,6 +274,10 @@ _RUN_DEFAULTS: dict[str, object] = {
     "metrics_port": None,
     "verbose": 0,
     "redis_url": None,
+    "redis_url_env": None,
+    "redis_password_file": None,
+    "redis_cluster": False,
+    "integrity_key_file": None,
     "engines": 1,
 }
 

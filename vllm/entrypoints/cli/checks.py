@@ -14,6 +14,7 @@ import os
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from vllm.entrypoints.cli.report.text import format_bytes
 
@@ -135,3 +136,17 @@ def metrics_port_problem(port: int, address: str = METRICS_ADDRESS) -> str | Non
                 "another port, or leave --metrics-port out"
             )
     return None
+
+
+def redis_problem(flag: str, tier_kwargs: dict[str, Any]) -> str | None:
+    """Why the redis tier could not use its server (``flag`` names the option that gave it):
+    the server is probed as the tier would use it (connect, ``AUTH``, ``SELECT``, ``PING``), so
+    a wrong URL or password is refused before the baseline runs, not found after it. One line,
+    the password masked; None when the server answers."""
+    from vllm.v1.kv_offload.tiering.redis.probe import probe_server
+
+    try:
+        problem = probe_server(tier_kwargs)
+    except ValueError as e:  # the tier's config refused a value (its message names it)
+        return f"{flag}: {e}"
+    return None if problem is None else f"{flag} {problem}"

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.cli import checks
-from vllm.entrypoints.cli.option_values import default_fs_root, redact_url
+from vllm.entrypoints.cli.option_values import default_fs_root
 from vllm.entrypoints.cli.options import DTYPE_BYTES
 from vllm.entrypoints.cli.workloads import (
     WORKLOAD_DEFAULTS,
@@ -80,6 +80,52 @@ class FsTierOptions:
 
 
 @dataclass(frozen=True)
+class RedisTierOptions:
+    """The redis tier of the offloaded run (shared by every engine instance).
+
+    Attributes:
+        url: the server's URL (``--redis-url``; credentials included: never print it), or None
+            when ``url_env`` names the variable that holds it.
+        url_env: the environment variable holding the URL (``--redis-url-env``).
+        password_file: the file holding the password (``--redis-password-file``).
+        cluster: the URL names a node of a Redis Cluster (``--redis-cluster``).
+        integrity_key_file: the fleet secret authenticating every block
+            (``--integrity-key-file``).
+    """
+
+    url: str | None = field(default=None, repr=False)
+    url_env: str | None = None
+    password_file: Path | None = None
+    cluster: bool = False
+    integrity_key_file: Path | None = None
+
+    @property
+    def option(self) -> str:
+        """The option that names the server (for messages)."""
+        return "--redis-url" if self.url_env is None else f"--redis-url-env {self.url_env}"
+
+    def tier_kwargs(self) -> dict[str, Any]:
+        """The tier's ``secondary_tiers`` entry, without ``type`` (``docs/redis_tier.md``)."""
+        kwargs: dict[str, Any] = (
+            {"url": self.url} if self.url_env is None else {"url_env": self.url_env}
+        )
+        if self.password_file is not None:
+            kwargs["password_file"] = str(self.password_file)
+        if self.cluster:
+            kwargs["cluster"] = True
+        if self.integrity_key_file is not None:
+            kwargs["integrity_key_file"] = str(self.integrity_key_file)
+        return kwargs
+
+    def shown_url(self) -> str:
+        """The server's URL with its password masked (what the report shows)."""
+        from vllm.v1.kv_offload.tiering.redis.redaction import redact_url
+
+        url = self.url if self.url_env is None else os.environ.get(self.url_env, "")
+        return redact_url(url or "")
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     """The offloaded run's tiers: the CPU tier, then the fs tier, then the redis tier.
 
@@ -88,14 +134,14 @@ class TiersConfig:
         eviction_policy: the CPU tier's cache policy (``lru``, ``arc``).
         block_size: tokens per offloaded block (a multiple of the GPU block size).
         fs: the fs tier; None runs without one.
-        redis_url: the redis tier's server (after the fs tier); None runs without one.
+        redis: the redis tier (after the fs tier); None runs without one.
     """
 
     cpu_bytes: int
     eviction_policy: str
     block_size: int
     fs: FsTierOptions | None = None
-    redis_url: str | None = None
+    redis: RedisTierOptions | None = None
 
     def connector_config(self) -> dict[str, Any]:
         """The offloading connector's ``kv_connector_extra_config`` (``docs/configuration.md``)."""
@@ -104,7 +150,7 @@ class TiersConfig:
             "eviction_policy": self.eviction_policy,
             "block_size": self.block_size,
         }
-        if self.fs is None and self.redis_url is None:
+        if self.fs is None and self.redis is None:
             cfg["spec_name"] = "CPUOffloadingSpec"
             return cfg
         cfg["spec_name"] = "TieringOffloadingSpec"
@@ -119,9 +165,9 @@ class TiersConfig:
                     "max_bytes": self.fs.max_bytes,
                 }
             )
-        if self.redis_url is not None:
+        if self.redis is not None:
             # After the fs tier: lookups ask the local disk before the network.
-            tiers.append({"type": REDIS_TIER_TYPE, "url": self.redis_url})
+            tiers.append({"type": REDIS_TIER_TYPE, **self.redis.tier_kwargs()})
         cfg["secondary_tiers"] = tiers
         return cfg
 
@@ -258,17 +304,47 @@ def _tiers_config(args: argparse.Namespace) -> TiersConfig:
             read_threads=args.fs_read_threads,
             write_threads=args.fs_write_threads,
         )
-    if args.redis_url is not None:
-        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-
-        if REDIS_TIER_TYPE not in SecondaryTierFactory.known_tier_types():
-            raise OptionError("--redis-url: this installation has no redis tier")
     return TiersConfig(
         cpu_bytes=args.cpu_bytes,
         eviction_policy=args.eviction_policy,
         block_size=offload_block_size,
         fs=fs,
-        redis_url=args.redis_url,
+        redis=_redis_options(args),
+    )
+
+
+def _redis_options(args: argparse.Namespace) -> RedisTierOptions | None:
+    """The redis tier's options, checked against each other (the server is probed later)."""
+    if args.redis_url is not None and args.redis_url_env is not None:
+        raise OptionError("--redis-url and --redis-url-env name the server twice: keep one")
+    if args.redis_url is None and args.redis_url_env is None:
+        for flag, value in (
+            ("--redis-password-file", args.redis_password_file),
+            ("--redis-cluster", args.redis_cluster or None),
+            ("--integrity-key-file", args.integrity_key_file),
+        ):
+            if value is not None:
+                raise OptionError(f"{flag} needs a redis tier: add --redis-url or --redis-url-env")
+        return None
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    if REDIS_TIER_TYPE not in SecondaryTierFactory.known_tier_types():
+        raise OptionError("--redis-url: this installation has no redis tier")
+    if args.redis_url_env is not None and not os.environ.get(args.redis_url_env):
+        raise OptionError(f"--redis-url-env {args.redis_url_env}: the variable is unset")
+    if args.integrity_key_file is not None:
+        from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
+
+        try:
+            IntegrityKey.from_file(str(args.integrity_key_file))
+        except ValueError as e:
+            raise OptionError(f"--integrity-key-file: {e}") from None
+    return RedisTierOptions(
+        url=args.redis_url,
+        url_env=args.redis_url_env,
+        password_file=args.redis_password_file,
+        cluster=args.redis_cluster,
+        integrity_key_file=args.integrity_key_file,
     )
 
 
@@ -318,6 +394,9 @@ def _machine_problems(
         problems.append(checks.output_file_problem("--json", output.json_path))
     if output.plot_path is not None:
         problems.append(checks.output_file_problem("--plot", output.plot_path))
+    if tiers.redis is not None and not any(problems):
+        # Last: it waits for the network (at most about two of the tier's timeouts).
+        problems.append(checks.redis_problem(tiers.redis.option, tiers.redis.tier_kwargs()))
     return [p for p in problems if p is not None]
 
 
@@ -336,12 +415,10 @@ def _connector_problem(tiers: TiersConfig) -> str | None:
         for tier in OffloadingConfig.from_extra_config(tiers.connector_config()).secondary_tiers:
             parsers[tier.type](**tier.kwargs)
     except ValueError as e:
-        message = str(e)
-        if tiers.redis_url is None:
-            return f"the offloading connector refuses these options: {message}"
-        # The tiers' messages quote the URL they were given: never its password.
-        message = message.replace(tiers.redis_url, redact_url(tiers.redis_url))
-        return f"--redis-url {redact_url(tiers.redis_url)}: {message}"
+        if tiers.redis is None:
+            return f"the offloading connector refuses these options: {e}"
+        # The redis tier's messages show a URL with its password masked.
+        return f"{tiers.redis.option} {tiers.redis.shown_url()}: {e}"
     return None
 
 
@@ -444,7 +521,9 @@ def _settings(
         "eviction_policy": tiers.eviction_policy,
         "fs_root": None if tiers.fs is None else str(tiers.fs.root),
         "fs_max_bytes": None if tiers.fs is None else tiers.fs.max_bytes,
-        "redis_url": None if tiers.redis_url is None else redact_url(tiers.redis_url),
+        "redis_url": None if tiers.redis is None else tiers.redis.shown_url(),
+        "redis_cluster": tiers.redis is not None and tiers.redis.cluster,
+        "integrity_key_id": _integrity_key_id(tiers.redis),
         "engines": fleet.engines,
         "device": engine.device,
         "timeout_s": timeout_s,
@@ -452,6 +531,15 @@ def _settings(
         "model_stand_in": args.model_stand_in,
         "sliding_window": args.sliding_window if args.model_stand_in == "hybrid" else None,
     }
+
+
+def _integrity_key_id(redis: RedisTierOptions | None) -> str | None:
+    """The key id of the fleet secret (hex), or None: blocks not authenticated."""
+    if redis is None or redis.integrity_key_file is None:
+        return None
+    from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
+
+    return IntegrityKey.from_file(str(redis.integrity_key_file)).key_id.hex()
 
 
 def build_run_config(

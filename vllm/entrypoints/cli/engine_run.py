@@ -31,7 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.metrics_server import EngineMetrics
-from vllm.entrypoints.cli.option_values import redact_url
 from vllm.entrypoints.cli.report.figures import (
     Direction,
     FsTierState,
@@ -52,11 +51,10 @@ SCAN_TIMEOUT_S = 120.0
 """Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
 
 GPU_DIRECTIONS = {"GPU_to_CPU": Direction.GPU_TO_CPU, "CPU_to_GPU": Direction.CPU_TO_GPU}
-# Per secondary tier: its type name, its directions (store, promote), the name of its counter
-# of blocks stored, and those of its failed blocks per direction (the redis tier counts failed
-# jobs apart: blocks it dropped at once, or found gone or invalid, are its per-block figures).
 _TRANSFER_BYTES = "vllm:kv_offload_transfer_bytes"
-
+# Per secondary tier: its type name, its directions (store, promote), the name of its counter
+# of blocks stored, and those of its failed blocks per direction (the redis tier counts the
+# blocks of its failed jobs, whatever failed them: dropped, refused at maxmemory, unreachable).
 SECONDARY_TIERS = (
     (
         FS_TIER_TYPE,
@@ -71,10 +69,12 @@ SECONDARY_TIERS = (
         Direction.CPU_TO_REDIS,
         Direction.REDIS_TO_CPU,
         "blocks_written",
-        ("stores_dropped",),
-        ("server_misses", "corrupt_removed"),
+        ("store_failed_blocks",),
+        ("load_failed_blocks",),
     ),
 )
+CORRUPT_COUNTERS = ("corrupt_removed", "forged_removed", "unauthenticated_removed")
+"""Counters of blocks a tier found invalid (damaged, or, with a fleet secret, not authentic)."""
 
 
 def engine_config(config: RunConfig, offload: bool, instance_id: str | None = None) -> EngineConfig:
@@ -274,7 +274,16 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
             jobs=tc.get("load_jobs"),
             failed_jobs=tc.get("load_jobs_failed", 0),
         )
-        result.corrupt_blocks_detected += tc.get("corrupt_removed", 0)
+        result.corrupt_blocks_detected += sum(tc.get(name, 0) for name in CORRUPT_COUNTERS)
+        if (
+            tier_type == REDIS_TIER_TYPE
+            and tc.get("server_answers", 1) == 0
+            and tc.get("breaker_trips", 0)
+        ):
+            # Cut off, and not one round trip answered: down, or refusing the credentials.
+            result.redis_down = (
+                "authentication failed" if tc.get("auth_failures", 0) else "server unreachable"
+            )
         if tier_type == FS_TIER_TYPE and result.fs is not None:
             result.fs.files_at_end = tier.num_blocks
             result.fs.bytes_at_end = tier.used_bytes
@@ -305,8 +314,8 @@ class EngineRun:
         self.label = "offload" if offload else "baseline"
         self.result = RunResult(label=self.label, offload=offload)
         tiers = config.tiers
-        if offload and tiers.redis_url is not None:
-            self.result.redis_url = redact_url(tiers.redis_url)
+        if offload and tiers.redis is not None:
+            self.result.redis_url = tiers.redis.shown_url()
         if offload and tiers.fs is not None:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic())

@@ -412,6 +412,9 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             total.cross_instance_tokens = (total.cross_instance_tokens or 0) + (
                 p.cross_instance_tokens
             )
+    # Down for the fleet only if no instance ever got an answer.
+    downs = [p.redis_down for p in parts]
+    total.redis_down = downs[0] if downs and all(downs) else None
     total.samples = _merge_samples([p.samples for p in parts])
     return total
 

@@ -4,8 +4,8 @@
 
 Each turns one flag's text into its value or raises ``argparse.ArgumentTypeError``, whose
 message argparse prefixes with the option's name. ``options.py`` declares the options with them.
-Also here: the values a parser's result implies (``default_fs_root``) or how one is shown
-(``redact_url``: a redis URL without its password, for everything the command prints).
+Also here: the values a parser's result implies (``default_fs_root``). A redis URL is shown
+without its password by the redis tier's own ``redact_url`` (``tiering/redis/redaction.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from vllm.v1.kv_offload.sizes import SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
@@ -88,18 +88,26 @@ def default_fs_root() -> Path:
 def parse_redis_url(text: str) -> str:
     scheme = text.partition("://")[0] if "://" in text else ""
     if scheme not in REDIS_URL_SCHEMES:
+        from vllm.v1.kv_offload.tiering.redis.redaction import redact_url
+
+        # Never its password: a URL is shown redacted, a text with user info not at all.
+        shown = redact_url(text) if "://" in text else text if "@" not in text else "the value"
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
+            f"{shown!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
             "unix:///PATH"
         )
     return text
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (reports are printed and shared)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+def parse_env_name(text: str) -> str:
+    """The name of an environment variable (its value is read when the options are checked)."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an environment variable name")
+    return text
+
+
+def parse_secret_file(text: str) -> Path:
+    """A file holding a secret (read, and checked to be private, when the options are checked)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: name a file")
+    return Path(text)

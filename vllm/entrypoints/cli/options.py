@@ -29,8 +29,10 @@ from vllm.entrypoints.cli.option_values import (
     int_at_least,
     non_negative_float,
     parse_directory,
+    parse_env_name,
     parse_output_file,
     parse_redis_url,
+    parse_secret_file,
     parse_size,
 )
 from vllm.entrypoints.cli.workloads import WORKLOAD_DEFAULTS, WorkloadConfig, WorkloadKind
@@ -276,10 +278,36 @@ def _fleet_options() -> tuple[_Option, ...]:
         _Option(
             "--redis-url",
             "add the redis tier after the fs tier (or instead of it with --no-fs), on this "
-            "server, shared by every engine instance",
+            "server, shared by every engine instance (a password here shows in ps: prefer "
+            "--redis-url-env or --redis-password-file)",
             type=parse_redis_url,
             default_text=None,
             metavar="URL",
+        ),
+        _Option(
+            "--redis-url-env",
+            "as --redis-url, the URL taken from this environment variable",
+            type=parse_env_name,
+            default_text=None,
+            metavar="VAR",
+        ),
+        _Option(
+            "--redis-password-file",
+            "the redis password: the text of this file (readable by its owner only), for a URL "
+            "without one",
+            type=parse_secret_file,
+            default_text=None,
+            metavar="FILE",
+        ),
+        _switch("--redis-cluster", "the redis URL names a node of a Redis Cluster"),
+        _Option(
+            "--integrity-key-file",
+            "authenticate the redis tier's blocks with this fleet secret (the file's raw bytes, "
+            "at least 16, readable by its owner only; every engine instance uses it): a block "
+            "not written with it is never served",
+            type=parse_secret_file,
+            default_text=None,
+            metavar="FILE",
         ),
         _count(
             "--engines",

@@ -203,6 +203,9 @@ class RunResult:
             the redis tier.
         fs: the fs tier's state (None without an fs tier).
         redis_url: the redis tier's server (None without a redis tier).
+        redis_down: why the redis tier never got an answer from its server during the run
+            ("authentication failed", "server unreachable"); None when it did (or there is
+            none).
         cross_instance_tokens: in a fleet, prompt tokens served from KV that another instance
             of the fleet computed and stored in the shared (redis) tier during this run; None
             outside a fleet.
@@ -238,6 +241,7 @@ class RunResult:
     blocks_verified_from_redis: int = 0
     fs: FsTierState | None = None
     redis_url: str | None = None
+    redis_down: str | None = None
     cross_instance_tokens: int | None = None
     outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     samples: list[StepSample] = field(default_factory=list)

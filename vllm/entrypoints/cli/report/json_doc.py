@@ -108,6 +108,7 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         },
         "fs_tier": None if run.fs is None else fs_json(run.fs),
         "redis_url": run.redis_url,
+        "redis_down": run.redis_down,
         "cross_instance_tokens": run.cross_instance_tokens,
     }
     if run.offload:

@@ -144,7 +144,16 @@ def render_header(
             lines.append(line)
     url = s.get("redis_url")
     if url is not None:
-        lines += _wrap(f"redis tier: {url}, shared by every engine instance", hanging=4)
+        cluster = " (cluster)" if s.get("redis_cluster") else ""
+        key_id = s.get("integrity_key_id")
+        trust = (
+            f"blocks authenticated (HMAC-SHA256, key id {key_id})"
+            if key_id
+            else "blocks not authenticated (CRC only)"
+        )
+        lines += _wrap(
+            f"redis tier: {url}{cluster}, shared by every engine instance; {trust}", hanging=4
+        )
     engines = s.get("engines", 1)
     if isinstance(engines, int) and engines > 1:
         lines += _wrap(

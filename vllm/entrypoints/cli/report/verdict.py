@@ -64,9 +64,16 @@ SECONDARY_DIRECTIONS: tuple[tuple[str, Direction, Direction], ...] = (
 def failed_tiers(run: RunResult) -> list[str]:
     """One line per secondary tier and direction in which everything of ``run`` failed: every
     job the tier reported (where it counts jobs: ``store_jobs_failed == store_jobs > 0``), or
-    every block (where it does not, or a tier failed blocks without failing their jobs)."""
+    every block (where it does not, or a tier failed blocks without failing their jobs); for a
+    redis tier whose server never answered, one line saying so, and why."""
     lines = []
     for name, store, load in SECONDARY_DIRECTIONS:
+        if name == "redis" and run.redis_down is not None:
+            lines.append(
+                f"the redis tier never answered ({run.redis_down}): it stored and served "
+                "nothing; see its WARNING lines"
+            )
+            continue
         for direction, verb, done in ((store, "store", "stored"), (load, "load", "loaded")):
             t = run.transfers[direction]
             if t.jobs and t.failed_jobs == t.jobs:

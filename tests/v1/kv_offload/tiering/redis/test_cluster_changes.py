@@ -72,13 +72,10 @@ def _mapped_port(tier: RedisSecondaryTier, slot: int) -> int:
 
 
 def _probe(tier: RedisSecondaryTier, keys: list[OffloadKey], ctx: ReqContext) -> list[bool]:
-    """The tier's answers for ``keys``: ask, end the step (the batched probe), ask again."""
-    assert [tier.lookup(k, ctx) for k in keys] == [None] * len(keys)
-    tier.on_schedule_end()
-    assert tier.wait_lookups_idle(10)
-    answers = [tier.lookup(k, ctx) for k in keys]
-    assert all(isinstance(a, bool) for a in answers), answers
-    return [bool(a) for a in answers]
+    """What the servers answer for ``keys``: the ``EXISTS`` round the lookup thread runs for a
+    step's lookups (not the tier's local view, which answers at once for the blocks it stored
+    and would not touch the cluster)."""
+    return tier.transfer.presence(keys)
 
 
 def _assert_rows(rows: npt.NDArray[np.uint8], loaded: dict[int, OffloadKey]) -> None:

@@ -154,9 +154,7 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         tier.submit_store(job(1, first, [0, 1, 2, 3], load=False))
         assert collect(engine, {1}) == {1: True}
         ctx = ReqContext("r")
-        assert [tier.lookup(k, ctx) for k in first] == [None] * 4
-        tier.on_schedule_end()
-        assert tier.wait_lookups_idle(10)
+        # Stored by this instance: its lookups answer at once (the tier's local view).
         assert [tier.lookup(k, ctx) for k in first] == [True] * 4
         # Later blocks push the first ones out (allkeys-lru): normal operation, not an error.
         later = [key_of(100 + i) for i in range(8)]
@@ -176,6 +174,12 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         counters = tier.get_stats().counters
         assert counters["server_misses"] == 1 and counters["load_failures"] == 1
         assert not tier.breaker_open
+        # The stale "present" is forgotten: the next lookup asks the server, which says absent.
+        again = ReqContext("r2")
+        assert tier.lookup(gone[0], again) is None
+        tier.on_schedule_end()
+        assert tier.wait_lookups_idle(10)
+        assert tier.lookup(gone[0], again) is False
     finally:
         server.stop()
 

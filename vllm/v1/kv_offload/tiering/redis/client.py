@@ -124,7 +124,7 @@ def make_client(config: RedisTierConfig) -> RedisClient:
     if config.cluster:
         try:
             return RedisCluster.from_url(config.url, require_full_coverage=False, **common)
-        except rexc.RedisError as e:
+        except (rexc.RedisError, rexc.RedisClusterException) as e:
             raise type(e)(config.redactor.text(str(e))) from None
     pool = ConnectionPool.from_url(config.url, **common)
     return redis.Redis(connection_pool=pool)

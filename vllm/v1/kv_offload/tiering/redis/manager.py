@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.tiering.redis.health import (
     HealthThread,
     PermissionGates,
 )
+from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
 from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
 from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
 from vllm.v1.kv_offload.tiering.tier_plumbing import (
@@ -226,6 +227,9 @@ class RedisSecondaryTier(AsyncLookupTier):
             target=self._io_loop, name=f"vllm_redis_tier_{tier_type}_io", daemon=True
         )
         self._lookups = _RedisLookups(self)
+        # Blocks known to be on the server (local_view): their lookups answer at once.
+        self._known = KnownBlocks(config.ttl_s)
+        self._answered_locally = 0
         self._health = HealthThread(
             tier_type,
             self._breaker,
@@ -289,6 +293,7 @@ class RedisSecondaryTier(AsyncLookupTier):
         counters["breaker_trips"] = self._breaker.trips
         counters["auth_failures"] = self._breaker.auth_failures
         counters["permission_refusals"] = self._gates.refusals
+        counters["lookups_answered_locally"] = self._answered_locally
         return counters
 
     @override
@@ -316,10 +321,14 @@ class RedisSecondaryTier(AsyncLookupTier):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """False at once while the server is unreachable; otherwise None until this step's
-        batched probe answered (a later step), then True/False."""
+        """False at once while the server is cut off; True at once for a block this instance
+        knows the server holds (``local_view``); otherwise None until this step's batched probe
+        answered (a later step), then True/False."""
         if self._breaker.is_open:
             return False
+        if self._known.holds(key):
+            self._answered_locally += 1  # scheduler thread only
+            return True
         return self._lookups.lookup(key, req_context)
 
     @override
@@ -437,6 +446,11 @@ class RedisSecondaryTier(AsyncLookupTier):
                         batch.append(self._stores.popleft())
                 self._running += len(batch)
             outcomes = self._run_jobs(batch)
+            for job, outcome in zip(batch, outcomes, strict=True):
+                if outcome.success:
+                    self._known.add(job.keys)
+                else:
+                    self._known.drop(outcome.failed_keys or job.keys)
             with self._cond:
                 self._running -= len(batch)
                 for job, outcome in zip(batch, outcomes, strict=True):
@@ -473,14 +487,17 @@ class RedisSecondaryTier(AsyncLookupTier):
         misses = [[False] * len(keys) for keys, _ in groups]
         if self._breaker.is_open:
             return misses
+        flat = [key for keys, _ in groups for key in keys]
         try:
-            present = self.transfer.presence([key for keys, _ in groups for key in keys])
+            present = self.transfer.presence(flat)
         except Exception as e:
             if not cuts_off(e):  # the breaker has logged a cut-off
                 logger.warning(
                     "redis tier %s: lookup failed: %s", self._name, self._config.redactor.error(e)
                 )
             return misses
+        self._known.add(k for k, there in zip(flat, present, strict=True) if there)
+        self._known.drop(k for k, there in zip(flat, present, strict=True) if not there)
         it = iter(present)
         answers = [[next(it) for _ in keys] for keys, _ in groups]
         self._counters.add(lookups=len(present), lookup_hits=sum(present))
