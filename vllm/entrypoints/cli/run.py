@@ -127,7 +127,6 @@ def engine_config(opts: RunOptions, offload: bool, instance_id: str | None = Non
         max_num_seqs=opts.max_num_seqs,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         vocab_size=opts.workload.vocab_size,
-        verify_kv=True,
         kv_connector_extra_config=extra_config(opts) if offload else None,
         device=opts.device,
         async_scheduling=opts.async_scheduling,

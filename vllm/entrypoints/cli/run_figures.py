@@ -143,7 +143,9 @@ class EngineSnapshot:
 
 
 def snapshot_engine(engine: EngineCore) -> EngineSnapshot:
-    # Engine thread: copy everything the report needs before the engine shuts down.
+    # Engine thread: copy everything the report needs before the engine shuts down. The KV
+    # checks run first, after the run's timed window.
+    engine.verify_kv()
     stored = engine.connector.connector_scheduler.stored_keys if engine.connector else None
     return EngineSnapshot(
         engine_stats=engine.stats,
