@@ -124,20 +124,29 @@ def write_kv(
 
 
 @dataclass(frozen=True)
-class _Batch:
-    """Sequences computed together: their rows, blocks, masks and reduction tree."""
+class _Piece:
+    """Query rows computed together against a run of the batch's gathered key chunks."""
 
-    num_seqs: int
     rows: int  # query rows per sequence (shorter ones padded)
-    num_chunks: int  # key chunks gathered per sequence
+    first_chunk: int  # the run of gathered chunks [first_chunk, first_chunk + num_chunks)
+    num_chunks: int
     slots: int  # leaves of the reduction tree (a power of two >= num_chunks)
     query_index: torch.Tensor  # [S * rows] rows of the step's queries (padding: a real row)
     out_rows: torch.Tensor  # [n] rows of the step written back
-    out_from: torch.Tensor  # [n] their index in the batch's [S * rows] results
-    blocks: torch.Tensor  # [S, num_chunks * blocks per chunk] block ids to gather
-    absent: torch.Tensor  # [S, keys] keys past the end or in freed blocks (values zeroed)
+    out_from: torch.Tensor  # [n] their index in the piece's [S * rows] results
     hidden: torch.Tensor  # [S, 1, chunks, chunk, rows * group]: weight exactly 0
     leaves: list[tuple[int, int, int]] | None  # (seq, first leaf, chunks) if not 0..chunks
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Sequences whose keys are gathered together, and the pieces of rows attending to them."""
+
+    num_seqs: int
+    num_chunks: int  # key chunks gathered per sequence
+    blocks: torch.Tensor  # [S, num_chunks * blocks per chunk] block ids to gather
+    absent: torch.Tensor  # [S, keys] keys past the end or in freed blocks (values zeroed)
+    pieces: Sequence[_Piece]
 
 
 @dataclass(frozen=True)
@@ -181,41 +190,46 @@ class AttentionMetadata:
         short = [s for s in seqs if s.num_rows <= TILE_ROWS]
         if short:
             rows = max(min_rows, *(s.num_rows for s in short))
-            batches.append(_plan(short, rows, block_size, chunk, sliding_window, group, device))
+            batches.append(
+                _plan(short, [(short, rows)], block_size, chunk, sliding_window, group, device)
+            )
         for s in seqs:
+            if s.num_rows <= TILE_ROWS:
+                continue
             # A long sequence in pieces of QUERY_PIECE rows: a piece's rows see no key after
-            # its end, so it needs fewer chunks (a piece is computed as a sequence of its own).
-            for lo in range(0, s.num_rows if s.num_rows > TILE_ROWS else 0, QUERY_PIECE):
+            # its end, so it needs fewer chunks; every piece reads the one gather of its keys.
+            pieces = []
+            for lo in range(0, s.num_rows, QUERY_PIECE):
                 n = min(QUERY_PIECE, s.num_rows - lo)
-                lo_pos = s.start + lo
-                piece = AttentionSeq(s.row_start + lo, lo_pos, lo_pos + n, s.block_table)
-                batches.append(_plan([piece], n, block_size, chunk, sliding_window, group, device))
+                start = s.start + lo
+                pieces.append(
+                    ([AttentionSeq(s.row_start + lo, start, start + n, s.block_table)], n)
+                )
+            batches.append(_plan([s], pieces, block_size, chunk, sliding_window, group, device))
         return cls(batches, block_size, chunk, group, num_heads)
+
+
+def _chunks(seq: AttentionSeq, chunk: int, window: int | None) -> tuple[int, int]:
+    """The absolute key chunks ``[first, end)`` the rows of ``seq`` see."""
+    first = 0 if window is None else max(0, seq.start - window + 1)
+    return first // chunk, -(-seq.end // chunk)
 
 
 def _plan(
     seqs: Sequence[AttentionSeq],
-    rows: int,
+    pieces: Sequence[tuple[Sequence[AttentionSeq], int]],
     bs: int,
     chunk: int,
     window: int | None,
     group: int,
     device: torch.device,
 ) -> _Batch:
+    """Gather plan of ``seqs`` and the plans of ``pieces``: ``(rows of every sequence, rows per
+    sequence)``, each piece's sequences matching ``seqs`` one to one."""
     num_seqs = len(seqs)
-    # Each sequence's key chunks [c0, c_end), and the aligned tree node holding them: the
-    # smallest power-of-two-aligned run of chunk indices covering every sequence's chunks.
-    c0 = [(0 if window is None else max(0, s.start - window + 1)) // chunk for s in seqs]
-    c_end = [-(-s.end // chunk) for s in seqs]
-    level = 0
-    for lo, hi in zip(c0, c_end, strict=True):
-        while lo >> level != (hi - 1) >> level:
-            level += 1
-    slots = 1 << level
-    num_chunks = max(hi - lo for lo, hi in zip(c0, c_end, strict=True))
-    leaves = [(i, c0[i] - c0[i] // slots * slots, c_end[i] - c0[i]) for i in range(num_seqs)]
-    aligned = slots == num_chunks and all(first == 0 and n == num_chunks for _, first, n in leaves)
-
+    spans = [_chunks(s, chunk, window) for s in seqs]
+    c0 = [lo for lo, _ in spans]
+    num_chunks = max(hi - lo for lo, hi in spans)
     per_chunk = chunk // bs
     nblk = num_chunks * per_chunk
     table = torch.full((num_seqs, nblk), -1, dtype=torch.int64)
@@ -223,34 +237,76 @@ def _plan(
         ids = list(s.block_table[c0[i] * per_chunk : -(-s.end // bs)])
         if ids:
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    keys = nblk * bs
-    kpos = torch.tensor(c0, dtype=torch.int64).unsqueeze(1) * chunk + torch.arange(keys)
+    kpos = torch.tensor(c0, dtype=torch.int64).unsqueeze(1) * chunk + torch.arange(nblk * bs)
     ends = torch.tensor([s.end for s in seqs], dtype=torch.int64).unsqueeze(1)
     absent = (kpos >= ends) | (table.repeat_interleave(bs, dim=1) < 0)
+    return _Batch(
+        num_seqs=num_seqs,
+        num_chunks=num_chunks,
+        blocks=table.clamp(min=0).to(device),
+        absent=absent.to(device),
+        pieces=[
+            _plan_piece(p, rows, c0, kpos, absent, chunk, window, group, device)
+            for p, rows in pieces
+        ],
+    )
+
+
+def _plan_piece(
+    seqs: Sequence[AttentionSeq],
+    rows: int,
+    c0: Sequence[int],
+    kpos: torch.Tensor,
+    absent: torch.Tensor,
+    chunk: int,
+    window: int | None,
+    group: int,
+    device: torch.device,
+) -> _Piece:
+    num_seqs = len(seqs)
+    spans = [_chunks(s, chunk, window) for s in seqs]
+    # Gathered chunk j of sequence i is absolute chunk c0[i] + j; the piece uses the run
+    # [first, first + num_chunks) of them (the same run for every sequence of the piece).
+    first = min(lo - base for (lo, _), base in zip(spans, c0, strict=True))
+    num_chunks = max(hi - base for (_, hi), base in zip(spans, c0, strict=True)) - first
+    # The aligned tree node holding the piece's chunks: the smallest power-of-two-aligned run
+    # of absolute chunk indices covering every sequence's.
+    level = 0
+    for base, (_, hi) in zip(c0, spans, strict=True):
+        lo = base + first
+        while lo >> level != (hi - 1) >> level:
+            level += 1
+    slots = 1 << level
+    leaves = []
+    for i, (base, (_, hi)) in enumerate(zip(c0, spans, strict=True)):
+        lo = base + first
+        leaves.append((i, lo - lo // slots * slots, hi - lo))
+    aligned = slots == num_chunks and all(f == 0 and n == num_chunks for _, f, n in leaves)
+
+    keys = slice(first * chunk, (first + num_chunks) * chunk)
+    piece_kpos, piece_absent = kpos[:, keys], absent[:, keys]
     # Query positions per row; padding rows repeat the first row's (their output is dropped).
     starts = torch.tensor([s.start for s in seqs], dtype=torch.int64).unsqueeze(1)
     num_new = torch.tensor([s.num_rows for s in seqs], dtype=torch.int64).unsqueeze(1)
     real = torch.arange(rows) < num_new
     qpos = torch.where(real, starts + torch.arange(rows), starts)
-    hidden = kpos.unsqueeze(2) > qpos.unsqueeze(1)  # [S, keys, rows]
+    hidden = piece_kpos.unsqueeze(2) > qpos.unsqueeze(1)  # [S, keys, rows]
     if window is not None:
-        hidden |= kpos.unsqueeze(2) <= qpos.unsqueeze(1) - window
-    hidden |= absent.unsqueeze(2)
+        hidden |= piece_kpos.unsqueeze(2) <= qpos.unsqueeze(1) - window
+    hidden |= piece_absent.unsqueeze(2)
     hidden = hidden.repeat_interleave(group, dim=2).view(num_seqs, 1, num_chunks, chunk, -1)
 
     row_start = torch.tensor([s.row_start for s in seqs], dtype=torch.int64).unsqueeze(1)
     query_index = torch.where(real, row_start + torch.arange(rows), row_start).reshape(-1)
     flat_real = real.reshape(-1)
-    return _Batch(
-        num_seqs=num_seqs,
+    return _Piece(
         rows=rows,
+        first_chunk=first,
         num_chunks=num_chunks,
         slots=slots,
         query_index=query_index.to(device),
         out_rows=query_index[flat_real].to(device),
         out_from=torch.nonzero(flat_real).flatten().to(device),
-        blocks=table.clamp(min=0).to(device),
-        absent=absent.to(device),
         hidden=hidden.to(device),
         leaves=None if aligned else leaves,
     )
@@ -285,12 +341,6 @@ def _attend(
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = num_heads // meta.group
     s, chunk, nch = b.num_seqs, meta.chunk, b.num_chunks
-    m = b.rows * meta.group
-    # Queries [S, Hkv, D, m]: the rows of a KV head's query heads next to each other.
-    q = query[b.query_index] * (1.0 / math.sqrt(head_dim))
-    q = q.view(s, b.rows, kv_heads, meta.group, head_dim).permute(0, 2, 4, 1, 3)
-    q = q.reshape(s, kv_heads, head_dim, m)
-
     # Keys [S, Hkv, chunks * chunk, D] and values, transposed, with the weight-sum rows
     # [S, Hkv, chunks, D + SUM_ROWS, chunk], float32.
     keys = planes.key[b.blocks].view(s, nch, chunk, kv_heads, head_dim)
@@ -305,25 +355,47 @@ def _attend(
         values.view(s, nch, chunk, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
     )
     v[:, :, :, head_dim] = 1.0
+    for piece in b.pieces:
+        lo, n = piece.first_chunk, piece.num_chunks
+        _attend_piece(
+            query, out, k[:, :, lo * chunk : (lo + n) * chunk], v[:, :, lo : lo + n], meta, piece
+        )
+
+
+def _attend_piece(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    p: _Piece,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    s, kv_heads, nch = v.shape[0], v.shape[1], v.shape[2]
+    m = p.rows * meta.group
+    # Queries [S, Hkv, D, m]: the rows of a KV head's query heads next to each other.
+    q = query[p.query_index] * (1.0 / math.sqrt(head_dim))
+    q = q.view(s, p.rows, kv_heads, meta.group, head_dim).permute(0, 2, 4, 1, 3)
+    q = q.reshape(s, kv_heads, head_dim, m)
 
     # Scores [S, Hkv, chunks, chunk, m]: keys are the matmul's rows (a multiple of 16), query
     # rows its columns. Weights exp(score - row max), exactly 0 where hidden.
-    scores = torch.matmul(k, q).view(s, kv_heads, nch, chunk, m)
-    scores = scores.masked_fill_(b.hidden, -math.inf)
+    scores = torch.matmul(k, q).view(s, kv_heads, nch, meta.chunk, m)
+    scores = scores.masked_fill_(p.hidden, -math.inf)
     row_max = scores.amax(dim=(2, 3), keepdim=True)
     weights = scores.sub_(row_max).exp_()
     # Per chunk [S, Hkv, chunks, D + SUM_ROWS, m]: the weighted values, and in row D the chunk's
     # weight sum (values and the ones row are the matmul's rows, queries its columns).
     partial = torch.matmul(v, weights)
-    if b.leaves is not None:
+    if p.leaves is not None:
         # Chunk j of sequence i is leaf ``first + j`` of its tree; other leaves are -0.0.
-        tree = partial.new_full((s, kv_heads, b.slots, head_dim + SUM_ROWS, m), -0.0)
-        for i, first, n in b.leaves:
+        tree = partial.new_full((s, kv_heads, p.slots, head_dim + SUM_ROWS, m), -0.0)
+        for i, first, n in p.leaves:
             tree[i, :, first : first + n] = partial[i, :, :n]
         partial = tree
     total = tree_sum(partial, 2)  # [S, Hkv, D + SUM_ROWS, m]
     attended = total[:, :, :head_dim] / total[:, :, head_dim : head_dim + 1]
     # [S, Hkv, D, rows, group] -> [S * rows, heads, D]
-    attended = attended.view(s, kv_heads, head_dim, b.rows, meta.group).permute(0, 3, 1, 4, 2)
-    attended = attended.reshape(s * b.rows, num_heads, head_dim)
-    out[b.out_rows] = attended[b.out_from]
+    attended = attended.view(s, kv_heads, head_dim, p.rows, meta.group).permute(0, 3, 1, 4, 2)
+    attended = attended.reshape(s * p.rows, num_heads, head_dim)
+    out[p.out_rows] = attended[p.out_from]
