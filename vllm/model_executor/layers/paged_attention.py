@@ -29,7 +29,8 @@ zeroed first, so stale bytes of a block's previous owner (possibly not even fini
 
 Shapes: queries ``[N, heads, head_dim]`` float32 rows of the step (each sequence's rows
 contiguous); the result has the same shape. Sequences of up to ``TILE_ROWS`` new tokens (decodes,
-short chunks) are computed together; longer ones one at a time.
+short chunks) are computed together, in groups of similar length; longer ones one at a time, in
+pieces of ``QUERY_PIECE`` rows that share one gather of the sequence's keys.
 
 Threading: none of its own; tensors stay on the planes' device (CPU or CUDA).
 """
@@ -187,11 +188,22 @@ class AttentionMetadata:
         chunk = key_chunk_size(block_size)
         min_rows = -(-MIN_QUERY_COLUMNS // group)
         batches = []
-        short = [s for s in seqs if s.num_rows <= TILE_ROWS]
-        if short:
-            rows = max(min_rows, *(s.num_rows for s in short))
+        # Short sequences (decodes) are gathered together, in groups of similar length: every
+        # sequence of a group is padded to the group's longest (a row's result is the same in
+        # any group).
+        short = sorted(
+            (s for s in seqs if s.num_rows <= TILE_ROWS),
+            key=lambda s: _num_chunks(s, chunk, sliding_window),
+        )
+        while short:
+            limit = 2 * _num_chunks(short[0], chunk, sliding_window)
+            n = 1
+            while n < len(short) and _num_chunks(short[n], chunk, sliding_window) <= limit:
+                n += 1
+            members, short = short[:n], short[n:]
+            rows = max(min_rows, *(s.num_rows for s in members))
             batches.append(
-                _plan(short, [(short, rows)], block_size, chunk, sliding_window, group, device)
+                _plan(members, [(members, rows)], block_size, chunk, sliding_window, group, device)
             )
         for s in seqs:
             if s.num_rows <= TILE_ROWS:
@@ -207,6 +219,11 @@ class AttentionMetadata:
                 )
             batches.append(_plan([s], pieces, block_size, chunk, sliding_window, group, device))
         return cls(batches, block_size, chunk, group, num_heads)
+
+
+def _num_chunks(seq: AttentionSeq, chunk: int, window: int | None) -> int:
+    lo, hi = _chunks(seq, chunk, window)
+    return hi - lo
 
 
 def _chunks(seq: AttentionSeq, chunk: int, window: int | None) -> tuple[int, int]:
