@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vllm.model_executor.models.llama import LlamaConfig, get_preset
+from vllm.model_executor.models.llama_config import LlamaConfig, get_preset
 from vllm.v1.engine.model import KVLayout
 from vllm.v1.engine.model_runner import ModelKind
 from vllm.v1.engine.verification import VerifyMode
