@@ -329,6 +329,18 @@ def _plan_piece(
     )
 
 
+_SUM_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _sum_rows(device: torch.device) -> torch.Tensor:
+    """``[SUM_ROWS, 1]``: a one, then zeros (the rows appended to the values)."""
+    rows = _SUM_ROWS.get(device)
+    if rows is None:
+        rows = _SUM_ROWS[device] = torch.zeros(SUM_ROWS, 1, device=device)
+        rows[0] = 1.0
+    return rows
+
+
 def paged_attention(
     query: torch.Tensor, planes: KVPlanes, metadata: AttentionMetadata
 ) -> torch.Tensor:
@@ -365,13 +377,13 @@ def _attend(
     values[b.absent] = 0
     k = torch.empty(s, kv_heads, nch * chunk, head_dim, dtype=torch.float32, device=query.device)
     k.view(s, kv_heads, nch, chunk, head_dim).copy_(keys.permute(0, 3, 1, 2, 4))
-    v = torch.zeros(
+    v = torch.empty(
         s, kv_heads, nch, head_dim + SUM_ROWS, chunk, dtype=torch.float32, device=query.device
     )
     v[:, :, :, :head_dim].copy_(
         values.view(s, nch, chunk, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
     )
-    v[:, :, :, head_dim] = 1.0
+    v[:, :, :, head_dim:].copy_(_sum_rows(query.device).expand(s, kv_heads, nch, SUM_ROWS, chunk))
     for piece in b.pieces:
         lo, n = piece.first_chunk, piece.num_chunks
         _attend_piece(
