@@ -76,7 +76,8 @@ PRESETS: dict[str, LlamaConfig] = {
 """The named sizes, smallest first (``docs/model.md`` has their costs)."""
 
 DEFAULT_PRESET = "small"
-"""The preset of ``vllm-kv-offload run`` (chosen by measurement: ``docs/model.md``)."""
+"""The preset of ``vllm-kv-offload run`` (``docs/benchmarks.md`` has what the default run costs
+with it)."""
 
 
 def get_preset(name: str) -> LlamaConfig:
