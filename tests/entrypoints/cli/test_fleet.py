@@ -30,6 +30,7 @@ from vllm.entrypoints.cli.fleet import cross_instance_tokens, route
 from vllm.entrypoints.cli.main import main
 from vllm.entrypoints.cli.option_values import redact_url
 
+from .test_metrics import figure_checks, free_port, scrape_while_running, value
 from .workload_args import REPO, command_env, workload_args
 
 # Documents asked for by several sessions: with turns routed round-robin, an instance often gets
@@ -82,6 +83,8 @@ def test_fleet_with_redis_passes_and_serves_kv_another_instance_computed(
             "2",
             "--json",
             str(out),
+            "--metrics-port",
+            str(free_port()),
         ]
     )
     text = capsys.readouterr()
@@ -89,6 +92,8 @@ def test_fleet_with_redis_passes_and_serves_kv_another_instance_computed(
     doc = json.loads(out.read_text())
     assert doc["verdict"]["status"] == "PASS"
     off, base = doc["runs"]["offload"], doc["runs"]["baseline"]
+    # The instances' metrics, summed, are the fleet's figures: every tier's, redis's included.
+    figure_checks(off, doc["metrics"]["offload"])
     assert off["redis_url"] == redis_server.url
     # Cross-instance reuse: KV one instance computed, served to another through redis.
     assert off["cross_instance_tokens"] > 0
@@ -288,3 +293,35 @@ def test_an_instance_killed_mid_run_fails_the_run_and_leaves_nothing(
     assert proc.returncode == 1, err
     assert re.search(r"error: engine \d ended unexpectedly \(exit code -9\)", err), err
     _assert_nothing_left(proc, children)
+
+
+def test_a_fleet_serves_metrics_per_instance_and_logs_each_instance_with_v(
+    tmp_path: Path,
+) -> None:
+    # No --redis-url: the instances share nothing (said in the header), and still each one's
+    # metrics are served (series told apart by the engine label) and its log lines prefixed.
+    out = tmp_path / "report.json"
+    argv = [*FLEET, "--no-progress", "--fs-root", str(tmp_path / "fs"), "--engines", "2", "-v"]
+    code, stderr, scrapes = scrape_while_running([*argv, "--json", str(out)], free_port())
+    assert code == 0, stderr
+    # Live: scraped during the runs, one series per instance.
+    queries = "vllm:prefix_cache_queries_total"
+    for engine in ("0", "1"):
+        assert any(value(s, queries, engine=engine, run="baseline") > 0 for s in scrapes)
+        assert any(
+            value(s, "vllm:kv_offload_transfer_blocks_total", engine=engine, run="offload") > 0
+            for s in scrapes
+        ), engine
+    # Counters only grow between scrapes.
+    seen = [value(s, queries) for s in scrapes]
+    assert seen == sorted(seen)
+    # At the end: the JSON's metrics (summed over the instances) equal the fleet's figures.
+    doc = json.loads(out.read_text())
+    figure_checks(doc["runs"]["offload"], doc["metrics"]["offload"])
+    base = doc["runs"]["baseline"]["prompt_tokens"]["total"]
+    assert doc["metrics"]["baseline"][queries] == base
+    # -v: each instance's INFO lines, prefixed with its index.
+    for engine in ("0", "1"):
+        assert f"engine {engine}: INFO vllm.v1.kv_offload.tiering.spec: Created secondary" in (
+            stderr
+        )

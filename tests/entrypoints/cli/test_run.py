@@ -230,6 +230,7 @@ def test_run_end_to_end_report_json_and_plot(
         "verified": True,
         "served_correctly": True,
         "storage_intact": True,
+        "tiers_working": True,
         "reasons": [],
     }
     # The last sample holds the run's cumulative token figures.

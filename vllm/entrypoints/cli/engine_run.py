@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.option_values import redact_url
 from vllm.entrypoints.cli.report.figures import (
     Direction,
@@ -287,7 +287,7 @@ class EngineRun:
         config: the invocation's settings.
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
-        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
     """
 
     def __init__(
@@ -295,7 +295,7 @@ class EngineRun:
         config: RunConfig,
         offload: bool,
         instance_id: str | None = None,
-        exporter: MetricsExporter | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.label = "offload" if offload else "baseline"
         self.result = RunResult(label=self.label, offload=offload)
@@ -305,15 +305,15 @@ class EngineRun:
         if offload and tiers.fs is not None:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic())
-        self._exporter = exporter
+        self._metrics = metrics
         self._cpu_at_start = 0.0
         self.digests: dict[BlockKey, bytes] = {}
         """Digests of every block the run computed (after ``finish``): another run's reference."""
         engine = EngineCore(engine_config(config, offload, instance_id))
         self.result.verify_mode = engine.config.verify.value
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
-        if exporter is not None:
-            callback = exporter.attach(engine, self.label, self.sampler)
+        if metrics is not None:
+            callback = metrics.attach(engine, self.label, self.sampler)
         # From here on the engine belongs to the front end's thread (and is shut down by it).
         self.llm = AsyncLLM(engine, step_callback=callback)
 
@@ -362,9 +362,9 @@ class EngineRun:
             ) from None
         await self.llm.call(lambda e: e.verify_kv(reference))
         self.digests = await self.llm.call(lambda e: e.computed_block_digests())
-        exporter = self._exporter
-        if exporter is not None:
-            await self.llm.call(lambda e: exporter.flush(e, self.label))
+        metrics = self._metrics
+        if metrics is not None:
+            await self.llm.call(lambda e: metrics.flush(e, self.label))
         snapshot = await self.llm.call(snapshot_engine)
         result = self.result
         result.samples = self.sampler.samples

@@ -47,6 +47,7 @@ from multiprocessing.process import BaseProcess
 from vllm.entrypoints.cli.clients import serve_workload
 from vllm.entrypoints.cli.config import REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
+from vllm.entrypoints.cli.metrics_server import InstanceMetrics
 from vllm.entrypoints.cli.progress import token_shares
 from vllm.entrypoints.cli.report.figures import (
     Direction,
@@ -92,6 +93,7 @@ class _Instance:
     replies: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     streams: dict[str, asyncio.Queue[Message]] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    metrics: InstanceMetrics | None = None
     gone: bool = False
 
     def send(self, message: Message) -> None:
@@ -131,6 +133,9 @@ class _Instance:
                 self.tokens = message[3]
             if queue is not None:  # None: the client gave up on it already
                 queue.put_nowait(message)
+        elif kind == "metrics":
+            if self.metrics is not None:
+                self.metrics.update(self.index, message[1])
         else:
             self.replies.put_nowait(message)
 
@@ -151,11 +156,15 @@ class Fleet:
     Args:
         config: the invocation's settings (``config.fleet.engines`` instances).
         workload: what the clients send (its sessions' order numbers the router's sessions).
+        metrics: where the instances' metrics go (``--metrics-port``), if anywhere.
     """
 
-    def __init__(self, config: RunConfig, workload: Workload) -> None:
+    def __init__(
+        self, config: RunConfig, workload: Workload, metrics: InstanceMetrics | None = None
+    ) -> None:
         self.config = config
         self.workload = workload
+        self.metrics = metrics
         self.instances: list[_Instance] = []
         self.routes: dict[str, int] = {}
         self._session_numbers = {s.session_id: n for n, s in enumerate(workload.sessions)}
@@ -182,7 +191,7 @@ class Fleet:
             finally:
                 signal.signal(signal.SIGINT, previous)
                 child_end.close()
-            instance = _Instance(index, process, parent_end)
+            instance = _Instance(index, process, parent_end, metrics=self.metrics)
             self.instances.append(instance)
             loop.add_reader(parent_end.fileno(), instance.on_readable)
 
@@ -453,6 +462,7 @@ async def serve_fleet(
     config: RunConfig,
     workload: Workload,
     on_fs_start: Callable[[FsTierState], None] | None = None,
+    metrics: InstanceMetrics | None = None,
 ) -> Report:
     """Serve ``workload`` on the fleet without, then with offloading; the report of both.
 
@@ -464,8 +474,9 @@ async def serve_fleet(
         workload: what the clients send.
         on_fs_start: called with the instances' fs directories' state (added up) once every
             instance scanned its own, before the offloaded run's first request.
+        metrics: where the instances' metrics go (``--metrics-port``), if anywhere.
     """
-    fleet = Fleet(config, workload)
+    fleet = Fleet(config, workload, metrics)
     try:
         fleet.start()
         baseline_parts, digests = await fleet.run(offload=False)

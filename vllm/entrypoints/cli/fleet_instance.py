@@ -24,7 +24,9 @@ Messages, parent -> instance (tuples, the first item names them):
         check what the oracle recorded, and answer ``("result", RunResult, stored_keys,
         served_not_stored_here, digests)`` (``digests``: the blocks this run computed).
     ``("exit",)``, or the pipe closing: shut down and end the process.
-Instance -> parent, besides the answers: ``("error", message)`` when the run failed.
+Instance -> parent, besides the answers: ``("error", message)`` when the run failed, and with
+``--metrics-port`` ``("metrics", families)`` (its recorder's metric families, every
+``SEND_INTERVAL_S`` during a run and once more before ``result``).
 
 Signals: SIGINT is ignored (a Ctrl-C reaches the whole process group, and the parent decides:
 it sends ``exit``); SIGTERM shuts the engine down cleanly, like ``exit``. An instance whose
@@ -46,6 +48,7 @@ from typing import Any
 from vllm.entrypoints.cli.config import RunConfig
 from vllm.entrypoints.cli.engine_run import EngineRun, StepSampler
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
+from vllm.entrypoints.cli.metrics_server import SEND_INTERVAL_S, EngineMetrics
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.verification import BlockKey
 
@@ -70,6 +73,8 @@ class _Instance:
         self.index = index
         self.instance_id = fleet_instance_id(fleet_pid, index)
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+        # The command's process serves them; one recorder for both runs (labelled by run).
+        self.metrics = EngineMetrics(index) if config.output.metrics_port is not None else None
 
     def send(self, message: Message) -> None:
         """Send ``message`` to the parent (a closed pipe means the parent is gone: dropped)."""
@@ -110,7 +115,8 @@ class _Instance:
         """One run: build the engine, serve the parent's requests, answer the result."""
         instance_id = self.instance_id if offload else None
         requests: dict[str, asyncio.Task[None]] = {}
-        async with EngineRun(self.config, offload, instance_id) as run:
+        async with EngineRun(self.config, offload, instance_id, self.metrics) as run:
+            sender = asyncio.ensure_future(self.send_metrics_every(SEND_INTERVAL_S))
             try:
                 fs = run.result.fs
                 self.send(("ready", fs.files_at_start if fs else 0, fs.bytes_at_start if fs else 0))
@@ -136,12 +142,27 @@ class _Instance:
                 await asyncio.gather(*requests.values())
                 snapshot = await run.finish(reference)
             finally:
-                for task in requests.values():
+                for task in (*requests.values(), sender):
                     task.cancel()
-                await asyncio.gather(*requests.values(), return_exceptions=True)
+                await asyncio.gather(*requests.values(), sender, return_exceptions=True)
+        self.send_metrics()
         run.result.num_requests = len(requests)
         origins = snapshot.engine_stats.served_not_stored_here or {}
         self.send(("result", run.result, snapshot.stored_keys, origins, run.digests))
+
+    def send_metrics(self) -> None:
+        """Send the recorder's families to the parent (with ``--metrics-port`` only)."""
+        if self.metrics is not None:
+            self.send(("metrics", self.metrics.families()))
+
+    async def send_metrics_every(self, interval_s: float) -> None:
+        """Send the metrics every ``interval_s`` (cancelled by the caller)."""
+        if self.metrics is None:
+            return
+        # A timer, not a synchronisation: the parent's scrapes see figures at most this old.
+        while True:
+            await asyncio.sleep(interval_s)
+            self.send_metrics()
 
     async def generate(
         self,
@@ -177,8 +198,10 @@ def instance_main(conn: Connection, config: RunConfig, index: int, fleet_pid: in
     """
     # Ignored before anything else: the parent stops the instances on a Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Its lines go to the inherited stderr, each prefixed with the instance's index.
     logging.basicConfig(
-        level=logging.WARNING, format=f"%(levelname)s engine {index} %(name)s: %(message)s"
+        level=config.output.log_level,
+        format=f"engine {index}: %(levelname)s %(name)s: %(message)s",
     )
     instance = _Instance(conn, config, index, fleet_pid)
     try:

@@ -29,7 +29,12 @@ from vllm.entrypoints.cli.config import RunConfig
 from vllm.entrypoints.cli.engine_run import EngineRun
 from vllm.entrypoints.cli.fleet import serve_fleet
 from vllm.entrypoints.cli.interrupt import run_interruptible
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.metrics_server import (
+    EngineMetrics,
+    InstanceMetrics,
+    MetricsServer,
+    final_values,
+)
 from vllm.entrypoints.cli.progress import token_shares
 from vllm.entrypoints.cli.report.figures import FsTierState, Report, RunResult
 from vllm.entrypoints.cli.report.json_doc import report_json
@@ -55,7 +60,7 @@ async def serve(
     workload: Workload,
     offload: bool,
     on_fs_start: Callable[[FsTierState], None] | None = None,
-    exporter: MetricsExporter | None = None,
+    metrics: EngineMetrics | None = None,
     reference: Mapping[BlockKey, bytes] | None = None,
 ) -> tuple[RunResult, dict[BlockKey, bytes]]:
     """Serve ``workload`` on a fresh engine in this process; return what the run measured and
@@ -67,11 +72,11 @@ async def serve(
         offload: with the offloading connector and its tiers (else the baseline).
         on_fs_start: called with the fs tier's state once its start-up scan counted what is on
             disk, before the first request (the command prints it at once).
-        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
         reference: digests of blocks computed by another run (the baseline's), which the
             oracle checks this run's blocks against after its timed window.
     """
-    async with EngineRun(config, offload, exporter=exporter) as run:
+    async with EngineRun(config, offload, metrics=metrics) as run:
         if run.result.fs is not None and on_fs_start is not None:
             on_fs_start(run.result.fs)
         samples = run.sampler.samples
@@ -112,15 +117,19 @@ def _write(stream: TextIO, lines: list[str]) -> None:
 
 
 async def _serve_both(
-    config: RunConfig, workload: Workload, out: TextIO, exporter: MetricsExporter | None
+    config: RunConfig,
+    workload: Workload,
+    out: TextIO,
+    recorder: EngineMetrics | None,
+    instance_metrics: InstanceMetrics | None,
 ) -> Report:
     def on_fs_start(fs: FsTierState) -> None:
         _write(out, render_fs_start(fs))
 
     if config.fleet.enabled:
-        return await serve_fleet(config, workload, on_fs_start)
-    baseline, digests = await serve(config, workload, offload=False, exporter=exporter)
-    offload, _ = await serve(config, workload, True, on_fs_start, exporter, digests)
+        return await serve_fleet(config, workload, on_fs_start, instance_metrics)
+    baseline, digests = await serve(config, workload, offload=False, metrics=recorder)
+    offload, _ = await serve(config, workload, True, on_fs_start, recorder, digests)
     return Report(settings=dict(config.settings), baseline=baseline, offload=offload)
 
 
@@ -142,26 +151,35 @@ def run_command(config: RunConfig) -> int:
     out = sys.stderr if output.json_to_stdout else sys.stdout
     workload = generate_workload(config.workload)
     _write(out, render_header(config.settings, workload.num_requests))
-    exporter: MetricsExporter | None = None
+    recorder: EngineMetrics | None = None
+    instance_metrics: InstanceMetrics | None = None
+    server: MetricsServer | None = None
     try:
         if output.metrics_port is not None:
-            exporter = MetricsExporter(output.metrics_port)
+            # One engine feeds a recorder here; a fleet's instances record their own and send it.
+            if config.fleet.enabled:
+                instance_metrics = InstanceMetrics()
+                server = MetricsServer(instance_metrics.registry(), output.metrics_port)
+            else:
+                recorder = EngineMetrics()
+                server = MetricsServer(recorder.registry, output.metrics_port)
         # SIGINT and SIGTERM (INTERRUPT_SIGNALS): a fleet's processes, shared regions and fs files
         # are cleaned up alike.
-        report = run_interruptible(_serve_both(config, workload, out, exporter))
+        report = run_interruptible(_serve_both(config, workload, out, recorder, instance_metrics))
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 1
     finally:
-        if exporter is not None:
-            exporter.close()
+        if server is not None:
+            server.close()
     _write(out, list(render_body(report)))
     try:
         if output.json_path is not None:
             doc = report_json(report)
-            if exporter is not None:
+            if server is not None:
                 # The metrics' final values, per run (docs/metrics.md).
-                doc["metrics"] = {r: exporter.final_values(r) for r in ("baseline", "offload")}
+                runs = ("baseline", "offload")
+                doc["metrics"] = {r: final_values(server.registry, r) for r in runs}
             text = json.dumps(doc, indent=2) + "\n"
             if output.json_to_stdout:
                 sys.stdout.write(text)

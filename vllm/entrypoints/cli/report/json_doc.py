@@ -125,6 +125,7 @@ def verdict_json(v: Verdict) -> dict[str, Any]:
         "verified": v.verified,
         "served_correctly": v.served_correctly,
         "storage_intact": v.storage_intact,
+        "tiers_working": v.tiers_working,
         "reasons": list(v.reasons),
     }
 
