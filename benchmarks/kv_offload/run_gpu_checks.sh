@@ -19,11 +19,13 @@
 #                  throughput table; then twice more with a forced cuMemcpyBatchAsync result: 801
 #                  (must fall back to the loop, bit-exact) and 700 (must fail, naming it).
 #   cuda-tests     every test marked cuda (python -m pytest -m cuda tests): the library, the
-#                  handlers over library and torch CUDA memory, the engine and `run` on cuda.
+#                  handlers over library and torch CUDA memory, the engine and `run` on cuda,
+#                  the transformer's batch invariance and loads on cuda.
 #   bench-copy     benchmarks/kv_offload/bench_copy.py, every path.
 #   ctas-sweep     kernel path max_ctas 8 and 32 for 16 KiB blocks (16 is the default, measured by
 #                  bench-copy).
-#   cli-run        python -m vllm.entrypoints.cli.main run --device cuda on a small workload
+#   cli-run        python -m vllm.entrypoints.cli.main run --device cuda on a small workload, with
+#                  the transformer (preset small) computing on the GPU
 #                  (RUN_DEVICE=cpu runs it on the CPU, to try the script without a GPU).
 #   full-tests     the whole test suite (python -m pytest -q -x), with whatever time is left.
 #
@@ -180,7 +182,7 @@ cli_run() {
   timeout "$STEP_LIMIT" "$PY" -m vllm.entrypoints.cli.main run --device "${RUN_DEVICE:-cuda}" \
     --workload documents --num-clients 2 --num-sessions 12 --turns 2 --document-tokens 512 \
     --num-documents 6 --turn-tokens 32 --output-tokens 4 --think-time 0.001 \
-    --num-layers 4 --head-size 64 --block-size 16 --gpu-blocks 96 --max-num-seqs 4 \
+    --model transformer --model-preset small --block-size 16 --gpu-blocks 96 --max-num-seqs 4 \
     --max-num-batched-tokens 256 --cpu-bytes 8MiB --fs-root "$fs" --no-progress --timeout 240 \
     --json "$OUT/run_cuda.json"
   local rc=$?

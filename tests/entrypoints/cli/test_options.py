@@ -16,6 +16,10 @@ import pytest
 from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.main import build_parser, main
 from vllm.entrypoints.cli.option_values import default_fs_root, parse_size
+from vllm.entrypoints.cli.options import MODELS, VERIFY_MODES
+from vllm.model_executor.models.llama_config import DEFAULT_PRESET, PRESETS
+from vllm.v1.engine.model_runner import ModelKind
+from vllm.v1.engine.verification import VerifyMode
 
 from .workload_args import REPO, command_env
 
@@ -246,9 +250,13 @@ _RUN_DEFAULTS: dict[str, object] = {
     "document_tokens": 1024,
     "num_documents": 16,
     "think_time": 0.05,
-    "num_layers": 8,
-    "num_kv_heads": 2,
-    "head_size": 64,
+    "model": "transformer",
+    "model_preset": DEFAULT_PRESET,
+    "verify": "loaded",
+    # The hash model's geometry (8, 2, 64) when absent; the transformer's is its preset's.
+    "num_layers": None,
+    "num_kv_heads": None,
+    "head_size": None,
     "dtype": "float16",
     "block_size": 16,
     "offload_block_size": None,
@@ -308,13 +316,27 @@ def test_run_help_lists_every_option_with_its_default(
     assert f"(default: {default_fs_root()})" in out
     for group in (
         "workload:",
-        "model stand-in and engine:",
+        "model and engine:",
         "CPU tier:",
         "fs tier:",
         "redis tier and fleet:",
         "output:",
     ):
         assert f"\n{group}\n" in out
+
+
+def test_model_presets_and_verify_modes_are_the_engines() -> None:
+    assert tuple(k.value for k in ModelKind) == MODELS
+    assert sorted(m.value for m in VerifyMode) == sorted(VERIFY_MODES)
+    assert DEFAULT_PRESET in PRESETS
+
+
+def test_the_transformer_refuses_geometry_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--num-layers", "4", "--head-size", "32"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-layers, --head-size: the transformer's KV geometry is its preset's" in err
 
 
 def test_model_stand_in_choices_are_the_engines() -> None:

@@ -84,6 +84,9 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "label",
         "offload",
         "wall_s",
+        "verify_s",
+        "engine_thread_cpu_s",
+        "outputs_digest",
         "requests",
         "prompt_tokens",
         "hit_rate",
@@ -103,6 +106,8 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "samples",
     } | ({"connector_thread_cpu_us", "worker_connector_thread_cpu_us"} if offload else set())
     assert run["offload"] is offload
+    assert run["engine_thread_cpu_s"] > 0 and run["verify_s"] >= 0
+    assert len(run["outputs_digest"]) == 64 and run["verification"]["mode"] == "loaded"
     tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier", "redis_tier"}
     assert set(run["prompt_tokens"]) == {"total", "computed"} | tiers
     assert set(run["hit_rate"]) == tiers
@@ -131,6 +136,8 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
             "average_bytes_per_s",
         }
     assert set(run["verification"]) == {
+        "mode",
+        "blocks_checked",
         "blocks_verified",
         "blocks_mismatched",
         "corrupt_blocks_detected",
@@ -235,6 +242,7 @@ def test_run_end_to_end_report_json_and_plot(
     assert off["connector_thread_cpu_us"]["median"] <= off["overhead_us_per_step"]["median"] * 1.01
     assert doc["verdict"] == {
         "status": "PASS",
+        "verified": True,
         "served_correctly": True,
         "storage_intact": True,
         "tiers_working": True,
@@ -391,13 +399,68 @@ def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
     args = parser.parse_args(["run", *argv])
     sync_opts = build_run_config(args)
     workload = generate_workload(sync_opts.workload)
-    sync_baseline = asyncio.run(serve(sync_opts, workload, offload=False))
+    sync_baseline, _ = asyncio.run(serve(sync_opts, workload, offload=False))
     async_args = parser.parse_args(["run", *argv, "--async-scheduling"])
     async_opts = build_run_config(async_args)
     assert async_opts.engine.async_scheduling and not sync_opts.engine.async_scheduling
-    async_offload = asyncio.run(serve(async_opts, workload, offload=True))
+    async_offload, _ = asyncio.run(serve(async_opts, workload, offload=True))
     assert len(sync_baseline.outputs) == workload.num_requests
     assert async_offload.outputs == sync_baseline.outputs
+    # One digest over every output, whatever the scheduling: the JSON's outputs_digest.
+    assert async_offload.outputs_digest == sync_baseline.outputs_digest
+    assert doc["runs"]["offload"]["outputs_digest"] == sync_baseline.outputs_digest
+
+
+def _transformer_argv() -> list[str]:
+    # TINY with the smallest transformer: its preset's KV geometry is TINY's (2 layers, 2 KV
+    # heads of 16), so the tiers' sizes mean the same.
+    drop = {"--model": 2, "--num-layers": 2, "--head-size": 2}
+    argv, i = [], 0
+    while i < len(TINY):
+        step = drop.get(TINY[i], 0)
+        if step:
+            i += step
+            continue
+        argv.append(TINY[i])
+        i += 1
+    return [*argv, "--model", "transformer", "--model-preset", "tiny"]
+
+
+def test_the_transformer_serves_offloaded_prefixes_checked_after_the_window(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "transformer.json"
+    argv = [*_transformer_argv(), "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    code = main(argv)
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert (
+        "model: transformer tiny (2 layers, d_model 64, 4/2 heads, 2,122,048 parameters, 256 KV "
+        "bytes per token)" in _flat(text)
+    )
+    assert "verdict: PASS" in text
+    doc = json.loads(out.read_text())
+    base, off = doc["runs"]["baseline"], doc["runs"]["offload"]
+    assert doc["settings"]["model"] == "transformer"
+    assert doc["settings"]["model_name"] == "kv-offload-llama-tiny-seed0"
+    assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
+    assert off["verification"]["blocks_verified"] == off["transfers"]["cpu_to_gpu"]["blocks"] > 0
+    assert off["verification"]["blocks_mismatched"] == 0
+    assert base["outputs_digest"] == off["outputs_digest"]
+    assert base["verify_s"] >= 0 and off["engine_thread_cpu_s"] > 0
+
+
+def test_verify_none_checks_nothing_and_never_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, doc = run_tiny(tmp_path, "none", "--verify", "none")
+    text = capsys.readouterr().out
+    assert code == 0  # nothing failed
+    assert "correctness: NOT VERIFIED" in text and "verdict: UNVERIFIED" in text
+    assert "verdict: PASS" not in text
+    assert doc["verdict"]["status"] == "UNVERIFIED" and doc["verdict"]["verified"] is False
+    assert doc["runs"]["offload"]["verification"]["blocks_verified"] == 0
+    assert doc["runs"]["offload"]["verification"]["mode"] == "none"
 
 
 @pytest.mark.parametrize("mode", [[], ["--async-scheduling"]], ids=["sync", "async"])

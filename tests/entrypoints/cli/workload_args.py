@@ -18,8 +18,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_workload(*, turns: int = 2, documents: int = 4) -> list[str]:
-    """The tiny workload's shape and the model stand-in's geometry, without clients or pacing."""
+    """The tiny workload's shape and the hash model's geometry, without clients or pacing (the
+    CLI's tests are about the command, not the transformer: ``--model hash`` keeps them fast)."""
     return [
+        "--model",
+        "hash",
         "--workload",
         "documents",
         "--turns",

@@ -17,7 +17,9 @@ SMALL = dict(num_layers=1, num_kv_heads=2, head_size=8)
 
 
 def test_verification_catches_a_corrupted_cached_block() -> None:
-    with EngineCore(EngineConfig(**SMALL)) as engine:
+    # "all" records every block of a finishing request: b's copy of the block differs from what
+    # a computed.
+    with EngineCore(EngineConfig(verify="all", **SMALL)) as engine:
         prompt = list(range(64))
         engine.generate({"a": prompt}, 1)
         (block,) = [b for b in engine.kv_cache_manager.pools[0].blocks if b.block_hash][:1]

@@ -74,3 +74,27 @@ def test_cli_run_on_cuda_passes(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert off["verification"]["blocks_verified"] > 0
     assert off["verification"]["blocks_mismatched"] == 0
     assert "verdict: PASS" in text.out
+
+
+@pytest.mark.parametrize("layout", [KVLayout.PER_LAYER, KVLayout.CROSS_LAYER])
+def test_transformer_on_cuda_is_batch_invariant_and_loads_bit_exact(
+    tmp_path: Path, layout: KVLayout
+) -> None:
+    """The transformer (smallest preset) on a GPU: the same outputs and block bytes one request
+    at a time as in batches of prefill chunks with offloading, every loaded block checked."""
+    kw: dict[str, Any] = dict(model="transformer", num_gpu_blocks=40, kv_layout=layout)
+    alone = make_config(tmp_path, cpu_blocks=None, device="cuda", max_num_seqs=1, **kw)
+    with EngineCore(alone) as engine:
+        expected = _workload(engine)
+        reference = engine.computed_block_digests()
+    batched = make_config(
+        tmp_path, cpu_blocks=48, device="cuda", max_num_seqs=4, max_num_batched_tokens=37, **kw
+    )
+    with EngineCore(batched) as engine:
+        assert _workload(engine) == expected
+        digests = engine.computed_block_digests()
+        stats = engine.stats
+        assert stats.tokens_from_cpu > 0 and stats.blocks_loaded_verified > 0
+        assert stats.verification_failures == 0
+    shared = reference.keys() & digests.keys()
+    assert shared and all(reference[k] == digests[k] for k in shared)

@@ -12,7 +12,10 @@ from vllm.v1.engine.model import (
     KVLayout,
     StandInModel,
     allocate_group_kv_cache,
+    block_digests,
+    gather_blocks,
     kv_values,
+    layer_planes,
     prefix_seeds,
     sample_token,
 )
@@ -44,20 +47,46 @@ def test_values_are_deterministic_finite_and_salted() -> None:
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
-def test_written_blocks_verify_and_a_flipped_byte_is_found(layout: KVLayout) -> None:
+def test_written_blocks_match_their_reference_and_a_flipped_byte_is_found(
+    layout: KVLayout,
+) -> None:
     group = allocate_group_kv_cache(0, 4, 6, 2, 2, 8, torch.bfloat16, layout)
     model = StandInModel(rank=1, groups=[group], vocab_size=100)
-    tokens = list(range(50, 61))  # 11 tokens: blocks 0, 1 full, block 2 partial
+    tokens = list(range(50, 62))  # 12 tokens: blocks 0, 1, 2
     table = np.array([4, 0, 2])
-    positions = np.arange(11)
+    positions = np.arange(12)
     model.write(0, prefix_seeds(tokens), table[positions // 4], positions % 4)
-    blocks = [(0, 4), (1, 0), (2, 2)]
-    assert model.verify_blocks(0, tokens, blocks, 11) == []
-    assert model.verify_blocks(0, [*tokens[:5], 0, *tokens[6:]], blocks, 11) == [0, 2]
-    raw = group.tensors[0].view(torch.int8)
-    flat = raw.reshape(-1)
+
+    def matching(model: StandInModel, tokens: list[int]) -> list[bool]:
+        expected = block_digests(model.reference_blocks(0, tokens, [0, 1, 2]))
+        actual = block_digests(gather_blocks(group, table))
+        return [a == b for a, b in zip(actual, expected, strict=True)]
+
+    assert matching(model, tokens) == [True, True, True]
+    # A changed token changes its block and every later one (the prefix), not earlier ones.
+    assert matching(model, [*tokens[:5], 0, *tokens[6:]]) == [True, False, False]
+    flat = group.tensors[0].view(torch.int8).reshape(-1)
     index = int(torch.nonzero(flat).flatten()[0])  # a written byte
     flat[index] ^= 1
-    assert len(model.verify_blocks(0, tokens, blocks, 11)) == 1
+    assert matching(model, tokens).count(False) == 1
     other_rank = StandInModel(rank=0, groups=[group], vocab_size=100)
-    assert other_rank.verify_blocks(0, tokens, blocks, 11) == [0, 2, 4]
+    assert matching(other_rank, tokens) == [False, False, False]
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_gather_blocks_reads_every_layout_alike(layout: KVLayout) -> None:
+    caches = {
+        lay: allocate_group_kv_cache(0, 4, 5, 3, 2, 8, torch.float16, lay) for lay in KVLayout
+    }
+    tokens = list(range(20))
+    positions = np.arange(20)
+    for cache in caches.values():
+        StandInModel(0, [cache], 10).write(0, prefix_seeds(tokens), positions // 4, positions % 4)
+    blocks = gather_blocks(caches[layout], [3, 1])
+    assert blocks.shape == (2, 3, 2, 4, 2, 8)
+    assert torch.equal(blocks, gather_blocks(caches[KVLayout.CROSS_LAYER], [3, 1]))
+    for layer in range(3):
+        key, value = layer_planes(caches[layout], layer)
+        assert torch.equal(key[3], blocks[0, layer, 0]) and torch.equal(
+            value[1], blocks[1, layer, 1]
+        )

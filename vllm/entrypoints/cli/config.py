@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.cli import checks
 from vllm.entrypoints.cli.option_values import default_fs_root
-from vllm.entrypoints.cli.options import DTYPE_BYTES
+from vllm.entrypoints.cli.options import DTYPE_BYTES, HASH_GEOMETRY
 from vllm.entrypoints.cli.workloads import (
     WORKLOAD_DEFAULTS,
     WorkloadConfig,
     WorkloadKind,
     max_request_tokens,
 )
+from vllm.model_executor.models.llama_config import PRESETS
 
 if TYPE_CHECKING:
     from vllm.v1.engine.config import EngineConfig
@@ -279,11 +280,35 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
     )
 
 
+def _geometry(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(layers per group, KV heads, head size)``: the hash model's options, or the
+    transformer's preset (which the options may not contradict)."""
+    given = {
+        "--num-layers": args.num_layers,
+        "--num-kv-heads": args.num_kv_heads,
+        "--head-size": args.head_size,
+    }
+    if args.model == "hash":
+        layers, kv_heads, head_size = (
+            default if value is None else value
+            for value, default in zip(given.values(), HASH_GEOMETRY, strict=True)
+        )
+        return layers, kv_heads, head_size
+    flags = [flag for flag, value in given.items() if value is not None]
+    if flags:
+        raise OptionError(
+            f"{', '.join(flags)}: the transformer's KV geometry is its preset's "
+            f"(--model-preset {args.model_preset}); these options are for --model hash"
+        )
+    p = PRESETS[args.model_preset]
+    return p.num_layers, p.num_kv_heads, p.head_dim
+
+
 def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     # K and V of every layer and head, in every KV-cache group (hybrid: two).
     groups = 2 if args.model_stand_in == "hybrid" else 1
-    per_group = 2 * args.num_layers * args.num_kv_heads * args.head_size
-    return per_group * DTYPE_BYTES[args.dtype] * groups
+    layers, kv_heads, head_size = _geometry(args)
+    return 2 * layers * kv_heads * head_size * DTYPE_BYTES[args.dtype] * groups
 
 
 def _tiers_config(args: argparse.Namespace) -> TiersConfig:
@@ -465,18 +490,21 @@ def _engine_config(
     windows: tuple[int | None, ...] = ()
     if ModelStandIn(args.model_stand_in) is ModelStandIn.HYBRID:
         block_sizes, windows = hybrid_stand_in(args.block_size, args.sliding_window)
+    layers, kv_heads, head_size = _geometry(args)
     return EngineConfig(
+        model=args.model,
+        model_preset=args.model_preset,
+        verify=args.verify,
         gpu_block_sizes=block_sizes,
         sliding_windows=windows,
         num_gpu_blocks=args.gpu_blocks,
-        num_layers=args.num_layers,
-        num_kv_heads=args.num_kv_heads,
-        head_size=args.head_size,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         vocab_size=workload.vocab_size,
-        verify_kv=True,
         device=device,
         async_scheduling=args.async_scheduling,
         # A fleet tells KV another instance computed from an instance's own.
@@ -506,6 +534,11 @@ def _settings(
         "document_tokens": w.document_tokens,
         "num_documents": w.num_documents,
         "think_time_s": w.think_time_s,
+        "model": engine.model.value,
+        "model_preset": engine.model_preset if engine.model.value == "transformer" else None,
+        "model_name": engine.model_name,
+        "verify": engine.verify.value,
+        **_model_figures(engine),
         "num_layers": engine.num_layers,
         "num_kv_heads": engine.num_kv_heads,
         "head_size": engine.head_size,
@@ -540,6 +573,18 @@ def _integrity_key_id(redis: RedisTierOptions | None) -> str | None:
     from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
 
     return IntegrityKey.from_file(str(redis.integrity_key_file)).key_id.hex()
+
+
+def _model_figures(engine: EngineConfig) -> dict[str, Any]:
+    """The transformer's size for the header (None for the hash stand-in)."""
+    if engine.model.value != "transformer":
+        return {"model_params": None, "model_d_model": None, "model_heads": None}
+    p = PRESETS[engine.model_preset]
+    return {
+        "model_params": p.num_parameters(engine.vocab_size, engine.num_groups),
+        "model_d_model": p.hidden_size,
+        "model_heads": p.num_heads,
+    }
 
 
 def build_run_config(

@@ -43,6 +43,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig, default_instance_id
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.scheduler import RequestOutput
+from vllm.v1.engine.verification import BlockKey
 from vllm.v1.kv_offload.base import TierStats
 
 IDLE_TIMEOUT_S = 600.0
@@ -175,6 +176,11 @@ class StepSampler:
         )
 
 
+def _thread_cpu(engine: EngineCore) -> float:
+    # Engine thread: its own CPU time (what the engine thread spent, not the tiers' threads).
+    return time.thread_time()
+
+
 def fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
     # Engine thread, before the first request: (blocks, bytes) the fs tier found on disk.
     if not engine.wait_for_tiers_ready(SCAN_TIMEOUT_S):
@@ -239,7 +245,9 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
     result.steps = s.steps - s.idle_steps
     result.preemptions = s.preemptions
     result.blocks_verified = s.blocks_loaded_verified
+    result.blocks_checked = s.blocks_verified
     result.blocks_mismatched = s.verification_failures
+    result.verify_s = s.verify_seconds
     result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
     c = snap.connector
     for name, direction in GPU_DIRECTIONS.items():
@@ -320,7 +328,11 @@ class EngineRun:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic())
         self._metrics = metrics
+        self._cpu_at_start = 0.0
+        self.digests: dict[BlockKey, bytes] = {}
+        """Digests of every block the run computed (after ``finish``): another run's reference."""
         engine = EngineCore(engine_config(config, offload, instance_id))
+        self.result.verify_mode = engine.config.verify.value
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
         if metrics is not None:
             callback = metrics.attach(engine, self.label, self.sampler)
@@ -347,13 +359,22 @@ class EngineRun:
     ) -> None:
         await self.llm.__aexit__(exc_type, exc, tb)
 
-    async def finish(self) -> EngineSnapshot:
-        """After the last output: wait for every transfer (cascades to the fs tier included, so
-        the next invocation over the same root starts warm), then fill ``result``.
+    async def start_window(self) -> None:
+        """The timed window starts: note the engine thread's CPU time."""
+        self._cpu_at_start = await self.llm.call(_thread_cpu)
+
+    async def finish(self, reference: Mapping[BlockKey, bytes] | None = None) -> EngineSnapshot:
+        """After the last output (the end of the timed window): note the engine thread's CPU
+        time, wait for every transfer (cascades to the fs tier included, so the next invocation
+        over the same root starts warm), check what the oracle recorded against ``reference``
+        (``EngineCore.verify_kv``: e.g. the baseline's ``digests``), keep this run's
+        ``digests``, then fill ``result``.
 
         Raises:
             RuntimeError: transfers were still in flight ``IDLE_TIMEOUT_S`` after the last output.
         """
+        cpu_at_end = await self.llm.call(_thread_cpu)
+        self.result.engine_thread_cpu_s = cpu_at_end - self._cpu_at_start
         try:
             await asyncio.wait_for(self.llm.wait_until_idle(), IDLE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -361,6 +382,8 @@ class EngineRun:
                 f"{self.label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the "
                 "last output"
             ) from None
+        await self.llm.call(lambda e: e.verify_kv(reference))
+        self.digests = await self.llm.call(lambda e: e.computed_block_digests())
         metrics = self._metrics
         if metrics is not None:
             await self.llm.call(lambda e: metrics.flush(e, self.label))

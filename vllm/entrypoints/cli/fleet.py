@@ -62,6 +62,7 @@ from vllm.entrypoints.cli.report.figures import (
 from vllm.entrypoints.cli.workloads import Session, Workload
 from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import GenerateOutput
+from vllm.v1.engine.verification import BlockKey
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 
 logger = init_logger(__name__)
@@ -254,17 +255,27 @@ class Fleet:
                 instance.send(("abort", req_id))
 
     async def run(
-        self, offload: bool, on_fs_start: Callable[[FsTierState], None] | None = None
-    ) -> list[RunResult]:
+        self,
+        offload: bool,
+        on_fs_start: Callable[[FsTierState], None] | None = None,
+        reference: Mapping[BlockKey, bytes] | None = None,
+    ) -> tuple[list[RunResult], dict[BlockKey, bytes]]:
         """One run of the fleet (every instance baseline, or every one offloading).
 
+        Args:
+            offload: with offloading (else the baseline).
+            on_fs_start: called with the instances' fs state before the first request.
+            reference: block digests every instance's oracle checks against (the baseline's):
+                a block one instance loads is checked against whichever instance computed it.
+
         Returns:
-            Each instance's result, with its share of the requests, outputs and timings.
+            Each instance's result, with its share of the requests, outputs and timings; and
+            the digests of the blocks the instances computed, merged.
         """
         config, workload = self.config, self.workload
         label = "offload" if offload else "baseline"
         for instance in self.instances:
-            instance.send(("start", offload))
+            instance.send(("start", offload, dict(reference or {})))
             instance.tokens = {}
         ready = [await i.reply("ready") for i in self.instances]
         fs_root = None if config.tiers.fs is None else config.tiers.fs.root
@@ -299,7 +310,9 @@ class Fleet:
         answers = [await i.reply("result") for i in self.instances]
         wall_s = log.wall_s
         results: list[RunResult] = []
-        for index, (_, result, _, _) in enumerate(answers):
+        digests: dict[BlockKey, bytes] = {}
+        for index, (_, result, _, _, theirs) in enumerate(answers):
+            digests.update(theirs)
             mine = sorted(r for r, i in self.routes.items() if i == index and r in log.outputs)
             result.wall_s = wall_s
             result.num_requests = sum(1 for i in self.routes.values() if i == index)
@@ -312,7 +325,7 @@ class Fleet:
             for index, (result, answer) in enumerate(zip(results, answers, strict=True)):
                 others = [s for j, s in enumerate(stored) if j != index]
                 result.cross_instance_tokens = cross_instance_tokens(answer[3], others)
-        return results
+        return results, digests
 
 
 def cross_instance_tokens(
@@ -366,6 +379,8 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
     # Untimed (None) until an instance's figures say otherwise.
     total.transfers = {d: TransferFigures(busy_s=None) for d in Direction}
     total.wall_s = max((p.wall_s for p in parts), default=0.0)
+    total.verify_s = max((p.verify_s for p in parts), default=0.0)
+    total.verify_mode = parts[0].verify_mode if parts else total.verify_mode
     for p in parts:
         for name in (
             "num_requests",
@@ -375,7 +390,9 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             "output_tokens",
             "steps",
             "preemptions",
+            "engine_thread_cpu_s",
             "blocks_verified",
+            "blocks_checked",
             "blocks_mismatched",
             "corrupt_blocks_detected",
             "failed_loads",
@@ -469,8 +486,8 @@ async def serve_fleet(
     fleet = Fleet(config, workload, metrics)
     try:
         fleet.start()
-        baseline_parts = await fleet.run(offload=False)
-        offload_parts = await fleet.run(offload=True, on_fs_start=on_fs_start)
+        baseline_parts, digests = await fleet.run(offload=False)
+        offload_parts, _ = await fleet.run(True, on_fs_start, reference=digests)
     finally:
         await fleet.stop()
     baseline = merge_results("baseline", False, baseline_parts)

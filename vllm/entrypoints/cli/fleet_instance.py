@@ -11,15 +11,18 @@ named after ``fleet_instance_id``), its own fs directory and GPU pool; the only 
 shares with the other instances is the redis server.
 
 Messages, parent -> instance (tuples, the first item names them):
-    ``("start", offload)``: build the engine of a run (baseline or offloaded); answered with
-        ``("ready", fs_files, fs_bytes)`` once the fs tier scanned its directory.
+    ``("start", offload, reference)``: build the engine of a run (baseline or offloaded);
+        ``reference`` holds the block digests the oracle checks the run's blocks against (the
+        fleet's baseline's, every instance's merged; empty for the baseline itself); answered
+        with ``("ready", fs_files, fs_bytes)`` once the fs tier scanned its directory.
     ``("go", t0)``: the run starts at ``time.monotonic() == t0`` (one clock for the machine).
     ``("gen", request_id, prompt, max_tokens)``: serve a request; answered with
         ``("first", request_id, token_ids)`` at its first tokens and
         ``("done", request_id, output_token_ids, cumulative_tokens_by_source)``.
     ``("abort", request_id)``: the client gave up on a request.
     ``("finish",)``: every request was answered: wait for the transfers, shut the engine down
-        and answer ``("result", RunResult, stored_keys, served_not_stored_here)``.
+        check what the oracle recorded, and answer ``("result", RunResult, stored_keys,
+        served_not_stored_here, digests)`` (``digests``: the blocks this run computed).
     ``("exit",)``, or the pipe closing: shut down and end the process.
 Instance -> parent, besides the answers: ``("error", message)`` when the run failed, and with
 ``--metrics-port`` ``("metrics", families)`` (its recorder's metric families, every
@@ -38,6 +41,7 @@ import logging
 import signal
 import sys
 import traceback
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,6 +50,7 @@ from vllm.entrypoints.cli.engine_run import EngineRun, StepSampler
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
 from vllm.entrypoints.cli.metrics_server import SEND_INTERVAL_S, EngineMetrics
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.verification import BlockKey
 
 Message = tuple[Any, ...]
 
@@ -100,13 +105,13 @@ class _Instance:
             while True:
                 message = await self.next_message()
                 assert message[0] == "start", f"unexpected {message[0]!r} between runs"
-                await self.serve(offload=bool(message[1]))
+                await self.serve(offload=bool(message[1]), reference=message[2])
         except _Exit:
             return
         finally:
             loop.remove_reader(self.conn.fileno())
 
-    async def serve(self, offload: bool) -> None:
+    async def serve(self, offload: bool, reference: Mapping[BlockKey, bytes]) -> None:
         """One run: build the engine, serve the parent's requests, answer the result."""
         instance_id = self.instance_id if offload else None
         requests: dict[str, asyncio.Task[None]] = {}
@@ -120,6 +125,7 @@ class _Instance:
                     kind = message[0]
                     if kind == "go":
                         run.sampler.t0 = message[1]
+                        await run.start_window()
                     elif kind == "gen":
                         _, req_id, prompt, max_tokens = message
                         requests[req_id] = asyncio.ensure_future(
@@ -134,7 +140,7 @@ class _Instance:
                     else:
                         raise AssertionError(f"unexpected message {kind!r} during a run")
                 await asyncio.gather(*requests.values())
-                snapshot = await run.finish()
+                snapshot = await run.finish(reference)
             finally:
                 for task in (*requests.values(), sender):
                     task.cancel()
@@ -142,7 +148,7 @@ class _Instance:
         self.send_metrics()
         run.result.num_requests = len(requests)
         origins = snapshot.engine_stats.served_not_stored_here or {}
-        self.send(("result", run.result, snapshot.stored_keys, origins))
+        self.send(("result", run.result, snapshot.stored_keys, origins, run.digests))
 
     def send_metrics(self) -> None:
         """Send the recorder's families to the parent (with ``--metrics-port`` only)."""

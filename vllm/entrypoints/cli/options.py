@@ -3,7 +3,7 @@
 """The options of ``vllm-kv-offload run``, declared for argparse: the command's flags and help.
 
 Owns the declaration only: one ``_Option`` row per flag, one function per concern (workload,
-model stand-in and engine, CPU tier, fs tier, redis tier and fleet, output), each becoming an
+model and engine, CPU tier, fs tier, redis tier and fleet, output), each becoming an
 argument group of ``--help``. The values' parsers are in ``option_values.py``; what the parsed
 values become (and the checks across options and against the machine) is ``config.py``'s.
 
@@ -36,6 +36,7 @@ from vllm.entrypoints.cli.option_values import (
     parse_size,
 )
 from vllm.entrypoints.cli.workloads import WORKLOAD_DEFAULTS, WorkloadConfig, WorkloadKind
+from vllm.model_executor.models.llama_config import DEFAULT_PRESET, PRESETS
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
@@ -56,6 +57,14 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
+
+MODELS = ("transformer", "hash")
+"""Values of ``--model`` (those of ``vllm.v1.engine.model_runner.ModelKind``)."""
+VERIFY_MODES = ("loaded", "all", "none")
+"""Values of ``--verify`` (those of ``vllm.v1.engine.verification.VerifyMode``)."""
+HASH_GEOMETRY = (8, 2, 64)
+"""The hash model's default layers per group, KV heads and head size (the transformer's default
+preset has the same)."""
 
 MODEL_STAND_INS = ("standard", "hybrid")
 """Values of ``--model-stand-in`` (those of ``vllm.v1.engine.model.ModelStandIn``; not imported
@@ -180,12 +189,43 @@ def _workload_options() -> tuple[_Option, ...]:
     )
 
 
+def _geometry(flag: str, hash_default: int) -> _Option:
+    """A KV-geometry option of the hash model (the transformer's geometry is its preset's)."""
+    return _Option(
+        flag,
+        "with --model hash",
+        type=int_at_least(1),
+        default=None,
+        default_text=f"{hash_default}; the transformer: its preset's",
+    )
+
+
 def _engine_options() -> tuple[_Option, ...]:
-    """The model stand-in's KV geometry, the GPU pool, the scheduler limits and the run's bound."""
+    """The model, its KV geometry, the GPU pool, the scheduler limits and the run's bound."""
     return (
-        _count("--num-layers", 8),
-        _count("--num-kv-heads", 2),
-        _count("--head-size", 64),
+        _choice(
+            "--model",
+            MODELS,
+            "transformer",
+            "what computes the tokens: a Llama-architecture transformer (prefill costs what a "
+            "model's costs), or the hash stand-in (almost free: for quick runs and tests)",
+        ),
+        _choice(
+            "--model-preset",
+            list(PRESETS),
+            DEFAULT_PRESET,
+            "the transformer's size (docs/model.md lists them)",
+        ),
+        _choice(
+            "--verify",
+            VERIFY_MODES,
+            "loaded",
+            "what the oracle checks bit-exact, after each run's timed window: the blocks loads "
+            "wrote, every block, or nothing (the verdict then says the run was not verified)",
+        ),
+        _geometry("--num-layers", HASH_GEOMETRY[0]),
+        _geometry("--num-kv-heads", HASH_GEOMETRY[1]),
+        _geometry("--head-size", HASH_GEOMETRY[2]),
         _choice("--dtype", sorted(DTYPE_BYTES), "float16"),
         _count("--block-size", 16, "tokens per GPU block"),
         _Option(
@@ -351,7 +391,7 @@ def _output_options() -> tuple[_Option, ...]:
 
 _RUN_OPTION_GROUPS: tuple[tuple[str, Callable[[], tuple[_Option, ...]]], ...] = (
     ("workload", _workload_options),
-    ("model stand-in and engine", _engine_options),
+    ("model and engine", _engine_options),
     ("CPU tier", _cpu_tier_options),
     ("fs tier", _fs_tier_options),
     ("redis tier and fleet", _fleet_options),

@@ -43,6 +43,7 @@ from vllm.entrypoints.cli.report.text import PROG, render_body, render_fs_start,
 from vllm.entrypoints.cli.report.verdict import judge_report
 from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload
 from vllm.v1.engine.async_llm import AsyncLLM, GenerateOutput
+from vllm.v1.engine.verification import BlockKey
 
 
 def engine_generate(llm: AsyncLLM) -> GenerateFn:
@@ -60,8 +61,10 @@ async def serve(
     offload: bool,
     on_fs_start: Callable[[FsTierState], None] | None = None,
     metrics: EngineMetrics | None = None,
-) -> RunResult:
-    """Serve ``workload`` on a fresh engine in this process and return what the run measured.
+    reference: Mapping[BlockKey, bytes] | None = None,
+) -> tuple[RunResult, dict[BlockKey, bytes]]:
+    """Serve ``workload`` on a fresh engine in this process; return what the run measured and
+    the digests of the blocks it computed.
 
     Args:
         config: the invocation's settings.
@@ -70,6 +73,8 @@ async def serve(
         on_fs_start: called with the fs tier's state once its start-up scan counted what is on
             disk, before the first request (the command prints it at once).
         metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
+        reference: digests of blocks computed by another run (the baseline's), which the
+            oracle checks this run's blocks against after its timed window.
     """
     async with EngineRun(config, offload, metrics=metrics) as run:
         if run.result.fs is not None and on_fs_start is not None:
@@ -84,6 +89,7 @@ async def serve(
         def on_start(t0: float) -> None:
             run.sampler.t0 = t0
 
+        await run.start_window()
         log = await serve_workload(
             engine_generate(run.llm),
             workload,
@@ -93,14 +99,14 @@ async def serve(
             shares,
             on_start,
         )
-        await run.finish()
+        await run.finish(reference)
     result = run.result
     result.num_requests = workload.num_requests
     result.wall_s = log.wall_s
     result.outputs = log.outputs
     result.ttft_ms = log.ttft_ms
     result.latency_ms = log.latency_ms
-    return result
+    return result, run.digests
 
 
 def _write(stream: TextIO, lines: list[str]) -> None:
@@ -122,8 +128,8 @@ async def _serve_both(
 
     if config.fleet.enabled:
         return await serve_fleet(config, workload, on_fs_start, instance_metrics)
-    baseline = await serve(config, workload, offload=False, metrics=recorder)
-    offload = await serve(config, workload, True, on_fs_start, recorder)
+    baseline, digests = await serve(config, workload, offload=False, metrics=recorder)
+    offload, _ = await serve(config, workload, True, on_fs_start, recorder, digests)
     return Report(settings=dict(config.settings), baseline=baseline, offload=offload)
 
 
@@ -135,7 +141,8 @@ def run_command(config: RunConfig) -> int:
     document goes to stdout and the human report to stderr.
 
     Returns:
-        0 when the verdict passed, 1 when it failed or the run hit an error.
+        0 when the verdict passed (or, with ``--verify none``, no check failed), 1 when it
+        failed or the run hit an error.
 
     Raises:
         Interrupted: a signal stopped the run (everything was shut down first).
@@ -184,4 +191,4 @@ def run_command(config: RunConfig) -> int:
     except OSError as e:
         sys.stderr.write(f"{PROG}: error: cannot write the report: {e}\n")
         return 1
-    return 0 if judge_report(report).passed else 1
+    return 1 if judge_report(report).status == "FAIL" else 0

@@ -10,6 +10,7 @@ One ``step()``::
                                       wait_for_save, get_finished, build_connector_worker_meta
     aggregate the ranks' outputs      a load is finished once every rank reported it; job
                                       counts are summed
+    oracle.record_step(...)           digests of the blocks the step computed (no check)
     scheduler.update_from_output(...) connector: update_connector_output, request_finished,
                                       take_events
 
@@ -20,6 +21,13 @@ the tokens they sampled; the scheduler counts them as output placeholders until 
 
 The engine keeps stepping while requests are unfinished or the connector has transfers in flight
 (``has_pending_work``), so cascades to slower tiers complete even after the last request.
+
+The bit-exact check of KV blocks is split in two (``verification.py``): the steps only record
+digests; ``verify_kv()`` compares them, after the part of a run that is timed (``run_until_done``
+calls it at its end).
+
+The engine sets torch's intra-op threads when it starts (``EngineConfig.intra_op_threads``,
+process-wide).
 
 The API is synchronous (``add_request`` / ``abort_request`` / ``step``) so that an asyncio front
 end can drive it from one task. KV events are published, one encoded ``KVEventBatch`` per drain,
@@ -39,6 +47,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch, KVEventEncoder
@@ -57,6 +66,7 @@ from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
 from vllm.v1.engine.stats import EngineStats, StepRecord
+from vllm.v1.engine.verification import BlockKey, KVOracle, VerificationResult, VerifyMode
 from vllm.v1.engine.worker import Worker, WorkerOutput
 from vllm.v1.kv_offload.base import TierStats
 from vllm.v1.kv_offload.spec import KVCacheRunInfo
@@ -150,6 +160,8 @@ class EngineCore(ClosingContextManager):
         # a step callback that wants this step's figures without asking the tiers again.
         self.step_kv_connector_stats: KVConnectorStats | None = None
 
+        if config.intra_op_threads:
+            torch.set_num_threads(config.intra_op_threads)
         # The connector, as the engine knows it: KVConnectorBase_V1 (built by the factory from
         # the class KVTransferConfig names), one instance per role.
         self.kv_transfer_config: KVTransferConfig | None = None
@@ -177,6 +189,14 @@ class EngineCore(ClosingContextManager):
         except BaseException:
             self.shutdown()
             raise
+        self.oracle: KVOracle | None = None
+        if config.verify is not VerifyMode.NONE:
+            self.oracle = KVOracle(
+                config.verify,
+                [w.runner for w in self.workers],
+                config.gpu_block_sizes,
+                self._hash_block_size,
+            )
         self.kv_cache_manager = KVCacheManager(
             config.num_gpu_blocks,
             config.gpu_block_sizes,
@@ -190,7 +210,7 @@ class EngineCore(ClosingContextManager):
             config.max_num_batched_tokens,
             self.connector,
             self.stats,
-            block_verifier=self._verify_blocks if config.verify_kv else None,
+            oracle=self.oracle,
             event_sink=self._publish_events if config.enable_kv_events else None,
             max_model_len=config.max_model_len,
             async_scheduling=config.async_scheduling,
@@ -290,6 +310,14 @@ class EngineCore(ClosingContextManager):
         model_output = ModelRunnerOutput(
             sampled_token_ids=outputs[0].sampled_token_ids, kv_connector_output=kv_output
         )
+        if self.oracle is not None and scheduler_output.total_num_scheduled_tokens:
+            # Before the output is applied: finishing requests still hold their blocks.
+            kv = self.kv_cache_manager
+            self.oracle.record_step(
+                scheduler_output,
+                {r: kv.get_block_ids(r) for r in scheduler_output.num_scheduled_tokens},
+                scheduler.requests,
+            )
         if self.config.async_scheduling:
             # Apply the previous step only now: this step was scheduled without its output.
             previous = self._take_in_flight() if self._in_flight is not None else None
@@ -358,7 +386,8 @@ class EngineCore(ClosingContextManager):
         return elapsed
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
-        """Step until no request is unfinished and no transfer is in flight.
+        """Step until no request is unfinished and no transfer is in flight, then check what the
+        oracle recorded (``verify_kv``; its results are in ``stats``).
 
         Returns:
             The tokens generated per request during these steps.
@@ -371,6 +400,7 @@ class EngineCore(ClosingContextManager):
             if not self.has_pending_work():
                 for out in self.scheduler.take_outputs():
                     generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+                self.verify_kv()
                 return generated
             for out in self.step():
                 generated.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -416,14 +446,33 @@ class EngineCore(ClosingContextManager):
             batch = KVEventBatch(ts=time.time(), events=list(events))  # type: ignore[arg-type]
             self._event_sink(self._encoder.encode(batch))
 
-    def _verify_blocks(
-        self, request: Request, blocks: Mapping[int, list[tuple[int, int]]], num_tokens: int
-    ) -> dict[int, set[int]]:
-        bad: dict[int, set[int]] = {}
-        for worker in self.workers:
-            for g, ids in worker.verify_blocks(request.all_token_ids, blocks, num_tokens).items():
-                bad.setdefault(g, set()).update(ids)
-        return bad
+    def verify_kv(self, reference: Mapping[BlockKey, bytes] | None = None) -> VerificationResult:
+        """Check every block the oracle recorded since the last call (between steps; off the
+        step path). Adds the results to ``stats`` (``blocks_verified``, ``blocks_loaded_verified``,
+        ``verification_failures``, ``verify_seconds``).
+
+        Args:
+            reference: digests of blocks computed elsewhere, e.g. a baseline engine's
+                ``computed_block_digests()``: they are the preferred reference.
+
+        Returns:
+            What this call checked (empty with ``VerifyMode.NONE``).
+        """
+        if self.oracle is None:
+            return VerificationResult()
+        result = self.oracle.check(reference)
+        stats = self.stats
+        stats.blocks_verified += result.blocks_checked + result.computed_checked
+        stats.blocks_loaded_verified += result.loaded_checked
+        stats.verification_failures += result.mismatched
+        stats.blocks_recomputed_for_check += result.recomputed
+        stats.verify_seconds += result.seconds
+        return result
+
+    def computed_block_digests(self) -> dict[BlockKey, bytes]:
+        """Digests of every block this engine computed (empty with ``VerifyMode.NONE``): the
+        reference another engine's ``verify_kv`` takes."""
+        return {} if self.oracle is None else self.oracle.computed_digests()
 
     # -----------------------------------------------------------------------------------------
     # Lifecycle

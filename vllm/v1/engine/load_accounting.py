@@ -1,24 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The scheduler's load accounting: block verification and promoted-token attribution.
+"""The scheduler's load accounting: promoted-token attribution and what the oracle records.
 
-``BlockVerifier`` checks GPU blocks against recomputation; the helpers here count what it
-checked and attribute the tokens served by promoted (secondary-tier) blocks to their tiers.
+The helpers here attribute the tokens served by promoted (secondary-tier) blocks to their tiers,
+count the promoted blocks the oracle will check, and hand a finishing request's blocks to the
+oracle (``verification.KVOracle``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PromotedBlock
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.stats import SECONDARY, EngineStats
+from vllm.v1.engine.verification import KVOracle
 from vllm.v1.request import Request
 
-__all__ = ["BlockVerifier", "account_promoted", "count_verified_promoted", "verify_finished"]
-
-BlockVerifier = Callable[[Request, Mapping[int, list[tuple[int, int]]], int], dict[int, set[int]]]
-"""``(request, {group: [(logical_idx, gpu_block_id)]}, num_tokens) -> {group: bad block ids}``."""
+__all__ = ["account_promoted", "count_verified_promoted", "record_finished"]
 
 
 def account_promoted(
@@ -48,7 +47,7 @@ def count_verified_promoted(
 ) -> None:
     """Count per tier the GPU blocks of promoted offloaded blocks below ``end``.
 
-    They are checked with the rest of the load, so a report can show that they were.
+    The oracle checks them with the rest of the load, so a report can show that they were.
     """
     by_tier = stats.blocks_verified_by_tier
     for block in promoted:
@@ -59,19 +58,15 @@ def count_verified_promoted(
             by_tier[tier] = by_tier.get(tier, 0) + n
 
 
-def verify_finished(
-    verifier: BlockVerifier, kv: KVCacheManager, stats: EngineStats, request: Request
-) -> None:
-    """Check every computed GPU block of a finishing request."""
+def record_finished(oracle: KVOracle, kv: KVCacheManager, request: Request) -> None:
+    """Record every full computed GPU block of a finishing request for the oracle's check."""
     blocks = kv.get_block_ids(request.request_id)
-    num_tokens = request.num_computed_tokens
+    num_tokens = min(request.num_computed_tokens, request.num_tokens)
     pairs = kv.window_pairs(
         {
-            g: [(i, b) for i, b in enumerate(blocks[g]) if i * bs < num_tokens]
+            g: [(i, b) for i, b in enumerate(blocks[g]) if (i + 1) * bs <= num_tokens]
             for g, bs in enumerate(kv.block_sizes)
         },
         0,
     )
-    mismatched = verifier(request, pairs, num_tokens)
-    stats.blocks_verified += sum(len(p) for p in pairs.values())
-    stats.verification_failures += sum(len(b) for b in mismatched.values())
+    oracle.record_blocks(request, pairs, loaded=False)

@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The model stand-in: writes KV bytes that are a deterministic function of the token prefix.
+"""The GPU KV cache's layouts, and the hash model stand-in (``--model hash``).
 
-A real model writes, for token position ``t``, K and V vectors that depend on tokens ``0..t``. The
-stand-in does the same with a hash instead of a transformer: the KV of position ``t`` in layer
+The engine's default model is the transformer (``vllm/model_executor/models/llama.py``); this
+stand-in computes almost nothing, for fast tests and fuzzing, and writes KV bytes that are a
+deterministic function of the token prefix. A real model writes, for token position ``t``, K
+and V vectors that depend on tokens ``0..t``. The stand-in does the same with a hash instead of
+a transformer: the KV of position ``t`` in layer
 ``l`` of KV-cache group ``g`` on worker ``rank`` is a pseudo-random function of
 ``(prefix_seed(tokens[0..t]), rank, g, l, K|V)``. So:
 
 * two requests with the same prefix write identical bytes into their blocks (prefix caching and
   offloading are transparent), and
 * any block loaded from the CPU tier or disk can be checked bit-exact against what recomputation
-  writes (``verify_blocks``).
+  writes (``reference_blocks``), at the cost of a hash.
 
 Sampling is deterministic too: the token after position ``t`` is a function of its prefix seed, so
 a run with offloading must produce exactly the outputs of a run without it.
@@ -27,10 +30,10 @@ value is a finite float.
 
 Devices: the KV tensors may live on any device (``allocate_group_kv_cache(device=...)``). Values
 are computed on the host (numpy) and moved explicitly to the KV cache's device before they are
-written, with block and offset indices on that device too; reads gather on the device and return
-host tensors. So the stand-in never mixes devices in one torch operation, and its writes are
-ordered on torch's current stream of that device, the stream the offload handlers treat as the
-model's compute stream.
+written, with block and offset indices on that device too; ``gather_blocks`` gathers on the
+device. So the stand-in never mixes devices in one torch operation, and its writes are ordered on
+torch's current stream of that device, the stream the offload handlers treat as the model's
+compute stream.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+import xxhash
 
 U64 = npt.NDArray[np.uint64]
 
@@ -255,66 +259,25 @@ class StandInModel:
             for layer, view in enumerate(views):
                 view[blk, :, off] = values[:, layer]
 
-    def read(
-        self, group_idx: int, block_ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64]
+    def reference_blocks(
+        self, group_idx: int, token_ids: Sequence[int], indices: Sequence[int]
     ) -> torch.Tensor:
-        """The integer view of (block, offset) slots as a host tensor ``(n, L, 2, H, D)``.
-
-        Gathered on the KV cache's device after the work enqueued on torch's current stream
-        there (the copy to the host waits for it).
-        """
-        group = self.groups[group_idx]
-        device = group.tensors[0].device
-        blk = _indices(block_ids, device)
-        off = _indices(offsets, device)
-        views = self._views[group_idx]
-        if group.layout is KVLayout.CROSS_LAYER:
-            gathered = views[0][blk, :, :, off]
-        elif group.layout is KVLayout.PER_LAYER:
-            gathered = torch.stack([v[:, blk, off].transpose(0, 1) for v in views], dim=1)
-        else:
-            gathered = torch.stack([v[blk, :, off] for v in views], dim=1)
-        return gathered.cpu()  # advanced indexing copies: the result shares no KV memory
-
-    def verify_blocks(
-        self,
-        group_idx: int,
-        token_ids: Sequence[int],
-        blocks: Sequence[tuple[int, int]],
-        num_tokens: int,
-    ) -> list[int]:
-        """Check blocks against what recomputation writes.
+        """What recomputation writes into blocks ``indices`` of a request, without touching the
+        KV cache: the canonical block tensor of ``gather_blocks`` (an integer view, on the host).
 
         Args:
-            group_idx: the group of the blocks.
-            token_ids: the request's tokens (at least ``num_tokens`` of them).
-            blocks: ``(logical_index, gpu_block_id)`` pairs to check.
-            num_tokens: only positions below this are checked (the rest of a partial block is
-                not written yet).
-
-        Returns:
-            The GPU block ids whose bytes differ.
+            group_idx: the group.
+            token_ids: the request's tokens, at least up to the end of the last block asked for.
+            indices: logical block indices (full blocks).
         """
-        if not blocks:
-            return []
-        bs = self.groups[group_idx].block_size
-        last = max(i for i, _ in blocks)
-        end = min(num_tokens, (last + 1) * bs)
+        group = self.groups[group_idx]
+        bs = group.block_size
+        end = (max(indices) + 1) * bs if indices else 0
         seeds = prefix_seeds(token_ids[:end])
-        positions: list[int] = []
-        block_of: list[int] = []
-        for index, block_id in blocks:
-            lo, hi = index * bs, min((index + 1) * bs, end)
-            positions.extend(range(lo, hi))
-            block_of.extend([block_id] * (hi - lo))
-        if not positions:
-            return []
-        pos = np.asarray(positions, dtype=np.int64)
-        blk = np.asarray(block_of, dtype=np.int64)
-        expected = self._values(self.groups[group_idx], seeds[pos])
-        actual = self.read(group_idx, blk, pos % bs)
-        equal = (expected == actual).flatten(1).all(dim=1).numpy()
-        return sorted({int(b) for b, ok in zip(block_of, equal, strict=True) if not ok})
+        pos = (np.asarray(indices, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        values = self._values(group, seeds[pos])  # [n * bs, L, 2, H, D]
+        values = values.view(len(indices), bs, *values.shape[1:])
+        return values.permute(0, 2, 3, 1, 4, 5).contiguous()
 
     def sample(self, seed: int) -> int:
         """The token sampled after a position with prefix seed ``seed``."""
@@ -328,6 +291,44 @@ def _int_view(tensor: torch.Tensor) -> torch.Tensor:
 def _indices(ids: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
     """``ids`` as an int64 index tensor on ``device`` (the indexed tensor's device)."""
     return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
+
+
+def gather_blocks(group: GroupKVCache, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copies of GPU blocks in one canonical shape, whatever the layout.
+
+    Returns:
+        ``[n, num_layers, 2, block_size, H, D]`` (K/V planes in dim 2) on the cache's device, in
+        the cache's dtype; it shares no memory with the cache.
+    """
+    tensors = group.tensors
+    idx = _indices(np.asarray(block_ids, dtype=np.int64), tensors[0].device)
+    if group.layout is KVLayout.CROSS_LAYER:
+        return tensors[0][idx]
+    if group.layout is KVLayout.PER_LAYER:
+        return torch.stack([t[:, idx] for t in tensors]).permute(2, 0, 1, 3, 4, 5).contiguous()
+    return torch.stack([t[idx] for t in tensors], dim=1)
+
+
+def layer_planes(group: GroupKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the K and V planes of one layer of the group, each ``[num_blocks, block_size,
+    H, D]``, whatever the layout (writes through them land in the group's tensors)."""
+    if group.layout is KVLayout.CROSS_LAYER:
+        t = group.tensors[0]
+        return t[:, layer, 0], t[:, layer, 1]
+    t = group.tensors[layer]
+    if group.layout is KVLayout.PER_LAYER:
+        return t[0], t[1]
+    return t[:, 0], t[:, 1]
+
+
+def block_digests(blocks: torch.Tensor) -> list[bytes]:
+    """A 128-bit digest (xxh3) of each block's bytes (dim 0 of ``blocks``, any dtype/device).
+
+    Equal blocks have equal digests; a changed byte changes the digest (up to 2**-128).
+    """
+    host = blocks.detach().contiguous().cpu()
+    rows = host.view(torch.uint8).reshape(host.shape[0], -1).numpy()
+    return [xxhash.xxh3_128_digest(row) for row in rows]
 
 
 class ModelStandIn(str, enum.Enum):

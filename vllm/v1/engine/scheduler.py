@@ -39,16 +39,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.engine.load_accounting import (
-    BlockVerifier,
     account_promoted,
     count_verified_promoted,
-    verify_finished,
+    record_finished,
 )
 from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
 from vllm.v1.engine.stats import EngineStats
+from vllm.v1.engine.verification import KVOracle, VerifyMode
 from vllm.v1.request import Request, RequestStatus
 
-__all__ = ["BlockVerifier", "ModelRunnerOutput", "RequestOutput", "Scheduler"]
+__all__ = ["ModelRunnerOutput", "RequestOutput", "Scheduler"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -69,7 +69,8 @@ class Scheduler:
         max_num_batched_tokens: tokens per step.
         connector: the scheduler-side connector, or None.
         stats: where to count.
-        block_verifier: checks GPU blocks against recomputation (None: no checks).
+        oracle: records the digests of loaded blocks (and, with ``VerifyMode.ALL``, of finishing
+            requests' blocks) for the engine's check after the run (None: nothing recorded).
         event_sink: receives the connector's KV events after each drain.
         max_model_len: a request stops (length-capped) once it holds this many tokens; default
             and upper bound: the tokens the GPU KV cache holds, so a request alone always fits.
@@ -85,7 +86,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         connector: KVConnectorBase_V1 | None,
         stats: EngineStats,
-        block_verifier: BlockVerifier | None = None,
+        oracle: KVOracle | None = None,
         event_sink: Callable[[list[KVCacheEvent]], None] | None = None,
         max_model_len: int | None = None,
         async_scheduling: bool = False,
@@ -101,7 +102,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
         self.stats = stats
-        self.block_verifier = block_verifier
+        self.oracle = oracle
         self.event_sink = event_sink
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -503,7 +504,7 @@ class Scheduler:
         assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS, (
             f"{request} finished loading but is not waiting for it"
         )
-        if self.block_verifier is not None:
+        if self.oracle is not None:
             checkable = kv.window_pairs(
                 {
                     g: [(i, b) for i, b in pairs if i * kv.block_sizes[g] < valid_tokens]
@@ -512,18 +513,7 @@ class Scheduler:
                 min(valid_tokens, request.num_tokens - 1),
             )
             count_verified_promoted(self.stats, kv.block_sizes, promoted, valid_tokens)
-            mismatched = self.block_verifier(request, checkable, valid_tokens)
-            num_checked = sum(len(p) for p in checkable.values())
-            self.stats.blocks_loaded_verified += num_checked
-            self.stats.blocks_verified += num_checked
-            for g, bad_ids in mismatched.items():
-                self.stats.verification_failures += len(bad_ids)
-                for i, block_id in loaded[g]:
-                    if block_id in bad_ids:
-                        valid_tokens = min(valid_tokens, i * kv.block_sizes[g])
-                        break
-            if mismatched and kv.has_sliding_window:
-                valid_tokens = num_local
+            self.oracle.record_blocks(request, checkable, loaded=True)
         valid_tokens = max(num_local, valid_tokens - valid_tokens % kv.alignment)
         num_computed = min(valid_tokens, request.num_tokens - 1)
         # SWA blocks below the window were allocated for the load but not loaded: free them
@@ -542,8 +532,9 @@ class Scheduler:
     def _free_request(self, request: Request, delay_free: bool = False) -> None:
         """Tell the connector, then free the request's GPU blocks (unless a load writes them)."""
         req_id = request.request_id
-        if self.block_verifier is not None and not delay_free:
-            verify_finished(self.block_verifier, self.kv_cache_manager, self.stats, request)
+        oracle = self.oracle
+        if oracle is not None and oracle.mode is VerifyMode.ALL and not delay_free:
+            record_finished(oracle, self.kv_cache_manager, request)
         if self.connector is not None:
             self._timed(self.connector.request_finished, request)
         if delay_free:

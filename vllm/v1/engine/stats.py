@@ -80,9 +80,14 @@ class EngineStats:
         tokens_computed: tokens the model computed (prefill and decode).
         output_tokens: tokens sampled.
         load_jobs_finished, load_jobs_failed: connector loads reported by every worker.
-        blocks_loaded_verified: GPU blocks checked right after a load completed.
-        blocks_verified: GPU blocks checked in total (loads and finished requests).
-        verification_failures: checked blocks whose bytes differed from recomputation.
+        blocks_loaded_verified: GPU blocks a load wrote, checked by ``EngineCore.verify_kv``
+            (their digests were taken when the load completed).
+        blocks_verified: GPU blocks checked in total (loads, finished requests and, with
+            ``VerifyMode.ALL``, computed blocks against a reference).
+        verification_failures: checks whose bytes differed from the reference.
+        blocks_recomputed_for_check: blocks whose reference the check had to recompute (no
+            reference was given and this engine had not computed them itself).
+        verify_seconds: time spent in ``verify_kv`` (outside the engine's steps).
         events_published: KV event batches published.
         connector_seconds, worker_connector_seconds: totals of the per-step figures of
             ``StepRecord``.
@@ -111,6 +116,8 @@ class EngineStats:
     blocks_loaded_verified: int = 0
     blocks_verified: int = 0
     verification_failures: int = 0
+    blocks_recomputed_for_check: int = 0
+    verify_seconds: float = 0.0
     events_published: int = 0
     connector_seconds: float = 0.0
     worker_connector_seconds: float = 0.0

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""``Worker``: one worker rank: its GPU KV cache, the model stand-in, the connector's worker half.
+"""``Worker``: one worker rank: its GPU KV cache, its model runner, the connector's worker half.
 
 Per step (``execute_model``) a rank runs the connector's worker hooks around the forward pass in
 vLLM's order::
@@ -8,7 +8,8 @@ vLLM's order::
     connector.handle_preemptions(meta)
     connector.bind_connector_metadata(meta)
     connector.start_load_kv()
-    <forward: write the KV of every scheduled token; sample where a request reached its end>
+    <forward (ModelRunner.execute): write the KV of every scheduled token; sample where a
+     request reached its end>
     connector.wait_for_save()
     connector.get_finished(finished_req_ids); get_block_ids_with_load_errors()
     connector.build_connector_worker_meta()
@@ -21,7 +22,7 @@ scheduler's output as a real worker process would.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,12 +35,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
-from vllm.v1.engine.model import (
-    GroupKVCache,
-    KVLayout,
-    StandInModel,
-    allocate_group_kv_cache,
-    prefix_seeds,
+from vllm.v1.engine.model import GroupKVCache, KVLayout, allocate_group_kv_cache
+from vllm.v1.engine.model_runner import (
+    HashModelRunner,
+    ModelKind,
+    ModelRunner,
+    ScheduledSeq,
+    TransformerModelRunner,
 )
 from vllm.v1.kv_offload.spec import KVCacheRunInfo
 from vllm.v1.kv_offload.worker.canonical import (
@@ -78,9 +80,6 @@ class _RequestState:
     token_ids: list[int]
     block_ids: list[list[int]]
     num_computed_tokens: int
-    # Prefix seed of position ``num_computed_tokens - 1`` (valid when > 0).
-    last_seed: int = 0
-    seeded_upto: int = 0
 
 
 @dataclass
@@ -135,7 +134,17 @@ class Worker:
             )
             for g, bs in enumerate(config.gpu_block_sizes)
         ]
-        self.model = StandInModel(rank, self.kv_caches, config.vocab_size)
+        self.runner: ModelRunner
+        if config.model is ModelKind.TRANSFORMER:
+            self.runner = TransformerModelRunner(
+                self.kv_caches,
+                config.model_preset,
+                config.vocab_size,
+                config.model_seed,
+                config.sliding_windows,
+            )
+        else:
+            self.runner = HashModelRunner(self.kv_caches, rank, config.vocab_size)
         self._requests: dict[str, _RequestState] = {}
         self.connector: KVConnectorBase_V1 | None = None
         if kv_transfer_config is not None:
@@ -148,6 +157,7 @@ class Worker:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self._requests.pop(req_id, None)
+            self.runner.release(req_id)
         for new in so.scheduled_new_reqs:
             self._requests[new.req_id] = _RequestState(
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
@@ -168,8 +178,7 @@ class Worker:
                     state.block_ids[g].extend(ids)
 
     def _forward(self, so: SchedulerOutput) -> dict[str, int]:
-        sampled: dict[str, int] = {}
-        block_sizes = self.config.gpu_block_sizes
+        seqs: list[ScheduledSeq] = []
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self._requests[req_id]
             start = state.num_computed_tokens
@@ -177,22 +186,20 @@ class Worker:
             assert end <= len(state.token_ids), (
                 f"rank {self.rank}: request {req_id} scheduled past its known tokens"
             )
-            if state.seeded_upto != start:
-                # (Re)started at a prefix hit or after a load: seed from scratch once.
-                seeds = prefix_seeds(state.token_ids[:end], start)
-            else:
-                seeds = prefix_seeds(state.token_ids[start:end], 0, initial=state.last_seed)
-            positions = np.arange(start, end, dtype=np.int64)
-            for g, bs in enumerate(block_sizes):
-                table = np.asarray(state.block_ids[g], dtype=np.int64)
-                self.model.write(g, seeds, table[positions // bs], positions % bs)
+            seqs.append(
+                ScheduledSeq(
+                    req_id,
+                    state.token_ids,
+                    start,
+                    end,
+                    state.block_ids,
+                    sample=end == len(state.token_ids),
+                )
+            )
             state.num_computed_tokens = end
-            state.last_seed = int(seeds[-1])
-            state.seeded_upto = end
-            if end == len(state.token_ids):
-                token = self.model.sample(state.last_seed)
-                state.token_ids.append(token)
-                sampled[req_id] = token
+        sampled = self.runner.execute(seqs)
+        for req_id, token in sampled.items():
+            self._requests[req_id].token_ids.append(token)
         return sampled
 
     def execute_model(self, so: SchedulerOutput) -> WorkerOutput:
@@ -226,17 +233,6 @@ class Worker:
             out.connector_cpu_seconds += time.thread_time() - c0
             out.connector_seconds += time.perf_counter() - t0
         return out
-
-    def verify_blocks(
-        self, token_ids: Sequence[int], blocks: Mapping[int, list[tuple[int, int]]], num_tokens: int
-    ) -> dict[int, set[int]]:
-        """Check blocks of a request against recomputation; returns mismatching ids per group."""
-        bad: dict[int, set[int]] = {}
-        for g, pairs in blocks.items():
-            mismatched = self.model.verify_blocks(g, token_ids, pairs, num_tokens)
-            if mismatched:
-                bad[g] = set(mismatched)
-        return bad
 
     def shutdown(self) -> None:
         """Shut the connector's worker half down."""

@@ -17,6 +17,7 @@ shown by a line in ``text.py`` and a key in ``json_doc.py``.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,9 +195,16 @@ class RunResult:
         ttft_ms: time to first token per request, in milliseconds.
         latency_ms: end-to-end time per request, in milliseconds.
         transfers: figures per direction (offload only).
+        engine_thread_cpu_s: the engine thread's CPU time (``time.thread_time()``) over the timed
+            window; the checks run after it (in a fleet: every instance's, added up).
+        verify_s: seconds the oracle's checks took after the timed window (in a fleet: the
+            slowest instance's).
+        verify_mode: ``--verify`` (``loaded``, ``all`` or ``none``).
         blocks_verified: offloaded blocks loaded into the GPU pool and checked bit-exact against
-            what recomputation writes.
-        blocks_mismatched: such blocks whose bytes differed (never served: recomputed).
+            a reference (the baseline's computation of the same block, or a recomputation).
+        blocks_checked: every block checked (``--verify all`` adds finished requests' blocks
+            and computed blocks to the loaded ones).
+        blocks_mismatched: checked blocks whose bytes differed from their reference.
         corrupt_blocks_detected: blocks the fs tier found corrupt on disk (discarded, recomputed).
         failed_loads: blocks of load or promotion jobs that failed for any reason.
         blocks_verified_from_redis: of ``blocks_verified``, GPU blocks of blocks promoted from
@@ -234,7 +242,11 @@ class RunResult:
     transfers: dict[Direction, TransferFigures] = field(
         default_factory=lambda: {d: TransferFigures() for d in Direction}
     )
+    engine_thread_cpu_s: float = 0.0
+    verify_s: float = 0.0
+    verify_mode: str = "loaded"
     blocks_verified: int = 0
+    blocks_checked: int = 0
     blocks_mismatched: int = 0
     corrupt_blocks_detected: int = 0
     failed_loads: int = 0
@@ -245,6 +257,16 @@ class RunResult:
     cross_instance_tokens: int | None = None
     outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     samples: list[StepSample] = field(default_factory=list)
+
+    @property
+    def outputs_digest(self) -> str:
+        """One hex digest of every request's output tokens, in request-id order: equal for two
+        runs exactly when their outputs are (whatever the batching)."""
+        h = hashlib.sha256()
+        for req_id in sorted(self.outputs):
+            tokens = self.outputs[req_id]
+            h.update(f"{req_id}:{len(tokens)}:{','.join(map(str, tokens))};".encode())
+        return h.hexdigest()
 
     def check_accounting(self) -> None:
         """Assert the token accounting invariant (see the class docstring)."""

@@ -83,6 +83,9 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         "label": run.label,
         "offload": run.offload,
         "wall_s": run.wall_s,
+        "verify_s": run.verify_s,
+        "engine_thread_cpu_s": run.engine_thread_cpu_s,
+        "outputs_digest": run.outputs_digest,
         "requests": {"submitted": run.num_requests, "finished": run.num_finished},
         "prompt_tokens": {
             "total": run.prompt_tokens,
@@ -100,7 +103,9 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         "latency_ms": distribution_json(Distribution.of(run.latency_ms)),
         "transfers": {d.value: transfer_json(run.transfers[d], run.wall_s) for d in Direction},
         "verification": {
+            "mode": run.verify_mode,
             "blocks_verified": run.blocks_verified,
+            "blocks_checked": run.blocks_checked,
             "blocks_mismatched": run.blocks_mismatched,
             "corrupt_blocks_detected": run.corrupt_blocks_detected,
             "failed_loads": run.failed_loads,
@@ -126,7 +131,8 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
 def verdict_json(v: Verdict) -> dict[str, Any]:
     """The JSON object of a verdict."""
     return {
-        "status": "PASS" if v.passed else "FAIL",
+        "status": v.status,
+        "verified": v.verified,
         "served_correctly": v.served_correctly,
         "storage_intact": v.storage_intact,
         "tiers_working": v.tiers_working,

@@ -104,6 +104,26 @@ def _tokens_cell(run: RunResult, n: int, enabled: bool = True) -> str:
     return f"{n:,} ({_pct(share)})"
 
 
+def _model_line(s: Mapping[str, Any]) -> str:
+    """The header's model: ``model: transformer <preset> (<layers> layers, d_model <d>,
+    <heads>/<kv_heads> heads, <params> parameters, <bytes> KV bytes per token)``."""
+    groups = 2 if s.get("model_stand_in") == "hybrid" else 1
+    layers = int(s.get("num_layers", 0)) * groups
+    kv_heads, head_size = s.get("num_kv_heads"), s.get("head_size")
+    dtype = s.get("dtype")
+    kv_bytes = int(s.get("block_bytes", 0)) // max(int(s.get("block_size", 1)), 1)
+    if s.get("model") == "transformer":
+        return (
+            f"model: transformer {s.get('model_preset')} ({layers} layers, d_model "
+            f"{s.get('model_d_model')}, {s.get('model_heads')}/{kv_heads} heads, "
+            f"{_count(s.get('model_params'))} parameters, {_count(kv_bytes)} KV bytes per token)"
+        )
+    return (
+        f"model: hash stand-in ({layers} layers x {kv_heads} KV heads x {head_size} head size, "
+        f"{dtype}, {_count(kv_bytes)} KV bytes per token)"
+    )
+
+
 def render_header(
     settings: Mapping[str, Any], num_requests: int, home: str | None = None
 ) -> list[str]:
@@ -115,10 +135,7 @@ def render_header(
         f"{s.get('num_clients')} concurrent client{'' if s.get('num_clients') == 1 else 's'}; "
         f"device {s.get('device')}"
     )
-    lines += _wrap(
-        f"model stand-in: {s.get('num_layers')} layers x {s.get('num_kv_heads')} KV heads x "
-        f"{s.get('head_size')} head size, {s.get('dtype')}"
-    )
+    lines += _wrap(_model_line(s))
     lines.append(
         f"  GPU pool: {_count(s.get('gpu_blocks'))} blocks of {s.get('block_size')} tokens "
         f"({format_bytes(s.get('block_bytes', 0))} each)"
@@ -214,6 +231,9 @@ def _side_by_side(report: Report) -> Iterable[str]:
     yield _row("", "baseline (no offload)", "offload")
     yield _row("wall time", f"{b.wall_s:.1f} s", f"{o.wall_s:.1f} s")
     yield _row(
+        "  engine thread CPU", f"{b.engine_thread_cpu_s:.1f} s", f"{o.engine_thread_cpu_s:.1f} s"
+    )
+    yield _row(
         "requests finished",
         f"{b.num_finished}/{b.num_requests}",
         f"{o.num_finished}/{o.num_requests}",
@@ -266,10 +286,10 @@ def _side_by_side(report: Report) -> Iterable[str]:
     yield _row("  of it thread CPU, connector", "-", f"{cv.median:.0f} / {cv.p99:.0f} us")
     yield _row("  of it thread CPU, worker-side", "-", f"{wcv.median:.0f} / {wcv.p99:.0f} us")
     yield "    (median / p99 over the steps that scheduled tokens)"
-    if report.settings.get("device") == "cpu":
+    if report.settings.get("model") == "hash":
         yield from _wrap(
-            "(on CPU the model stand-in computes almost for free: wall time and TTFT mostly "
-            "measure copies and checks; prefill tokens saved is what carries over to a GPU)",
+            "(the hash stand-in computes almost for free: wall time and TTFT mostly measure "
+            "the offload path; prefill tokens saved is what carries over to a real model)",
             indent=4,
             hanging=1,
         )
@@ -360,7 +380,7 @@ def _instances(report: Report) -> Iterable[str]:
             f"{o.computed_tokens:,}",
             f"{o.served[Tier.REDIS]:,}" if o.redis_url is not None else "-",
             f"{o.cross_instance_tokens or 0:,}" if o.redis_url is not None else "-",
-            "PASS" if judge(inst.baseline, inst.offload).passed else "FAIL",
+            judge(inst.baseline, inst.offload).status,
         )
     yield "    (another's: tokens served from KV another instance computed)"
 
@@ -369,17 +389,24 @@ def _verdict(report: Report) -> Iterable[str]:
     b, o = report.baseline, report.offload
     verdict = judge_report(report)
     differing = compare_outputs(b.outputs, o.outputs)
-    yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
+    correct = "PASS" if verdict.served_correctly else "FAIL"
+    yield f"  correctness: {correct if verdict.verified else 'NOT VERIFIED'}"
     from_redis = (
         f" ({o.blocks_verified_from_redis:,} of them promoted from the redis tier)"
         if o.redis_url is not None
         else ""
     )
-    yield from _wrap(
-        f"{o.blocks_verified:,} loaded blocks checked bit-exact against recomputation"
-        f"{from_redis}, {o.blocks_mismatched:,} differed",
-        indent=4,
-    )
+    if verdict.verified:
+        extra = o.blocks_checked - o.blocks_verified
+        others = f" and {extra:,} other blocks (--verify all)" if extra > 0 else ""
+        yield from _wrap(
+            f"{o.blocks_verified:,} loaded blocks{from_redis}{others} checked bit-exact against "
+            f"the baseline's computation or a recomputation, after the timed window "
+            f"({o.verify_s:.1f} s), {o.blocks_mismatched:,} differed",
+            indent=4,
+        )
+    else:
+        yield from _wrap("no KV block checked (--verify none)", indent=4)
     yield from _wrap(
         f"outputs of {len(o.outputs):,} requests identical to the baseline's"
         if not differing
@@ -396,4 +423,4 @@ def _verdict(report: Report) -> Iterable[str]:
         yield "  secondary tiers: FAIL - a tier failed everything it was given (below)"
     for reason in verdict.reasons:
         yield from _wrap(f"- {reason}", indent=4)
-    yield f"  verdict: {'PASS' if verdict.passed else 'FAIL'}"
+    yield f"  verdict: {verdict.status}"

@@ -25,9 +25,11 @@ class Verdict:
     """Outcome of the correctness checks of the offloaded run.
 
     Attributes:
-        passed: True when nothing wrong was served, no stored block was found corrupt and every
-            secondary tier worked.
-        served_correctly: every block loaded from CPU or disk matched recomputation, and every
+        passed: True when nothing wrong was served, no stored block was found corrupt, every
+            secondary tier worked, and the KV blocks were verified (``--verify`` not ``none``).
+        verified: the oracle checked KV blocks (``--verify loaded`` or ``all``); without it a run
+            never passes, whatever else it shows.
+        served_correctly: every block loaded from CPU or disk matched its reference, and every
             request's output equals the baseline's.
         storage_intact: no block on disk was found corrupt.
         tiers_working: no secondary tier failed every store, or every load, it was given during
@@ -36,10 +38,19 @@ class Verdict:
     """
 
     passed: bool
+    verified: bool
     served_correctly: bool
     storage_intact: bool
     reasons: tuple[str, ...]
     tiers_working: bool = True
+
+    @property
+    def status(self) -> str:
+        """``PASS``, ``FAIL`` (a check failed) or ``UNVERIFIED`` (none failed, but the KV blocks
+        were not checked: never a pass)."""
+        if not (self.served_correctly and self.storage_intact and self.tiers_working):
+            return "FAIL"
+        return "PASS" if self.verified else "UNVERIFIED"
 
 
 def compare_outputs(
@@ -112,8 +123,12 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
     storage_intact = offload.corrupt_blocks_detected == 0
     broken = failed_tiers(offload)
     reasons += broken
+    verified = offload.verify_mode != "none"
+    if not verified:
+        reasons.append("not verified: --verify none checked no KV block")
     return Verdict(
-        passed=served_correctly and storage_intact and not broken,
+        passed=served_correctly and storage_intact and not broken and verified,
+        verified=verified,
         served_correctly=served_correctly,
         storage_intact=storage_intact,
         reasons=tuple(reasons),
@@ -124,12 +139,15 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
 def judge_report(report: Report) -> Verdict:
     """The verdict of the offloaded run (in a fleet: of every instance, and of the whole)."""
     verdict = judge(report.baseline, report.offload)
-    failed = [(i, v) for i in report.instances if not (v := judge(i.baseline, i.offload)).passed]
+    failed = [
+        (i, v) for i in report.instances if (v := judge(i.baseline, i.offload)).status == "FAIL"
+    ]
     if not failed:
         return verdict
     names = ", ".join(str(i.index) for i, _ in failed)
     return Verdict(
         passed=False,
+        verified=verdict.verified,
         served_correctly=verdict.served_correctly and all(v.served_correctly for _, v in failed),
         storage_intact=verdict.storage_intact and all(v.storage_intact for _, v in failed),
         reasons=(*verdict.reasons, f"instance(s) {names} failed their own verdict"),

@@ -1,0 +1,430 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""Causal (optionally sliding-window) grouped-query attention over the engine's paged KV cache.
+
+The KV of a sequence lives in GPU blocks of ``block_size`` tokens named by its block table; a
+layer's cache is seen as two *planes*, ``key`` and ``value``, each ``[num_blocks, block_size,
+kv_heads, head_dim]``: views of the engine's tensors in any of its layouts (``KVPlanes``), so the
+attention reads exactly the bytes that offloading stores and loads.
+
+A step first writes the new tokens' K and V into their slots (``write_kv``), then every query row
+attends over the cache, its own row included. What depends only on the step's sequences (block
+indices, masks, the reduction tree) is computed once per KV-cache group and step
+(``AttentionMetadata.build``) and shared by the group's layers.
+
+Batch invariance (see ``batch_invariant``): keys are cut into *chunks* of ``key_chunk_size(bs)``
+tokens on a grid fixed at position 0. The scores of a query row against a chunk are products of
+a 16-row multiple by a 16-column multiple with a ``head_dim`` reduction; the row maximum over all
+its keys is exact; a chunk's ``exp``-weighted values *and* its weight sum come out of one matmul
+with a chunk-long reduction (the values carry a column of ones). The chunks' partial sums are then
+added in a fixed tree over *absolute* chunk indices (a chunk outside a sequence's range is an
+exact ``-0.0`` leaf). So a row's output is a function of its query, its keys and values and its
+position alone, whatever else the step computes: batched with other sequences, in a prefill chunk
+of any length, or with its prefix loaded from a tier.
+
+Keys a row must not see (later positions, outside the window, past a sequence's end, freed
+blocks) get weight exactly 0; the values of keys past a sequence's end or in freed blocks are
+zeroed first, so stale bytes of a block's previous owner (possibly not even finite) cannot turn
+``0 * value`` into NaN.
+
+Shapes: queries ``[N, heads, head_dim]`` float32 rows of the step (each sequence's rows
+contiguous); the result has the same shape. Sequences of up to ``TILE_ROWS`` new tokens (decodes,
+short chunks) are computed together, in groups of similar length; longer ones one at a time, in
+pieces of ``QUERY_PIECE`` rows that share one gather of the sequence's keys.
+
+Threading: none of its own; tensors stay on the planes' device (CPU or CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm.model_executor.layers.batch_invariant import MAX_REDUCTION, TILE_ROWS, tree_sum
+
+MIN_KEY_CHUNK = 128
+"""Tokens per key chunk at least; a chunk is a whole number of blocks and of 16 tokens
+(``key_chunk_size``)."""
+SUM_ROWS = 16
+"""Rows appended to the (transposed) values: the first holds ones (it yields the weight sum), the
+rest zeros (so the matmul's row count stays a multiple of 16)."""
+QUERY_PIECE = 128
+"""Rows of a long sequence computed together (the rows of a piece share its keys)."""
+MIN_QUERY_COLUMNS = 2
+"""Query rows x query heads per KV head, at least: a one-column matmul takes another kernel
+(measured: it differs from the same column of a wider product)."""
+
+
+def key_chunk_size(block_size: int) -> int:
+    """Tokens per key chunk for blocks of ``block_size`` tokens: the smallest common multiple of
+    the block size and ``TILE_ROWS`` that is at least ``MIN_KEY_CHUNK``.
+
+    Raises:
+        ValueError: that is longer than one matmul may reduce (``MAX_REDUCTION``).
+    """
+    unit = math.lcm(block_size, TILE_ROWS)
+    chunk = unit * -(-MIN_KEY_CHUNK // unit)
+    if chunk > MAX_REDUCTION:
+        raise ValueError(
+            f"blocks of {block_size} tokens make key chunks of {chunk} tokens; the transformer's "
+            f"attention reduces at most {MAX_REDUCTION} at once"
+        )
+    return chunk
+
+
+@dataclass(frozen=True)
+class KVPlanes:
+    """The K and V of one attention layer in the paged cache.
+
+    Attributes:
+        key: ``[num_blocks, block_size, kv_heads, head_dim]`` (a view of the engine's tensor).
+        value: same shape as ``key``.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionSeq:
+    """One sequence's part of a step.
+
+    Attributes:
+        row_start: index of its first row in the step's queries.
+        start: position of its first new token (rows ``row_start ..`` are positions ``start ..``).
+        end: one past its last new token; keys ``[0, end)`` are in the cache.
+        block_table: GPU block ids of its blocks ``0, 1, ...`` (at least ``ceil(end / bs)``); a
+            negative id is a block the engine freed (only ever outside a sliding window).
+    """
+
+    row_start: int
+    start: int
+    end: int
+    block_table: Sequence[int]
+
+    @property
+    def num_rows(self) -> int:
+        """New tokens (query rows)."""
+        return self.end - self.start
+
+
+def write_kv(
+    planes: KVPlanes,
+    block_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Write new tokens' K and V (``[n, kv_heads, head_dim]``, cast to the cache's dtype) into
+    slots ``(block_ids[i], offsets[i])`` (int64 tensors on the planes' device)."""
+    planes.key[block_ids, offsets] = key.to(planes.key.dtype)
+    planes.value[block_ids, offsets] = value.to(planes.value.dtype)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Query rows computed together against a run of the batch's gathered key chunks."""
+
+    rows: int  # query rows per sequence (shorter ones padded)
+    first_chunk: int  # the run of gathered chunks [first_chunk, first_chunk + num_chunks)
+    num_chunks: int
+    slots: int  # leaves of the reduction tree (a power of two >= num_chunks)
+    query_index: torch.Tensor  # [S * rows] rows of the step's queries (padding: a real row)
+    out_rows: torch.Tensor  # [n] rows of the step written back
+    out_from: torch.Tensor  # [n] their index in the piece's [S * rows] results
+    hidden: torch.Tensor  # [S, 1, chunks, chunk, rows * group]: weight exactly 0
+    leaves: list[tuple[int, int, int]] | None  # (seq, first leaf, chunks) if not 0..chunks
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Sequences whose keys are gathered together, and the pieces of rows attending to them."""
+
+    num_seqs: int
+    num_chunks: int  # key chunks gathered per sequence
+    blocks: torch.Tensor  # [S, num_chunks * blocks per chunk] block ids to gather
+    absent: torch.Tensor  # [S, keys] keys past the end or in freed blocks (values zeroed)
+    pieces: Sequence[_Piece]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What the attention of one KV-cache group needs about a step, shared by its layers.
+
+    Build it with ``AttentionMetadata.build``.
+    """
+
+    batches: Sequence[_Batch]
+    block_size: int
+    chunk: int
+    group: int  # query heads per KV head
+    num_heads: int
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Sequence[AttentionSeq],
+        block_size: int,
+        sliding_window: int | None,
+        num_heads: int,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Plan the attention of ``seqs`` (disjoint row ranges of the step).
+
+        Args:
+            seqs: the step's sequences in this group.
+            block_size: tokens per block of the group.
+            sliding_window: a row at position ``p`` sees keys ``[p - W + 1, p]``; None:
+                ``[0, p]``.
+            num_heads: query heads.
+            num_kv_heads: KV heads (``num_heads`` is a multiple).
+            device: the planes' device.
+        """
+        group = num_heads // num_kv_heads
+        chunk = key_chunk_size(block_size)
+        min_rows = -(-MIN_QUERY_COLUMNS // group)
+        batches = []
+        # Short sequences (decodes) are gathered together, in groups of similar length: every
+        # sequence of a group is padded to the group's longest (a row's result is the same in
+        # any group).
+        short = sorted(
+            (s for s in seqs if s.num_rows <= TILE_ROWS),
+            key=lambda s: _num_chunks(s, chunk, sliding_window),
+        )
+        while short:
+            limit = 2 * _num_chunks(short[0], chunk, sliding_window)
+            n = 1
+            while n < len(short) and _num_chunks(short[n], chunk, sliding_window) <= limit:
+                n += 1
+            members, short = short[:n], short[n:]
+            rows = max(min_rows, *(s.num_rows for s in members))
+            batches.append(
+                _plan(members, [(members, rows)], block_size, chunk, sliding_window, group, device)
+            )
+        for s in seqs:
+            if s.num_rows <= TILE_ROWS:
+                continue
+            # A long sequence in pieces of QUERY_PIECE rows: a piece's rows see no key after
+            # its end, so it needs fewer chunks; every piece reads the one gather of its keys.
+            pieces = []
+            for lo in range(0, s.num_rows, QUERY_PIECE):
+                n = min(QUERY_PIECE, s.num_rows - lo)
+                start = s.start + lo
+                pieces.append(
+                    ([AttentionSeq(s.row_start + lo, start, start + n, s.block_table)], n)
+                )
+            batches.append(_plan([s], pieces, block_size, chunk, sliding_window, group, device))
+        return cls(batches, block_size, chunk, group, num_heads)
+
+
+def _num_chunks(seq: AttentionSeq, chunk: int, window: int | None) -> int:
+    lo, hi = _chunks(seq, chunk, window)
+    return hi - lo
+
+
+def _chunks(seq: AttentionSeq, chunk: int, window: int | None) -> tuple[int, int]:
+    """The absolute key chunks ``[first, end)`` the rows of ``seq`` see."""
+    first = 0 if window is None else max(0, seq.start - window + 1)
+    return first // chunk, -(-seq.end // chunk)
+
+
+def _plan(
+    seqs: Sequence[AttentionSeq],
+    pieces: Sequence[tuple[Sequence[AttentionSeq], int]],
+    bs: int,
+    chunk: int,
+    window: int | None,
+    group: int,
+    device: torch.device,
+) -> _Batch:
+    """Gather plan of ``seqs`` and the plans of ``pieces``: ``(rows of every sequence, rows per
+    sequence)``, each piece's sequences matching ``seqs`` one to one."""
+    num_seqs = len(seqs)
+    spans = [_chunks(s, chunk, window) for s in seqs]
+    c0 = [lo for lo, _ in spans]
+    num_chunks = max(hi - lo for lo, hi in spans)
+    per_chunk = chunk // bs
+    nblk = num_chunks * per_chunk
+    table = torch.full((num_seqs, nblk), -1, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        ids = list(s.block_table[c0[i] * per_chunk : -(-s.end // bs)])
+        if ids:
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    kpos = torch.tensor(c0, dtype=torch.int64).unsqueeze(1) * chunk + torch.arange(nblk * bs)
+    ends = torch.tensor([s.end for s in seqs], dtype=torch.int64).unsqueeze(1)
+    absent = (kpos >= ends) | (table.repeat_interleave(bs, dim=1) < 0)
+    return _Batch(
+        num_seqs=num_seqs,
+        num_chunks=num_chunks,
+        blocks=table.clamp(min=0).to(device),
+        absent=absent.to(device),
+        pieces=[
+            _plan_piece(p, rows, c0, kpos, absent, chunk, window, group, device)
+            for p, rows in pieces
+        ],
+    )
+
+
+def _plan_piece(
+    seqs: Sequence[AttentionSeq],
+    rows: int,
+    c0: Sequence[int],
+    kpos: torch.Tensor,
+    absent: torch.Tensor,
+    chunk: int,
+    window: int | None,
+    group: int,
+    device: torch.device,
+) -> _Piece:
+    num_seqs = len(seqs)
+    spans = [_chunks(s, chunk, window) for s in seqs]
+    # Gathered chunk j of sequence i is absolute chunk c0[i] + j; the piece uses the run
+    # [first, first + num_chunks) of them (the same run for every sequence of the piece).
+    first = min(lo - base for (lo, _), base in zip(spans, c0, strict=True))
+    num_chunks = max(hi - base for (_, hi), base in zip(spans, c0, strict=True)) - first
+    # The aligned tree node holding the piece's chunks: the smallest power-of-two-aligned run
+    # of absolute chunk indices covering every sequence's.
+    level = 0
+    for base, (_, hi) in zip(c0, spans, strict=True):
+        lo = base + first
+        while lo >> level != (hi - 1) >> level:
+            level += 1
+    slots = 1 << level
+    leaves = []
+    for i, (base, (_, hi)) in enumerate(zip(c0, spans, strict=True)):
+        lo = base + first
+        leaves.append((i, lo - lo // slots * slots, hi - lo))
+    aligned = slots == num_chunks and all(f == 0 and n == num_chunks for _, f, n in leaves)
+
+    keys = slice(first * chunk, (first + num_chunks) * chunk)
+    piece_kpos, piece_absent = kpos[:, keys], absent[:, keys]
+    # Query positions per row; padding rows repeat the first row's (their output is dropped).
+    starts = torch.tensor([s.start for s in seqs], dtype=torch.int64).unsqueeze(1)
+    num_new = torch.tensor([s.num_rows for s in seqs], dtype=torch.int64).unsqueeze(1)
+    real = torch.arange(rows) < num_new
+    qpos = torch.where(real, starts + torch.arange(rows), starts)
+    hidden = piece_kpos.unsqueeze(2) > qpos.unsqueeze(1)  # [S, keys, rows]
+    if window is not None:
+        hidden |= piece_kpos.unsqueeze(2) <= qpos.unsqueeze(1) - window
+    hidden |= piece_absent.unsqueeze(2)
+    hidden = hidden.repeat_interleave(group, dim=2).view(num_seqs, 1, num_chunks, chunk, -1)
+
+    row_start = torch.tensor([s.row_start for s in seqs], dtype=torch.int64).unsqueeze(1)
+    query_index = torch.where(real, row_start + torch.arange(rows), row_start).reshape(-1)
+    flat_real = real.reshape(-1)
+    return _Piece(
+        rows=rows,
+        first_chunk=first,
+        num_chunks=num_chunks,
+        slots=slots,
+        query_index=query_index.to(device),
+        out_rows=query_index[flat_real].to(device),
+        out_from=torch.nonzero(flat_real).flatten().to(device),
+        hidden=hidden.to(device),
+        leaves=None if aligned else leaves,
+    )
+
+
+_SUM_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _sum_rows(device: torch.device) -> torch.Tensor:
+    """``[SUM_ROWS, 1]``: a one, then zeros (the rows appended to the values)."""
+    rows = _SUM_ROWS.get(device)
+    if rows is None:
+        rows = _SUM_ROWS[device] = torch.zeros(SUM_ROWS, 1, device=device)
+        rows[0] = 1.0
+    return rows
+
+
+def paged_attention(
+    query: torch.Tensor, planes: KVPlanes, metadata: AttentionMetadata
+) -> torch.Tensor:
+    """Attention of every sequence's new rows over its cached keys (see the module docstring).
+
+    Args:
+        query: ``[N, heads, head_dim]`` float32, already rotated (not yet scaled).
+        planes: the layer's cache, with the new tokens' K and V written.
+        metadata: the step's plan for this layer's group.
+
+    Returns:
+        ``[N, heads, head_dim]`` float32; rows outside every sequence are zero.
+    """
+    out = torch.zeros_like(query)
+    for batch in metadata.batches:
+        _attend(query, out, planes, metadata, batch)
+    return out
+
+
+def _attend(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    planes: KVPlanes,
+    meta: AttentionMetadata,
+    b: _Batch,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = num_heads // meta.group
+    s, chunk, nch = b.num_seqs, meta.chunk, b.num_chunks
+    # Keys [S, Hkv, chunks * chunk, D] and values, transposed, with the weight-sum rows
+    # [S, Hkv, chunks, D + SUM_ROWS, chunk], float32.
+    keys = planes.key[b.blocks].view(s, nch, chunk, kv_heads, head_dim)
+    values = planes.value[b.blocks].view(s, nch * chunk, kv_heads, head_dim)
+    values[b.absent] = 0
+    k = torch.empty(s, kv_heads, nch * chunk, head_dim, dtype=torch.float32, device=query.device)
+    k.view(s, kv_heads, nch, chunk, head_dim).copy_(keys.permute(0, 3, 1, 2, 4))
+    v = torch.empty(
+        s, kv_heads, nch, head_dim + SUM_ROWS, chunk, dtype=torch.float32, device=query.device
+    )
+    v[:, :, :, :head_dim].copy_(
+        values.view(s, nch, chunk, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
+    )
+    v[:, :, :, head_dim:].copy_(_sum_rows(query.device).expand(s, kv_heads, nch, SUM_ROWS, chunk))
+    for piece in b.pieces:
+        lo, n = piece.first_chunk, piece.num_chunks
+        _attend_piece(
+            query, out, k[:, :, lo * chunk : (lo + n) * chunk], v[:, :, lo : lo + n], meta, piece
+        )
+
+
+def _attend_piece(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    p: _Piece,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    s, kv_heads, nch = v.shape[0], v.shape[1], v.shape[2]
+    m = p.rows * meta.group
+    # Queries [S, Hkv, D, m]: the rows of a KV head's query heads next to each other.
+    q = query[p.query_index] * (1.0 / math.sqrt(head_dim))
+    q = q.view(s, p.rows, kv_heads, meta.group, head_dim).permute(0, 2, 4, 1, 3)
+    q = q.reshape(s, kv_heads, head_dim, m)
+
+    # Scores [S, Hkv, chunks, chunk, m]: keys are the matmul's rows (a multiple of 16), query
+    # rows its columns. Weights exp(score - row max), exactly 0 where hidden.
+    scores = torch.matmul(k, q).view(s, kv_heads, nch, meta.chunk, m)
+    scores = scores.masked_fill_(p.hidden, -math.inf)
+    row_max = scores.amax(dim=(2, 3), keepdim=True)
+    weights = scores.sub_(row_max).exp_()
+    # Per chunk [S, Hkv, chunks, D + SUM_ROWS, m]: the weighted values, and in row D the chunk's
+    # weight sum (values and the ones row are the matmul's rows, queries its columns).
+    partial = torch.matmul(v, weights)
+    if p.leaves is not None:
+        # Chunk j of sequence i is leaf ``first + j`` of its tree; other leaves are -0.0.
+        tree = partial.new_full((s, kv_heads, p.slots, head_dim + SUM_ROWS, m), -0.0)
+        for i, first, n in p.leaves:
+            tree[i, :, first : first + n] = partial[i, :, :n]
+        partial = tree
+    total = tree_sum(partial, 2)  # [S, Hkv, D + SUM_ROWS, m]
+    attended = total[:, :, :head_dim] / total[:, :, head_dim : head_dim + 1]
+    # [S, Hkv, D, rows, group] -> [S * rows, heads, D]
+    attended = attended.view(s, kv_heads, head_dim, p.rows, meta.group).permute(0, 3, 1, 4, 2)
+    attended = attended.reshape(s * p.rows, num_heads, head_dim)
+    out[p.out_rows] = attended[p.out_from]
