@@ -377,7 +377,7 @@ class OffloadingManager(ABC):
     Callers that misbehave: the keys, pins and stores named by a call are checked at the call,
     before anything changes. A value that is not an ``OffloadKey`` raises ``TypeError``; a key
     whose state does not allow the call (loading a block that is not readable, completing a load
-    this request did not prepare, completing a store that is not pending for this request)
+    this request did not prepare, completing a store another request is writing)
     raises ``OffloadKeyStateError`` (a ``ValueError``) naming the method, the key and the request;
     a call after ``shutdown()`` raises ``RuntimeError``. In each case no state changed. Managers
     that keep no per-key state (the base defaults) accept anything.
@@ -456,14 +456,16 @@ class OffloadingManager(ABC):
     ) -> None:
         """Finish a store prepared by ``prepare_store``. Default: no-op.
 
-        Every key must be one this request's ``prepare_store`` returned in ``keys_to_store``
-        and whose store is not completed yet (a key listed twice counts once). On success they
-        become readable; on failure they are dropped and their room freed.
+        Only keys whose store this request prepared and has not completed change (a key listed
+        twice counts once): on success they become readable; on failure they are dropped and
+        their room freed. Keys already stored and absent keys are ignored, whatever
+        ``success`` is (upstream vLLM's contract: completing all the keys passed to
+        ``prepare_store``, already stored ones included, is fine).
 
         Raises:
             TypeError: an element of ``keys`` is not an ``OffloadKey``.
-            OffloadKeyStateError: a key is not a store pending for this request (absent, ready,
-                or being written for another request); then no key of the call changes.
+            OffloadKeyStateError: a key is being written for another request's store; then no
+                key of the call changes.
             RuntimeError: the manager is shut down.
         """
 

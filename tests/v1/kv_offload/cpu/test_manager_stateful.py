@@ -6,7 +6,9 @@ The model maps each resident key to its ref count (-1 being written, n >= 0 read
 readers) and its slot, each pending store to the request that prepared it, and each request to
 the pins it holds. Several requests act at once, and besides well-behaved callers the machine
 plays misbehaving ones: stray, duplicate, foreign and out-of-order completions, loads of blocks
-that are not readable, values that are not keys, and calls after ``shutdown()``.
+that are not readable, values that are not keys, and calls after ``shutdown()``. A
+``complete_store`` ignores the keys that are absent or already stored (upstream vLLM's
+contract) and is refused only for a key another request is writing.
 
 Every call is checked against the model's prediction. A call the model deems legitimate must
 succeed and change exactly what the model says; any other must raise a clean error (the
@@ -303,11 +305,15 @@ class CPUManagerMachine(RefusalMachine):
     @override
     def _complete_store(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
         def predict() -> Callable[[], None]:
-            if any(self.writer.get(key) != ctx.req_id for key in keys):
+            # Upstream's contract: keys absent or ready are ignored; another request's pending
+            # store is refused.
+            if any(self.writer.get(key, ctx.req_id) != ctx.req_id for key in keys):
                 raise Refused(OffloadKeyStateError)
 
             def apply() -> None:
                 for key in dict.fromkeys(keys):
+                    if self.writer.get(key) != ctx.req_id:
+                        continue
                     del self.writer[key]
                     if success:
                         self.ref[key] = 0

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""``TieringOffloadingManager`` refuses bad calls and bad tier reports, changing nothing.
+"""``TieringOffloadingManager`` refuses bad calls and bad tier reports, changing nothing, and
+accepts every call upstream vLLM's contract accepts (completions naming keys already stored).
 
 Every component is real (a primary over a real shared region, the in-memory example tier);
 ``GatedTier`` only lets a test decide when the example tier's reports are handed over, and
@@ -19,6 +20,7 @@ import pytest
 from tests.v1.kv_offload.test_tiering_offloading import make_primary, make_spec, to_keys
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from vllm.v1.kv_offload.base import OffloadKey, OffloadKeyStateError, ReqContext
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -89,59 +91,114 @@ def promote(
     assert manager.promotion_source(key) == "t0"
 
 
-# -- completions that match nothing -----------------------------------------------------------
+# -- completions naming keys that are not pending (upstream: ignored) --------------------------
 
 
-def test_complete_store_of_a_key_being_promoted_is_refused(setup: Any) -> None:
-    manager, _, tiers = setup
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("success", [True, False])
+def test_already_stored_key_completed_with_the_new_keys(
+    tmp_path: Path, policy: str, success: bool
+) -> None:
+    """Upstream vLLM's scenario through the tiering manager: 2 is stored (and cascaded), then
+    filtered out of ``prepare_store([2, 3, 4, 5])`` and completed with the new keys."""
+    region = SharedOffloadRegion(
+        f"tiering-errors-{tmp_path.name}", 4, 64, directory=tmp_path, prefault=False
+    )
+    primary = CPUPrimaryTierOffloadingManager(4, region, cache_policy=policy)
+    tiers = [GatedTier(make_spec(tmp_path, 4), primary.get_kv_memoryview(), "t0")]
+    manager = TieringOffloadingManager(primary, tiers)
+    try:
+        k1, k2, k3, k4, k5 = to_keys([1, 2, 3, 4, 5])
+        store(manager, [k1, k2], A)
+        end_step(manager)  # the cascade of 1 and 2 is reported
+        output = manager.prepare_store([k2, k3, k4, k5], A)
+        assert output is not None and output.keys_to_store == [k3, k4, k5]
+        manager.complete_store([k2, k3, k4, k5], A, success=success)
+        if success:
+            assert [manager.lookup(k, A) for k in (k2, k3, k4, k5)] == [True] * 4
+            assert [tuple(j.keys) for j in tiers[0].submitted] == [(k1, k2), (k3, k4, k5)]
+        else:
+            assert [manager.lookup(k, A) for k in (k2, k3, k4, k5)] == [True, False, False, False]
+            assert primary.num_free_blocks == 3, "the new blocks' rows are free again"
+            assert len(tiers[0].submitted) == 1
+        end_step(manager)
+        assert not manager.has_pending_work()
+        assert primary.pending_stores("req-a") == []
+        primary.check_invariants()
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_complete_store_ignores_a_key_being_promoted(setup: Any, success: bool) -> None:
+    """A key being promoted was stored before: for the caller it is already stored, so
+    ``complete_store`` ignores it (upstream's contract) and its row stays the promotion's."""
+    manager, primary, tiers = setup
     k6, k0 = to_keys([6, 0])
     promote(manager, tiers, k0, A)
-    output = manager.prepare_store([k6], A)
+    output = manager.prepare_store([k6, k0], A)
     assert output is not None and output.keys_to_store == [k6]
-    before = snapshot(manager)
-    with pytest.raises(OffloadKeyStateError, match=rf"complete_store: key {k0.hex()}.*promoted"):
-        manager.complete_store([k6, k0], A)
-    assert snapshot(manager) == before
+    manager.complete_store([k6, k0], A, success=success)
     assert manager.lookup(k0, A) is None  # still unreadable until its load is reported
-    # K6 alone is still legitimate; the promotion finishes when the tier reports.
-    manager.complete_store([k6], A)
+    assert manager.lookup(k6, A) is success
+    assert primary.pending_stores("req-a") == []
+    # The promotion finishes when the tier reports.
     for tier in tiers:
         tier.deliver = True
     manager.on_schedule_end()  # submits the load
     manager.on_schedule_end()  # polls its report
-    assert manager.lookup(k0, A) is True and manager.lookup(k6, A) is True
+    assert manager.lookup(k0, A) is True
+    # Only the key this call made readable was cascaded.
+    cascaded = [tuple(j.keys) for t in tiers for j in t.submitted if not j.is_promotion]
+    assert cascaded.count((k6,)) == (2 if success else 0)
+    primary.check_invariants()
 
 
-def test_complete_store_never_prepared_submits_no_cascade(setup: Any) -> None:
+@pytest.mark.parametrize("success", [True, False])
+def test_complete_store_ignores_never_prepared_keys(setup: Any, success: bool) -> None:
     manager, _, tiers = setup
     (k1, k2) = to_keys([1, 2])
-    manager.prepare_store([k1], A)
     before = snapshot(manager)
     for ctx in (A, B, ReqContext("never-seen")):
-        # The first key that is not pending for the request is named (k1 is A's).
-        offender = k2 if ctx is A else k1
-        with pytest.raises(
-            OffloadKeyStateError, match=rf"complete_store: key {offender.hex()} of request"
-        ):
-            manager.complete_store([k1, k2], ctx)
+        manager.complete_store([k1, k2], ctx, success=success)
         assert snapshot(manager) == before
-    # Prepared by A: B (and an unknown request) may not complete it.
-    with pytest.raises(
-        OffloadKeyStateError, match=r"complete_store.*'req-b'.*pending for.*'req-a'"
-    ):
-        manager.complete_store([k1], B)
-    assert snapshot(manager) == before
     assert not any(tier.submitted for tier in tiers)
 
 
-def test_complete_store_twice_is_refused(setup: Any) -> None:
+def test_complete_store_of_another_requests_pending_key_is_refused(setup: Any) -> None:
     manager, _, tiers = setup
-    (k1,) = to_keys([1])
-    store(manager, [k1], A)
+    (k1, k2) = to_keys([1, 2])
+    manager.prepare_store([k1], A)
+    manager.prepare_store([k2], B)
     before = snapshot(manager)
-    with pytest.raises(OffloadKeyStateError, match="complete_store"):
-        manager.complete_store([k1], A)
+    for ctx, keys in ((B, [k2, k1]), (ReqContext("never-seen"), [k1])):
+        with pytest.raises(
+            OffloadKeyStateError, match=rf"complete_store: key {k1.hex()} .*pending for.*'req-a'"
+        ):
+            manager.complete_store(keys, ctx)
+        assert snapshot(manager) == before
+    assert not any(tier.submitted for tier in tiers)
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_complete_store_twice_is_ignored(setup: Any, success: bool) -> None:
+    """Also while the first completion's cascades still pin the block."""
+    manager, primary, tiers = setup
+    (k1,) = to_keys([1])
+    for tier in tiers:
+        tier.deliver = False
+    store(manager, [k1], A)
+    assert primary.policy.get(k1).ref_cnt == 2  # the two cascades' pins
+    before = snapshot(manager)
+    manager.complete_store([k1], A, success=success)
     assert snapshot(manager) == before
+    assert [len(t.submitted) for t in tiers] == [1, 1]
+    for tier in tiers:
+        tier.deliver = True
+    end_step(manager)
+    assert primary.policy.get(k1).ref_cnt == 0
+    manager.complete_store([k1], A, success=success)  # and after they were reported
+    assert manager.lookup(k1, B) is True
     assert [len(t.submitted) for t in tiers] == [1, 1]
 
 

@@ -10,8 +10,10 @@ unknown jobs, of another tier's jobs, of jobs already reported).
 
 The machine tracks what a well-behaved engine holds: each request's pending stores (the
 ``keys_to_store`` of its ``prepare_store`` calls not completed yet) and its pins (its
-``prepare_load`` keys not released yet). A call is legitimate iff it only completes or releases
-what the request holds (or only loads ready blocks); a legitimate call must succeed, any other
+``prepare_load`` keys not released yet). A call is legitimate iff it only releases what the
+request holds, completes no store another request holds (keys absent, ready or being promoted
+are ignored, as upstream's contract says), and only loads ready blocks; a legitimate call must
+succeed, any other
 must raise a clean error (``ValueError``, ``TypeError`` or ``RuntimeError``, never an
 ``AssertionError``) and change nothing observable (it may only have polled the tiers, which
 had nothing to report): every block's row and ref count, every
@@ -284,7 +286,7 @@ class TieringManagerMachine(RefusalMachine):
     @precondition(lambda self: self.manager._promotions.promoting)
     @rule(data=st.data(), ctx=reqs, success=st.booleans())
     def complete_store_promoting(self, data: st.DataObject, ctx: ReqContext, success: bool) -> None:
-        """A key being promoted, alone or after the request's legitimate pending keys."""
+        """A key being promoted (ignored), alone or after the request's pending keys."""
         promoting = sorted(self.manager._promotions.promoting)
         key = data.draw(st.sampled_from(promoting), label="promoting")
         keys: list[OffloadKey] = []
@@ -292,7 +294,7 @@ class TieringManagerMachine(RefusalMachine):
             keys = data.draw(st.lists(st.sampled_from(self.stores[ctx.req_id]), unique=True))
         if keys:
             keys = data.draw(st.permutations(keys), label="order")
-        self._complete_store([*keys, key], ctx, success, promoted=key)
+        self._complete_store([*keys, key], ctx, success)
 
     @rule(keys=key_lists, ctx=reqs)
     def complete_load_stray(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
@@ -336,17 +338,16 @@ class TieringManagerMachine(RefusalMachine):
     # -- predictions --------------------------------------------------------------------------
 
     @override
-    def _complete_store(
-        self,
-        keys: list[OffloadKey],
-        ctx: ReqContext,
-        success: bool,
-        promoted: OffloadKey | None = None,
-    ) -> None:
+    def _complete_store(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
         pending = self.stores[ctx.req_id]
 
         def predict() -> Callable[[], None]:
-            if any(key not in pending for key in keys):
+            # Upstream's contract: keys not pending for the request are ignored (absent, ready,
+            # being promoted), unless another request is writing them.
+            others = {
+                key for req_id, ks in self.stores.items() if req_id != ctx.req_id for key in ks
+            }
+            if any(key in others for key in keys):
                 raise Refused(OffloadKeyStateError)
 
             def apply() -> None:
@@ -357,15 +358,7 @@ class TieringManagerMachine(RefusalMachine):
 
             return apply
 
-        def act() -> None:
-            try:
-                self.manager.complete_store(keys, ctx, success=success)
-            except OffloadKeyStateError as error:
-                if promoted is not None and error.key == promoted:
-                    assert "being promoted from secondary tier" in str(error), str(error)
-                raise
-
-        self.call(predict, act)
+        self.call(predict, lambda: self.manager.complete_store(keys, ctx, success=success))
 
     @override
     def _complete_load(self, keys: list[OffloadKey], ctx: ReqContext) -> None:

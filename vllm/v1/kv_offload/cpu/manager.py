@@ -68,13 +68,16 @@ class CPUOffloadingManager(OffloadingManager):
     ``keys_to_store`` of its ``prepare_store`` calls). A block's ``ref_cnt`` is exactly the
     number of times its key occurs in all outstanding loads, and a block is being written
     exactly when its key is in one request's pending stores. So a request can release only pins
-    it holds and complete only stores it prepared: a duplicate, stray or foreign completion is
-    refused (``OffloadKeyStateError``) instead of unpinning a row another reader still copies
-    from, or publishing a row a worker still writes. Completions that match one outstanding
-    call exactly (what the connector sends) cost O(keys); partial ones O(the request's
-    outstanding keys). The ledgers' operations (exact-match removal, partial completions, the
-    error messages naming a key's holders) are in ``vllm.v1.kv_offload.cpu.request_ledger``;
-    the full invariant check in ``vllm.v1.kv_offload.cpu.manager_invariants``.
+    it holds and complete only stores it prepared: a duplicate, stray or foreign ``complete_load``
+    is refused (``OffloadKeyStateError``) instead of unpinning a row another reader still copies
+    from, and a ``complete_store`` naming a block another request is writing is refused instead
+    of publishing a row a worker still writes. Keys a ``complete_store`` names that are absent
+    or already stored are ignored, as upstream vLLM's contract says. Completions that match one
+    outstanding call exactly (what the connector sends) cost O(keys); partial ones O(the
+    request's outstanding keys). The ledgers' operations (exact-match removal, partial
+    completions, the error messages naming a key's holders) are in
+    ``vllm.v1.kv_offload.cpu.request_ledger``; the full invariant check in
+    ``vllm.v1.kv_offload.cpu.manager_invariants``.
 
     Errors from callers: every public method checks its arguments and the keys' states before
     it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
@@ -350,14 +353,40 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        """Finish the request's pending stores among ``keys``; ignore the other keys.
+
+        As upstream vLLM's contract says: only keys whose store is pending change (on success
+        they become readable, on failure they are dropped and their rows freed); keys already
+        stored and absent keys are ignored, whatever ``success`` is, so completing a
+        ``prepare_store``'s whole key list (not just its ``keys_to_store``) is fine.
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey``.
+            OffloadKeyStateError: a key is being written for another request's store; no key
+                of the call changes then.
+            RuntimeError: the manager is shut down.
+        """
+        self.finish_store(keys, req_context, success)
+
+    def finish_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> tuple[OffloadKey, ...]:
+        """``complete_store``, returning the keys it published (or, on failure, dropped).
+
+        For a manager that fronts this one and acts on what a completion changed (the tiering
+        manager cascades exactly the keys made readable). Each key appears once, in the order
+        given.
+        """
         if self._shut_down:
             raise self._shut_down_error("complete_store")
         req_id = req_context.req_id
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
-            return
+            return done
         if not take_call(self._pending_stores, req_id, done):
             done = self._finish_partial_store(done, req_context)
+            if not done:
+                return done
 
         policy = self._policy
         if success:
@@ -376,7 +405,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(
                     OffloadingEvent(keys=list(done), medium=CPU_MEDIUM, removed=False)
                 )
-            return
+            return done
 
         free_list = self._free_list
         remove = policy.remove
@@ -390,6 +419,7 @@ class CPUOffloadingManager(OffloadingManager):
             free_list.append(block.block_id)
         self._failed_stores += len(done)
         assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
+        return done
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -411,8 +441,9 @@ class CPUOffloadingManager(OffloadingManager):
         counters.
 
         Blocks being written or pinned are dropped too: the caller guarantees that no
-        ``complete_*`` call for a pre-reset job follows (one that does is refused as stray).
-        O(cache size).
+        ``complete_*`` call for a pre-reset job follows (as upstream's connector does; a
+        ``complete_store`` that does follow finds its keys absent and is ignored, a
+        ``complete_load`` is refused as stray). O(cache size).
 
         Raises:
             RuntimeError: the manager is shut down.
@@ -535,9 +566,9 @@ class CPUOffloadingManager(OffloadingManager):
     def _finish_partial_store(
         self, keys: tuple[OffloadKey, ...], req_context: ReqContext
     ) -> tuple[OffloadKey, ...]:
-        """Take ``keys`` (de-duplicated) out of the request's pending stores and return them.
+        """Take the request's pending stores among ``keys`` out of the ledger and return them.
 
-        Validates first: raises (changing nothing) unless every key is pending for the request.
+        Validates first: raises (changing nothing) if a key is pending for another request.
         """
         return request_ledger.finish_partial_store(
             self._policy, self._pending_loads, self._pending_stores, keys, req_context

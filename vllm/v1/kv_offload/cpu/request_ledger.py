@@ -163,33 +163,42 @@ def finish_partial_store(
     keys: tuple[OffloadKey, ...],
     req_context: ReqContext,
 ) -> tuple[OffloadKey, ...]:
-    """Take ``keys`` (de-duplicated) out of the request's pending stores and return them.
+    """Take the keys of ``keys`` pending for the request out of its pending stores; return them.
 
-    Validates first: raises ``OffloadKeyStateError`` (changing nothing) unless every key is
-    pending for the request. Changes only ``stores``; the caller then publishes or drops the
-    blocks.
+    Upstream's contract: ``complete_store`` changes only the keys whose store is pending, and
+    ignores the others, absent ones and already stored ones alike (the call is idempotent for
+    them). Validates first: raises ``OffloadKeyStateError`` (changing nothing) if a key is being
+    written for *another* request's store, which completing would publish or free under that
+    request's writer. Changes only ``stores``; the caller then publishes or drops the blocks.
     """
     check_offload_keys("complete_store", keys, req_context)
     req_id = req_context.req_id
-    unique = tuple(dict.fromkeys(keys))
-    pending = set(pending_stores(stores, req_id))
-    for key in unique:
-        if key not in pending:
+    own = set(pending_stores(stores, req_id))
+    done: list[OffloadKey] = []
+    get = policy.get
+    for key in dict.fromkeys(keys):
+        if key in own:
+            done.append(key)
+            continue
+        block = get(key)
+        if block is not None and block.ref_cnt < 0:
             raise OffloadKeyStateError(
                 "complete_store",
                 key,
                 req_id,
                 describe(policy, loads, stores, key),
-                "a key whose store this request prepared and has not completed",
+                "a key absent, already stored, or pending for this request's own store",
             )
-    done = set(unique)
+    if not done:
+        return ()
+    taken = set(done)
     remaining = [
         kept
-        for kept in (tuple(key for key in store if key not in done) for store in stores[req_id])
+        for kept in (tuple(key for key in store if key not in taken) for store in stores[req_id])
         if kept
     ]
     if remaining:
         stores[req_id] = remaining
     else:
         del stores[req_id]
-    return unique
+    return tuple(done)

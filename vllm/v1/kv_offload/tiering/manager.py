@@ -36,7 +36,6 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
-    OffloadKeyStateError,
     OffloadPolicy,
     PrepareStoreOutput,
     ReqContext,
@@ -58,7 +57,7 @@ from vllm.v1.kv_offload.tiering.jobs import (
 from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
 from vllm.v1.kv_offload.tiering.promotions import PromotionQueue
 from vllm.v1.kv_offload.tiering.stats import TieringStats
-from vllm.v1.kv_offload.tiering.validation import check_keys_before_poll, explain_refusal
+from vllm.v1.kv_offload.tiering.validation import check_keys_before_poll
 
 __all__ = [
     "CPUPrimaryTierOffloadingManager",
@@ -112,9 +111,9 @@ class TieringOffloadingManager(OffloadingManager):
     Errors: every public method validates its arguments and the keys' states before it changes
     anything (as ``CPUOffloadingManager`` does), including before it submits any tier job:
     ``TypeError`` for values that are not keys, ``OffloadKeyStateError`` (a ``ValueError``) for
-    a key in the wrong state (e.g. ``complete_store`` of a key being promoted, or of one never
-    prepared), ``RuntimeError`` after ``shutdown()``. A tier that breaks the job contract
-    (reports an unknown job, another tier's job, or a job twice) gets
+    a key in the wrong state (e.g. ``prepare_load`` of a key being promoted, ``complete_store``
+    of a key another request is writing), ``RuntimeError`` after ``shutdown()``. A tier that
+    breaks the job contract (reports an unknown job, another tier's job, or a job twice) gets
     ``SecondaryTierReportError`` from the poll that saw it, after the valid reports were
     applied; the bad reports change nothing.
 
@@ -407,33 +406,31 @@ class TieringOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """Finish a primary store; on success cascade ``keys`` to every tier (one pin each).
+        """Finish the request's primary stores among ``keys``; on success cascade those keys to
+        every tier (one pin each).
 
-        ``keys`` may be any part of the keys the request's ``prepare_store`` calls allocated and
-        it has not completed yet (the rest may come in later calls).
+        As ``CPUOffloadingManager.complete_store`` (upstream vLLM's contract): keys may be any
+        part of the request's pending stores (the rest may come in later calls), and keys that
+        are not pending for it are ignored: absent ones, already stored ones (also while
+        cascades pin them), and ones being promoted from a secondary tier (stored before; their
+        row belongs to the promotion). Only the keys this call made readable are cascaded.
 
         Raises:
-            OffloadKeyStateError: a key is not pending for this request: never prepared, already
-                completed, prepared by another request, or being promoted from a secondary tier
-                (its row is written by the tier, not by a GPU store). Nothing changed.
+            OffloadKeyStateError: a key is being written for another request's store. Nothing
+                changed.
             TypeError: an element of ``keys`` is not an ``OffloadKey``.
             RuntimeError: the manager is shut down.
         """
         if self._shut_down:
             raise self._shut_down_error("complete_store")
+        done = keys if type(keys) is tuple else tuple(keys)
+        if self._promotions.promoting:
+            done = self._promotions.without_promoted(done)
         # The primary validates every key before it changes anything; only then are cascades
-        # submitted. Promoted rows are owned by their batch, so the primary refuses them too.
-        try:
-            self._primary.complete_store(keys, req_context, success)
-        except OffloadKeyStateError as error:
-            raise explain_refusal(error, self._promotions.promoting, self._tiers) from None
-        if not keys:
-            return
-        if success and self._tiers:
-            done = keys if type(keys) is tuple else tuple(keys)
-            if len(set(done)) != len(done):
-                done = tuple(dict.fromkeys(done))  # a tier job names each key once
-            self._cascade(done, req_context, range(len(self._tiers)))
+        # submitted.
+        completed = self._primary.finish_store(done, req_context, success)
+        if success and completed and self._tiers:
+            self._cascade(completed, req_context, range(len(self._tiers)))
         if self._req_state:
             self._maybe_finish_secondary_tiers(req_context.req_id)
 

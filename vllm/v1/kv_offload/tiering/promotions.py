@@ -46,7 +46,7 @@ class PromotionQueue:
         self._num_queued = 0
         self._num_batches = 0  # names each batch's owner
         # key -> index of the tier it is being promoted from, from lookup until the tier
-        # reports the load (for promotion_source and the refusal of stray completions).
+        # reports the load (for promotion_source; complete_store ignores these keys).
         self.promoting: dict[OffloadKey, int] = {}
 
     def __bool__(self) -> bool:
@@ -99,6 +99,11 @@ class PromotionQueue:
         """The keys' load was reported (or failed at submit): they are no longer promoted."""
         for key in keys:
             self.promoting.pop(key, None)
+
+    def without_promoted(self, keys: tuple[OffloadKey, ...]) -> tuple[OffloadKey, ...]:
+        """``keys`` less those being promoted (a non-key is kept, for the caller's check)."""
+        promoting = self.promoting
+        return tuple(key for key in keys if key.__class__ is not bytes or key not in promoting)
 
     def queued_keys(self) -> list[OffloadKey]:
         """Every key queued and not submitted yet (tests and diagnostics)."""

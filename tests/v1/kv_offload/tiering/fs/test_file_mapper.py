@@ -12,12 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm.v1.kv_offload.base import make_offload_key
-from vllm.v1.kv_offload.tiering.fs.file_mapper import (
-    BlockPath,
-    FileMapper,
-    run_fields_from_spec,
-    sanitize_model_name,
-)
+from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
+from vllm.v1.kv_offload.tiering.run_identity import run_fields_from_spec, sanitize_model_name
 
 from .conftest import ROW_BYTES, make_spec
 

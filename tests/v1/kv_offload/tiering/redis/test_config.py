@@ -15,8 +15,10 @@ from tests.v1.kv_offload.tiering.redis.servers import require_redis_server
 from tests.v1.kv_offload.utils import make_cpu_spec
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
+from vllm.v1.kv_offload.tiering.run_identity import run_fields_from_spec
 
 ROW = 64 << 10
 # A port nothing listens on: construction must not need the server.
@@ -105,6 +107,9 @@ def test_default_namespace_separates_models_and_geometries(view: memoryview) -> 
     for tier in tiers:
         tier.shutdown()
     assert names[0] == names[1] and names[0].startswith("org_test-model_")
+    # The fs tier's directory for the same run has the same name (one run identity).
+    spec = make_cpu_spec(ROW, 4)
+    assert names[0] == FileMapper("/kv", run_fields_from_spec(spec, ROW)).base_name
     assert len({names[0], names[2], names[3]}) == 3
     assert names[4] == "shared.ns"
     assert tiers[4].redis_key(OffloadKey(b"\x01\x02")) == b"kvo:shared.ns:0102"

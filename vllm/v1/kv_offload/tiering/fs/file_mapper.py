@@ -7,16 +7,10 @@ Layout under ``root_dir``::
     <root_dir>/<model>_<digest>/config.json                          the run's fields (JSON)
     <root_dir>/<model>_<digest>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin  one block file
 
-* ``<digest>``: the first 16 hex digits of the SHA-256 of the run fields as canonical JSON
-  (sorted keys, compact separators). The fields are exactly those that change a block file's
-  bytes (model, dtype, KV layout, geometry, block sizes, sliding windows, parallel sizes, row
-  size, file format version), so different runs never share a directory and runs with equal
-  fields share files. ``sliding_windows`` is only a field when some group has a window, so the
-  digests of full-attention runs are those of the layouts that predate the field.
-  The full 32-byte digest is also written into every block header.
-* ``<model>``: the model name reduced to ``[A-Za-z0-9._-]`` (other characters become ``_``),
-  without leading dots or dashes, at most 64 characters. Only a readable prefix: the digest is
-  what separates runs.
+* ``<model>_<digest>``: the run's identity name (``tiering.run_identity``: the sanitised model
+  name and the first 16 hex digits of the SHA-256 of the fields that change a block file's bytes),
+  so different runs never share a directory and runs with equal fields share files. The full
+  32-byte digest is also written into every block header.
 * ``<rank>``: always 0. A block file holds a whole primary row, i.e. every worker's slice of the
   block (all tensor-parallel ranks and pipeline stages, whose sizes are part of the digest), and
   one tier instance in the scheduler serves all of them. The ``_r<rank>`` suffix keeps the layout
@@ -34,11 +28,10 @@ integers and the sanitised model name, so no path can leave ``root_dir``.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     OffloadKey,
@@ -46,67 +39,21 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
     make_offload_key,
 )
-from vllm.v1.kv_offload.tiering.block_format import FORMAT_VERSION
-
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
 
 RANK = 0
 """The ``_r<rank>`` of every block directory: files hold whole rows (all workers' slices)."""
 
 BLOCK_SUFFIX = ".bin"
 CONFIG_FILE = "config.json"
-DIGEST_HEX_CHARS = 16
 _MIN_RAW_HASH_BYTES = 3  # five hex digits name the two directory levels
 _MAX_RAW_HASH_BYTES = 64  # longer hashes are digested to keep names short
 _HASHED_PREFIX = "z"
-_MAX_MODEL_CHARS = 64
 _MAX_GROUP_IDX = (1 << 32) - 1
 
 _DIR1_RE = re.compile(r"^[0-9a-f]{3}$")
 _DIR2_RE = re.compile(r"^([0-9a-f]{2})_g(0|[1-9][0-9]{0,9})$")
 _NAME_RE = re.compile(r"^(z[0-9a-f]{64}|[0-9a-f]{6,128})\.bin$")
-_MODEL_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def sanitize_model_name(model_name: str) -> str:
-    """Reduce ``model_name`` to a safe single path component (see the module docstring)."""
-    cleaned = _MODEL_UNSAFE_RE.sub("_", model_name).lstrip(".-")[:_MAX_MODEL_CHARS]
-    return cleaned or "model"
-
-
-def run_fields_from_spec(spec: OffloadingSpec, row_bytes: int) -> dict[str, Any]:
-    """The run fields that determine a block file's bytes (and therefore its directory).
-
-    Args:
-        spec: the run's offloading spec.
-        row_bytes: bytes of one primary row, i.e. of a block file's payload.
-    """
-    run = spec.run
-    fields: dict[str, Any] = {
-        "inference_engine": "vllm",
-        "format_version": FORMAT_VERSION,
-        "model_name": run.model_name,
-        "dtype": run.dtype,
-        "kv_layout": run.kv_layout,
-        "num_layers": run.num_layers,
-        "num_kv_heads": run.num_kv_heads,
-        "head_size": run.head_size,
-        "gpu_block_sizes": list(run.gpu_block_sizes),
-        "gpu_kv_bytes_per_block": run.gpu_kv_bytes_per_block,
-        "offloaded_block_size": spec.offloaded_block_size,
-        "num_kv_cache_groups": len(run.gpu_block_sizes),
-        "tensor_parallel_size": run.tensor_parallel_size,
-        "pipeline_parallel_size": run.pipeline_parallel_size,
-        "row_bytes": row_bytes,
-    }
-    # A window changes what the model computed into a group's blocks (a sliding-window layer
-    # attends to fewer tokens), so runs that differ only in a window must not share files. Only
-    # added when a window is set: full-attention runs (``()`` or all None) keep the digest they
-    # had before windows existed, so their existing caches stay warm.
-    if any(w is not None for w in run.sliding_windows):
-        fields["sliding_windows"] = list(run.sliding_windows)
-    return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,17 +96,12 @@ class FileMapper:
     """
 
     def __init__(self, root_dir: str, run_fields: Mapping[str, Any]) -> None:
-        model_name = run_fields.get("model_name")
-        if not isinstance(model_name, str):
-            raise ValueError(f"run fields need a string 'model_name', got {model_name!r}")
+        identity = RunIdentity.from_fields(run_fields)
         self.root_dir = root_dir
-        self.run_fields = dict(run_fields)
-        self.run_config_json = canonical_json(self.run_fields)
-        digest = hashlib.sha256(self.run_config_json.encode())
-        self.run_digest = digest.digest()
-        self.base_name = (
-            f"{sanitize_model_name(model_name)}_{digest.hexdigest()[:DIGEST_HEX_CHARS]}"
-        )
+        self.run_fields = dict(identity.fields)
+        self.run_config_json = identity.config_json
+        self.run_digest = identity.digest
+        self.base_name = identity.name
         self.rank_dir_name = f"{self.base_name}_r{RANK}"
 
     @staticmethod
@@ -202,8 +144,3 @@ class FileMapper:
         if len(hex_name) % 2:
             return None
         return make_offload_key(bytes.fromhex(hex_name), group_idx), group_idx
-
-
-def canonical_json(fields: Mapping[str, Any]) -> str:
-    """Sorted-key, compact JSON: equal fields always give equal text (and digest)."""
-    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

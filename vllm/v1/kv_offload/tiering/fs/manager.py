@@ -60,7 +60,7 @@ from vllm.v1.kv_offload.tiering.block_format import file_size
 from vllm.v1.kv_offload.tiering.fs.block_io import register_writer, unregister_writer
 from vllm.v1.kv_offload.tiering.fs.block_jobs import JobRecord, block_tasks
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
-from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper, run_fields_from_spec
+from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.fs.index import CapacityIndex, IndexSnapshot
 from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
 from vllm.v1.kv_offload.tiering.fs.lookup import FsLookupManager
@@ -69,6 +69,7 @@ from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket, scan_rank_dir
 from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
 from vllm.v1.kv_offload.tiering.fs.store import BlockStore
+from vllm.v1.kv_offload.tiering.run_identity import run_fields_from_spec
 from vllm.v1.kv_offload.tiering.tier_plumbing import (
     AsyncLookupTier,
     check_job_rows,

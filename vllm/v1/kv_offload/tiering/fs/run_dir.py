@@ -24,7 +24,8 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     probe_o_direct,
     tmp_name,
 )
-from vllm.v1.kv_offload.tiering.fs.file_mapper import CONFIG_FILE, FileMapper, canonical_json
+from vllm.v1.kv_offload.tiering.fs.file_mapper import CONFIG_FILE, FileMapper
+from vllm.v1.kv_offload.tiering.run_identity import canonical_json
 
 logger = init_logger(__name__)
 

@@ -29,7 +29,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -42,12 +41,6 @@ from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext, Tie
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
-from vllm.v1.kv_offload.tiering.fs.file_mapper import (
-    DIGEST_HEX_CHARS,
-    canonical_json,
-    run_fields_from_spec,
-    sanitize_model_name,
-)
 from vllm.v1.kv_offload.tiering.redis.client import (
     RedisClient,
     Router,
@@ -56,6 +49,7 @@ from vllm.v1.kv_offload.tiering.redis.client import (
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, HealthThread
 from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
+from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
 from vllm.v1.kv_offload.tiering.tier_plumbing import (
     AsyncLookupTier,
     check_job_rows,
@@ -165,13 +159,11 @@ class RedisSecondaryTier(AsyncLookupTier):
                 f"redis tier: max_inflight_bytes={config.max_inflight_bytes} is smaller than one "
                 f"value ({self.value_bytes} bytes: a 4 KiB header and one row)"
             )
-        # The run's identity, as the fs tier computes it: equal fields, equal namespace.
-        fields = run_fields_from_spec(offloading_spec, self._row_bytes)
-        digest = hashlib.sha256(canonical_json(fields).encode())
-        self.run_digest = digest.digest()
-        self.namespace = config.namespace or (
-            f"{sanitize_model_name(fields['model_name'])}_{digest.hexdigest()[:DIGEST_HEX_CHARS]}"
-        )
+        # The run's identity, the one the fs tier names its directory with: equal fields,
+        # equal namespace.
+        identity = RunIdentity.from_spec(offloading_spec, self._row_bytes)
+        self.run_digest = identity.digest
+        self.namespace = config.namespace or identity.name
         self._name = f"{tier_type}@{config.url}"
         self._router = Router(config)
         self._client: RedisClient = self._router.client
@@ -321,7 +313,8 @@ class RedisSecondaryTier(AsyncLookupTier):
             done, self._results = self._results, []
         results: list[JobResult] = []
         for job, outcome in done:
-            assert self._jobs.pop(job.job_id, None) is job, f"redis tier: job {job.job_id} unknown"
+            submitted = self._jobs.pop(job.job_id, None)
+            assert submitted is job, f"redis tier: job {job.job_id} unknown"
             if job.is_promotion and not outcome.success:
                 # Stop requests from retrying blocks the server could not deliver.
                 self._lookups.mark_miss(outcome.failed_keys or job.keys)
