@@ -13,8 +13,11 @@ Threading: the front end's event loop only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+from vllm.distributed.kv_events import ExternalBlockHash
 from vllm.entrypoints.router.policies import Decision, InstanceLoad, RouteRequest, RoutingPolicy
 from vllm.entrypoints.router.prefix_index import Place
 from vllm.v1.core.kv_cache_utils import BlockHash, BlockHasher, get_request_block_hasher
@@ -58,12 +61,23 @@ class Router:
     Args:
         policy: the routing policy.
         hash_block_size: tokens per hashed piece (the instances' ``hash_block_size``).
+        prompt_hasher: the prompt's hashes as the instances name their blocks; default: this
+            project's chained hashing of ``hash_block_size``-token pieces. Instances that hash
+            otherwise (real vLLM: its hash function, seed and integer hashes) need theirs here.
     """
 
-    def __init__(self, policy: RoutingPolicy, hash_block_size: int = 16) -> None:
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        hash_block_size: int = 16,
+        prompt_hasher: Callable[[list[int]], Sequence[ExternalBlockHash]] | None = None,
+    ) -> None:
         self.policy = policy
         self.hash_block_size = hash_block_size
-        self._hasher = get_request_block_hasher(hash_block_size)
+        if prompt_hasher is None:
+            block_hasher = get_request_block_hasher(hash_block_size)
+            prompt_hasher = partial(prompt_block_hashes, hasher=block_hasher)
+        self._prompt_hasher = prompt_hasher
         n = policy.num_instances
         self.loads = [InstanceLoad() for _ in range(n)]
         self.stats = RouterStats(policy=policy.name, decisions=[0] * n)
@@ -72,7 +86,7 @@ class Router:
 
     def route(self, request_id: str, session_id: str, prompt: list[int]) -> Decision:
         """Choose the instance for a request and count it there."""
-        hashes = prompt_block_hashes(prompt, self._hasher) if self.policy.needs_hashes else []
+        hashes = self._prompt_hasher(prompt) if self.policy.needs_hashes else ()
         decision = self.policy.choose(
             RouteRequest(request_id, session_id, len(prompt), hashes), self.loads
         )
