@@ -28,7 +28,7 @@ import pytest
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
 from vllm.entrypoints.cli.fleet import cross_instance_tokens, route
 from vllm.entrypoints.cli.main import main
-from vllm.entrypoints.cli.report import redact_url
+from vllm.entrypoints.cli.option_values import redact_url
 
 from .workload_args import REPO, command_env, workload_args
 

@@ -30,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog impo
     CATALOG,
     MetricType,
 )
+from vllm.entrypoints.cli.config import build_run_config
+from vllm.entrypoints.cli.engine_run import engine_config
 from vllm.entrypoints.cli.main import build_parser, main
 from vllm.entrypoints.cli.metrics_server import MetricsExporter
-from vllm.entrypoints.cli.options import build_run_options
-from vllm.entrypoints.cli.run import engine_config
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.engine.core import EngineCore
 
@@ -68,11 +68,11 @@ def test_scrape_during_a_run_shows_hits_stores_and_loads_of_both_tiers(tmp_path:
     """The CLI's engine and exporter, driven step by step here, scraped before the run ends."""
     parser = build_parser()
     args = parser.parse_args(["run", *TINY, "--fs-root", str(tmp_path / "fs")])
-    opts = build_run_options(parser, args)
-    workload = generate_workload(opts.workload)
+    config = build_run_config(args)
+    workload = generate_workload(config.workload)
     exporter = MetricsExporter(0)
     try:
-        with EngineCore(engine_config(opts, offload=True)) as engine:
+        with EngineCore(engine_config(config, offload=True)) as engine:
             exporter.attach(engine, "offload")
             sessions = workload.sessions
             for session in sessions:

@@ -9,13 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.main import build_parser, main
-from vllm.entrypoints.cli.options import (
-    RunOptions,
-    build_run_options,
-    default_fs_root,
-    parse_size,
-)
+from vllm.entrypoints.cli.option_values import default_fs_root, parse_size
 
 
 @pytest.mark.parametrize(
@@ -157,13 +153,7 @@ def test_plot_names_a_format_matplotlib_writes(
     for ok in ("r.png", "r.SVG", "r.pdf", "r.jpg"):
         parser = build_parser()
         args = parser.parse_args(["run", "--plot", str(tmp_path / ok), "--fs-root", str(tmp_path)])
-        assert build_run_options(args.command_parser, args).plot_path == tmp_path / ok
-
-
-def test_json_dash_is_stdout_not_a_file(tmp_path: Path) -> None:
-    parser = build_parser()
-    args = parser.parse_args(["run", "--json", "-", "--fs-root", str(tmp_path)])
-    assert str(build_run_options(args.command_parser, args).json_path) == "-"
+        assert build_run_config(args).output.plot_path == tmp_path / ok
 
 
 def test_fs_root_that_is_a_file_is_rejected(
@@ -270,29 +260,6 @@ _RUN_DEFAULTS: dict[str, object] = {
     "redis_url": None,
     "engines": 1,
 }
-
-
-def _resolved(*argv: str) -> RunOptions:
-    parser = build_parser()
-    args = parser.parse_args(["run", *argv])
-    return build_run_options(args.command_parser, args)
-
-
-def test_workload_defaults_depend_on_the_workload(tmp_path: Path) -> None:
-    root = ["--fs-root", str(tmp_path)]
-    mix = _resolved(*root).workload
-    # mix and documents keep the defaults of WorkloadConfig.
-    assert (mix.num_clients, mix.num_system_prompts) == (12, 3)
-    assert _resolved("--workload", "documents", *root).workload.num_clients == 12
-    # chat and system-prompt get a working set that overflows the 256-block GPU pool.
-    assert _resolved("--workload", "chat", *root).workload.num_clients == 32
-    sp = _resolved("--workload", "system-prompt", *root).workload
-    assert (sp.num_clients, sp.num_system_prompts) == (32, 12)
-    # What the user sets wins.
-    chat = _resolved("--workload", "chat", "--num-clients", "5", *root).workload
-    assert chat.num_clients == 5
-    sp = _resolved("--workload", "system-prompt", "--num-system-prompts", "2", *root).workload
-    assert sp.num_system_prompts == 2
 
 
 def test_run_defaults_are_unchanged() -> None:

@@ -1,18 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Tests of the progress display (tqdm bar or periodic lines) and the plot writer."""
+"""Tests of the progress display (tqdm bar or periodic lines) and its token shares."""
 
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
-import pytest
 from typing_extensions import override
 
-from vllm.entrypoints.cli.plot import write_plot
-from vllm.entrypoints.cli.progress import Progress
-from vllm.entrypoints.cli.report import Direction, RunResult, StepSample, Tier
+from vllm.entrypoints.cli.progress import Progress, token_shares
 
 
 class _Clock:
@@ -85,34 +81,8 @@ def test_the_mode_follows_the_stream() -> None:
     assert Progress(1, "x", stream=io.StringIO()).tty is False
 
 
-def test_plot_is_written(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
-    run = RunResult(label="offload", offload=True)
-    for i in range(5):
-        run.samples.append(
-            StepSample(
-                t_s=0.1 * i,
-                tokens={"computed": 10 * i, **{t.value: i for t in Tier}},
-                bytes_moved={d.value: 1000 * i for d in Direction},
-            )
-        )
-    out = tmp_path / "plot.png"
-    write_plot(out, run, baseline=run)
-    data = out.read_bytes()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
-
-
-@pytest.mark.parametrize(
-    ("suffix", "magic"), [(".svg", b"<svg"), (".pdf", b"%PDF"), (".jpg", b"\xff\xd8\xff")]
-)
-def test_plot_is_written_in_the_format_its_suffix_names(
-    tmp_path: Path, suffix: str, magic: bytes
-) -> None:
-    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
-    run = RunResult(label="offload", offload=True)
-    run.samples.append(
-        StepSample(t_s=0.0, tokens={"computed": 1}, bytes_moved={d.value: 0 for d in Direction})
-    )
-    out = tmp_path / f"plot{suffix}"
-    write_plot(out, run)
-    assert magic in out.read_bytes()[:400]
+def test_token_shares_name_every_tier_and_redis_only_when_it_served() -> None:
+    tokens = {"computed": 2, "gpu_prefix_cache": 1, "cpu_tier": 1, "fs_tier": 0}
+    assert token_shares(tokens) == {"computed": 0.5, "GPU": 0.25, "CPU": 0.25, "fs": 0.0}
+    assert token_shares({**tokens, "redis_tier": 4})["redis"] == 0.5
+    assert token_shares({}) == {}

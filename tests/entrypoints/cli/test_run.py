@@ -9,6 +9,7 @@ second (warm) run over the same fs root, and against a block deliberately corrup
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -19,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.main import build_parser, main
-from vllm.entrypoints.cli.options import build_run_options
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
 
@@ -65,7 +66,8 @@ def _flat(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines())
 
 
-def _run(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
+def run_tiny(tmp_path: Path, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    """Run TINY over ``tmp_path/fs``; the exit code and the JSON report."""
     out = tmp_path / f"{name}.json"
     code = main([*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out), *extra])
     return code, json.loads(out.read_text())
@@ -147,7 +149,7 @@ def test_run_end_to_end_report_json_and_plot(
 ) -> None:
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     plot = tmp_path / "run.png"
-    code, doc = _run(tmp_path, "r1", "--plot", str(plot))
+    code, doc = run_tiny(tmp_path, "r1", "--plot", str(plot))
     text = capsys.readouterr()
     assert code == 0, text.out + text.err
     assert "[baseline]" not in text.err and "[offload]" not in text.err  # no bar off a terminal
@@ -172,7 +174,7 @@ def test_run_end_to_end_report_json_and_plot(
     assert doc["settings"]["workload"] == "documents" and doc["settings"]["gpu_blocks"] == 24
 
     # Both runs served the same requests and produced the same outputs.
-    workload = generate_workload(build_run_options(*_parsed(tmp_path)).workload)
+    workload = generate_workload(build_run_config(_parsed(tmp_path)).workload)
     assert base["requests"]["submitted"] == workload.num_requests == 20
     assert base["requests"] == off["requests"]
     assert base["requests"]["finished"] == base["requests"]["submitted"]
@@ -230,17 +232,15 @@ def test_run_end_to_end_report_json_and_plot(
     assert data.startswith(b"\x89PNG") and len(data) > 10_000
 
 
-def _parsed(tmp_path: Path) -> tuple[Any, Any]:
-    parser = build_parser()
-    args = parser.parse_args(["run", *TINY, "--fs-root", str(tmp_path / "fs")])
-    return args.command_parser, args
+def _parsed(tmp_path: Path) -> argparse.Namespace:
+    return build_parser().parse_args(["run", *TINY, "--fs-root", str(tmp_path / "fs")])
 
 
 def test_second_run_over_the_same_fs_root_starts_warm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code1, first = _run(tmp_path, "r1")
-    code2, second = _run(tmp_path, "r2")
+    code1, first = run_tiny(tmp_path, "r1")
+    code2, second = run_tiny(tmp_path, "r2")
     out = capsys.readouterr().out
     assert (code1, code2) == (0, 0)
     f1, f2 = first["runs"]["offload"], second["runs"]["offload"]
@@ -266,11 +266,11 @@ def test_second_run_over_the_same_fs_root_starts_warm(
 def test_a_block_corrupted_on_disk_is_detected_reported_and_recomputed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code1, _ = _run(tmp_path, "r1")
+    code1, _ = run_tiny(tmp_path, "r1")
     assert code1 == 0
     # The first block of the first session's prompt: every run needs it, and the second run's
     # cold GPU pool and CPU tier make it ask the fs tier for it.
-    workload = generate_workload(build_run_options(*_parsed(tmp_path)).workload)
+    workload = generate_workload(build_run_config(_parsed(tmp_path)).workload)
     session = workload.sessions[0]
     prompt = session.prompt(0, list(session.prefix))
     block_hash = hash_block_tokens(NONE_HASH, prompt[:16])
@@ -281,7 +281,7 @@ def test_a_block_corrupted_on_disk_is_detected_reported_and_recomputed(
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
 
-    code2, second = _run(tmp_path, "r2")
+    code2, second = run_tiny(tmp_path, "r2")
     out = _flat(capsys.readouterr().out)
     assert code2 == 1  # the verdict fails
     off = second["runs"]["offload"]
@@ -340,36 +340,6 @@ def test_module_runs_as_a_script(tmp_path: Path) -> None:
     assert list((tmp_path / "cache" / "vllm-kv-offload").rglob("*.bin"))
 
 
-def test_fs_clear_deletes_only_what_the_tier_wrote(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    root = tmp_path / "fs"
-    code, doc = _run(tmp_path, "r1")
-    assert code == 0
-    written = doc["runs"]["offload"]["fs_tier"]["bytes_at_end"]
-    assert written > 0
-    # Things of the user's that happen to be in the root stay.
-    (root / "notes.txt").write_text("mine")
-    (root / "photos").mkdir()
-    (root / "photos" / "a.bin").write_bytes(b"x")
-    (root / "photos_r0").mkdir()  # a name like a block directory, but of no run
-    run_dirs = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
-    assert len(run_dirs) == 1
-    capsys.readouterr()
-    assert main(["run", "--fs-root", str(root), "--fs-clear"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("vllm-kv-offload: removed 1 run directory (")
-    assert f"of the fs tier from {root}" in out
-    left = sorted(p.name for p in root.iterdir())
-    assert left == ["notes.txt", "photos", "photos_r0"]
-    assert (root / "photos" / "a.bin").read_bytes() == b"x"
-    # Clearing again finds nothing; the next run starts cold.
-    assert main(["run", "--fs-root", str(root), "--fs-clear"]) == 0
-    assert "removed 0 run directories (0 B)" in capsys.readouterr().out
-    code, doc = _run(tmp_path, "r2")
-    assert doc["runs"]["offload"]["fs_tier"]["warm_start"] is False
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", ["chat", "system-prompt", "documents", "mix"])
 def test_every_workload_exercises_offloading_with_its_defaults(
@@ -403,12 +373,12 @@ def test_async_scheduling_passes_with_the_outputs_of_sync_scheduling(
     # tokens (the verdict above compared it with an asynchronous baseline only).
     parser = build_parser()
     args = parser.parse_args(["run", *argv])
-    sync_opts = build_run_options(args.command_parser, args)
+    sync_opts = build_run_config(args)
     workload = generate_workload(sync_opts.workload)
     sync_baseline = asyncio.run(serve(sync_opts, workload, offload=False))
     async_args = parser.parse_args(["run", *argv, "--async-scheduling"])
-    async_opts = build_run_options(async_args.command_parser, async_args)
-    assert async_opts.async_scheduling and not sync_opts.async_scheduling
+    async_opts = build_run_config(async_args)
+    assert async_opts.engine.async_scheduling and not sync_opts.engine.async_scheduling
     async_offload = asyncio.run(serve(async_opts, workload, offload=True))
     assert len(sync_baseline.outputs) == workload.num_requests
     assert async_offload.outputs == sync_baseline.outputs

@@ -46,7 +46,7 @@ ARGS = [
 WRAPPER = r"""
 import os, sys, time
 
-from vllm.entrypoints.cli import run as cli_run
+from vllm.entrypoints.cli.config import TiersConfig
 from vllm.entrypoints.cli.main import main
 from vllm.v1.kv_offload.cpu import shared_offload_region as sor
 
@@ -68,16 +68,16 @@ def stop():
         time.sleep(60)
 
 
-_extra_config = cli_run.extra_config
+_connector_config = TiersConfig.connector_config
 
 
-def extra_config(opts):
-    cfg = _extra_config(opts)
+def connector_config(self):
+    cfg = _connector_config(self)
     cfg["shared_region_dir"] = REGION_DIR
     return cfg
 
 
-cli_run.extra_config = extra_config
+TiersConfig.connector_config = connector_config
 
 Region = sor.SharedOffloadRegion
 _init = Region.__init__

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm.entrypoints.cli.options import parse_size as parse_size_flag
+from vllm.entrypoints.cli.option_values import parse_size as parse_size_flag
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.sizes import SIZE_FORMS, SizeError, parse_size
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig

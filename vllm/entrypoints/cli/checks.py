@@ -3,22 +3,18 @@
 """Checks of ``run``'s options against the machine: directories, free space, output files.
 
 Each check runs before the first engine step and returns None or one message that names the
-value, the reason and the fix (``options.build_run_options`` hands it to ``parser.error``): a
-problem found here costs the user a second, not the baseline run they waited for.
+value, the reason and the fix (``config.build_run_config`` refuses the option with it): a
+problem found here costs the user a second, not the baseline run they waited for. A new check
+is a function here returning ``str | None``, called from ``config._machine_problems``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import re
 import tempfile
 from pathlib import Path
 
-from vllm.entrypoints.cli.report_text import format_bytes
-
-_FLEET_DIR = re.compile(r"engine-\d+")
+from vllm.entrypoints.cli.report.text import format_bytes
 
 SHM_DIR = "/dev/shm"
 """Where the CPU tier's shared region lives (the config's default ``shared_region_dir``)."""
@@ -115,62 +111,3 @@ def plot_format_problem(path: Path) -> str | None:
         f"--plot {path}: {named}, and the format is taken from the suffix: use one of "
         f"{', '.join('.' + f for f in formats)} (e.g. {path.with_suffix('.png').name})"
     )
-
-
-def clear_fs_root(root: Path) -> tuple[int, int]:
-    """Delete the fs tier's files under ``root``; return (run directories, bytes) removed.
-
-    Only what the tier writes is touched: each ``<name>/`` that holds a ``config.json``, with its
-    block directories ``<name>_r<rank>/`` (the layout of ``docs/fs_tier.md``), in ``root`` and in
-    the fleet's instance directories ``root/engine-<i>/`` (removed when that leaves them empty).
-    Anything else under ``root`` stays, so a mistyped ``--fs-root $HOME`` deletes nothing of
-    the user's.
-
-    Raises:
-        OSError: a directory could not be listed or removed.
-    """
-    if not root.is_dir():
-        return 0, 0
-    # A fleet (--engines N) gives each instance its own directory engine-<i> under the root.
-    fleet_dirs = [d for d in root.iterdir() if d.is_dir() and _FLEET_DIR.fullmatch(d.name)]
-    runs, removed_bytes = _clear_runs(root)
-    for directory in fleet_dirs:
-        n, size = _clear_runs(directory)
-        runs, removed_bytes = runs + n, removed_bytes + size
-        with contextlib.suppress(OSError):  # not empty: something else lives there
-            directory.rmdir()
-    return runs, removed_bytes
-
-
-def _clear_runs(root: Path) -> tuple[int, int]:
-    import shutil
-
-    from vllm.v1.kv_offload.tiering.fs.file_mapper import CONFIG_FILE
-
-    runs = [d for d in root.iterdir() if d.is_dir() and (d / CONFIG_FILE).is_file()]
-    removed_bytes = 0
-    for run in runs:
-        doomed = [run] + [
-            d
-            for d in root.iterdir()
-            if d.is_dir()
-            and d.name.startswith(f"{run.name}_r")
-            and d.name[len(run.name) + 2 :]
-            and d.name[len(run.name) + 2 :].isdigit()
-        ]
-        for d in doomed:
-            removed_bytes += _tree_bytes(d)
-            shutil.rmtree(d)
-    return len(runs), removed_bytes
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-    return total

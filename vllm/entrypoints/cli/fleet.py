@@ -2,10 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Fleet mode of ``vllm-kv-offload run``: ``--engines N`` engine instances in N processes.
 
-Each instance (``cli/fleet_instance.py``) runs in a process of its own (multiprocessing's
-``spawn`` context: a fresh interpreter, nothing inherited but what is sent) with its own GPU
-pool, CPU tier (a shared region named ``fleet-<pid>-<index>``) and fs directory
-(``<--fs-root>/engine-<index>``); the instances share only the redis server of ``--redis-url``.
+Owns the command's side of a fleet: the instances' processes, the router, and the sum of the
+instances' figures. Each instance (``cli/fleet_instance.py``) runs in a process of its own
+(multiprocessing's ``spawn`` context: a fresh interpreter, nothing inherited but what is sent)
+with its own GPU pool, CPU tier (a shared region named ``fleet-<pid>-<index>``) and fs
+directory (``<--fs-root>/engine-<index>``); the instances share only the redis server of
+``--redis-url``.
 
 The clients run here, in the command's process, as in a single-engine run; a router sends each
 turn of a session to instance ``(session number + turn) % N``: round-robin per turn, so a
@@ -34,21 +36,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
 
+from vllm.entrypoints.cli.clients import serve_workload
+from vllm.entrypoints.cli.config import REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
-from vllm.entrypoints.cli.options import RunOptions
-from vllm.entrypoints.cli.progress import Progress
-from vllm.entrypoints.cli.report import (
+from vllm.entrypoints.cli.progress import token_shares
+from vllm.entrypoints.cli.report.figures import (
     Direction,
     FsTierState,
     InstanceResult,
@@ -57,10 +57,7 @@ from vllm.entrypoints.cli.report import (
     StepSample,
     Tier,
     TransferFigures,
-    token_shares,
 )
-from vllm.entrypoints.cli.run import ClientLog, serve_clients, tick
-from vllm.entrypoints.cli.run_figures import REDIS_TIER_TYPE
 from vllm.entrypoints.cli.workloads import Session, Workload
 from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import GenerateOutput
@@ -73,14 +70,6 @@ STOP_TIMEOUT_S = 60.0
 SIGKILL): shutting down drains the fs tier's writes."""
 SHARED_TIER_TYPES = (REDIS_TIER_TYPE,)
 """Tiers the instances share: only blocks promoted from these can be another instance's."""
-
-
-def instance_options(opts: RunOptions, index: int) -> RunOptions:
-    """The options instance ``index`` runs with: its own fs directory under ``--fs-root``."""
-    fs_root = None if opts.fs_root is None else opts.fs_root / f"engine-{index}"
-    return dataclasses.replace(
-        opts, fs_root=fs_root, progress=False, json_path=None, plot_path=None
-    )
 
 
 def route(session_number: int, turn: int, engines: int) -> int:
@@ -159,12 +148,12 @@ class Fleet:
     """The instances' processes and the router (see the module docstring).
 
     Args:
-        opts: the command's options (``opts.engines`` instances).
+        config: the invocation's settings (``config.fleet.engines`` instances).
         workload: what the clients send (its sessions' order numbers the router's sessions).
     """
 
-    def __init__(self, opts: RunOptions, workload: Workload) -> None:
-        self.opts = opts
+    def __init__(self, config: RunConfig, workload: Workload) -> None:
+        self.config = config
         self.workload = workload
         self.instances: list[_Instance] = []
         self.routes: dict[str, int] = {}
@@ -174,11 +163,11 @@ class Fleet:
         """Start every instance's process (they import and wait for ``start``)."""
         ctx = multiprocessing.get_context("spawn")
         loop = asyncio.get_running_loop()
-        for index in range(self.opts.engines):
+        for index in range(self.config.fleet.engines):
             parent_end, child_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
                 target=process_target,
-                args=(child_end, instance_options(self.opts, index), index, os.getpid()),
+                args=(child_end, self.config.for_instance(index), index, os.getpid()),
                 name=f"vllm-kv-offload engine {index}",
                 # Terminated by multiprocessing's exit handler should this process end without
                 # stopping it (a second Ctrl-C during the shutdown).
@@ -263,47 +252,43 @@ class Fleet:
         Returns:
             Each instance's result, with its share of the requests, outputs and timings.
         """
-        opts, workload = self.opts, self.workload
+        config, workload = self.config, self.workload
         label = "offload" if offload else "baseline"
         for instance in self.instances:
             instance.send(("start", offload))
             instance.tokens = {}
         ready = [await i.reply("ready") for i in self.instances]
-        if offload and opts.fs_root is not None and on_fs_start is not None:
-            fs = FsTierState(str(opts.fs_root), _total_bound(opts))
+        fs_root = None if config.tiers.fs is None else config.tiers.fs.root
+        if offload and fs_root is not None and on_fs_start is not None:
+            fs = FsTierState(str(fs_root), _total_bound(config))
             fs.files_at_start = sum(r[1] for r in ready)
             fs.bytes_at_start = sum(r[2] for r in ready)
             on_fs_start(fs)
-        log = ClientLog()
-        done = 0
-        with Progress(workload.num_requests, label, enabled=opts.progress) as progress:
 
-            def on_done() -> None:
-                nonlocal done
-                done += 1
-                tokens: dict[str, int] = {}
-                for instance in self.instances:
-                    for name, n in instance.tokens.items():
-                        tokens[name] = tokens.get(name, 0) + n
-                progress.update(done, token_shares(tokens))
+        def shares() -> Mapping[str, float]:
+            tokens: dict[str, int] = {}
+            for instance in self.instances:
+                for name, n in instance.tokens.items():
+                    tokens[name] = tokens.get(name, 0) + n
+            return token_shares(tokens)
 
-            ticker = asyncio.ensure_future(tick(progress))
-            try:
-                t0 = time.monotonic()
-                for instance in self.instances:
-                    instance.send(("go", t0))
-                if not await serve_clients(self.generate, workload, log, on_done, opts.timeout_s):
-                    raise RuntimeError(
-                        f"{label} run: {done} of {workload.num_requests} requests finished "
-                        f"within the --timeout of {opts.timeout_s:g} s"
-                    )
-            finally:
-                ticker.cancel()
-                await asyncio.gather(ticker, return_exceptions=True)
+        def on_start(t0: float) -> None:
+            for instance in self.instances:
+                instance.send(("go", t0))
+
+        log = await serve_workload(
+            self.generate,
+            workload,
+            label,
+            config.timeout_s,
+            config.output.progress,
+            shares,
+            on_start,
+        )
         for instance in self.instances:
             instance.send(("finish",))
         answers = [await i.reply("result") for i in self.instances]
-        wall_s = max(log.last_output_time - t0, 0.0)
+        wall_s = log.wall_s
         results: list[RunResult] = []
         for index, (_, result, _, _) in enumerate(answers):
             mine = sorted(r for r, i in self.routes.items() if i == index and r in log.outputs)
@@ -360,9 +345,10 @@ async def _wait_exit(process: BaseProcess, timeout_s: float) -> bool:
         loop.remove_reader(sentinel)
 
 
-def _total_bound(opts: RunOptions) -> int | None:
+def _total_bound(config: RunConfig) -> int | None:
     # --fs-max-bytes bounds each instance's directory.
-    return None if opts.fs_max_bytes is None else opts.fs_max_bytes * opts.engines
+    fs = config.tiers.fs
+    return None if fs is None else fs.max_bytes * config.fleet.engines
 
 
 def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunResult:
@@ -433,11 +419,11 @@ def _merge_samples(series: Sequence[Sequence[StepSample]]) -> list[StepSample]:
     return merged
 
 
-def _fleet_fs(opts: RunOptions, parts: Sequence[RunResult]) -> FsTierState | None:
+def _fleet_fs(config: RunConfig, parts: Sequence[RunResult]) -> FsTierState | None:
     states = [p.fs for p in parts if p.fs is not None]
-    if opts.fs_root is None or not states:
+    if config.tiers.fs is None or not states:
         return None
-    fs = FsTierState(str(opts.fs_root), _total_bound(opts))
+    fs = FsTierState(str(config.tiers.fs.root), _total_bound(config))
     for s in states:
         fs.files_at_start += s.files_at_start
         fs.bytes_at_start += s.bytes_at_start
@@ -447,9 +433,8 @@ def _fleet_fs(opts: RunOptions, parts: Sequence[RunResult]) -> FsTierState | Non
 
 
 async def serve_fleet(
-    opts: RunOptions,
+    config: RunConfig,
     workload: Workload,
-    settings: dict[str, Any],
     on_fs_start: Callable[[FsTierState], None] | None = None,
 ) -> Report:
     """Serve ``workload`` on the fleet without, then with offloading; the report of both.
@@ -458,13 +443,12 @@ async def serve_fleet(
     are stopped before this returns or raises.
 
     Args:
-        opts: the command's options.
+        config: the invocation's settings.
         workload: what the clients send.
-        settings: the settings echoed in the report.
         on_fs_start: called with the instances' fs directories' state (added up) once every
             instance scanned its own, before the offloaded run's first request.
     """
-    fleet = Fleet(opts, workload)
+    fleet = Fleet(config, workload)
     try:
         fleet.start()
         baseline_parts = await fleet.run(offload=False)
@@ -473,7 +457,7 @@ async def serve_fleet(
         await fleet.stop()
     baseline = merge_results("baseline", False, baseline_parts)
     offload = merge_results("offload", True, offload_parts)
-    offload.fs = _fleet_fs(opts, offload_parts)
+    offload.fs = _fleet_fs(config, offload_parts)
     for part in (*baseline_parts, *offload_parts):
         part.samples = []  # the merged run carries them (and the JSON would repeat them)
     baseline.check_accounting()
@@ -482,7 +466,9 @@ async def serve_fleet(
         InstanceResult(i, b, o)
         for i, (b, o) in enumerate(zip(baseline_parts, offload_parts, strict=True))
     ]
-    return Report(settings=settings, baseline=baseline, offload=offload, instances=instances)
+    return Report(
+        settings=dict(config.settings), baseline=baseline, offload=offload, instances=instances
+    )
 
 
 __all__ = [

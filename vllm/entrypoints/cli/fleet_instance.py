@@ -3,8 +3,10 @@
 """One engine instance of a fleet (``vllm-kv-offload run --engines N``), in a process of its own.
 
 ``cli/fleet.py`` starts one process per instance (multiprocessing's ``spawn`` context) with
-``instance_main`` as its target and talks to it over a pipe (a ``multiprocessing`` connection).
-The instance owns an ``EngineCore`` behind an ``AsyncLLM``, its own CPU tier (a shared region
+``process_target`` as its target and talks to it over a pipe (a ``multiprocessing`` connection).
+This module owns the instance's side: the message loop, and one ``EngineRun`` per run (the same
+engine run as a single-engine command's, ``cli/engine_run.py``), so an instance owns an
+``EngineCore`` behind an ``AsyncLLM``, its own CPU tier (a shared region
 named after ``fleet_instance_id``), its own fs directory and GPU pool; the only thing it
 shares with the other instances is the redis server.
 
@@ -33,23 +35,14 @@ import contextlib
 import logging
 import signal
 import sys
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vllm.entrypoints.cli.config import RunConfig
+from vllm.entrypoints.cli.engine_run import EngineRun, StepSampler
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
-from vllm.entrypoints.cli.options import RunOptions
-from vllm.entrypoints.cli.report import FsTierState, RunResult, redact_url
-from vllm.entrypoints.cli.run import IDLE_TIMEOUT_S, engine_config
-from vllm.entrypoints.cli.run_figures import (
-    StepSampler,
-    fill_result,
-    fs_usage_after_scan,
-    snapshot_engine,
-)
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core import EngineCore
 
 Message = tuple[Any, ...]
 
@@ -66,9 +59,9 @@ class _Exit(Exception):
 class _Instance:
     """The instance's side of the pipe and its runs (everything on the process's event loop)."""
 
-    def __init__(self, conn: Connection, opts: RunOptions, index: int, fleet_pid: int) -> None:
+    def __init__(self, conn: Connection, config: RunConfig, index: int, fleet_pid: int) -> None:
         self.conn = conn
-        self.opts = opts
+        self.config = config
         self.index = index
         self.instance_id = fleet_instance_id(fleet_pid, index)
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
@@ -110,36 +103,21 @@ class _Instance:
 
     async def serve(self, offload: bool) -> None:
         """One run: build the engine, serve the parent's requests, answer the result."""
-        opts = self.opts
-        engine = EngineCore(engine_config(opts, offload, self.instance_id if offload else None))
-        result = RunResult(label="offload" if offload else "baseline", offload=offload)
-        if offload:
-            result.redis_url = None if opts.redis_url is None else redact_url(opts.redis_url)
-            if opts.fs_root is not None:
-                result.fs = FsTierState(root_dir=str(opts.fs_root), max_bytes=opts.fs_max_bytes)
-        sampler = StepSampler(t0=time.monotonic())
+        instance_id = self.instance_id if offload else None
         requests: dict[str, asyncio.Task[None]] = {}
-        async with AsyncLLM(engine, step_callback=sampler) as llm:
+        async with EngineRun(self.config, offload, instance_id) as run:
             try:
-                if result.fs is not None:
-                    files, size = await llm.call(fs_usage_after_scan)
-                    result.fs.files_at_start, result.fs.bytes_at_start = files, size
-                self.send(
-                    (
-                        "ready",
-                        result.fs.files_at_start if result.fs else 0,
-                        result.fs.bytes_at_start if result.fs else 0,
-                    )
-                )
+                fs = run.result.fs
+                self.send(("ready", fs.files_at_start if fs else 0, fs.bytes_at_start if fs else 0))
                 while True:
                     message = await self.next_message()
                     kind = message[0]
                     if kind == "go":
-                        sampler.t0 = message[1]
+                        run.sampler.t0 = message[1]
                     elif kind == "gen":
                         _, req_id, prompt, max_tokens = message
                         requests[req_id] = asyncio.ensure_future(
-                            self.generate(llm, sampler, req_id, prompt, max_tokens)
+                            self.generate(run.llm, run.sampler, req_id, prompt, max_tokens)
                         )
                     elif kind == "abort":
                         task = requests.pop(message[1], None)
@@ -150,25 +128,14 @@ class _Instance:
                     else:
                         raise AssertionError(f"unexpected message {kind!r} during a run")
                 await asyncio.gather(*requests.values())
-                try:
-                    await asyncio.wait_for(llm.wait_until_idle(), IDLE_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    raise RuntimeError(
-                        f"transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the last output"
-                    ) from None
-                snapshot = await llm.call(snapshot_engine)
+                snapshot = await run.finish()
             finally:
                 for task in requests.values():
                     task.cancel()
                 await asyncio.gather(*requests.values(), return_exceptions=True)
-        result.num_requests = len(requests)
-        result.samples = sampler.samples
-        result.overhead_us = sampler.overhead_us
-        result.worker_overhead_us = sampler.worker_overhead_us
-        fill_result(result, snapshot, opts)
-        result.check_accounting()
+        run.result.num_requests = len(requests)
         origins = snapshot.engine_stats.served_not_stored_here or {}
-        self.send(("result", result, snapshot.stored_keys, origins))
+        self.send(("result", run.result, snapshot.stored_keys, origins))
 
     async def generate(
         self,
@@ -196,7 +163,7 @@ class _Instance:
         self.send(("done", req_id, output, tokens))
 
 
-def instance_main(conn: Connection, opts: RunOptions, index: int, fleet_pid: int) -> int:
+def instance_main(conn: Connection, config: RunConfig, index: int, fleet_pid: int) -> int:
     """Process target of instance ``index``: serve until told to exit; the exit code.
 
     Returns (as the process's exit code): 0 after ``exit``, 1 after an error (reported to the
@@ -207,7 +174,7 @@ def instance_main(conn: Connection, opts: RunOptions, index: int, fleet_pid: int
     logging.basicConfig(
         level=logging.WARNING, format=f"%(levelname)s engine {index} %(name)s: %(message)s"
     )
-    instance = _Instance(conn, opts, index, fleet_pid)
+    instance = _Instance(conn, config, index, fleet_pid)
     try:
         run_interruptible(instance.main(), signals=(signal.SIGTERM,))
         return 0
@@ -225,6 +192,7 @@ def instance_main(conn: Connection, opts: RunOptions, index: int, fleet_pid: int
         conn.close()
 
 
-def process_target(conn: Connection, opts: RunOptions, index: int, fleet_pid: int) -> None:
+def process_target(conn: Connection, config: RunConfig, index: int, fleet_pid: int) -> None:
+    """The instance process's target (see ``instance_main``)."""
     # multiprocessing ignores a target's return value: the exit code goes through sys.exit.
-    sys.exit(instance_main(conn, opts, index, fleet_pid))
+    sys.exit(instance_main(conn, config, index, fleet_pid))

@@ -7,6 +7,10 @@ offloading bought) and ``bench`` (run the benchmarks of ``benchmarks/kv_offload/
 the console script ``vllm-kv-offload = "vllm.entrypoints.cli.main:main"``; also runnable as
 ``python -m vllm.entrypoints.cli.main``.
 
+Owns the parser of the whole command (the options of ``run`` are declared in ``options.py``,
+those of ``bench`` in ``bench.py``), the dispatch to the subcommand, and the exit code, signals
+included.
+
 Exit codes: 0 success; 1 the run's verdict failed, a benchmark failed, or the run hit an error;
 2 bad options (argparse's convention: one line naming the option, and a hint to see --help);
 130 interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). A ``run`` handles SIGTERM exactly as
@@ -27,8 +31,10 @@ from types import FrameType
 
 import vllm
 from vllm.entrypoints.cli.bench import add_bench_arguments, run_bench
+from vllm.entrypoints.cli.config import OptionError, build_run_config
+from vllm.entrypoints.cli.fs_clear import clear_fs
 from vllm.entrypoints.cli.interrupt import Interrupted
-from vllm.entrypoints.cli.options import CommandParser, add_run_arguments, build_run_options
+from vllm.entrypoints.cli.options import CommandParser, add_run_arguments
 
 PROG = "vllm-kv-offload"
 SUBCOMMANDS = ("run", "bench")
@@ -121,17 +127,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(_with_default_subcommand(sys.argv[1:] if argv is None else argv))
     if args.command == "bench":
         return run_bench(args)
-    options = build_run_options(args.command_parser, args)
+    try:
+        config = build_run_config(args)
+    except OptionError as e:
+        args.command_parser.error(str(e))
+    if args.fs_clear:
+        assert config.tiers.fs is not None  # --fs-clear --no-fs is refused
+        return clear_fs(config.tiers.fs.root)
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # Imported once the options are accepted: the engine's modules import torch, and a refused
+    # option should not wait for that.
     from vllm.entrypoints.cli.run import run_command
 
     termination = _Termination()
     try:
         with termination.active():
-            return run_command(options)
+            return run_command(config)
     except Interrupted as e:
         # run_command shut everything down before raising: one line, no traceback.
         word = "terminated" if e.signum == signal.SIGTERM else "interrupted"

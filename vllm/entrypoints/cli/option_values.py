@@ -4,6 +4,8 @@
 
 Each turns one flag's text into its value or raises ``argparse.ArgumentTypeError``, whose
 message argparse prefixes with the option's name. ``options.py`` declares the options with them.
+Also here: the values a parser's result implies (``default_fs_root``) or how one is shown
+(``redact_url``: a redis URL without its password, for everything the command prints).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from vllm.v1.kv_offload.sizes import SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
@@ -90,3 +93,13 @@ def parse_redis_url(text: str) -> str:
             "unix:///PATH"
         )
     return text
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (reports are printed and shared)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

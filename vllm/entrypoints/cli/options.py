@@ -1,28 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Options of ``vllm-kv-offload run``: argparse definitions and validation.
+"""The options of ``vllm-kv-offload run``, declared for argparse: the command's flags and help.
 
-The options are declared as a table: one ``_Option`` row per flag, one function per concern
-(workload, model stand-in and engine, CPU tier, fs tier, output), each becoming an argparse
-argument group of ``--help``. The values' parsers are in ``option_values.py`` (``parse_size``
-and ``default_fs_root`` are re-exported here).
+Owns the declaration only: one ``_Option`` row per flag, one function per concern (workload,
+model stand-in and engine, CPU tier, fs tier, redis tier and fleet, output), each becoming an
+argument group of ``--help``. The values' parsers are in ``option_values.py``; what the parsed
+values become (and the checks across options and against the machine) is ``config.py``'s.
 
-Every option is checked before anything runs; a bad value ends the command with argparse's
-usage line, a message that names the option, the value and what is allowed, and exit code 2.
+A bad value ends the command with one line that names the option, the value and what is allowed,
+a hint to see ``--help``, and exit code 2 (``CommandParser``).
+
+To add an option: a row in the function of its group (``_count``, ``_size``, ``_switch``, ... give
+the common shapes, with the default shown in ``--help``), then its line in ``config.py``;
+``tests/test_docs.py`` asks for it in ``docs/cli.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 from typing_extensions import override
 
-from vllm.entrypoints.cli import checks
 from vllm.entrypoints.cli.option_values import (
     default_fs_root,
     int_at_least,
@@ -32,12 +33,7 @@ from vllm.entrypoints.cli.option_values import (
     parse_redis_url,
     parse_size,
 )
-from vllm.entrypoints.cli.workloads import (
-    WORKLOAD_DEFAULTS,
-    WorkloadConfig,
-    WorkloadKind,
-    max_request_tokens,
-)
+from vllm.entrypoints.cli.workloads import WORKLOAD_DEFAULTS, WorkloadConfig, WorkloadKind
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """KV-cache dtypes the model stand-in supports, with their element sizes."""
@@ -62,95 +58,6 @@ class CommandParser(argparse.ArgumentParser):
 MODEL_STAND_INS = ("standard", "hybrid")
 """Values of ``--model-stand-in`` (those of ``vllm.v1.engine.model.ModelStandIn``; not imported
 here so that parsing options does not load torch)."""
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Validated settings of one ``run`` invocation.
-
-    Attributes:
-        workload: what to serve.
-        num_layers, num_kv_heads, head_size, dtype: geometry of the model stand-in's KV cache.
-        block_size: tokens per GPU block.
-        offload_block_size: tokens per offloaded block (a multiple of ``block_size``).
-        gpu_blocks: blocks in the GPU KV-cache pool.
-        max_num_seqs: requests the engine runs at once.
-        max_num_batched_tokens: tokens per engine step (prefills are chunked to fit).
-        cpu_bytes: host bytes of the CPU tier.
-        eviction_policy: the CPU tier's cache policy.
-        fs_root: root of the fs tier; None runs without one.
-        fs_max_bytes: capacity bound of the fs tier (None: bounded by the filesystem).
-        fs_read_threads, fs_write_threads: the fs tier's I/O threads.
-        fs_clear: delete the fs tier's files under ``fs_root`` and exit instead of running.
-        device: ``"cpu"`` or ``"cuda"`` (``auto`` is resolved before this is built).
-        json_path: where to write the JSON report, if anywhere (``-``: stdout).
-        plot_path: where to write the plot, if anywhere.
-        progress: whether to draw progress bars (on a terminal only).
-        timeout_s: longest time one run may take (None: no limit).
-        async_scheduling: run the engine with one step in flight (vLLM's async scheduling).
-        model_stand_in: ``"standard"`` (one full-attention KV-cache group) or ``"hybrid"`` (a
-            full-attention group and a sliding-window group; ``vllm.v1.engine.model``).
-        sliding_window: the hybrid stand-in's window in tokens.
-        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
-            (None: no server).
-        redis_url: the redis server of the redis tier (after the fs tier); None: no redis tier.
-        engines: engine instances, each in its own process; > 1 is a fleet (``cli/fleet.py``).
-    """
-
-    workload: WorkloadConfig
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str
-    block_size: int
-    offload_block_size: int
-    gpu_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    cpu_bytes: int
-    eviction_policy: str
-    fs_root: Path | None
-    fs_max_bytes: int | None
-    fs_read_threads: int
-    fs_write_threads: int
-    fs_clear: bool
-    device: str
-    json_path: Path | None
-    plot_path: Path | None
-    progress: bool
-    timeout_s: float | None
-    async_scheduling: bool = False
-    model_stand_in: str = "standard"
-    sliding_window: int = 64
-    metrics_port: int | None = None
-    redis_url: str | None = None
-    engines: int = 1
-
-    @property
-    def num_kv_groups(self) -> int:
-        """KV-cache groups of the model stand-in (each block holds one per group)."""
-        return 2 if self.model_stand_in == "hybrid" else 1
-
-    @property
-    def fleet(self) -> bool:
-        """Whether the engines run in their own processes (``--engines`` > 1)."""
-        return self.engines > 1
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one token occupies in the KV cache (K and V of every layer and head)."""
-        per_group = 2 * self.num_layers * self.num_kv_heads * self.head_size
-        return per_group * DTYPE_BYTES[self.dtype] * self.num_kv_groups
-
-    @property
-    def gpu_block_bytes(self) -> int:
-        """Bytes of one GPU block."""
-        return self.block_size * self.kv_bytes_per_token
-
-    @property
-    def offload_block_bytes(self) -> int:
-        """Bytes of one offloaded block (before the CPU tier pads rows to the page size)."""
-        return self.offload_block_size * self.kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -230,7 +137,7 @@ def _output_path(flag: str, metavar: str, help: str) -> _Option:
 def _workload_count(flag: str, field_name: str, help: str = "") -> _Option:
     """A count of the workload whose default may depend on ``--workload`` (``WORKLOAD_DEFAULTS``).
 
-    Parsed as None when absent; ``build_run_options`` fills in the workload's default.
+    Parsed as None when absent; ``config.build_run_config`` fills in the workload's default.
     """
     base = getattr(WorkloadConfig(), field_name)
     by_kind = [
@@ -431,150 +338,3 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(title)
         for option in options():
             option.add_to(group)
-
-
-def resolve_device(requested: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
-def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
-    kind = WorkloadKind(args.workload)
-    defaults = WORKLOAD_DEFAULTS.get(kind, {})
-
-    def pick(field_name: str, given: int | None) -> Any:
-        if given is not None:
-            return given
-        return defaults.get(field_name, getattr(WorkloadConfig(), field_name))
-
-    return WorkloadConfig(
-        kind=kind,
-        seed=args.seed,
-        num_clients=pick("num_clients", args.num_clients),
-        num_sessions=args.num_sessions,
-        turns_per_session=args.turns,
-        turn_tokens=args.turn_tokens,
-        output_tokens=args.output_tokens,
-        system_prompt_tokens=args.system_prompt_tokens,
-        num_system_prompts=pick("num_system_prompts", args.num_system_prompts),
-        document_tokens=args.document_tokens,
-        num_documents=args.num_documents,
-        think_time_s=args.think_time,
-        arrival_interval_s=args.think_time,
-    )
-
-
-def _machine_problems(opts: RunOptions) -> list[str]:
-    """What the machine would refuse later (paths, free space, formats), in option order."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    row_bytes = -(-opts.offload_block_bytes // page) * page
-    problems: list[str | None] = []
-    if opts.cpu_bytes < row_bytes:
-        problems.append(
-            f"--cpu-bytes {opts.cpu_bytes} is smaller than one offloaded block ({row_bytes} "
-            f"bytes with this geometry): raise --cpu-bytes to at least {row_bytes}"
-        )
-    elif not opts.fs_clear:
-        # The shared region holds whole rows only.
-        # Every engine instance has its own region.
-        problems.append(
-            checks.shm_problem(opts.engines * (opts.cpu_bytes // row_bytes * row_bytes))
-        )
-    if opts.fs_root is not None:
-        problems.append(checks.fs_root_problem(opts.fs_root))
-    if opts.fs_max_bytes is not None:
-        from vllm.v1.kv_offload.tiering.block_format import file_size
-
-        problems.append(checks.fs_max_bytes_problem(opts.fs_max_bytes, file_size(row_bytes)))
-    if opts.json_path is not None:
-        problems.append(checks.output_file_problem("--json", opts.json_path))
-    if opts.plot_path is not None:
-        problems.append(checks.output_file_problem("--plot", opts.plot_path))
-    return [p for p in problems if p is not None]
-
-
-def build_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunOptions:
-    """Cross-check the parsed values and build ``RunOptions``; errors exit through ``parser``.
-
-    Everything that can be checked before the first engine step is checked here: values against
-    each other, and against the machine (``checks``): the fs root, free space in ``/dev/shm``,
-    output files and the plot's format.
-    """
-    offload_block_size = args.offload_block_size or args.block_size
-    if offload_block_size % args.block_size:
-        parser.error(
-            f"--offload-block-size {offload_block_size} must be a multiple of --block-size "
-            f"{args.block_size}"
-        )
-    if args.no_fs and (args.fs_root is not None or args.fs_clear):
-        flag = "--fs-root" if args.fs_root is not None else "--fs-clear"
-        parser.error(f"{flag} and --no-fs contradict each other")
-    fs_root = None if args.no_fs else (args.fs_root or default_fs_root()).expanduser()
-    if args.plot is not None:
-        from vllm.entrypoints.cli.plot import PlotUnavailableError, check_plot_available
-
-        try:
-            check_plot_available()
-        except PlotUnavailableError as e:
-            parser.error(str(e))
-        problem = checks.plot_format_problem(args.plot)
-        if problem is not None:
-            parser.error(problem)
-    device = resolve_device(args.device)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
-    if args.redis_url is not None:
-        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-
-        if "redis" not in SecondaryTierFactory.known_tier_types():
-            parser.error("--redis-url: this installation has no redis tier")
-    workload = _workload_config(args)
-    longest = max_request_tokens(workload)
-    blocks_needed = -(-longest // args.block_size)
-    if blocks_needed > args.gpu_blocks:
-        parser.error(
-            f"--gpu-blocks {args.gpu_blocks} cannot hold the longest request of this workload "
-            f"(up to {longest} tokens = {blocks_needed} blocks of {args.block_size}): raise "
-            "--gpu-blocks or shrink the workload"
-        )
-    opts = RunOptions(
-        workload=workload,
-        num_layers=args.num_layers,
-        num_kv_heads=args.num_kv_heads,
-        head_size=args.head_size,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        offload_block_size=offload_block_size,
-        gpu_blocks=args.gpu_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        cpu_bytes=args.cpu_bytes,
-        eviction_policy=args.eviction_policy,
-        fs_root=fs_root,
-        fs_max_bytes=None if fs_root is None else args.fs_max_bytes,
-        fs_read_threads=args.fs_read_threads,
-        fs_write_threads=args.fs_write_threads,
-        fs_clear=args.fs_clear,
-        device=device,
-        json_path=args.json,
-        plot_path=args.plot,
-        progress=not args.no_progress,
-        timeout_s=args.timeout or None,
-        async_scheduling=args.async_scheduling,
-        model_stand_in=args.model_stand_in,
-        sliding_window=args.sliding_window,
-        metrics_port=args.metrics_port,
-        redis_url=args.redis_url,
-        engines=args.engines,
-    )
-    problems = _machine_problems(opts)
-    if problems:
-        parser.error(problems[0])
-    return opts

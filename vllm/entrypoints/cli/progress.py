@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 from typing_extensions import override
 
+from vllm.entrypoints.cli.report.figures import Tier
 from vllm.utils.closing import ClosingContextManager
 
 LINE_INTERVAL_S = 5.0
@@ -37,6 +38,20 @@ _ERASE_TO_END_OF_LINE = "\x1b[K"
 def _is_tty(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+def token_shares(tokens: Mapping[str, int]) -> dict[str, float]:
+    """The progress line's shares (computed, GPU, CPU, fs, redis) of cumulative ``tokens``."""
+    total = sum(tokens.values())
+    if not total:
+        return {}
+    counts = {"computed": tokens.get("computed", 0)} | {
+        name: tokens.get(t.value, 0)
+        for name, t in (("GPU", Tier.GPU), ("CPU", Tier.CPU), ("fs", Tier.FS))
+    }
+    if tokens.get(Tier.REDIS.value):
+        counts["redis"] = tokens[Tier.REDIS.value]
+    return {name: n / total for name, n in counts.items()}
 
 
 def format_shares(shares: Mapping[str, float]) -> str:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""``--plot FILE.png``: hit rate per tier and bytes moved per step over time.
+"""The report as a plot (``--plot FILE.png``): hit rate per tier and bytes moved per step.
 
 The file's suffix names the format (``.png``, ``.svg``, ``.pdf``, ...: whatever matplotlib
 writes); the command refuses other suffixes before it runs (``checks.plot_format_problem``).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from vllm.entrypoints.cli.report import Direction, RunResult, Tier
+from vllm.entrypoints.cli.report.figures import Direction, RunResult, Tier
 
 INSTALL_HINT = "pip install 'vllm-kv-offload[plot]'"
 

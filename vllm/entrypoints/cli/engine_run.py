@@ -1,37 +1,50 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""What one run of ``vllm-kv-offload run`` measured, read from its engine.
+"""One engine run in this process: the engine behind its front end, and what it measured.
 
-``StepSampler`` samples the engine's counters after every busy step (for the plot and the
-per-step overhead); ``snapshot_engine`` copies the counters, connector statistics and tier
-reports on the engine thread before the engine shuts down, and ``fill_result`` turns that
-snapshot into a ``RunResult``'s figures. Used by ``run.py`` and by a fleet's instances
-(``fleet_instance.py``).
+``EngineRun`` owns one run of one engine (the baseline or the offloaded run; the single-engine
+command's, or a fleet instance's): it builds the ``EngineCore`` from the run's config
+(``engine_config``), puts it behind the asyncio front end ``AsyncLLM``, counts what the fs tier
+holds before the first request, and at the end waits for every transfer and fills the run's
+``RunResult``. What the clients do with the front end is the caller's (``run.py``,
+``fleet_instance.py``).
+
+What a run measured is read from the engine here: ``StepSampler`` samples the engine's counters
+after every busy step (for the plot and the per-step overhead); ``snapshot_engine`` copies the
+counters, connector statistics and tier reports on the engine thread before the engine shuts
+down, and ``fill_result`` turns that snapshot into the ``RunResult``'s figures. A new figure
+read from the engine is a line in ``fill_result`` (and a field in ``report/figures.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
-from vllm.entrypoints.cli.options import RunOptions
-from vllm.entrypoints.cli.report import (
+from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
+from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.option_values import redact_url
+from vllm.entrypoints.cli.report.figures import (
     Direction,
+    FsTierState,
     RunResult,
     StepSample,
     Tier,
     TransferFigures,
-    secondary_tokens,
 )
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.config import EngineConfig, default_instance_id
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.scheduler import RequestOutput
 from vllm.v1.kv_offload.base import TierStats
 
-FS_TIER_TYPE = "fs"
-"""Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
-REDIS_TIER_TYPE = "redis"
-"""Registered type name of the redis tier."""
+IDLE_TIMEOUT_S = 600.0
+"""Longest wait for in-flight transfers after the last output before the run gives up."""
 SCAN_TIMEOUT_S = 120.0
 """Longest wait for the fs tier's start-up scan (it only counts what is already on disk)."""
 
@@ -57,6 +70,35 @@ SECONDARY_TIERS = (
         ("server_misses", "corrupt_removed"),
     ),
 )
+
+
+def engine_config(config: RunConfig, offload: bool, instance_id: str | None = None) -> EngineConfig:
+    """The engine settings of one run: the config's engine, with the connector when offloading.
+
+    Args:
+        config: the invocation's settings.
+        offload: with the offloading connector and its tiers (else the baseline).
+        instance_id: names the CPU tier's shared region (default: fresh, unique per process).
+    """
+    return dataclasses.replace(
+        config.engine,
+        kv_connector_extra_config=config.tiers.connector_config() if offload else None,
+        instance_id=instance_id or default_instance_id(),
+    )
+
+
+def secondary_tokens(total: int, by_tier: Mapping[str, int]) -> dict[str, int]:
+    """Promoted tokens by ``Tier`` value: the redis tier's, and the fs tier's (the rest).
+
+    Args:
+        total: ``EngineStats.tokens_from_secondary``.
+        by_tier: ``EngineStats.tokens_from_tier`` (by registered tier type).
+
+    Tokens whose tier the manager did not name count as the fs tier's, so that the two add up
+    to ``total`` (the accounting invariant).
+    """
+    redis = by_tier.get(REDIS_TIER_TYPE, 0)
+    return {Tier.FS.value: total - redis, Tier.REDIS.value: redis}
 
 
 def fs_tier_stats(engine: EngineCore, tier_type: str = FS_TIER_TYPE) -> TierStats | None:
@@ -136,6 +178,15 @@ def fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
+    """What the report needs of an engine, copied on its thread before it shuts down.
+
+    Attributes:
+        engine_stats: the engine's ``EngineStats``.
+        connector: the connector's statistics (``EngineCore.connector_stats``).
+        tiers: each secondary tier's report, by tier type.
+        stored_keys: keys of the blocks this engine stored from its GPU pool.
+    """
+
     engine_stats: Any
     connector: dict[str, int | float]
     tiers: dict[str, TierStats]
@@ -153,7 +204,8 @@ def snapshot_engine(engine: EngineCore) -> EngineSnapshot:
     )
 
 
-def fill_result(result: RunResult, snap: EngineSnapshot, opts: RunOptions) -> None:
+def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
+    """Fill ``result``'s figures from the engine's snapshot (the tiers ``result`` names)."""
     s = snap.engine_stats
     result.num_finished = s.requests_finished - s.requests_aborted
     result.prompt_tokens = s.prompt_tokens
@@ -166,16 +218,12 @@ def fill_result(result: RunResult, snap: EngineSnapshot, opts: RunOptions) -> No
     }
     # Tiers are consulted in order: a tier only sees the tokens every faster tier missed.
     past_cpu = s.prompt_tokens - s.tokens_from_gpu_cache - s.tokens_from_cpu
-    has_fs = result.offload and opts.fs_root is not None
+    has_fs = result.fs is not None
     result.lookup_tokens = {
         Tier.GPU: s.prompt_tokens,
         Tier.CPU: s.prompt_tokens - s.tokens_from_gpu_cache if result.offload else 0,
         Tier.FS: past_cpu if has_fs else 0,
-        Tier.REDIS: (
-            past_cpu - result.served[Tier.FS]
-            if result.offload and opts.redis_url is not None
-            else 0
-        ),
+        Tier.REDIS: (past_cpu - result.served[Tier.FS] if result.redis_url is not None else 0),
     }
     result.blocks_verified_from_redis = s.blocks_verified_by_tier.get(REDIS_TIER_TYPE, 0)
     result.output_tokens = s.output_tokens
@@ -217,3 +265,88 @@ def fill_result(result: RunResult, snap: EngineSnapshot, opts: RunOptions) -> No
         if tier_type == FS_TIER_TYPE and result.fs is not None:
             result.fs.files_at_end = tier.num_blocks
             result.fs.bytes_at_end = tier.used_bytes
+
+
+class EngineRun:
+    """One run of one engine in this process, as an ``async with`` block (see the module
+    docstring). Event-loop thread only; the engine itself runs on the front end's thread.
+
+    On entry the engine is started behind its front end (``llm``) and the fs tier's start-up
+    scan has counted what is on disk (``result.fs``); ``finish`` ends the run; on exit the
+    engine, its tiers and its shared region are shut down.
+
+    Args:
+        config: the invocation's settings.
+        offload: with the offloading connector and its tiers (else the baseline).
+        instance_id: names the CPU tier's shared region (default: fresh, unique per process).
+        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        offload: bool,
+        instance_id: str | None = None,
+        exporter: MetricsExporter | None = None,
+    ) -> None:
+        self.label = "offload" if offload else "baseline"
+        self.result = RunResult(label=self.label, offload=offload)
+        tiers = config.tiers
+        if offload and tiers.redis_url is not None:
+            self.result.redis_url = redact_url(tiers.redis_url)
+        if offload and tiers.fs is not None:
+            self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
+        self.sampler = StepSampler(t0=time.monotonic())
+        self._exporter = exporter
+        engine = EngineCore(engine_config(config, offload, instance_id))
+        callback: Callable[[EngineCore, list[Any]], None] = self.sampler
+        if exporter is not None:
+            callback = exporter.attach(engine, self.label, self.sampler)
+        # From here on the engine belongs to the front end's thread (and is shut down by it).
+        self.llm = AsyncLLM(engine, step_callback=callback)
+
+    async def __aenter__(self) -> EngineRun:
+        await self.llm.__aenter__()
+        try:
+            if self.result.fs is not None:
+                # Only to report what was on disk before the run: the tier serves during its scan.
+                files, size = await self.llm.call(fs_usage_after_scan)
+                self.result.fs.files_at_start, self.result.fs.bytes_at_start = files, size
+        except BaseException as e:
+            await self.llm.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.llm.__aexit__(exc_type, exc, tb)
+
+    async def finish(self) -> EngineSnapshot:
+        """After the last output: wait for every transfer (cascades to the fs tier included, so
+        the next invocation over the same root starts warm), then fill ``result``.
+
+        Raises:
+            RuntimeError: transfers were still in flight ``IDLE_TIMEOUT_S`` after the last output.
+        """
+        try:
+            await asyncio.wait_for(self.llm.wait_until_idle(), IDLE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"{self.label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the "
+                "last output"
+            ) from None
+        exporter = self._exporter
+        if exporter is not None:
+            await self.llm.call(lambda e: exporter.flush(e, self.label))
+        snapshot = await self.llm.call(snapshot_engine)
+        result = self.result
+        result.samples = self.sampler.samples
+        result.overhead_us = self.sampler.overhead_us
+        result.worker_overhead_us = self.sampler.worker_overhead_us
+        fill_result(result, snapshot)
+        result.check_accounting()
+        return snapshot

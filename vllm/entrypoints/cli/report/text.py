@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The text of ``vllm-kv-offload run``'s report: every line at most ``WIDTH`` (80) columns.
+"""The report as text: every line at most ``WIDTH`` (80) columns.
 
-The report comes in three parts so that the command can print each as soon as it is known: the
-header (what runs, before the baseline starts), the fs tier's state at start (once the offloaded
-run's tier has scanned its root) and the body (the figures, at the end). ``render_report`` joins
-them. Tables have fixed columns that fit 80 columns with the largest figures a run can produce
-(counts up to 999,999,999 blocks and 10 digits of tokens, sizes up to 1023.0 TiB); prose is
-wrapped with ``textwrap``. Only a path longer than a line is printed whole (on its own
-line), so that it can still be copied.
+Owns the human-readable rendering of a ``Report`` (the figures of ``figures.py``, the verdict and
+reasons of ``verdict.py``). It comes in three parts so that the command can print each as soon
+as it is known: the header (what runs, before the baseline starts; from the settings alone), the
+fs tier's state at start (once the offloaded run's tier has scanned its root) and the body (the
+figures, at the end). ``render_report`` joins them. Tables have fixed columns that fit 80 columns
+with the largest figures a run can produce (counts up to 999,999,999 blocks and 10 digits of
+tokens, sizes up to 1023.0 TiB); prose is wrapped with ``textwrap``. Only a path longer than a
+line is printed whole (on its own line), so that it can still be copied.
+
+A new line: a ``yield`` in the part it belongs to (``render_header`` for what runs, one of the
+body's sections for figures), through ``_row`` for a baseline/offload pair or ``_wrap`` for
+prose; ``tests/entrypoints/cli/report/test_text.py`` checks the width with the largest figures.
 """
 
 from __future__ import annotations
@@ -18,14 +23,20 @@ import textwrap
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from vllm.entrypoints.cli.report import (
+from vllm.entrypoints.cli.option_values import default_fs_root
+from vllm.entrypoints.cli.report.figures import (
     Direction,
     Distribution,
     FsTierState,
     Report,
     RunResult,
     Tier,
+)
+from vllm.entrypoints.cli.report.verdict import (
     compare_outputs,
+    judge,
+    judge_report,
+    no_savings_reason,
 )
 
 WIDTH = 80
@@ -175,7 +186,7 @@ def render_body(report: Report, home: str | None = None) -> Iterator[str]:
     saved = report.prefill_tokens_saved
     frac = saved / b.computed_tokens if b.computed_tokens else 0.0
     yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
-    reason = report.no_savings_reason
+    reason = no_savings_reason(report)
     if reason is not None:
         yield from _wrap(f"why: {reason}", indent=4)
     yield ""
@@ -298,8 +309,6 @@ def _disk(report: Report, home: str | None) -> Iterable[str]:
         return
     root = show_path(fs.root_dir, home)
     bound = f"up to {format_bytes(fs.max_bytes)}" if fs.max_bytes is not None else "unbounded"
-    from vllm.entrypoints.cli.option_values import default_fs_root
-
     flag = "" if fs.root_dir == str(default_fs_root()) else f" --fs-root {root}"
     yield ""
     yield from _wrap(
@@ -335,14 +344,14 @@ def _instances(report: Report) -> Iterable[str]:
             f"{o.computed_tokens:,}",
             f"{o.served[Tier.REDIS]:,}" if o.redis_url is not None else "-",
             f"{o.cross_instance_tokens or 0:,}" if o.redis_url is not None else "-",
-            "PASS" if inst.verdict.passed else "FAIL",
+            "PASS" if judge(inst.baseline, inst.offload).passed else "FAIL",
         )
     yield "    (another's: tokens served from KV another instance computed)"
 
 
 def _verdict(report: Report) -> Iterable[str]:
     b, o = report.baseline, report.offload
-    verdict = report.verdict
+    verdict = judge_report(report)
     differing = compare_outputs(b.outputs, o.outputs)
     yield f"  correctness: {'PASS' if verdict.served_correctly else 'FAIL'}"
     from_redis = (

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""Tests of the report's judgement (report/verdict.py): the verdict and why nothing was saved."""
+
+from __future__ import annotations
+
+from vllm.entrypoints.cli.report.figures import Direction, Report, Tier, TransferFigures
+from vllm.entrypoints.cli.report.json_doc import report_json
+from vllm.entrypoints.cli.report.verdict import judge, no_savings_reason
+
+from .sample_reports import small_runs
+from .test_text import render_text
+
+
+def test_verdict_fails_on_mismatch_differing_outputs_and_corruption() -> None:
+    base, off = small_runs()
+    assert judge(base, off).passed
+    off.corrupt_blocks_detected = 1
+    v = judge(base, off)
+    assert (v.passed, v.served_correctly, v.storage_intact) == (False, True, False)
+    assert "corrupt" in v.reasons[0]
+    off.corrupt_blocks_detected = 0
+    off.outputs = {"a": (1, 9), "b": (3,)}
+    v = judge(base, off)
+    assert (v.passed, v.served_correctly) == (False, False)
+    assert "a" in v.reasons[0]
+    off.outputs = {"a": (1, 2)}
+    assert not judge(base, off).served_correctly
+    off.outputs = dict(base.outputs)
+    off.blocks_mismatched = 2
+    assert "2 loaded block(s)" in judge(base, off).reasons[0]
+
+
+def test_a_run_that_saved_nothing_says_why() -> None:
+    base, off = small_runs()
+    settings = {"gpu_blocks": 256, "min_gpu_blocks": 20, "num_clients": 12}
+    # Blocks were offloaded but never asked for again: the GPU pool held the working set.
+    off.served.update({Tier.GPU: 200, Tier.CPU: 0, Tier.FS: 0})
+    off.computed_tokens = base.computed_tokens
+    off.transfers[Direction.GPU_TO_CPU] = TransferFigures(blocks=10, bytes=10)
+    report = Report(settings=settings, baseline=base, offload=off)
+    assert report.prefill_tokens_saved == 0
+    reason = no_savings_reason(report)
+    assert reason is not None
+    assert "the GPU prefix cache held the whole working set" in reason
+    assert reason.endswith("try --gpu-blocks 64")
+    assert report_json(report)["comparison"]["no_savings_reason"] == reason
+    flat = " ".join(line.strip() for line in render_text(report).splitlines())
+    assert f"why: {reason}" in flat
+    # A pool already at the smallest the workload allows: more clients instead.
+    settings["gpu_blocks"] = 20
+    assert str(no_savings_reason(report)).endswith("try --num-clients 24")
+    settings["gpu_blocks"] = 40
+    assert str(no_savings_reason(report)).endswith("try --gpu-blocks 20")
+    # Nothing offloaded at all.
+    off.transfers[Direction.GPU_TO_CPU] = TransferFigures()
+    assert str(no_savings_reason(report)).startswith("nothing was offloaded")
+    # The tiers served, but the baseline's GPU cache served more.
+    off.transfers[Direction.GPU_TO_CPU] = TransferFigures(blocks=10, bytes=10)
+    off.served.update({Tier.GPU: 100, Tier.CPU: 50, Tier.FS: 50})
+    assert str(no_savings_reason(report)).startswith("the CPU and fs tiers served 100 tokens")
+    # Savings: no reason, no line.
+    off.computed_tokens -= 1
+    off.served[Tier.CPU] += 1
+    assert no_savings_reason(report) is None
+    assert "why:" not in render_text(report)
+    assert report_json(report)["comparison"]["no_savings_reason"] is None

@@ -1,0 +1,438 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""The settings of one ``vllm-kv-offload run``: one config object per layer, built once.
+
+``build_run_config`` turns the parsed options (``options.py``) into a ``RunConfig`` after
+checking them against each other and against the machine (``checks.py``); a refusal raises
+``OptionError``, which ``main`` reports as a usage error (exit code 2). Each layer is handed the
+object it needs and nothing else:
+
+- ``WorkloadConfig`` (``workloads.py``): what the clients send.
+- ``EngineConfig`` (``vllm/v1/engine/config.py``): the engine of the baseline run, as built
+  here; the offloaded run's is the same plus the connector (``engine_run.engine_config``).
+- ``TiersConfig``: the offloaded run's tiers (CPU, fs, redis), which become the connector's
+  ``kv_connector_extra_config`` (``TiersConfig.connector_config``).
+- ``FleetConfig``: how many engine instances serve, in their own processes (``fleet.py``).
+- ``OutputConfig``: where the report, JSON, plot, progress and metrics go (``run.py``).
+- ``RunConfig.settings``: the options echoed in the report (header and ``--json``).
+
+Checks come cheapest first, so that a bad option is refused in well under a second: values
+against each other and the machine before torch is imported (the engine's config needs it).
+
+To add an option: a row in its group of ``options.py``, then a line in the builder below that
+puts its value into the layer config it belongs to (a new field there, with its docstring line),
+and, if the report should echo it, a key in ``_settings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.entrypoints.cli import checks
+from vllm.entrypoints.cli.option_values import default_fs_root, redact_url
+from vllm.entrypoints.cli.options import DTYPE_BYTES
+from vllm.entrypoints.cli.workloads import (
+    WORKLOAD_DEFAULTS,
+    WorkloadConfig,
+    WorkloadKind,
+    max_request_tokens,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.config import EngineConfig
+
+FS_TIER_TYPE = "fs"
+"""Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
+REDIS_TIER_TYPE = "redis"
+"""Registered type name of the redis tier."""
+
+
+class OptionError(ValueError):
+    """An option's value is refused: the message names the option, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class FsTierOptions:
+    """The fs tier of the offloaded run.
+
+    Attributes:
+        root: the tier's root directory (the instance's own, in a fleet).
+        max_bytes: the tier's capacity bound.
+        read_threads, write_threads: the tier's I/O threads.
+    """
+
+    root: Path
+    max_bytes: int
+    read_threads: int = 2
+    write_threads: int = 2
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """The offloaded run's tiers: the CPU tier, then the fs tier, then the redis tier.
+
+    Attributes:
+        cpu_bytes: host bytes of the CPU tier.
+        eviction_policy: the CPU tier's cache policy (``lru``, ``arc``).
+        block_size: tokens per offloaded block (a multiple of the GPU block size).
+        fs: the fs tier; None runs without one.
+        redis_url: the redis tier's server (after the fs tier); None runs without one.
+    """
+
+    cpu_bytes: int
+    eviction_policy: str
+    block_size: int
+    fs: FsTierOptions | None = None
+    redis_url: str | None = None
+
+    def connector_config(self) -> dict[str, Any]:
+        """The offloading connector's ``kv_connector_extra_config`` (``docs/configuration.md``)."""
+        cfg: dict[str, Any] = {
+            "cpu_bytes_to_use": self.cpu_bytes,
+            "eviction_policy": self.eviction_policy,
+            "block_size": self.block_size,
+        }
+        if self.fs is None and self.redis_url is None:
+            cfg["spec_name"] = "CPUOffloadingSpec"
+            return cfg
+        cfg["spec_name"] = "TieringOffloadingSpec"
+        tiers: list[dict[str, Any]] = []
+        if self.fs is not None:
+            tiers.append(
+                {
+                    "type": FS_TIER_TYPE,
+                    "root_dir": str(self.fs.root),
+                    "n_read_threads": self.fs.read_threads,
+                    "n_write_threads": self.fs.write_threads,
+                    "max_bytes": self.fs.max_bytes,
+                }
+            )
+        if self.redis_url is not None:
+            # After the fs tier: lookups ask the local disk before the network.
+            tiers.append({"type": REDIS_TIER_TYPE, "url": self.redis_url})
+        cfg["secondary_tiers"] = tiers
+        return cfg
+
+    def for_instance(self, index: int) -> TiersConfig:
+        """The tiers of fleet instance ``index``: its own fs directory under the root."""
+        if self.fs is None:
+            return self
+        fs = dataclasses.replace(self.fs, root=self.fs.root / f"engine-{index}")
+        return dataclasses.replace(self, fs=fs)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The engine instances that serve the workload.
+
+    Attributes:
+        engines: engine instances; > 1 runs each in its own process (``fleet.py``).
+    """
+
+    engines: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engines run in processes of their own (more than one)."""
+        return self.engines > 1
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where the report goes besides the text on stdout, and what is shown while it runs.
+
+    Attributes:
+        json_path: where to write the JSON report (``-``: stdout, the text going to stderr).
+        plot_path: where to write the plot.
+        progress: draw progress on stderr.
+        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs.
+    """
+
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    progress: bool = True
+    metrics_port: int | None = None
+
+    @property
+    def json_to_stdout(self) -> bool:
+        """``--json -``: the document goes to stdout and the text report to stderr."""
+        return self.json_path is not None and str(self.json_path) == checks.STDOUT
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one invocation of ``run`` runs with (see the module docstring).
+
+    Attributes:
+        workload: what the clients send.
+        engine: the baseline's engine (no connector); see ``engine_run.engine_config``.
+        tiers: the offloaded run's tiers.
+        fleet: the engine instances.
+        output: the report's destinations.
+        timeout_s: longest time one run may take (None: no limit).
+        settings: the options echoed in the report (JSON-serialisable values).
+    """
+
+    workload: WorkloadConfig
+    engine: EngineConfig
+    tiers: TiersConfig
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    timeout_s: float | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def for_instance(self, index: int) -> RunConfig:
+        """What fleet instance ``index`` runs with: its own fs directory; no output of its own
+        (the command's process renders the report and draws the progress)."""
+        return dataclasses.replace(
+            self, tiers=self.tiers.for_instance(index), output=OutputConfig(progress=False)
+        )
+
+
+def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    kind = WorkloadKind(args.workload)
+    defaults = WORKLOAD_DEFAULTS.get(kind, {})
+
+    def pick(field_name: str, given: int | None) -> Any:
+        if given is not None:
+            return given
+        return defaults.get(field_name, getattr(WorkloadConfig(), field_name))
+
+    return WorkloadConfig(
+        kind=kind,
+        seed=args.seed,
+        num_clients=pick("num_clients", args.num_clients),
+        num_sessions=args.num_sessions,
+        turns_per_session=args.turns,
+        turn_tokens=args.turn_tokens,
+        output_tokens=args.output_tokens,
+        system_prompt_tokens=args.system_prompt_tokens,
+        num_system_prompts=pick("num_system_prompts", args.num_system_prompts),
+        document_tokens=args.document_tokens,
+        num_documents=args.num_documents,
+        think_time_s=args.think_time,
+        arrival_interval_s=args.think_time,
+    )
+
+
+def _kv_bytes_per_token(args: argparse.Namespace) -> int:
+    # K and V of every layer and head, in every KV-cache group (hybrid: two).
+    groups = 2 if args.model_stand_in == "hybrid" else 1
+    per_group = 2 * args.num_layers * args.num_kv_heads * args.head_size
+    return per_group * DTYPE_BYTES[args.dtype] * groups
+
+
+def _tiers_config(args: argparse.Namespace) -> TiersConfig:
+    offload_block_size = args.offload_block_size or args.block_size
+    if offload_block_size % args.block_size:
+        raise OptionError(
+            f"--offload-block-size {offload_block_size} must be a multiple of --block-size "
+            f"{args.block_size}"
+        )
+    if args.no_fs and (args.fs_root is not None or args.fs_clear):
+        flag = "--fs-root" if args.fs_root is not None else "--fs-clear"
+        raise OptionError(f"{flag} and --no-fs contradict each other")
+    fs = None
+    if not args.no_fs:
+        fs = FsTierOptions(
+            root=(args.fs_root or default_fs_root()).expanduser(),
+            max_bytes=args.fs_max_bytes,
+            read_threads=args.fs_read_threads,
+            write_threads=args.fs_write_threads,
+        )
+    if args.redis_url is not None:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+        if REDIS_TIER_TYPE not in SecondaryTierFactory.known_tier_types():
+            raise OptionError("--redis-url: this installation has no redis tier")
+    return TiersConfig(
+        cpu_bytes=args.cpu_bytes,
+        eviction_policy=args.eviction_policy,
+        block_size=offload_block_size,
+        fs=fs,
+        redis_url=args.redis_url,
+    )
+
+
+def _output_config(args: argparse.Namespace) -> OutputConfig:
+    if args.plot is not None:
+        from vllm.entrypoints.cli.report.plot import PlotUnavailableError, check_plot_available
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as e:
+            raise OptionError(str(e)) from None
+        problem = checks.plot_format_problem(args.plot)
+        if problem is not None:
+            raise OptionError(problem)
+    return OutputConfig(
+        json_path=args.json,
+        plot_path=args.plot,
+        progress=not args.no_progress,
+        metrics_port=args.metrics_port,
+    )
+
+
+def _machine_problems(
+    args: argparse.Namespace, tiers: TiersConfig, output: OutputConfig, engines: int
+) -> list[str]:
+    """What the machine would refuse later (paths, free space, formats), in option order."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    row_bytes = -(-tiers.block_size * _kv_bytes_per_token(args) // page) * page
+    problems: list[str | None] = []
+    if tiers.cpu_bytes < row_bytes:
+        problems.append(
+            f"--cpu-bytes {tiers.cpu_bytes} is smaller than one offloaded block ({row_bytes} "
+            f"bytes with this geometry): raise --cpu-bytes to at least {row_bytes}"
+        )
+    elif not args.fs_clear:
+        # The shared region holds whole rows only; every engine instance has its own region.
+        problems.append(checks.shm_problem(engines * (tiers.cpu_bytes // row_bytes * row_bytes)))
+    if tiers.fs is not None:
+        from vllm.v1.kv_offload.tiering.block_format import file_size
+
+        problems.append(checks.fs_root_problem(tiers.fs.root))
+        problems.append(checks.fs_max_bytes_problem(tiers.fs.max_bytes, file_size(row_bytes)))
+    if output.json_path is not None:
+        problems.append(checks.output_file_problem("--json", output.json_path))
+    if output.plot_path is not None:
+        problems.append(checks.output_file_problem("--plot", output.plot_path))
+    return [p for p in problems if p is not None]
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without one is refused.
+
+    Raises:
+        OptionError: ``cuda`` was asked for and torch sees no CUDA device.
+    """
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise OptionError("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
+    return requested
+
+
+def _engine_config(
+    args: argparse.Namespace, workload: WorkloadConfig, fleet: FleetConfig
+) -> EngineConfig:
+    # Imported here, once every cheaper check passed: the engine's modules import torch, and a
+    # refused option should not wait for that.
+    from vllm.v1.engine.config import EngineConfig
+    from vllm.v1.engine.model import ModelStandIn, hybrid_stand_in
+
+    device = resolve_device(args.device)
+    block_sizes: tuple[int, ...] = (args.block_size,)
+    windows: tuple[int | None, ...] = ()
+    if ModelStandIn(args.model_stand_in) is ModelStandIn.HYBRID:
+        block_sizes, windows = hybrid_stand_in(args.block_size, args.sliding_window)
+    return EngineConfig(
+        gpu_block_sizes=block_sizes,
+        sliding_windows=windows,
+        num_gpu_blocks=args.gpu_blocks,
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_size=args.head_size,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        vocab_size=workload.vocab_size,
+        verify_kv=True,
+        device=device,
+        async_scheduling=args.async_scheduling,
+        # A fleet tells KV another instance computed from an instance's own.
+        record_block_origins=fleet.enabled,
+    )
+
+
+def _settings(
+    args: argparse.Namespace,
+    workload: WorkloadConfig,
+    engine: EngineConfig,
+    tiers: TiersConfig,
+    fleet: FleetConfig,
+    timeout_s: float | None,
+) -> dict[str, Any]:
+    """The options echoed in the report (JSON-serialisable; ``docs/cli.md`` lists them)."""
+    w = workload
+    return {
+        "workload": w.kind.value,
+        "seed": w.seed,
+        "num_clients": w.num_clients,
+        "num_sessions": w.num_sessions,
+        "turns": w.turns_per_session,
+        "turn_tokens": w.turn_tokens,
+        "output_tokens": w.output_tokens,
+        "system_prompt_tokens": w.system_prompt_tokens,
+        "document_tokens": w.document_tokens,
+        "num_documents": w.num_documents,
+        "think_time_s": w.think_time_s,
+        "num_layers": engine.num_layers,
+        "num_kv_heads": engine.num_kv_heads,
+        "head_size": engine.head_size,
+        "dtype": engine.dtype,
+        "block_size": args.block_size,
+        "offload_block_size": tiers.block_size,
+        "block_bytes": args.block_size * _kv_bytes_per_token(args),
+        "gpu_blocks": engine.num_gpu_blocks,
+        "min_gpu_blocks": -(-max_request_tokens(w) // args.block_size),
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "cpu_bytes": tiers.cpu_bytes,
+        "eviction_policy": tiers.eviction_policy,
+        "fs_root": None if tiers.fs is None else str(tiers.fs.root),
+        "fs_max_bytes": None if tiers.fs is None else tiers.fs.max_bytes,
+        "redis_url": None if tiers.redis_url is None else redact_url(tiers.redis_url),
+        "engines": fleet.engines,
+        "device": engine.device,
+        "timeout_s": timeout_s,
+        "async_scheduling": engine.async_scheduling,
+        "model_stand_in": args.model_stand_in,
+        "sliding_window": args.sliding_window if args.model_stand_in == "hybrid" else None,
+    }
+
+
+def build_run_config(args: argparse.Namespace) -> RunConfig:
+    """Check the parsed options of ``run`` and build the ``RunConfig`` of the invocation.
+
+    Everything that can be checked before the first engine step is checked here, cheapest
+    first: values against each other, then against the machine (``checks``: the fs root, free
+    space in ``/dev/shm``, output files, the plot's format), then what needs torch (the device).
+
+    Raises:
+        OptionError: a value is refused (the first problem found).
+    """
+    tiers = _tiers_config(args)
+    output = _output_config(args)
+    fleet = FleetConfig(engines=args.engines)
+    workload = _workload_config(args)
+    longest = max_request_tokens(workload)
+    blocks_needed = -(-longest // args.block_size)
+    if blocks_needed > args.gpu_blocks:
+        raise OptionError(
+            f"--gpu-blocks {args.gpu_blocks} cannot hold the longest request of this workload "
+            f"(up to {longest} tokens = {blocks_needed} blocks of {args.block_size}): raise "
+            "--gpu-blocks or shrink the workload"
+        )
+    problems = _machine_problems(args, tiers, output, fleet.engines)
+    if problems:
+        raise OptionError(problems[0])
+    engine = _engine_config(args, workload, fleet)
+    timeout_s = args.timeout or None
+    return RunConfig(
+        workload=workload,
+        engine=engine,
+        tiers=tiers,
+        fleet=fleet,
+        output=output,
+        timeout_s=timeout_s,
+        settings=_settings(args, workload, engine, tiers, fleet, timeout_s),
+    )

@@ -1,0 +1,301 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""The report's data model: what one invocation of ``vllm-kv-offload run`` measured.
+
+Owns the figures and nothing else: ``RunResult`` is what one engine run measured (the no-offload
+baseline or the offloaded run), ``InstanceResult`` one fleet instance's share of both, and
+``Report`` both runs side by side with the settings that produced them. The figures derived from
+them alone (hit rates, shares, prefill tokens saved) are here too. Judging them (verdict,
+reasons) is ``verdict.py``'s; rendering them is ``text.py``'s, ``json_doc.py``'s and
+``plot.py``'s. Filled by ``cli/engine_run.py`` (from an engine) and ``cli/fleet.py`` (sums
+over instances).
+
+A new figure: a field here (with its docstring line), filled in ``engine_run.fill_result``,
+shown by a line in ``text.py`` and a key in ``json_doc.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Tier(str, enum.Enum):
+    """Where a prompt token came from."""
+
+    GPU = "gpu_prefix_cache"
+    CPU = "cpu_tier"
+    FS = "fs_tier"
+    REDIS = "redis_tier"
+
+
+class Direction(str, enum.Enum):
+    """A direction in which offloaded blocks move."""
+
+    GPU_TO_CPU = "gpu_to_cpu"
+    CPU_TO_GPU = "cpu_to_gpu"
+    CPU_TO_FS = "cpu_to_fs"
+    FS_TO_CPU = "fs_to_cpu"
+    CPU_TO_REDIS = "cpu_to_redis"
+    REDIS_TO_CPU = "redis_to_cpu"
+
+    @property
+    def label(self) -> str:
+        """Human-readable name of the direction."""
+        return {
+            Direction.GPU_TO_CPU: "GPU -> CPU (store)",
+            Direction.CPU_TO_GPU: "CPU -> GPU (load)",
+            Direction.CPU_TO_FS: "CPU -> fs (store)",
+            Direction.FS_TO_CPU: "fs -> CPU (promote)",
+            Direction.CPU_TO_REDIS: "CPU -> redis (store)",
+            Direction.REDIS_TO_CPU: "redis->CPU (promote)",  # 20 columns: the table's
+        }[self]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation; 0.0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class Distribution:
+    """Summary of a sample (e.g. per-step overhead in microseconds)."""
+
+    count: int = 0
+    median: float = 0.0
+    p99: float = 0.0
+    mean: float = 0.0
+    max: float = 0.0
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        """Summarise ``values`` (an empty sample gives zeros)."""
+        if not values:
+            return cls()
+        return cls(
+            count=len(values),
+            median=percentile(values, 50),
+            p99=percentile(values, 99),
+            mean=sum(values) / len(values),
+            max=max(values),
+        )
+
+
+@dataclass
+class TransferFigures:
+    """Blocks and bytes moved in one direction during a run.
+
+    Attributes:
+        blocks: blocks moved successfully.
+        bytes: bytes moved successfully (for the fs tier: whole block files, header included).
+        busy_s: how long transfers were running: GPU <-> CPU, the summed duration of the copy
+            jobs (they run one after another per direction); CPU <-> fs, the wall time during
+            which at least one of the tier's I/O threads worked on that direction (blocks already
+            on disk included). None when not timed.
+        failed_blocks: blocks whose transfer failed (for loads from disk: corrupt files included).
+        skipped_blocks: blocks not moved because the destination already held them (a store to
+            the fs tier of a block already on disk).
+    """
+
+    blocks: int = 0
+    bytes: int = 0
+    busy_s: float | None = None
+    failed_blocks: int = 0
+    skipped_blocks: int = 0
+
+    def throughput(self) -> float | None:
+        """Bytes per second while transferring, or None when the busy time is unknown."""
+        return self.bytes / self.busy_s if self.busy_s else None
+
+
+@dataclass
+class StepSample:
+    """One engine step of a run, for the plot.
+
+    Attributes:
+        t_s: seconds since the run started, at the end of the step.
+        tokens: cumulative prompt tokens per source so far: ``"computed"`` and each ``Tier`` value.
+        bytes_moved: bytes each direction moved during this step (completed transfers).
+    """
+
+    t_s: float
+    tokens: dict[str, int]
+    bytes_moved: dict[str, int]
+
+
+@dataclass
+class FsTierState:
+    """What the fs tier held before and after a run.
+
+    Attributes:
+        root_dir: the tier's root directory.
+        max_bytes: the tier's capacity bound (None: bounded by the filesystem).
+        files_at_start, bytes_at_start: block files of this run's geometry already on disk when
+            the run started (a warm start when > 0).
+        files_at_end, bytes_at_end: the same after the run.
+    """
+
+    root_dir: str
+    max_bytes: int | None
+    files_at_start: int = 0
+    bytes_at_start: int = 0
+    files_at_end: int = 0
+    bytes_at_end: int = 0
+
+    @property
+    def warm(self) -> bool:
+        """Whether the run started with blocks already on disk."""
+        return self.files_at_start > 0
+
+
+@dataclass
+class RunResult:
+    """Everything one engine run measured.
+
+    Token accounting: every prompt token the scheduler placed (counted again when a preempted
+    request is scheduled anew) is either computed by the model or served from exactly one of the
+    GPU prefix cache, the CPU tier, the fs tier or the redis tier, so
+    ``computed + sum(served.values()) == prompt_tokens``.
+
+    Attributes:
+        label: ``"baseline"`` or ``"offload"``.
+        offload: whether the offloading connector was on.
+        wall_s: seconds from the first request to the last output.
+        num_requests: requests submitted; ``num_finished`` of them finished.
+        prompt_tokens: prompt tokens placed (see above).
+        computed_tokens: prompt tokens the model computed.
+        served: prompt tokens served per tier.
+        lookup_tokens: prompt tokens looked up per tier (those that reached it, i.e. missed every
+            faster tier), the denominators of the hit rates.
+        output_tokens: tokens generated.
+        steps: engine steps run.
+        preemptions: requests preempted for lack of GPU blocks.
+        overhead_us: scheduler-side connector + manager time per busy engine step (one that
+            scheduled tokens), in microseconds (offload only).
+        worker_overhead_us: worker-side connector time per busy step (submitting and polling
+            transfers; with the CPU fallback this includes the copies), in microseconds.
+        ttft_ms: time to first token per request, in milliseconds.
+        latency_ms: end-to-end time per request, in milliseconds.
+        transfers: figures per direction (offload only).
+        blocks_verified: offloaded blocks loaded into the GPU pool and checked bit-exact against
+            what recomputation writes.
+        blocks_mismatched: such blocks whose bytes differed (never served: recomputed).
+        corrupt_blocks_detected: blocks the fs tier found corrupt on disk (discarded, recomputed).
+        failed_loads: blocks of load or promotion jobs that failed for any reason.
+        blocks_verified_from_redis: of ``blocks_verified``, GPU blocks of blocks promoted from
+            the redis tier.
+        fs: the fs tier's state (None without an fs tier).
+        redis_url: the redis tier's server (None without a redis tier).
+        cross_instance_tokens: in a fleet, prompt tokens served from KV that another instance
+            of the fleet computed and stored in the shared (redis) tier during this run; None
+            outside a fleet.
+        outputs: output token ids per request id, to compare runs.
+        samples: one sample per engine step, for the plot.
+    """
+
+    label: str
+    offload: bool
+    wall_s: float = 0.0
+    num_requests: int = 0
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    served: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    lookup_tokens: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    output_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    overhead_us: list[float] = field(default_factory=list)
+    worker_overhead_us: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    transfers: dict[Direction, TransferFigures] = field(
+        default_factory=lambda: {d: TransferFigures() for d in Direction}
+    )
+    blocks_verified: int = 0
+    blocks_mismatched: int = 0
+    corrupt_blocks_detected: int = 0
+    failed_loads: int = 0
+    blocks_verified_from_redis: int = 0
+    fs: FsTierState | None = None
+    redis_url: str | None = None
+    cross_instance_tokens: int | None = None
+    outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    samples: list[StepSample] = field(default_factory=list)
+
+    def check_accounting(self) -> None:
+        """Assert the token accounting invariant (see the class docstring)."""
+        total = self.computed_tokens + sum(self.served.values())
+        assert total == self.prompt_tokens, (
+            f"{self.label} run: computed {self.computed_tokens} + served "
+            f"{ {t.value: n for t, n in self.served.items()} } = {total} != prompt tokens "
+            f"{self.prompt_tokens}"
+        )
+
+    def hit_rate(self, tier: Tier) -> float:
+        """Fraction of the prompt tokens that reached ``tier`` which it served."""
+        looked_up = self.lookup_tokens[tier]
+        return self.served[tier] / looked_up if looked_up else 0.0
+
+    def share(self, tier: Tier | None) -> float:
+        """Fraction of all prompt tokens served by ``tier`` (None: computed)."""
+        if not self.prompt_tokens:
+            return 0.0
+        n = self.computed_tokens if tier is None else self.served[tier]
+        return n / self.prompt_tokens
+
+
+@dataclass
+class InstanceResult:
+    """One engine instance of a fleet: its share of both runs (same requests, same router).
+
+    Attributes:
+        index: the instance's number (0-based).
+        baseline: what it measured in the no-offload run.
+        offload: what it measured in the offloaded run.
+    """
+
+    index: int
+    baseline: RunResult
+    offload: RunResult
+
+
+@dataclass
+class Report:
+    """Both runs of one invocation, with the settings that produced them.
+
+    In a fleet (``--engines`` > 1) ``baseline`` and ``offload`` are the sums over the instances
+    and ``instances`` holds each one's figures.
+
+    Attributes:
+        settings: the options of the run (JSON-serialisable values), echoed in the report
+            (``RunConfig.settings``).
+        baseline: the no-offload run.
+        offload: the offloaded run.
+        instances: the fleet's instances (empty with one engine in this process).
+    """
+
+    settings: dict[str, Any]
+    baseline: RunResult
+    offload: RunResult
+    instances: list[InstanceResult] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        """Prompt tokens the baseline computed that the offloaded run did not."""
+        return self.baseline.computed_tokens - self.offload.computed_tokens
+
+    @property
+    def prefill_tokens_saved_fraction(self) -> float:
+        """``prefill_tokens_saved`` over the baseline's computed tokens (0.0 when none)."""
+        base = self.baseline.computed_tokens
+        return self.prefill_tokens_saved / base if base else 0.0

@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""The report as a JSON document (``--json``): the same figures as the text, for programs.
+
+Owns the document's layout, documented in ``docs/cli.md`` and versioned by ``SCHEMA_VERSION``:
+``report_json`` builds it from a ``Report`` (the figures of ``figures.py``, the verdict and the
+no-savings reason of ``verdict.py``). A new key is one line in the function that builds its
+object (``run_json`` for a run's figures, ``report_json`` for the comparison); adding keys keeps
+the schema version, renaming or removing one bumps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.entrypoints.cli.report.figures import (
+    Direction,
+    Distribution,
+    FsTierState,
+    InstanceResult,
+    Report,
+    RunResult,
+    StepSample,
+    Tier,
+    TransferFigures,
+)
+from vllm.entrypoints.cli.report.verdict import (
+    Verdict,
+    compare_outputs,
+    judge,
+    judge_report,
+    no_savings_reason,
+)
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a JSON field is renamed or removed (adding fields keeps the version)."""
+
+ROUTER = "round-robin per turn"
+"""How a fleet's requests are routed (``fleet.route``), as the document names it."""
+
+
+def distribution_json(d: Distribution) -> dict[str, Any]:
+    """The JSON object of a summary (count, median, p99, mean, max)."""
+    return {"count": d.count, "median": d.median, "p99": d.p99, "mean": d.mean, "max": d.max}
+
+
+def transfer_json(t: TransferFigures, wall_s: float) -> dict[str, Any]:
+    """The JSON object of one direction; ``average_bytes_per_s`` spreads the bytes over the run."""
+    return {
+        "blocks": t.blocks,
+        "bytes": t.bytes,
+        "busy_s": t.busy_s,
+        "failed_blocks": t.failed_blocks,
+        "skipped_blocks": t.skipped_blocks,
+        "throughput_bytes_per_s": t.throughput(),
+        "average_bytes_per_s": t.bytes / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+def sample_json(s: StepSample) -> dict[str, Any]:
+    """The JSON object of one step's sample."""
+    return {"t_s": round(s.t_s, 4), "tokens": dict(s.tokens), "bytes_moved": dict(s.bytes_moved)}
+
+
+def fs_json(fs: FsTierState) -> dict[str, Any]:
+    """The JSON object of the fs tier's state before and after a run."""
+    return {
+        "root_dir": fs.root_dir,
+        "max_bytes": fs.max_bytes,
+        "warm_start": fs.warm,
+        "files_at_start": fs.files_at_start,
+        "bytes_at_start": fs.bytes_at_start,
+        "files_at_end": fs.files_at_end,
+        "bytes_at_end": fs.bytes_at_end,
+    }
+
+
+def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
+    """The JSON object of one run (without ``samples`` when False: a fleet instance's)."""
+    doc: dict[str, Any] = {
+        "label": run.label,
+        "offload": run.offload,
+        "wall_s": run.wall_s,
+        "requests": {"submitted": run.num_requests, "finished": run.num_finished},
+        "prompt_tokens": {
+            "total": run.prompt_tokens,
+            "computed": run.computed_tokens,
+            **{t.value: run.served[t] for t in Tier},
+        },
+        "hit_rate": {t.value: run.hit_rate(t) for t in Tier},
+        "share": {"computed": run.share(None), **{t.value: run.share(t) for t in Tier}},
+        "output_tokens": run.output_tokens,
+        "steps": run.steps,
+        "preemptions": run.preemptions,
+        "overhead_us_per_step": distribution_json(Distribution.of(run.overhead_us)),
+        "worker_overhead_us_per_step": distribution_json(Distribution.of(run.worker_overhead_us)),
+        "ttft_ms": distribution_json(Distribution.of(run.ttft_ms)),
+        "latency_ms": distribution_json(Distribution.of(run.latency_ms)),
+        "transfers": {d.value: transfer_json(run.transfers[d], run.wall_s) for d in Direction},
+        "verification": {
+            "blocks_verified": run.blocks_verified,
+            "blocks_mismatched": run.blocks_mismatched,
+            "corrupt_blocks_detected": run.corrupt_blocks_detected,
+            "failed_loads": run.failed_loads,
+            "blocks_verified_from_redis": run.blocks_verified_from_redis,
+        },
+        "fs_tier": None if run.fs is None else fs_json(run.fs),
+        "redis_url": run.redis_url,
+        "cross_instance_tokens": run.cross_instance_tokens,
+    }
+    if samples:
+        doc["samples"] = [sample_json(s) for s in run.samples]
+    return doc
+
+
+def verdict_json(v: Verdict) -> dict[str, Any]:
+    """The JSON object of a verdict."""
+    return {
+        "status": "PASS" if v.passed else "FAIL",
+        "served_correctly": v.served_correctly,
+        "storage_intact": v.storage_intact,
+        "reasons": list(v.reasons),
+    }
+
+
+def instance_json(inst: InstanceResult) -> dict[str, Any]:
+    """The JSON object of a fleet instance (its runs' figures, without samples, and verdict)."""
+    return {
+        "index": inst.index,
+        "runs": {r.label: run_json(r, samples=False) for r in (inst.baseline, inst.offload)},
+        "verdict": verdict_json(judge(inst.baseline, inst.offload)),
+    }
+
+
+def report_json(report: Report) -> dict[str, Any]:
+    """The JSON document of the report."""
+    b, o = report.baseline, report.offload
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "settings": report.settings,
+        "runs": {"baseline": run_json(b), "offload": run_json(o)},
+        "comparison": {
+            "prefill_tokens_saved": report.prefill_tokens_saved,
+            "prefill_tokens_saved_fraction": report.prefill_tokens_saved_fraction,
+            "wall_time_ratio": o.wall_s / b.wall_s if b.wall_s else None,
+            "outputs_identical": not compare_outputs(b.outputs, o.outputs),
+            "no_savings_reason": no_savings_reason(report),
+        },
+        "verdict": verdict_json(judge_report(report)),
+        "fleet": (
+            {
+                "engines": len(report.instances),
+                "router": ROUTER,
+                "instances": [instance_json(i) for i in report.instances],
+            }
+            if report.instances
+            else None
+        ),
+    }
