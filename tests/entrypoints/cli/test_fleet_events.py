@@ -4,19 +4,27 @@
 
 from __future__ import annotations
 
+import json
+import threading
+from pathlib import Path
+
+import msgspec
 import pytest
 import zmq
 
+from tests.entrypoints.cli.workload_args import workload_args
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, KVEventsConfig
 from vllm.entrypoints.cli.fleet_events import (
     FleetRouting,
     instance_publisher,
     private_endpoints,
 )
+from vllm.entrypoints.cli.main import main
 from vllm.entrypoints.router.router import prompt_block_hashes
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 
 PROMPT = list(range(64))
+TINY_RUN = workload_args(clients=2, sessions=4, think_time=0.001, timeout=300)
 
 
 def _stored(n: int) -> KVEventBatch:
@@ -92,3 +100,78 @@ def test_kv_aware_needs_every_instances_endpoints() -> None:
     routing = FleetRouting("session", 2, None, 16)
     assert routing.catch_up([5, 5]) and routing.feed_stats() is None
     routing.stop()
+
+
+def _free_port() -> int:
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        return sock.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
+    finally:
+        sock.close(linger=0)
+
+
+def test_run_publishes_every_event_of_both_runs_on_one_sequence(tmp_path: Path) -> None:
+    # The command connects its PUB socket to this subscriber (a host address: vLLM's rule);
+    # what the live stream missed (before the subscription took effect) comes back by replay
+    # while the runs go on.
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
+    replay_port = _free_port()
+    got: dict[int, list[object]] = {}
+    stop = threading.Event()
+
+    def read() -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        expected = 0
+        while not stop.is_set():
+            if not sub.poll(50):
+                continue
+            _, seq_bytes, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq > expected:
+                dealer.send_multipart([b"", expected.to_bytes(8, "big")])
+                while True:
+                    _, rseq, rpayload = dealer.recv_multipart()
+                    if rseq == (-1).to_bytes(8, "big", signed=True):
+                        break
+                    got.setdefault(int.from_bytes(rseq, "big"), msgspec.msgpack.decode(rpayload))
+            got[seq] = msgspec.msgpack.decode(payload)
+            expected = max(expected, seq + 1)
+        dealer.close(linger=0)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    out = tmp_path / "report.json"
+    try:
+        code = main(
+            [
+                *TINY_RUN,
+                "--no-progress",
+                "--no-fs",
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{port}",
+                "--kv-events-replay-endpoint",
+                f"tcp://127.0.0.1:{replay_port}",
+                "--json",
+                str(out),
+            ]
+        )
+    finally:
+        stop.set()
+        reader.join()
+        sub.close(linger=0)
+    assert code == 0
+    doc = json.loads(out.read_text())
+    sent = doc["kv_events"]["batches_sent"]
+    assert doc["kv_events"]["batches_dropped"] == 0
+    assert sorted(got) == list(range(sent))  # every batch of both runs, one sequence
+    events = [e for seq in sorted(got) for e in got[seq][1]]  # type: ignore[index]
+    assert all(got[s][2] == 0 for s in got)  # type: ignore[index]
+    clears = [i for i, e in enumerate(events) if e["type"] == "AllBlocksCleared"]
+    assert len(clears) == 2 and clears[-1] == len(events) - 1  # one per engine, at its end
+    media = {e.get("medium") for e in events[: clears[0]]}
+    assert media == {"GPU"}  # the baseline has no offload tiers
+    assert {e.get("medium") for e in events[clears[0] + 1 :]} >= {"GPU", "CPU"}

@@ -259,6 +259,12 @@ _RUN_DEFAULTS: dict[str, object] = {
     "verbose": 0,
     "redis_url": None,
     "engines": 1,
+    # KV events and routing (issue 28): off, and routing only matters with --engines > 1.
+    "kv_events_endpoint": None,
+    "kv_events_replay_endpoint": None,
+    "kv_events_topic": "",
+    "routing": None,
+    "compare_routing": False,
 }
 
 

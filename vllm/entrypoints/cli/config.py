@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import KVEventsConfig
 from vllm.entrypoints.cli import checks
 from vllm.entrypoints.cli.option_values import default_fs_root, redact_url
 from vllm.entrypoints.cli.options import DTYPE_BYTES
@@ -51,6 +52,8 @@ FS_TIER_TYPE = "fs"
 """Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
 REDIS_TIER_TYPE = "redis"
 """Registered type name of the redis tier."""
+COMPARE_TTL_S = 3600.0
+"""Expiry of the blocks ``--compare-routing`` stores under its own redis namespaces."""
 
 
 class OptionError(ValueError):
@@ -83,6 +86,8 @@ class TiersConfig:
         block_size: tokens per offloaded block (a multiple of the GPU block size).
         fs: the fs tier; None runs without one.
         redis_url: the redis tier's server (after the fs tier); None runs without one.
+        redis_namespace: the redis tier's key namespace (None: the tier's default, the run's
+            identity); with ``redis_ttl_s``, the expiry of its blocks.
     """
 
     cpu_bytes: int
@@ -90,6 +95,8 @@ class TiersConfig:
     block_size: int
     fs: FsTierOptions | None = None
     redis_url: str | None = None
+    redis_namespace: str | None = None
+    redis_ttl_s: float | None = None
 
     def connector_config(self) -> dict[str, Any]:
         """The offloading connector's ``kv_connector_extra_config`` (``docs/configuration.md``)."""
@@ -115,9 +122,30 @@ class TiersConfig:
             )
         if self.redis_url is not None:
             # After the fs tier: lookups ask the local disk before the network.
-            tiers.append({"type": REDIS_TIER_TYPE, "url": self.redis_url})
+            redis: dict[str, Any] = {"type": REDIS_TIER_TYPE, "url": self.redis_url}
+            if self.redis_namespace is not None:
+                redis["namespace"] = self.redis_namespace
+            if self.redis_ttl_s is not None:
+                redis["ttl_s"] = self.redis_ttl_s
+            tiers.append(redis)
         cfg["secondary_tiers"] = tiers
         return cfg
+
+    def for_comparison(self, tag: str) -> TiersConfig:
+        """Fresh storage for one policy's run of ``--compare-routing``: the fs directories under
+        ``<root>/compare-<tag>`` and the redis namespace ``kvo-compare-<tag>`` (blocks expire
+        after ``COMPARE_TTL_S``), so every policy starts from the same empty tiers."""
+        fs = (
+            None
+            if self.fs is None
+            else dataclasses.replace(self.fs, root=self.fs.root / f"compare-{tag}")
+        )
+        return dataclasses.replace(
+            self,
+            fs=fs,
+            redis_namespace=f"kvo-compare-{tag}",
+            redis_ttl_s=COMPARE_TTL_S,
+        )
 
     def for_instance(self, index: int) -> TiersConfig:
         """The tiers of fleet instance ``index``: its own fs directory under the root."""
@@ -129,13 +157,19 @@ class TiersConfig:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The engine instances that serve the workload.
+    """The engine instances that serve the workload, and how the front end routes to them.
 
     Attributes:
         engines: engine instances; > 1 runs each in its own process (``fleet.py``).
+        routing: the routing policy (``vllm/entrypoints/router/policies.py``); ``kv-aware``
+            subscribes to the instances' KV events (``fleet_events.py``).
+        compare_routing: serve the offloaded run once per policy (``ROUTING_POLICIES``) and
+            compare them; ``routing`` is then the one the main report shows.
     """
 
     engines: int = 1
+    routing: str = "round-robin"
+    compare_routing: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -174,6 +208,7 @@ class RunConfig:
         engine: the baseline's engine (no connector); see ``engine_run.engine_config``.
         tiers: the offloaded run's tiers.
         fleet: the engine instances.
+        events: where each engine instance publishes its KV events (``fleet_events.py``).
         output: the report's destinations.
         timeout_s: longest time one run may take (None: no limit).
         settings: the options echoed in the report (JSON-serialisable values).
@@ -183,6 +218,7 @@ class RunConfig:
     engine: EngineConfig
     tiers: TiersConfig
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    events: KVEventsConfig = field(default_factory=KVEventsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     timeout_s: float | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
@@ -257,6 +293,27 @@ def _tiers_config(args: argparse.Namespace) -> TiersConfig:
         block_size=offload_block_size,
         fs=fs,
         redis_url=args.redis_url,
+    )
+
+
+def _fleet_config(args: argparse.Namespace) -> FleetConfig:
+    if args.engines == 1 and (args.routing is not None or args.compare_routing):
+        flag = "--routing" if args.routing is not None else "--compare-routing"
+        raise OptionError(f"{flag} routes between engine instances: it needs --engines > 1")
+    routing = args.routing or ("kv-aware" if args.engines > 1 else "round-robin")
+    return FleetConfig(engines=args.engines, routing=routing, compare_routing=args.compare_routing)
+
+
+def _events_config(args: argparse.Namespace) -> KVEventsConfig:
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise OptionError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return KVEventsConfig(topic=args.kv_events_topic)
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=args.kv_events_endpoint,
+        replay_endpoint=args.kv_events_replay_endpoint,
+        topic=args.kv_events_topic,
     )
 
 
@@ -359,6 +416,7 @@ def _settings(
     engine: EngineConfig,
     tiers: TiersConfig,
     fleet: FleetConfig,
+    events: KVEventsConfig,
     timeout_s: float | None,
 ) -> dict[str, Any]:
     """The options echoed in the report (JSON-serialisable; ``docs/cli.md`` lists them)."""
@@ -392,6 +450,10 @@ def _settings(
         "fs_max_bytes": None if tiers.fs is None else tiers.fs.max_bytes,
         "redis_url": None if tiers.redis_url is None else redact_url(tiers.redis_url),
         "engines": fleet.engines,
+        "routing": fleet.routing if fleet.enabled else None,
+        "compare_routing": fleet.compare_routing,
+        "kv_events_endpoint": events.endpoint if events.enable_kv_cache_events else None,
+        "kv_events_replay_endpoint": events.replay_endpoint,
         "device": engine.device,
         "timeout_s": timeout_s,
         "async_scheduling": engine.async_scheduling,
@@ -412,7 +474,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     """
     tiers = _tiers_config(args)
     output = _output_config(args)
-    fleet = FleetConfig(engines=args.engines)
+    fleet = _fleet_config(args)
+    events = _events_config(args)
     workload = _workload_config(args)
     longest = max_request_tokens(workload)
     blocks_needed = -(-longest // args.block_size)
@@ -432,7 +495,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         engine=engine,
         tiers=tiers,
         fleet=fleet,
+        events=events,
         output=output,
         timeout_s=timeout_s,
-        settings=_settings(args, workload, engine, tiers, fleet, timeout_s),
+        settings=_settings(args, workload, engine, tiers, fleet, events, timeout_s),
     )

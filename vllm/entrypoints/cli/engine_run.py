@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.option_values import redact_url
@@ -280,6 +281,8 @@ class EngineRun:
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
         exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        event_sink: receives the engine's KV event batches (the instance's publisher's
+            ``publish``, which outlives the run: ``fleet_events.py``).
     """
 
     def __init__(
@@ -288,6 +291,7 @@ class EngineRun:
         offload: bool,
         instance_id: str | None = None,
         exporter: MetricsExporter | None = None,
+        event_sink: Callable[[KVEventBatch], None] | None = None,
     ) -> None:
         self.label = "offload" if offload else "baseline"
         self.result = RunResult(label=self.label, offload=offload)
@@ -298,7 +302,7 @@ class EngineRun:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic())
         self._exporter = exporter
-        engine = EngineCore(engine_config(config, offload, instance_id))
+        engine = EngineCore(engine_config(config, offload, instance_id), event_sink=event_sink)
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
         if exporter is not None:
             callback = exporter.attach(engine, self.label, self.sampler)

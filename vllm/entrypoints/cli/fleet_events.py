@@ -19,11 +19,21 @@ decisions and counts start from zero while the index carries on.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import zmq
+
 from vllm.distributed.kv_event_publisher import ZmqEventPublisher
-from vllm.distributed.kv_events import KVEventsConfig
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    KVEventBatch,
+    KVEventsConfig,
+    offset_endpoint_port,
+)
+from vllm.entrypoints.cli.report.figures import RoutingFigures
 from vllm.entrypoints.router.event_feed import EventFeed, FeedStats
 from vllm.entrypoints.router.policies import KVAware, RoutingCosts, make_policy
 from vllm.entrypoints.router.router import Router
@@ -31,6 +41,8 @@ from vllm.entrypoints.router.router import Router
 PRIVATE_ENDPOINT = "tcp://127.0.0.1:*"
 """Where an instance binds the endpoints only the front end's router subscribes to (a free
 loopback port each)."""
+PUBLISH_DRAIN_S = 10.0
+"""How long the end of a run waits for the publisher to send what the run published."""
 FEED_CATCH_UP_S = 10.0
 """How long the front end waits, between runs, for the feed to apply every batch an instance
 says it sent."""
@@ -60,21 +72,33 @@ def instance_publisher(
         for_router: also bind private loopback endpoints for the front end's router.
 
     Raises:
-        zmq.ZMQError: an endpoint could not be bound (e.g. its port is in use).
+        OSError: an endpoint could not be bound (e.g. its port is in use).
     """
     public = events.enable_kv_cache_events and events.publisher == "zmq"
     if not public and not for_router:
         return None
-    return ZmqEventPublisher(
-        index,
-        endpoint=events.endpoint if public else None,
-        replay_endpoint=events.replay_endpoint if public else None,
-        buffer_steps=events.buffer_steps,
-        hwm=events.hwm,
-        max_queue_size=events.max_queue_size,
-        topic=events.topic,
-        also_bind=[(PRIVATE_ENDPOINT, PRIVATE_ENDPOINT)] if for_router else (),
-    )
+    try:
+        return ZmqEventPublisher(
+            index,
+            endpoint=events.endpoint if public else None,
+            replay_endpoint=events.replay_endpoint if public else None,
+            buffer_steps=events.buffer_steps,
+            hwm=events.hwm,
+            max_queue_size=events.max_queue_size,
+            topic=events.topic,
+            also_bind=[(PRIVATE_ENDPOINT, PRIVATE_ENDPOINT)] if for_router else (),
+        )
+    except zmq.ZMQError as e:
+        where = offset_endpoint_port(events.endpoint, index) if public else PRIVATE_ENDPOINT
+        raise OSError(e.errno, f"KV events of engine {index}: cannot use {where}: {e}") from None
+
+
+async def announce_engine_end(publisher: ZmqEventPublisher) -> int:
+    """Publish ``AllBlocksCleared`` (the run's engine, its GPU cache and CPU tier are gone),
+    wait until the publisher sent everything (off the event loop); its batches sent so far."""
+    publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+    await asyncio.get_running_loop().run_in_executor(None, publisher.wait_sent, PUBLISH_DRAIN_S)
+    return publisher.sent_batches
 
 
 def private_endpoints(publisher: ZmqEventPublisher) -> InstanceEndpoints:
@@ -135,3 +159,30 @@ class FleetRouting:
         """Stop the feed (idempotent)."""
         if self.feed is not None:
             self.feed.stop()
+
+
+def routing_figures(router: Router, routing: FleetRouting) -> RoutingFigures:
+    """How ``router`` routed its run (the feed's counters are the invocation's so far)."""
+    stats = router.stats
+    feed = routing.feed_stats()
+    events: dict[str, list[float]] | None = None
+    if feed is not None:
+        events = {
+            "batches": [float(n) for n in feed.batches],
+            "replayed": [float(n) for n in feed.replayed],
+            "replay_requests": [float(n) for n in feed.replay_requests],
+            "lost": [float(n) for n in feed.lost],
+            "mean_lag_ms": [
+                1000 * lag / n if n else 0.0
+                for lag, n in zip(feed.lag_sum_s, feed.batches, strict=True)
+            ],
+            "max_lag_ms": [1000 * lag for lag in feed.max_lag_s],
+        }
+    return RoutingFigures(
+        policy=stats.policy,
+        requests=list(stats.decisions),
+        expected_cached_tokens=dict(stats.expected_cached_tokens),
+        expected_computed_tokens=stats.expected_computed_tokens,
+        guard_exclusions=stats.guard_exclusions,
+        events=events,
+    )

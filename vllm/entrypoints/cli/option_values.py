@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from vllm.distributed.kv_events import check_endpoint
 from vllm.v1.kv_offload.sizes import SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
@@ -92,6 +93,15 @@ def parse_redis_url(text: str) -> str:
             f"{text!r} is not a redis URL: use redis://HOST:PORT, rediss://HOST:PORT or "
             "unix:///PATH"
         )
+    return text
+
+
+def parse_zmq_endpoint(text: str) -> str:
+    """A ZeroMQ address for the KV event sockets (``tcp://HOST:PORT``, ``ipc://``, ``inproc://``)."""
+    try:
+        check_endpoint(text, "endpoint")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

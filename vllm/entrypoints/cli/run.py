@@ -24,10 +24,12 @@ import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TextIO
 
+from vllm.distributed.kv_event_publisher import ZmqEventPublisher
 from vllm.entrypoints.cli.clients import GenerateFn, serve_workload
 from vllm.entrypoints.cli.config import RunConfig
 from vllm.entrypoints.cli.engine_run import EngineRun
 from vllm.entrypoints.cli.fleet import serve_fleet
+from vllm.entrypoints.cli.fleet_events import announce_engine_end, instance_publisher
 from vllm.entrypoints.cli.interrupt import run_interruptible
 from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.progress import token_shares
@@ -55,6 +57,7 @@ async def serve(
     offload: bool,
     on_fs_start: Callable[[FsTierState], None] | None = None,
     exporter: MetricsExporter | None = None,
+    publisher: ZmqEventPublisher | None = None,
 ) -> RunResult:
     """Serve ``workload`` on a fresh engine in this process and return what the run measured.
 
@@ -65,8 +68,11 @@ async def serve(
         on_fs_start: called with the fs tier's state once its start-up scan counted what is on
             disk, before the first request (the command prints it at once).
         exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        publisher: where the engine's KV events go (``--kv-events-endpoint``); it outlives the
+            run, which ends by announcing ``AllBlocksCleared``.
     """
-    async with EngineRun(config, offload, exporter=exporter) as run:
+    sink = None if publisher is None else publisher.publish
+    async with EngineRun(config, offload, exporter=exporter, event_sink=sink) as run:
         if run.result.fs is not None and on_fs_start is not None:
             on_fs_start(run.result.fs)
         samples = run.sampler.samples
@@ -89,6 +95,8 @@ async def serve(
             on_start,
         )
         await run.finish()
+    if publisher is not None:
+        await announce_engine_end(publisher)
     result = run.result
     result.num_requests = workload.num_requests
     result.wall_s = log.wall_s
@@ -113,9 +121,21 @@ async def _serve_both(
 
     if config.fleet.enabled:
         return await serve_fleet(config, workload, on_fs_start)
-    baseline = await serve(config, workload, offload=False, exporter=exporter)
-    offload = await serve(config, workload, True, on_fs_start, exporter)
-    return Report(settings=dict(config.settings), baseline=baseline, offload=offload)
+    # One publisher for both runs: one sequence of batch numbers across them.
+    publisher = instance_publisher(config.events, 0, for_router=False)
+    try:
+        baseline = await serve(config, workload, False, exporter=exporter, publisher=publisher)
+        offload = await serve(config, workload, True, on_fs_start, exporter, publisher)
+    finally:
+        if publisher is not None:
+            publisher.shutdown()
+    report = Report(settings=dict(config.settings), baseline=baseline, offload=offload)
+    if publisher is not None:
+        report.kv_events = {
+            "batches_sent": publisher.sent_batches,
+            "batches_dropped": publisher.dropped_batches,
+        }
+    return report
 
 
 def run_command(config: RunConfig) -> int:

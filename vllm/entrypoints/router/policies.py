@@ -8,7 +8,8 @@
   by requests routed); what affinity routers do.
 * ``kv-aware``: the instance whose expected cost is lowest (``docs/fleet.md``):
 
-      cost_i = computed_i + sum over places p of tokens_{i,p} * load_cost_p + queued_i
+      cost_i = computed_i + sum over places p of tokens_{i,p} * load_cost_p
+               + queue_weight * queued_i
 
   with ``tokens_{i,p}`` the prompt's prefix instance ``i`` would serve from place ``p``
   (``PrefixIndex.match``: its GPU cache, CPU tier, local storage, and the shared store, which
@@ -101,6 +102,9 @@ class RoutingCosts:
 
     Attributes:
         load_cost: per ``Place``; 0 for the GPU cache (nothing moves).
+        queue_weight: what one prompt token queued ahead on an instance (routed there, no
+            first token yet) costs a new request there, in the same units: it waits for it
+            but shares the steps' batches, so less than computing it.
     """
 
     load_cost: Mapping[Place, float] = field(
@@ -111,6 +115,7 @@ class RoutingCosts:
             Place.SHARED_STORAGE: 0.25,
         }
     )
+    queue_weight: float = 0.25
 
     @classmethod
     def from_throughputs(
@@ -130,7 +135,7 @@ class RoutingCosts:
                 raise ValueError(f"load throughput of {place.name} must be positive, got {bps}")
             costs[place] = prefill_tokens_per_s * bytes_per_token / bps
         costs[Place.GPU] = 0.0
-        return cls(costs)
+        return cls(costs, cls.queue_weight)
 
 
 class RoutingPolicy(ABC):
@@ -247,7 +252,7 @@ class KVAware(RoutingPolicy):
                 costs.append(None)
                 continue
             cached = min(m.cached, request.prompt_len)
-            cost = float(request.prompt_len - cached + load.queued_tokens)
+            cost = request.prompt_len - cached + self.costs.queue_weight * load.queued_tokens
             cost += sum(n * load_cost[Place(p)] for p, n in enumerate(m.tokens) if n)
             costs.append(cost)
             if best is None or cost < best_cost:
