@@ -17,6 +17,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -306,7 +307,7 @@ SHARED_DOCUMENTS = workload_args(clients=4, sessions=16, think_time=0.001, timeo
 
 def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) -> None:
     session = _fleet_json(tmp_path, "session", "--routing", "session")
-    kv = _fleet_json(tmp_path, "kv", "--routing", "kv-aware")
+    kv = _fleet_json(tmp_path, "kv", "--routing", "kv-aware", "--metrics-port", str(_free_port()))
     computed = {
         name: doc["runs"]["offload"]["prompt_tokens"]["computed"]  # type: ignore[index]
         for name, doc in (("session", session), ("kv-aware", kv))
@@ -319,3 +320,16 @@ def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) ->
         assert sum(requests) == 32 and max(requests) <= 1.2 * 16 + 1
     assert kv["fleet"]["routing"]["events"]["lost"] == [0, 0]  # type: ignore[index]
     assert session["fleet"]["routing"]["events"] is None  # type: ignore[index]
+    # The router's own series (--metrics-port): its decisions per instance, and the feed's.
+    metrics = kv["metrics"]["offload"]  # type: ignore[index]
+    decisions = [
+        metrics[f'vllm:router_decisions_total{{instance="{i}",policy="kv-aware"}}'] for i in (0, 1)
+    ]
+    assert decisions == kv["fleet"]["routing"]["requests"]  # type: ignore[index]
+    assert metrics['vllm:router_event_lost{instance="0",policy="kv-aware"}'] == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -53,6 +53,7 @@ from vllm.entrypoints.cli.clients import serve_workload
 from vllm.entrypoints.cli.config import REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.fleet_events import FleetRouting, routing_figures
 from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
+from vllm.entrypoints.cli.metrics_server import MetricsExporter
 from vllm.entrypoints.cli.progress import token_shares
 from vllm.entrypoints.cli.report.figures import (
     Direction,
@@ -67,6 +68,7 @@ from vllm.entrypoints.cli.report.figures import (
     TransferFigures,
 )
 from vllm.entrypoints.cli.workloads import Session, Workload
+from vllm.entrypoints.router.metrics import RouterPromMetrics
 from vllm.entrypoints.router.policies import ROUTING_POLICIES
 from vllm.entrypoints.router.router import Router
 from vllm.logger import init_logger
@@ -154,10 +156,13 @@ class Fleet:
 
     Args:
         config: the invocation's settings (``config.fleet.engines`` instances).
-        workload: what the clients send (its sessions' order numbers the router's sessions).
+        workload: what the clients send.
+        exporter: where the router's series go (``--metrics-port``), or None.
     """
 
-    def __init__(self, config: RunConfig, workload: Workload) -> None:
+    def __init__(
+        self, config: RunConfig, workload: Workload, exporter: MetricsExporter | None = None
+    ) -> None:
         self.config = config
         self.workload = workload
         self.instances: list[_Instance] = []
@@ -167,6 +172,9 @@ class Fleet:
         self.router: Router | None = None
         # Per instance, the KV event batches its publisher sent so far (end of the last run).
         self.batches_sent = [0] * config.fleet.engines
+        # The router's series (--metrics-port), labelled with the current run.
+        self.metrics = None if exporter is None else RouterPromMetrics(exporter.registry)
+        self.run_label = ""
 
     async def connect_events(self) -> None:
         """Wait for every instance's event endpoints and set up the front end's routing."""
@@ -246,7 +254,13 @@ class Fleet:
         req_id = session.request_id(t)
         router = self.router
         assert router is not None, "generate outside a run"
-        index = router.route(req_id, session.session_id, prompt).instance
+        decision = router.route(req_id, session.session_id, prompt)
+        index = decision.instance
+        if self.metrics is not None:
+            self.metrics.observe(self.run_label, router.policy.name, decision)
+            feed = self.routing.feed_stats() if self.routing is not None else None
+            if feed is not None:
+                self.metrics.update_feed(self.run_label, router.policy.name, feed)
         self.routes[req_id] = index
         instance = self.instances[index]
         queue: asyncio.Queue[Message] = asyncio.Queue()
@@ -297,6 +311,7 @@ class Fleet:
         assert self.routing is not None, "connect_events first"
         self.router = self.routing.new_router(policy)
         self.routes = {}
+        self.run_label = label if policy is None else f"compare-{policy}"
         for instance in self.instances:
             tiers = (
                 None
@@ -488,6 +503,7 @@ async def serve_fleet(
     config: RunConfig,
     workload: Workload,
     on_fs_start: Callable[[FsTierState], None] | None = None,
+    exporter: MetricsExporter | None = None,
 ) -> Report:
     """Serve ``workload`` on the fleet without, then with offloading; the report of both.
 
@@ -500,8 +516,10 @@ async def serve_fleet(
         workload: what the clients send.
         on_fs_start: called with the instances' fs directories' state (added up) once every
             instance scanned its own, before the offloaded run's first request.
+        exporter: gets the router's series (``--metrics-port``; the instances' own connector
+            series stay in their processes).
     """
-    fleet = Fleet(config, workload)
+    fleet = Fleet(config, workload, exporter)
     policy_runs: list[PolicyRun] = []
     try:
         fleet.start()

@@ -120,7 +120,7 @@ async def _serve_both(
         _write(out, render_fs_start(fs))
 
     if config.fleet.enabled:
-        return await serve_fleet(config, workload, on_fs_start)
+        return await serve_fleet(config, workload, on_fs_start, exporter)
     # One publisher for both runs: one sequence of batch numbers across them.
     publisher = instance_publisher(config.events, 0, for_router=False)
     try:
