@@ -392,6 +392,10 @@ def _routing_comparison(report: Report) -> Iterable[str]:
             "  from another instance",
             *(f"{r.cross_instance_tokens or 0:,}" for r in results),
         )
+        yield _row3(
+            "bytes from redis",
+            *(format_bytes(r.transfers[Direction.REDIS_TO_CPU].bytes) for r in results),
+        )
     ttfts = [Distribution.of(r.ttft_ms) for r in results]
     yield _row3("TTFT median", *(f"{d.median:.1f} ms" for d in ttfts))
     yield _row3("TTFT p99", *(f"{d.p99:.1f} ms" for d in ttfts))
