@@ -382,14 +382,13 @@ def _routing_comparison(report: Report) -> Iterable[str]:
     yield _row3("", *(p.routing.policy for p in runs))
     results = [p.result for p in runs]
     yield _row3("prefill tokens computed", *(f"{r.computed_tokens:,}" for r in results))
+    yield "  prompt tokens served"
     tiers = [t for t in Tier if t is not Tier.REDIS or results[0].redis_url is not None]
     for tier in tiers:
-        yield _row3(
-            f"  served from {_TIER_LABELS[tier]}", *(f"{r.served[tier]:,}" for r in results)
-        )
+        yield _row3(f"  from {_TIER_LABELS[tier]}", *(f"{r.served[tier]:,}" for r in results))
     if results[0].redis_url is not None:
         yield _row3(
-            "  from another instance",
+            "    computed by another",
             *(f"{r.cross_instance_tokens or 0:,}" for r in results),
         )
         yield _row3(
@@ -411,7 +410,7 @@ def _routing_comparison(report: Report) -> Iterable[str]:
 
 def _row3(label: str, *cells: str) -> str:
     # Three policies side by side within WIDTH: a narrower label and cells than _row's.
-    return f"  {label:<30}" + "".join(f"{c:>16}" for c in cells)
+    return f"  {label:<26}" + "".join(f" {c:>16}" for c in cells)
 
 
 def _verdict(report: Report) -> Iterable[str]:
