@@ -163,12 +163,14 @@ class ZmqEventPublisher(EventPublisher):
         config: KVEventsConfig,
         data_parallel_rank: int = 0,
         also_bind: Sequence[tuple[str, str | None]] = (),
+        use_endpoints: bool = True,
     ) -> ZmqEventPublisher:
-        """A publisher with ``config``'s endpoints, sizes and topic."""
+        """A publisher with ``config``'s sizes and topic, and its endpoints unless
+        ``use_endpoints`` is False (then only ``also_bind``)."""
         return cls(
             data_parallel_rank,
-            endpoint=config.endpoint,
-            replay_endpoint=config.replay_endpoint,
+            endpoint=config.endpoint if use_endpoints else None,
+            replay_endpoint=config.replay_endpoint if use_endpoints else None,
             buffer_steps=config.buffer_steps,
             hwm=config.hwm,
             max_queue_size=config.max_queue_size,

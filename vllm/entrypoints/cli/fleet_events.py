@@ -78,15 +78,11 @@ def instance_publisher(
     if not public and not for_router:
         return None
     try:
-        return ZmqEventPublisher(
+        return ZmqEventPublisher.from_config(
+            events,
             index,
-            endpoint=events.endpoint if public else None,
-            replay_endpoint=events.replay_endpoint if public else None,
-            buffer_steps=events.buffer_steps,
-            hwm=events.hwm,
-            max_queue_size=events.max_queue_size,
-            topic=events.topic,
             also_bind=[(PRIVATE_ENDPOINT, PRIVATE_ENDPOINT)] if for_router else (),
+            use_endpoints=public,
         )
     except zmq.ZMQError as e:
         where = offset_endpoint_port(events.endpoint, index) if public else PRIVATE_ENDPOINT
