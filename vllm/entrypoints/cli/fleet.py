@@ -352,7 +352,11 @@ class Fleet:
             instance.send(("finish",))
         answers = [await i.reply("result") for i in self.instances]
         self.batches_sent = [a[4] for a in answers]
-        if not self.routing.catch_up(self.batches_sent):
+        # Off the event loop: it waits on the feed's thread (at once, unless a stream lags).
+        caught_up = await asyncio.get_running_loop().run_in_executor(
+            None, self.routing.catch_up, self.batches_sent
+        )
+        if not caught_up:
             logger.warning("the router's event feed did not catch up with every instance")
         figures = routing_figures(self.router, self.routing)
         wall_s = log.wall_s
