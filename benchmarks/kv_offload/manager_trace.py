@@ -154,7 +154,7 @@ def build_manager(
 
         manager: OffloadingManager = CPUOffloadingManager(capacity, cache_policy=policy)
         return manager, manager.shutdown
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
     from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
     from vllm.v1.kv_offload.tiering.manager import (
         CPUPrimaryTierOffloadingManager,

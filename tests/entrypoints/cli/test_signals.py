@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 
 from .workload_args import command_env, workload_args
 
@@ -48,7 +48,7 @@ import os, sys, time
 
 from vllm.entrypoints.cli.config import TiersConfig
 from vllm.entrypoints.cli.main import main
-from vllm.v1.kv_offload.cpu import shared_offload_region as sor
+from vllm.v1.kv_offload.cpu.shared_region import region as sor
 
 REGION_DIR = os.environ["KVO_TEST_REGION_DIR"]
 STOP_AT = os.environ.get("KVO_TEST_STOP_AT", "")

@@ -30,6 +30,12 @@ from hypothesis.stateful import (
 )
 from typing_extensions import override
 
+from tests.v1.kv_offload.tiering.manager_state import (
+    jobs_in_flight,
+    queued_promotions,
+    request_level_tiers,
+    request_states,
+)
 from tests.v1.kv_offload.utils import make_tiering_spec
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
@@ -40,8 +46,8 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import (
     EXAMPLE_MEDIUM,
     ExampleSecondaryTierManager,
@@ -125,14 +131,14 @@ class RecordingTier(ExampleSecondaryTierManager):
         return super().lookup(key, req_context)
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.log.append((self.name, "submit_store", tuple(job.keys), job.req_context))
         if self.raise_in_submit:
             raise OSError("injected submit_store failure")
         super().submit_store(job)
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.log.append((self.name, "submit_load", tuple(job.keys), job.req_context))
         if self.raise_in_submit:
             raise OSError("injected submit_load failure")
@@ -194,12 +200,12 @@ class MinimalTier(SecondaryTierManager):
         return key in self.blocks
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.blocks.update(job.keys)
         self.finished.append(JobResult(job.job_id, True))
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.finished.append(JobResult(job.job_id, all(k in self.blocks for k in job.keys)))
 
     @override
@@ -503,10 +509,10 @@ class TestTieringOffloadingManager:
         self.tiers[1]._request_level = True
         ctx2 = ReqContext(req_id="r2")
         assert self.manager.on_new_request(ctx2).policy is OffloadPolicy.REQUEST_LEVEL
-        assert self.manager._request_level_tiers == {"r2": (1,)}
+        assert request_level_tiers(self.manager) == {"r2": (1,)}
         self.manager.on_request_finished(ctx2)
-        assert self.manager._request_level_tiers == {}
-        assert self.manager._req_state == {}
+        assert request_level_tiers(self.manager) == {}
+        assert request_states(self.manager) == {}
 
     def test_prepare_store_cascades_existing_blocks_to_request_level_tiers(self) -> None:
         existing = to_keys([1, 2])
@@ -542,7 +548,7 @@ class TestTieringOffloadingManager:
         assert self.manager.prepare_store(to_keys([9]), finished_ctx) is not None
         self.manager.on_request_finished(finished_ctx)  # delayed: a store is pending
         self.manager.reset_cache()
-        assert self.manager._request_level_tiers == {"rl": (1,)}
+        assert request_level_tiers(self.manager) == {"rl": (1,)}
 
         keys = to_keys([1, 2])
         self._store(keys, ReqContext(req_id="other"))
@@ -556,7 +562,7 @@ class TestTieringOffloadingManager:
         self._simulate_on_schedule_end()
         self._simulate_on_schedule_end()
         self.manager.on_request_finished(ctx)
-        assert self.manager._request_level_tiers == {}
+        assert request_level_tiers(self.manager) == {}
 
     def test_on_request_finished_delays_secondary_until_store_submitted(self) -> None:
         ctx = ReqContext(req_id="r")
@@ -580,7 +586,7 @@ class TestTieringOffloadingManager:
         self._simulate_on_schedule_end()
         self._simulate_on_schedule_end()
         assert sum(e[1] == "on_request_finished" for e in self.log) == 2
-        assert self.manager._req_state == {}
+        assert request_states(self.manager) == {}
 
     def test_on_request_finished_waits_for_every_pending_store(self) -> None:
         ctx = ReqContext(req_id="r")
@@ -760,7 +766,7 @@ class TestTieringOffloadingManager:
         assert [e[0] for e in self.log if e[1] == "on_request_finished"] == ["tier0", "tier1"]
         assert not self.manager.has_pending_work()
         assert self.primary.num_free_blocks == NUM_PRIMARY_BLOCKS
-        assert self.manager._req_state == {}
+        assert request_states(self.manager) == {}
         # Secondary data is kept: the blocks can be promoted again.
         for tier in self.tiers:
             assert tier.get_num_blocks() == 3
@@ -806,6 +812,7 @@ class TestTieringOffloadingManager:
             self.manager.on_schedule_end()
 
     def test_shutdown_order(self) -> None:
+        # The primary owns its region and lends only the rows (get_kv_memoryview).
         region_path = self.primary._mmap_region.path
         assert Path(region_path).exists()
         del self.rows  # the test's own array over the view
@@ -905,8 +912,8 @@ class TestCPUPrimaryTier:
             assert view.format == "B"
             assert view.shape == (NUM_PRIMARY_BLOCKS, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)
             keys = to_keys([1, 2])
-            output = primary.prepare_write(keys, _CTX)
-            assert output is not None and output.keys_to_store == keys
+            rows = [primary.reserve_row(key, _CTX) for key in keys]
+            assert rows == [0, 1]
             assert primary.lookup(keys[0], _CTX) is None
             primary.complete_write(keys, _CTX)
             spec = primary.prepare_read(keys, _CTX)
@@ -916,7 +923,7 @@ class TestCPUPrimaryTier:
             primary.complete_read(keys, _CTX)
             assert block.ref_cnt == 0
             failed = to_keys([3])
-            assert primary.prepare_write(failed, _CTX) is not None
+            assert primary.reserve_row(failed[0], _CTX) is not None
             primary.complete_write(failed, _CTX, success=False)
             assert primary.policy.get(failed[0]) is None
         finally:
@@ -940,13 +947,13 @@ class JobRecorder:
     """Shared by the test tiers: tracks every job from submission to its report."""
 
     def __init__(self) -> None:
-        self.in_flight: dict[int, JobMetadata] = {}
+        self.in_flight: dict[int, TierJob] = {}
         self.reported: set[int] = set()
         self.finished_calls: dict[tuple[str, str], int] = {}
         # get_finished_jobs calls, over every tier.
         self.polls = 0
 
-    def on_submit(self, job: JobMetadata) -> None:
+    def on_submit(self, job: TierJob) -> None:
         assert job.job_id not in self.in_flight and job.job_id not in self.reported, (
             f"job id {job.job_id} reused"
         )
@@ -979,12 +986,12 @@ class RecordedExampleTier(ExampleSecondaryTierManager):
         self.recorder = recorder
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         super().submit_store(job)
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         super().submit_load(job)
 
@@ -1012,7 +1019,7 @@ class AsyncTestTier(SecondaryTierManager):
         self.recorder = recorder
         self._rows: npt.NDArray[np.uint8] | None = np.asarray(view)
         self.blocks: dict[OffloadKey, bytes] = {}
-        self.running: dict[int, JobMetadata] = {}
+        self.running: dict[int, TierJob] = {}
         self.polls_seen: dict[int, int] = {}
         self.fail_job_ids: set[int] = set()
         self.done: list[JobResult] = []
@@ -1022,13 +1029,13 @@ class AsyncTestTier(SecondaryTierManager):
         return key in self.blocks
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         self.running[job.job_id] = job
         self.polls_seen[job.job_id] = 0
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
         self.running[job.job_id] = job
         self.polls_seen[job.job_id] = 0
@@ -1147,7 +1154,7 @@ class TieringMachine(RuleBasedStateMachine):
         return pins
 
     def _queued_promotion_keys(self) -> list[OffloadKey]:
-        return self.m._promotions.queued_keys()
+        return queued_promotions(self.m)
 
     def _ready_keys(self) -> list[OffloadKey]:
         get = self.primary.policy.get
@@ -1332,7 +1339,9 @@ class TieringMachine(RuleBasedStateMachine):
     def pins_match_jobs_in_flight(self) -> None:
         if self.manager is None:
             return
-        assert set(self.recorder.in_flight) == set(self.m._jobs), "manager and tiers disagree"
+        assert set(self.recorder.in_flight) == set(jobs_in_flight(self.m)), (
+            "manager and tiers disagree"
+        )
         cascade_pins: dict[OffloadKey, int] = {}
         for job in self.recorder.in_flight.values():
             if not job.is_promotion:
@@ -1401,7 +1410,7 @@ class TieringMachine(RuleBasedStateMachine):
         for key, block in self.primary.policy.items():
             assert block.ref_cnt == 0, f"key {key.hex()} still has ref_cnt {block.ref_cnt}"
         # Each finished request reached every tier exactly once.
-        assert self.m._req_state == {}
+        assert request_states(self.m) == {}
         for ctx in self.finished:
             for tier_type in ("example", "async_test"):
                 assert self.recorder.finished_calls.get((tier_type, ctx.req_id)) == 1, (

@@ -73,7 +73,7 @@ from vllm.entrypoints.router.policies import ROUTING_POLICIES
 from vllm.entrypoints.router.router import Router
 from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import GenerateOutput
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 
 logger = init_logger(__name__)
 

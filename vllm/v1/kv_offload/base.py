@@ -23,7 +23,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, NewType, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -159,6 +159,22 @@ def check_offload_key(method: str, key: object, req_context: ReqContext) -> None
             f"{method}: keys must be OffloadKeys (bytes), got {_describe_value(key)} "
             f"(request {req_id!r})"
         )
+
+
+def refuse_after_shutdown(manager: object, methods: Iterable[str]) -> None:
+    """Make each of ``methods`` of ``manager`` raise ``RuntimeError`` from now on.
+
+    A manager's ``shutdown()`` calls this once with the methods that read or change blocks, so
+    that no method tests a shut-down flag on every call: the instance attributes set here
+    shadow the class's methods. The error names the class and the method.
+    """
+    owner = type(manager).__name__
+    for method in methods:
+
+        def refuse(*args: object, _method: str = method, **kwargs: object) -> NoReturn:
+            raise RuntimeError(f"{owner}.{_method}: the manager is shut down")
+
+        setattr(manager, method, refuse)
 
 
 class OffloadKeyStateError(ValueError):
@@ -363,9 +379,13 @@ class TierStats:
 class OffloadingManager(ABC):
     """Tracks which blocks are offloaded and where; runs on the scheduler thread.
 
-    No method may block: each call does bookkeeping proportional to the keys it is given. Data is
-    moved elsewhere (worker-side handlers, tier I/O threads) and reported back through
-    ``complete_load`` / ``complete_store``.
+    No method waits for I/O, with one exception: each call does bookkeeping proportional to the
+    keys it is given, and data is moved elsewhere (worker-side handlers, tier I/O threads) and
+    reported back through ``complete_load`` / ``complete_store``. The exception is
+    ``reset_cache``: a manager with jobs of its own in flight (the tiering manager's secondary
+    tiers) waits there until they finished (``SecondaryTierManager.drain_jobs``), since the rows
+    they copy are about to be reused, as upstream vLLM's tiering manager does. The engine calls
+    it only between serving phases (sleep, weight update).
 
     Protection semantics: a block is *readable* once its store completed successfully. Between
     ``prepare_load`` and ``complete_load`` it is pinned and cannot be evicted. Between
@@ -505,7 +525,12 @@ class OffloadingManager(ABC):
         return False
 
     def reset_cache(self) -> None:  # noqa: B027
-        """Drop every offloaded block and reset internal state. Default: no-op."""
+        """Drop every offloaded block and reset internal state. Default: no-op.
+
+        The one call that may wait: for the manager's own jobs in flight (see the class
+        docstring). The caller guarantees that no ``complete_*`` call for a job prepared before
+        the reset follows.
+        """
 
     def promotion_source(self, key: OffloadKey) -> str | None:
         """The type name of the tier ``key`` is being promoted from, while it is.

@@ -14,6 +14,7 @@ import gc
 
 import pytest
 
+from tests.v1.kv_offload.cpu.manager_state import check_invariants
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
@@ -42,7 +43,7 @@ def serve(manager: CPUOffloadingManager, num_requests: int) -> None:
         assert out is not None
         manager.complete_store(out.keys_to_store, CTX, success=r % 7 != 0)
         if r % 50 == 0:
-            manager.check_invariants()
+            check_invariants(manager)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

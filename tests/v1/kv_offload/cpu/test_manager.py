@@ -7,6 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.v1.kv_offload.cpu.manager_state import (
+    check_invariants,
+    free_rows,
+    load_pins,
+    pending_stores,
+)
+from tests.v1.kv_offload.cpu.policies.utils import arc_lists, lru_order
 from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadKey,
@@ -17,6 +24,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
 POLICIES = ["lru", "arc"]
 CTX = ReqContext("req-0")
@@ -223,7 +232,7 @@ def test_complete_store_ignores_ready_blocks(policy: str) -> None:
     assert list(manager.take_events()) == []
     assert manager.get_stats()["stores"] == 2
     assert manager.get_stats()["failed_stores"] == 0
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_complete_store_ignores_unknown_keys(policy: str) -> None:
@@ -233,7 +242,7 @@ def test_complete_store_ignores_unknown_keys(policy: str) -> None:
     assert manager.lookup(k(7), CTX) is False
     assert manager.num_free_blocks == 4
     assert list(manager.take_events()) == []
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 @pytest.mark.parametrize("success", [True, False])
@@ -255,8 +264,8 @@ def test_already_stored_key_completed_with_the_new_keys(policy: str, success: bo
         assert manager.num_free_blocks == 3, "the new blocks' rows are free again"
         assert list(manager.take_events()) == []
         assert manager.get_stats()["failed_stores"] == 3
-    assert manager.pending_stores("req-0") == []
-    manager.check_invariants()
+    assert pending_stores(manager, "req-0") == []
+    check_invariants(manager)
 
 
 def test_events(policy: str) -> None:
@@ -416,14 +425,17 @@ _REQS = ("req-0", "reader-a", "reader-b")
 def _state(manager: CPUOffloadingManager) -> object:
     """Everything a refused call must leave as it was (eviction order included)."""
     policy = manager.policy
+    order = lru_order(policy) if isinstance(policy, LRUCachePolicy) else None
+    if isinstance(policy, ARCCachePolicy):
+        order = arc_lists(policy)
     return (
         [(key, block.block_id, block.ref_cnt) for key, block in policy.items()],
-        sorted(manager._free_list),
+        free_rows(manager),
         manager.num_free_blocks,
         manager.get_stats(),
-        {req: manager.load_pins(req) for req in _REQS} if hasattr(manager, "load_pins") else 0,
-        {req: manager.pending_stores(req) for req in _REQS} if hasattr(manager, "load_pins") else 0,
-        list(getattr(policy, "_evictable", {})),
+        {req: load_pins(manager, req) for req in _REQS},
+        {req: pending_stores(manager, req) for req in _REQS},
+        order,
     )
 
 
@@ -443,14 +455,14 @@ def test_second_complete_load_of_one_reader_keeps_the_other_readers_pin(policy: 
     assert manager.lookup(k(0), CTX) is True
     manager.complete_load(ks(0), READER_B)
     assert ref_cnt(manager, 0) == 0
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_pins_are_per_request_and_counted(policy: str) -> None:
     manager = CPUOffloadingManager(4, cache_policy=policy)
     store(manager, 0, 1)
     manager.prepare_load(ks(0, 0, 1), READER_A)
-    assert manager.load_pins("reader-a") == {k(0): 2, k(1): 1}
+    assert load_pins(manager, "reader-a") == {k(0): 2, k(1): 1}
     with pytest.raises(OffloadKeyStateError, match="holds 0 pin"):
         manager.complete_load(ks(0), READER_B)
     with pytest.raises(OffloadKeyStateError, match=r"holds 2 pin.* releases 3"):
@@ -458,11 +470,11 @@ def test_pins_are_per_request_and_counted(policy: str) -> None:
     assert ref_cnt(manager, 0) == 2 and ref_cnt(manager, 1) == 1
     # Partial and out-of-order releases are fine.
     manager.complete_load(ks(1, 0), READER_A)
-    assert manager.load_pins("reader-a") == {k(0): 1}
+    assert load_pins(manager, "reader-a") == {k(0): 1}
     manager.complete_load((k(0),), READER_A)
-    assert manager.load_pins("reader-a") == {}
+    assert load_pins(manager, "reader-a") == {}
     assert [ref_cnt(manager, i) for i in (0, 1)] == [0, 0]
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 @pytest.mark.parametrize("success", [True, False])
@@ -507,7 +519,7 @@ def test_complete_store_with_one_other_key(policy: str, other: str, success: boo
     assert manager.lookup(k(6), CTX) is success
     stored = [OffloadingEvent(ks(6), "CPU", removed=False)] if success else []
     assert list(manager.take_events()) == stored
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_complete_store_twice_is_ignored(policy: str) -> None:
@@ -517,11 +529,11 @@ def test_complete_store_twice_is_ignored(policy: str) -> None:
     manager.complete_store(ks(1), CTX)  # a partial completion
     manager.complete_store(ks(1), CTX, success=False)  # 1 is stored: ignored, not dropped
     assert manager.lookup(k(1), CTX) is True
-    assert manager.pending_stores("req-0") == ks(0)
+    assert pending_stores(manager, "req-0") == ks(0)
     manager.complete_store(ks(0, 0), CTX)  # a key listed twice counts once
     assert manager.get_stats()["stores"] == 2
     assert manager.get_stats()["failed_stores"] == 0
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_prepare_load_validates_every_key_before_pinning(policy: str) -> None:

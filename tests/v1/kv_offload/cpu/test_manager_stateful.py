@@ -31,6 +31,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from typing_extensions import override
 
+from tests.v1.kv_offload.cpu.manager_state import (
+    check_invariants,
+    free_rows,
+    load_pins,
+    pending_events,
+    pending_stores,
+)
+from tests.v1.kv_offload.cpu.policies.utils import arc_lists, lru_order
 from tests.v1.kv_offload.refusal_machine import (
     RefusalMachine,
     Refused,
@@ -90,28 +98,19 @@ class CPUManagerMachine(RefusalMachine):
         """Everything a refused call must leave unchanged."""
         manager = self.manager
         policy = manager.policy
-        if isinstance(policy, LRUCachePolicy):
-            order: Any = (list(policy._evictable), sorted(policy._non_evictable))
-        else:
+        order: Any = lru_order(policy) if isinstance(policy, LRUCachePolicy) else None
+        if order is None:
             assert isinstance(policy, ARCCachePolicy)
-            order = (
-                policy._t1.live_keys(),
-                list(policy._t2),
-                policy._t2_num_pinned,
-                sorted(policy._t2_parked),
-                policy.b1_keys,
-                policy.b2_keys,
-                policy.target_t1_size,
-            )
+            order = (arc_lists(policy), policy.target_t1_size)
         return (
             sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items()),
             order,
-            list(manager._free_list),
-            manager._num_allocated,
+            free_rows(manager),
+            manager.num_free_blocks,
             manager.get_stats(),
-            list(manager._events or ()),
-            {ctx.req_id: manager.load_pins(ctx.req_id) for ctx in REQS},
-            {ctx.req_id: manager.pending_stores(ctx.req_id) for ctx in REQS},
+            pending_events(manager),
+            {ctx.req_id: load_pins(manager, ctx.req_id) for ctx in REQS},
+            {ctx.req_id: pending_stores(manager, ctx.req_id) for ctx in REQS},
         )
 
     # -- well-behaved callers -----------------------------------------------------------------
@@ -408,10 +407,10 @@ class CPUManagerMachine(RefusalMachine):
             if key not in self.ref:
                 assert policy.get(key) is None, f"{key.hex()} resident but not in the model"
         for ctx in REQS:
-            assert manager.load_pins(ctx.req_id) == +self.pins[ctx.req_id]
+            assert load_pins(manager, ctx.req_id) == +self.pins[ctx.req_id]
             pending = [key for key, req in self.writer.items() if req == ctx.req_id]
-            assert sorted(manager.pending_stores(ctx.req_id)) == sorted(pending)
-        manager.check_invariants()
+            assert sorted(pending_stores(manager, ctx.req_id)) == sorted(pending)
+        check_invariants(manager)
 
     @invariant()
     def policy_indexes_consistent(self) -> None:
@@ -420,12 +419,12 @@ class CPUManagerMachine(RefusalMachine):
         assert isinstance(policy, (LRUCachePolicy, ARCCachePolicy))
         assert policy.num_evictable == sum(1 for ref in self.ref.values() if ref == 0)
         if isinstance(policy, ARCCachePolicy):
-            t1, t2 = set(policy.t1_keys), set(policy.t2_keys)
+            t1, t2 = set(arc_lists(policy).t1), set(arc_lists(policy).t2)
             assert not t1 & t2
             assert t1 | t2 == set(self.ref)
-            assert not (set(policy.b1_keys) | set(policy.b2_keys)) & set(self.ref)
+            assert not (set(arc_lists(policy).b1) | set(arc_lists(policy).b2)) & set(self.ref)
             # The ARC paper's directory bounds: |T1| + |B1| <= c, all four lists <= 2c.
-            b1, b2 = len(policy.b1_keys), len(policy.b2_keys)
+            b1, b2 = len(arc_lists(policy).b1), len(arc_lists(policy).b2)
             assert len(t1) + b1 <= self.capacity
             assert len(t1) + len(t2) + b1 + b2 <= 2 * self.capacity
             assert 0.0 <= policy.target_t1_size <= self.capacity

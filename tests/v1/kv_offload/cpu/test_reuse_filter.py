@@ -206,3 +206,14 @@ def test_the_filter_agrees_with_a_plain_model(
         assert len(reuse) == len(model.order) <= size
         for key in model.order:
             assert reuse.count(key) == model.counts[key]
+
+
+def test_a_refused_offer_is_not_counted() -> None:
+    """A ``prepare_store`` refused for a value that is not a key changes nothing, the reuse
+    filter's counts included: the next real offer is still the key's first."""
+    manager = CPUOffloadingManager(8, store_threshold=2)
+    with pytest.raises(TypeError, match="got int 7"):
+        manager.prepare_store([k(1), 7], CTX)  # type: ignore[list-item]
+    assert manager.get_stats()["stores_skipped"] == 0
+    assert offer(manager, 1) == [], "the first offer is skipped"
+    assert offer(manager, 1) == ks(1), "the second is stored"

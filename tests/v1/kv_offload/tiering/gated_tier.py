@@ -17,7 +17,7 @@ from typing import Any
 from typing_extensions import override
 
 from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.tiering.base import JobResult, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 
 
@@ -42,18 +42,18 @@ class GatedTier(ExampleSecondaryTierManager):
         self._deliver_on_drain = deliver_on_drain
         self._drained = False
         self.extra: list[JobResult] = []
-        self.submitted: list[JobMetadata] = []
+        self.submitted: list[TierJob] = []
         self.reported: list[int] = []
         self.polls = 0
         self.finished_requests: list[str] = []
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         self.submitted.append(job)
         super().submit_store(job)
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         self.submitted.append(job)
         super().submit_load(job)
 

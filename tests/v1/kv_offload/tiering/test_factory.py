@@ -13,8 +13,8 @@ from typing_extensions import override
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.config import SecondaryTierConfig
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
@@ -33,11 +33,11 @@ class OutOfTreeTier(SecondaryTierManager):
         return False
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         raise NotImplementedError
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         raise NotImplementedError
 
     @override
@@ -90,6 +90,7 @@ def test_create_from_dict_and_config(env: tuple[memoryview, Any]) -> None:
         SecondaryTierConfig("example", {"capacity_blocks": 2}), view, spec
     )
     assert isinstance(tier2, ExampleSecondaryTierManager)
+    # The factory's only effect on the tier is its argument: no public accessor shows it.
     assert tier2._capacity == 2
     tier.shutdown()
     tier2.shutdown()
@@ -162,4 +163,5 @@ def test_registered_tiers_import_lazily() -> None:
         with pytest.raises(ValueError, match="no_such_module_xyz"):
             SecondaryTierFactory.get_tier_class("lazy_test_tier")
     finally:
+        # The registry has no unregister (a tier type stays for the process): undo the test's.
         del SecondaryTierFactory._registry["lazy_test_tier"]

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiering manager's hot paths keep their semantics.
 
-* A promotion reserves its primary row with ``reserve_row`` (no one-key ``prepare_write`` and no
+* A promotion reserves its primary row with ``reserve_row`` (no one-key ``prepare_store`` and no
   transfer spec): same row, same eviction, same events as ``prepare_store`` of that one key.
 * ``CPULoadStoreSpec.from_rows`` (the manager's own rows, unchecked) builds the spec the checking
   constructor builds.
@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.v1.kv_offload.cpu.manager_state import check_invariants
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.mediums import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.manager import (
@@ -80,8 +81,8 @@ def test_reserve_row_is_a_one_key_prepare_store(
             else:
                 for m in (by_store, by_reserve):
                     m.touch([key], CTX)
-            by_store.check_invariants()
-            by_reserve.check_invariants()
+            check_invariants(by_store)
+            check_invariants(by_reserve)
             assert list(by_store.take_events()) == list(by_reserve.take_events())
             assert by_store.get_stats() == by_reserve.get_stats()
             assert sorted((key, b.block_id, b.ref_cnt) for key, b in by_store.policy.items()) == (

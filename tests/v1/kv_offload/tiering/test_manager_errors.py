@@ -17,10 +17,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.v1.kv_offload.cpu import manager_state as cpu_state
 from tests.v1.kv_offload.test_tiering_offloading import make_primary, make_spec, to_keys
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
+from tests.v1.kv_offload.tiering.manager_state import (
+    jobs_in_flight,
+    promoting,
+    queued_promotions,
+    request_states,
+)
 from vllm.v1.kv_offload.base import OffloadKey, OffloadKeyStateError, ReqContext
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -50,18 +57,17 @@ def setup(
 def snapshot(manager: TieringOffloadingManager) -> Any:
     """Everything a refused call must leave unchanged."""
     primary = manager.primary_tier
-    owners = {ctx.req_id for ctx in (A, B)} | set(primary._pending_loads)
-    owners |= set(primary._pending_stores)
+    owners = {ctx.req_id for ctx in (A, B)} | cpu_state.owners(primary)
     return (
         sorted((k, b.block_id, b.ref_cnt) for k, b in primary.policy.items()),
-        {o: primary.load_pins(o) for o in owners},
-        {o: primary.pending_stores(o) for o in owners},
+        {o: cpu_state.load_pins(primary, o) for o in owners},
+        {o: cpu_state.pending_stores(primary, o) for o in owners},
         primary.num_free_blocks,
         manager.get_stats(),
-        sorted(manager._jobs),
-        dict(manager._promotions.promoting),
-        manager._promotions.queued_keys(),
-        {r: (s.queued_promotions, s.finished_req_context) for r, s in manager._req_state.items()},
+        sorted(jobs_in_flight(manager)),
+        promoting(manager),
+        queued_promotions(manager),
+        request_states(manager),
         [len(t.submitted) for t in manager.secondary_tiers if isinstance(t, GatedTier)],
     )
 
@@ -123,8 +129,8 @@ def test_already_stored_key_completed_with_the_new_keys(
             assert len(tiers[0].submitted) == 1
         end_step(manager)
         assert not manager.has_pending_work()
-        assert primary.pending_stores("req-a") == []
-        primary.check_invariants()
+        assert cpu_state.pending_stores(primary, "req-a") == []
+        cpu_state.check_invariants(primary)
     finally:
         manager.shutdown()
 
@@ -141,7 +147,7 @@ def test_complete_store_ignores_a_key_being_promoted(setup: Any, success: bool) 
     manager.complete_store([k6, k0], A, success=success)
     assert manager.lookup(k0, A) is None  # still unreadable until its load is reported
     assert manager.lookup(k6, A) is success
-    assert primary.pending_stores("req-a") == []
+    assert cpu_state.pending_stores(primary, "req-a") == []
     # The promotion finishes when the tier reports.
     for tier in tiers:
         tier.deliver = True
@@ -151,7 +157,7 @@ def test_complete_store_ignores_a_key_being_promoted(setup: Any, success: bool) 
     # Only the key this call made readable was cascaded.
     cascaded = [tuple(j.keys) for t in tiers for j in t.submitted if not j.is_promotion]
     assert cascaded.count((k6,)) == (2 if success else 0)
-    primary.check_invariants()
+    cpu_state.check_invariants(primary)
 
 
 @pytest.mark.parametrize("success", [True, False])
@@ -223,7 +229,7 @@ def test_complete_load_cannot_release_a_cascade_pin(setup: Any) -> None:
         tier.deliver = True
     end_step(manager)
     assert primary.policy.get(k1).ref_cnt == 0
-    primary.check_invariants()
+    cpu_state.check_invariants(primary)
 
 
 def test_partial_completions_of_one_store(setup: Any) -> None:
@@ -240,8 +246,8 @@ def test_partial_completions_of_one_store(setup: Any) -> None:
     assert [[tuple(j.keys) for j in t.submitted] for t in tiers] == [[(k2,), (k3, k1)]] * 2
     manager.on_schedule_end()
     assert [manager.lookup(k, B) for k in (k1, k2, k3)] == [True] * 3
-    assert manager._req_state == {}
-    primary.check_invariants()
+    assert request_states(manager) == {}
+    cpu_state.check_invariants(primary)
 
 
 def test_duplicate_keys_in_complete_store_cascade_once(setup: Any) -> None:
@@ -338,12 +344,12 @@ def test_bad_reports_are_errors_and_valid_ones_are_applied(setup: Any) -> None:
     assert "submitted to tier #1 (t1)" in problems[1]
     assert f"unknown job {job0.job_id}" in problems[2]
     # Tier 0's real report was applied; tier 1's job stays in flight, its pin held.
-    assert sorted(manager._jobs) == [job1.job_id]
+    assert sorted(jobs_in_flight(manager)) == [job1.job_id]
     assert primary.policy.get(k1).ref_cnt == 1
     tiers[1].deliver = True
     manager.on_schedule_end()
     assert primary.policy.get(k1).ref_cnt == 0 and not manager.has_pending_work()
-    primary.check_invariants()
+    cpu_state.check_invariants(primary)
 
 
 def test_a_bad_report_does_not_stop_the_step(setup: Any) -> None:
@@ -363,7 +369,7 @@ def test_a_bad_report_does_not_stop_the_step(setup: Any) -> None:
     assert manager.lookup(k0, A) is False  # polled once this step: the error is not repeated
     manager.on_schedule_end()
     assert ends == [2, 2]
-    primary.check_invariants()
+    cpu_state.check_invariants(primary)
 
 
 def test_reset_cache_with_an_unreported_job_resets_nothing(setup: Any) -> None:

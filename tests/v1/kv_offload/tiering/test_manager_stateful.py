@@ -42,16 +42,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from typing_extensions import override
 
+from tests.v1.kv_offload.cpu import manager_state as cpu_state
 from tests.v1.kv_offload.refusal_machine import RefusalMachine, Refused
 from tests.v1.kv_offload.test_tiering_offloading import make_spec
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
+from tests.v1.kv_offload.tiering.manager_state import (
+    jobs_in_flight,
+    promoting,
+    queued_promotions,
+    request_states,
+)
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     OffloadKeyStateError,
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -107,23 +114,20 @@ class TieringManagerMachine(RefusalMachine):
     def observe(self) -> Any:
         """Everything a refused call must leave unchanged."""
         manager, primary = self.manager, self.primary
-        owners = set(primary._pending_loads) | set(primary._pending_stores)
+        owners = cpu_state.owners(primary)
         owners |= {ctx.req_id for ctx in REQS}
         return (
             sorted((key, block.block_id, block.ref_cnt) for key, block in primary.policy.items()),
-            {owner: primary.load_pins(owner) for owner in owners},
-            {owner: primary.pending_stores(owner) for owner in owners},
+            {owner: cpu_state.load_pins(primary, owner) for owner in owners},
+            {owner: cpu_state.pending_stores(primary, owner) for owner in owners},
             primary.num_free_blocks,
-            list(primary._events or ()),
+            cpu_state.pending_events(primary),
             manager.get_stats(),
-            sorted(manager._jobs),
-            dict(manager._promotions.promoting),
-            manager._promotions.queued_keys(),
-            {
-                r: (s.queued_promotions, s.finished_req_context)
-                for r, s in manager._req_state.items()
-            },
-            [(len(t.submitted), sorted(t.unreported()), list(t._blocks)) for t in self.tiers],
+            sorted(jobs_in_flight(manager)),
+            promoting(manager),
+            queued_promotions(manager),
+            request_states(manager),
+            [(len(t.submitted), sorted(t.unreported()), t.keys_lru_order()) for t in self.tiers],
             [dict(t.finished_calls()) for t in self.tiers],
         )
 
@@ -189,7 +193,11 @@ class TieringManagerMachine(RefusalMachine):
 
     def _tier_only_keys(self) -> list[OffloadKey]:
         get = self.primary.policy.get
-        return [k for k in UNIVERSE if get(k) is None and any(k in t._blocks for t in self.tiers)]
+        return [
+            k
+            for k in UNIVERSE
+            if get(k) is None and any(t.get_block_bytes(k) is not None for t in self.tiers)
+        ]
 
     @precondition(lambda self: not self.shut_down and self._tier_only_keys())
     @rule(data=st.data(), ctx=reqs)
@@ -283,12 +291,11 @@ class TieringManagerMachine(RefusalMachine):
     def complete_store_stray(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
         self._complete_store(keys, ctx, success)
 
-    @precondition(lambda self: self.manager._promotions.promoting)
+    @precondition(lambda self: promoting(self.manager))
     @rule(data=st.data(), ctx=reqs, success=st.booleans())
     def complete_store_promoting(self, data: st.DataObject, ctx: ReqContext, success: bool) -> None:
         """A key being promoted (ignored), alone or after the request's pending keys."""
-        promoting = sorted(self.manager._promotions.promoting)
-        key = data.draw(st.sampled_from(promoting), label="promoting")
+        key = data.draw(st.sampled_from(sorted(promoting(self.manager))), label="promoting")
         keys: list[OffloadKey] = []
         if self.stores[ctx.req_id]:
             keys = data.draw(st.lists(st.sampled_from(self.stores[ctx.req_id]), unique=True))
@@ -333,7 +340,7 @@ class TieringManagerMachine(RefusalMachine):
                 t.deliver = False
         assert not tier.extra
         if kind == "other_tier" and job_id in other.unreported():
-            assert job_id in set(self.manager._jobs), "another tier's job left the table"
+            assert job_id in jobs_in_flight(self.manager), "another tier's job left the table"
 
     # -- predictions --------------------------------------------------------------------------
 
@@ -393,17 +400,19 @@ class TieringManagerMachine(RefusalMachine):
     def requests_hold_what_the_engine_holds(self) -> None:
         for ctx in REQS:
             req_id = ctx.req_id
-            assert sorted(self.primary.pending_stores(req_id)) == sorted(self.stores[req_id])
-            assert self.primary.load_pins(req_id) == +self.pins[req_id]
+            assert sorted(cpu_state.pending_stores(self.primary, req_id)) == sorted(
+                self.stores[req_id]
+            )
+            assert cpu_state.load_pins(self.primary, req_id) == +self.pins[req_id]
             pending = self.primary.has_pending_stores(req_id)
             assert pending == bool(self.stores[req_id]), f"{req_id}: pending stores {pending}"
 
     @invariant()
     def ref_counts_are_pins_plus_cascades(self) -> None:
-        self.primary.check_invariants()
+        cpu_state.check_invariants(self.primary)
         if self.shut_down:
             return  # the tiers dropped their unreported jobs in shutdown()
-        jobs = self.manager._jobs._jobs
+        jobs = jobs_in_flight(self.manager)
         in_flight = {job_id for tier in self.tiers for job_id in tier.unreported()}
         assert set(jobs) == in_flight, "the manager's jobs are not the tiers' unreported ones"
         for tier_idx, tier in enumerate(self.tiers):
@@ -415,8 +424,8 @@ class TieringManagerMachine(RefusalMachine):
                 promoted.update(entry.job.keys)
             else:
                 cascades.update(entry.job.keys)
-        promoted.update(self.manager._promotions.queued_keys())
-        assert promoted == set(self.manager._promotions.promoting)
+        promoted.update(queued_promotions(self.manager))
+        assert promoted == set(promoting(self.manager))
         writing = {key for keys in self.stores.values() for key in keys}
         assert not writing & promoted
         for key, block in self.primary.policy.items():
@@ -452,8 +461,8 @@ class TieringManagerMachine(RefusalMachine):
         assert not self.manager.has_pending_work()
         for key, block in self.primary.policy.items():
             assert block.ref_cnt == 0, f"{key.hex()}: ref_cnt {block.ref_cnt} after draining"
-        self.primary.check_invariants()
-        assert self.manager._req_state == {}
+        cpu_state.check_invariants(self.primary)
+        assert request_states(self.manager) == {}
         for tier in self.tiers:
             calls = tier.finished_calls()
             assert all(count == 1 for count in calls.values()), calls

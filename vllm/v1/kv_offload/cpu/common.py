@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Transfer descriptors of the CPU primary tier.
+"""Upstream vLLM's module path of the CPU tier's transfer descriptors (``CPULoadStoreSpec``).
 
 The definitions live in the medium-neutral ``vllm.v1.kv_offload.mediums`` (so that the connector
-can name them without importing the CPU tier); they are re-exported here for existing imports.
+can name them without importing the CPU tier); upstream's tiering manager and code written
+against it import them from here.
 """
 
 from __future__ import annotations

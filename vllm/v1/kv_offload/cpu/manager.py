@@ -20,16 +20,28 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     check_offload_key,
     check_offload_keys,
+    refuse_after_shutdown,
 )
-from vllm.v1.kv_offload.cpu import request_ledger
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.manager_invariants import check_manager_invariants
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import create_cache_policy
-from vllm.v1.kv_offload.cpu.request_ledger import Ledger, take_call
+from vllm.v1.kv_offload.cpu.request_ledger import RequestLedger
 from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreReuseFilter
 
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
+# The methods a shut-down manager refuses (``shutdown``): every one that reads or changes blocks.
+_REFUSED_AFTER_SHUTDOWN = (
+    "lookup",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "finish_store",
+    "reserve_row",
+    "on_new_request",
+    "reset_cache",
+)
 _REF_CNT = attrgetter("ref_cnt")
 _BLOCK_ID = attrgetter("block_id")
 
@@ -40,7 +52,9 @@ class CPUOffloadingManager(OffloadingManager):
     Slots: the region has ``num_blocks`` rows. Fresh rows are handed out by a bump pointer
     (``_num_allocated``), recycled rows through ``_free_list``; at all times
     ``free + resident == num_blocks`` where ``free = len(_free_list) + num_blocks -
-    _num_allocated`` and ``resident = len(policy)``.
+    _num_allocated`` and ``resident = len(policy)``. One allocator (``_allocate_rows``) hands
+    out rows for ``prepare_store`` and for the tiering manager's promotions (``reserve_row``):
+    fresh rows first, then recycled ones, then the victims of one eviction.
 
     Row status objects: row ``s`` is always described by the same ``BlockStatus`` object,
     ``_rows[s]``, created with the manager and reused by every block that row ever holds. So the
@@ -63,26 +77,25 @@ class CPUOffloadingManager(OffloadingManager):
     while its tail goes.
 
     Ownership of pins and stores: every pin and every pending store belongs to the request that
-    made it. ``_pending_loads[req_id]`` lists the key tuples of the request's outstanding
-    ``prepare_load`` calls and ``_pending_stores[req_id]`` those of its pending stores (the
-    ``keys_to_store`` of its ``prepare_store`` calls). A block's ``ref_cnt`` is exactly the
-    number of times its key occurs in all outstanding loads, and a block is being written
-    exactly when its key is in one request's pending stores. So a request can release only pins
-    it holds and complete only stores it prepared: a duplicate, stray or foreign ``complete_load``
-    is refused (``OffloadKeyStateError``) instead of unpinning a row another reader still copies
-    from, and a ``complete_store`` naming a block another request is writing is refused instead
-    of publishing a row a worker still writes. Keys a ``complete_store`` names that are absent
-    or already stored are ignored, as upstream vLLM's contract says. Completions that match one
-    outstanding call exactly (what the connector sends) cost O(keys); partial ones O(the
-    request's outstanding keys). The ledgers' operations (exact-match removal, partial
-    completions, the error messages naming a key's holders) are in
-    ``vllm.v1.kv_offload.cpu.request_ledger``; the full invariant check in
-    ``vllm.v1.kv_offload.cpu.manager_invariants``.
+    made it, as the manager's ``RequestLedger`` (``cpu/request_ledger.py``) records: a block's
+    ``ref_cnt`` is exactly the number of times its key occurs in all outstanding loads, and a
+    block is being written exactly when its key is in one request's pending stores. So a request
+    can release only pins it holds and complete only stores it prepared: a duplicate, stray or
+    foreign ``complete_load`` is refused (``OffloadKeyStateError``) instead of unpinning a row
+    another reader still copies from, and a ``complete_store`` naming a block another request is
+    writing is refused instead of publishing a row a worker still writes. Keys a
+    ``complete_store`` names that are absent or already stored are ignored, as upstream vLLM's
+    contract says. Completions that match one outstanding call exactly (what the connector
+    sends) cost O(keys); partial ones O(the request's outstanding keys).
 
     Errors from callers: every public method checks its arguments and the keys' states before
     it changes anything (see ``OffloadingManager``); a refused call leaves every key's state,
-    the pins, the slot accounting, the statistics and the events as they were. Internal
-    invariants are asserted; ``check_invariants()`` verifies all of them (O(cache size)).
+    the pins, the slot accounting, the statistics and the events as they were. The checks sit
+    at the public boundary, once: a type check of the keys first (one C-level pass), state
+    checks where the algorithm reads the blocks anyway (a refusal builds its error on a slow
+    path: ``RequestLedger``), and the refusal of every call after ``shutdown()`` in one place
+    (``refuse_after_shutdown``) instead of a flag tested by each method. Internal invariants
+    are asserted where they are cheap; the tests check all of them after every step.
 
     Every call costs O(keys given) amortised (``prepare_store``: plus the eviction's
     O(victims + keys)); nothing scans the cache except ``reset_cache``.
@@ -146,10 +159,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._reuse_filter: StoreReuseFilter | None = (
             StoreReuseFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         )
-        # req_id -> the key tuples of its outstanding prepare_load calls (its pins).
-        self._pending_loads: Ledger = {}
-        # req_id -> the keys_to_store tuples of its pending stores.
-        self._pending_stores: Ledger = {}
+        # Which request holds each pin and each pending store.
+        self._ledger = RequestLedger(self._policy)
         self._shut_down = False
         self._hits = 0
         self._misses = 0
@@ -170,14 +181,6 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_list) + self._num_blocks - self._num_allocated
 
     @property
-    def resident_probe(self) -> Callable[[OffloadKey], Any]:
-        """``lookup``'s first probe, ``get`` of the policy's ``lookup_table()`` (or of an empty
-        dict): a result of type exactly ``BlockStatus`` is the key's resident block, anything
-        else means asking ``policy.lookup``. For a manager that fronts this one and answers
-        lookups itself (the tiering manager); read-only."""
-        return self._lookup_get
-
-    @property
     def policy(self) -> CachePolicy:
         """The cache policy (owned by the manager; do not mutate it directly)."""
         return self._policy
@@ -186,16 +189,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        if self._shut_down:
-            raise self._shut_down_error("lookup")
+        if key.__class__ is not bytes:
+            check_offload_key("lookup", key, req_context)
         block = self._lookup_get(key)
         if block.__class__ is not BlockStatus:
             # Not get: a miss may be a re-reference (ARC ghost).
             block = self._policy.lookup(key)
         if block is None:
-            # Only a miss can be a non-key: every resident key is bytes.
-            if key.__class__ is not bytes:
-                check_offload_key("lookup", key, req_context)
             self._misses += 1
             return False
         if block.ref_cnt < 0:
@@ -207,8 +207,6 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
-        if self._shut_down:
-            raise self._shut_down_error("prepare_load")
         policy = self._policy
         pinned = keys if type(keys) is tuple else tuple(keys)
         blocks = policy.get_many(pinned)
@@ -220,12 +218,8 @@ class CPUOffloadingManager(OffloadingManager):
         except AttributeError:
             loadable = False
         if not loadable:
-            raise self._refuse_load("prepare_load", pinned, req_context)
-        loads = self._pending_loads.get(req_context.req_id)
-        if loads is None:
-            self._pending_loads[req_context.req_id] = [pinned]
-        else:
-            loads.append(pinned)
+            raise self._ledger.refusal_of_load("prepare_load", pinned, req_context)
+        self._ledger.add_load(req_context.req_id, pinned)
         # The blocks this call pins first (each once, however often the call names it) leave
         # the policy's evictable order, reported in one call once all are counted.
         first_pins = []
@@ -241,20 +235,16 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark ``keys`` as recently used; keys that are not resident (or not keys) are ignored."""
-        if self._shut_down:
-            raise self._shut_down_error("touch")
         self._policy.touch(keys)
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self._shut_down:
-            raise self._shut_down_error("complete_load")
         req_id = req_context.req_id
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
             return
-        if not take_call(self._pending_loads, req_id, done):
-            self._release_partial_load("complete_load", done, req_context)
+        if not self._ledger.take_load(req_id, done):
+            self._ledger.release_partial_load("complete_load", done, req_context)
         policy = self._policy
         # Last key first, as in complete_store: a run released together is evicted tail first.
         last_first = done[::-1]
@@ -274,8 +264,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self._shut_down:
-            raise self._shut_down_error("prepare_store")
+        if not all(map(isinstance, keys, repeat(bytes))):
+            check_offload_keys("prepare_store", keys, req_context)
         policy = self._policy
         # Order-preserving de-duplication; the dict doubles as the O(1) protected set, which
         # covers every key passed in, already stored ones included.
@@ -286,63 +276,14 @@ class CPUOffloadingManager(OffloadingManager):
         num_new = len(keys_to_store)
         if num_new == 0:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_rows([]))
-        # Resident keys are bytes already: only the new ones can be something else.
-        if not all(map(isinstance, keys_to_store, repeat(bytes))):
-            check_offload_keys("prepare_store", keys, req_context)
 
-        free_list = self._free_list
-        num_allocated = self._num_allocated
-        num_fresh = self._num_blocks - num_allocated
-        need = num_new - len(free_list) - num_fresh
-        rows = self._rows
-        if need <= 0:
-            # Fresh rows first, then recycled ones.
-            num_from_fresh = min(num_fresh, num_new)
-            new_blocks = rows[num_allocated : num_allocated + num_from_fresh]
-            self._num_allocated = num_allocated + num_from_fresh
-            num_from_free = num_new - num_from_fresh
-            if num_from_free:
-                new_blocks += [rows[s] for s in free_list[-num_from_free:]]
-                del free_list[-num_from_free:]
-            evicted_keys: list[OffloadKey] = []
-        else:
-            if num_new > self._num_blocks:
-                return None
-            victims = policy.evict(need, requested)
-            if victims is None:
-                return None
-            assert len(victims) == need, (
-                f"prepare_store: policy evicted {len(victims)} blocks, {need} requested"
-            )
-            evicted_keys = [key for key, _ in victims]
-            self._evictions += need
-            if self._events is not None:
-                self._events.append(
-                    OffloadingEvent(keys=list(evicted_keys), medium=CPU_MEDIUM, removed=True)
-                )
-            # Every free row is taken, then the victims' rows (a victim's status object is its
-            # row's, ``rows[victim.block_id]``).
-            new_blocks = rows[num_allocated:]
-            self._num_allocated = self._num_blocks
-            if free_list:
-                new_blocks += [rows[s] for s in free_list]
-                free_list.clear()
-            # A victim's status is its row's (check_invariants verifies the row status pool).
-            victim_blocks = [block for _, block in victims]
-            for block in victim_blocks:
-                block.ref_cnt = -1  # a victim was ready (0): now being written
-            new_blocks += victim_blocks
-
-        # Rows held by no block (fresh or free-listed) keep ref_cnt -1 (see _rows), so only the
-        # victims' statuses needed resetting.
+        allocated = self._allocate_rows(num_new, requested)
+        if allocated is None:
+            return None
+        new_blocks, evicted_keys = allocated
         policy.insert_many(zip(keys_to_store, new_blocks, strict=True))
-        stores = self._pending_stores.get(req_context.req_id)
-        if stores is None:
-            self._pending_stores[req_context.req_id] = [tuple(keys_to_store)]
-        else:
-            stores.append(tuple(keys_to_store))
-
-        assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
+        self._ledger.add_store(req_context.req_id, tuple(keys_to_store))
+        assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
             store_spec=CPULoadStoreSpec.from_rows([block.block_id for block in new_blocks]),
@@ -377,14 +318,12 @@ class CPUOffloadingManager(OffloadingManager):
         manager cascades exactly the keys made readable). Each key appears once, in the order
         given.
         """
-        if self._shut_down:
-            raise self._shut_down_error("complete_store")
         req_id = req_context.req_id
         done = keys if type(keys) is tuple else tuple(keys)
         if not done:
             return done
-        if not take_call(self._pending_stores, req_id, done):
-            done = self._finish_partial_store(done, req_context)
+        if not self._ledger.take_store(req_id, done):
+            done = self._ledger.finish_partial_store(done, req_context)
             if not done:
                 return done
 
@@ -423,8 +362,6 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if self._shut_down:
-            raise self._shut_down_error("on_new_request")
         return _BLOCK_LEVEL_CONTEXT
 
     @override
@@ -448,16 +385,13 @@ class CPUOffloadingManager(OffloadingManager):
         Raises:
             RuntimeError: the manager is shut down.
         """
-        if self._shut_down:
-            raise self._shut_down_error("reset_cache")
         if self._events is not None:
             ready = [key for key, block in self._policy.items() if block.ref_cnt >= 0]
             if ready:
                 self._events.append(OffloadingEvent(keys=ready, medium=CPU_MEDIUM, removed=True))
         self._policy.clear()
         self._free_list.clear()
-        self._pending_loads.clear()
-        self._pending_stores.clear()
+        self._ledger.clear()
         self._num_allocated = 0
         for block in self._rows:
             block.ref_cnt = -1  # every row is fresh again
@@ -498,127 +432,95 @@ class CPUOffloadingManager(OffloadingManager):
         own the region release it after calling this.
         """
         self._shut_down = True
+        refuse_after_shutdown(self, _REFUSED_AFTER_SHUTDOWN)
 
     @property
     def is_shut_down(self) -> bool:
         """Whether ``shutdown()`` was called."""
         return self._shut_down
 
-    # -- pins and pending stores --------------------------------------------------------------
-
-    def load_pins(self, req_id: str) -> dict[OffloadKey, int]:
-        """The pins request ``req_id`` holds: key -> number of outstanding ``prepare_load`` s.
-
-        A snapshot, O(the request's outstanding keys); for tests and diagnostics.
-        """
-        return request_ledger.load_pins(self._pending_loads, req_id)
-
-    def pending_stores(self, req_id: str) -> list[OffloadKey]:
-        """The keys request ``req_id`` prepared to store and has not completed, in order.
-
-        A snapshot, O(the request's pending keys); for tests and diagnostics.
-        """
-        return request_ledger.pending_stores(self._pending_stores, req_id)
+    # -- for the tiering manager ----------------------------------------------------------------
 
     def has_pending_stores(self, req_id: str) -> bool:
         """Whether request ``req_id`` has a prepared store it has not completed (O(1))."""
-        return req_id in self._pending_stores
+        return self._ledger.has_pending_stores(req_id)
 
-    def check_invariants(self) -> None:
-        """Assert every internal invariant; O(cache size), for tests and debugging.
-
-        Slot accounting; each ready block's ``ref_cnt`` equals its pins in outstanding loads;
-        each block being written is pending in exactly one request's stores; no empty entries;
-        the row status pool (``vllm.v1.kv_offload.cpu.manager_invariants``). Internal
-        invariants, checked with ``assert`` (so a no-op under ``python -O``): a failure is a bug
-        of the manager, never of its caller.
-        """
-        check_manager_invariants(
-            self._policy,
-            self._rows,
-            self._num_allocated,
-            self._free_list,
-            self._pending_loads,
-            self._pending_stores,
-            self._pool_error(),
-        )
-
-    def _refuse_load(
-        self, method: str, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> Exception:
-        """The error for a ``prepare_load`` naming a key that is not readable (slow path)."""
-        return request_ledger.refuse_load(
-            self._policy, self._pending_loads, self._pending_stores, method, keys, req_context
-        )
-
-    def _release_partial_load(
-        self, method: str, keys: tuple[OffloadKey, ...], req_context: ReqContext
-    ) -> None:
-        """Release one pin per occurrence in ``keys`` from the request's outstanding loads.
-
-        Validates first: raises (changing nothing) unless the request holds at least as many
-        pins on each key as ``keys`` releases.
-        """
-        request_ledger.release_partial_load(
-            self._policy, self._pending_loads, self._pending_stores, method, keys, req_context
-        )
-
-    def _finish_partial_store(
-        self, keys: tuple[OffloadKey, ...], req_context: ReqContext
-    ) -> tuple[OffloadKey, ...]:
-        """Take the request's pending stores among ``keys`` out of the ledger and return them.
-
-        Validates first: raises (changing nothing) if a key is pending for another request.
-        """
-        return request_ledger.finish_partial_store(
-            self._policy, self._pending_loads, self._pending_stores, keys, req_context
-        )
-
-    def _reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
-        """Allocate a row for ``key``, which is not resident, and return it; None if full.
+    def reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
+        """Reserve a row for block ``key`` (not resident) that a secondary tier will write.
 
         ``prepare_store((key,), req_context)`` without the reuse filter, the de-duplication and
-        the transfer spec: for the tiering manager's promotions, which reserve one block at a
-        time. The row comes from the same places in the same order (fresh, recycled, then one
-        eviction), the block is inserted being written (``ref_cnt == -1``) and its store is
-        pending for ``req_context``'s request, as ``prepare_store`` leaves it.
+        the transfer spec, for the tiering manager's promotions, which reserve one block at a
+        time (never subject to the reuse filter: a block found in a secondary tier was stored
+        before). The row comes from the same allocator; the block is inserted being written
+        (``ref_cnt == -1``, unreadable) and its store is pending for ``req_context``'s request,
+        as ``prepare_store`` leaves it. Finish it with ``complete_store``.
+
+        Returns:
+            The row, or None if no row can be freed (nothing changed).
         """
-        if self._shut_down:
-            raise self._shut_down_error("reserve_row")
         policy = self._policy
-        assert policy.get(key) is None, f"_reserve_row: key {key.hex()} is resident"
+        assert policy.get(key) is None, f"reserve_row: key {key.hex()} is resident"
+        allocated = self._allocate_rows(1, (key,))  # a 1-tuple: O(1) membership
+        if allocated is None:
+            return None
+        (block,) = allocated[0]
+        policy.insert_many(((key, block),))
+        self._ledger.add_store(req_context.req_id, (key,))
+        assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
+        return block.block_id
+
+    def _allocate_rows(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> tuple[list[BlockStatus], list[OffloadKey]] | None:
+        """Take ``n`` (>= 1) rows for new blocks: fresh rows first, then recycled ones, then the
+        victims of one eviction (never of a key in ``protected``, which needs O(1) membership).
+
+        An eviction is counted and, with events on, reported (one removal event). The returned
+        status objects are the rows' own (``_rows[row]``), each with ``ref_cnt == -1``; the
+        caller inserts them into the policy.
+
+        Returns:
+            The rows' status objects and the evicted keys, or None if ``n`` rows cannot be
+            freed (nothing changed).
+        """
         free_list = self._free_list
         num_allocated = self._num_allocated
-        if num_allocated < self._num_blocks:
-            row = num_allocated
-            self._num_allocated = num_allocated + 1
-        elif free_list:
-            row = free_list.pop()
-        else:
-            victims = policy.evict(1, (key,))  # a 1-tuple: O(1) membership
-            if victims is None:
-                return None
-            ((victim, block),) = victims
-            row = block.block_id
-            assert self._rows[row] is block, (
-                "_reserve_row: the policy evicted a status object that is not its row's"
+        num_fresh = self._num_blocks - num_allocated
+        need = n - len(free_list) - num_fresh
+        rows = self._rows
+        if need <= 0:
+            num_from_fresh = min(num_fresh, n)
+            blocks = rows[num_allocated : num_allocated + num_from_fresh]
+            self._num_allocated = num_allocated + num_from_fresh
+            num_from_free = n - num_from_fresh
+            if num_from_free:
+                blocks += [rows[s] for s in free_list[-num_from_free:]]
+                del free_list[-num_from_free:]
+            # Rows held by no block (fresh or free-listed) keep ref_cnt -1 (see _rows).
+            return blocks, []
+        if n > self._num_blocks:
+            return None
+        victims = self._policy.evict(need, protected)
+        if victims is None:
+            return None
+        assert len(victims) == need, f"policy evicted {len(victims)} blocks, {need} requested"
+        evicted_keys = [key for key, _ in victims]
+        self._evictions += need
+        if self._events is not None:
+            self._events.append(
+                OffloadingEvent(keys=list(evicted_keys), medium=CPU_MEDIUM, removed=True)
             )
-            self._evictions += 1
-            if self._events is not None:
-                self._events.append(OffloadingEvent(keys=[victim], medium=CPU_MEDIUM, removed=True))
-        block = self._rows[row]
-        block.ref_cnt = -1
-        policy.insert_many(((key, block),))
-        stores = self._pending_stores.get(req_context.req_id)
-        if stores is None:
-            self._pending_stores[req_context.req_id] = [(key,)]
-        else:
-            stores.append((key,))
-        assert self._num_allocated - len(free_list) == len(policy), self._pool_error()
-        return row
-
-    def _shut_down_error(self, method: str) -> RuntimeError:
-        return RuntimeError(f"{type(self).__name__}.{method}: the manager is shut down")
+        # Every free row is taken, then the victims' rows (a victim's status object is its
+        # row's, ``rows[victim.block_id]``).
+        blocks = rows[num_allocated:]
+        self._num_allocated = self._num_blocks
+        if free_list:
+            blocks += [rows[s] for s in free_list]
+            free_list.clear()
+        for _, block in victims:
+            block.ref_cnt = -1  # a victim was ready (0): now being written
+            blocks.append(block)
+        return blocks, evicted_keys
 
     def _pool_error(self) -> str:
         return (

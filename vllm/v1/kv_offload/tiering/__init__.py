@@ -1,3 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Multi-tier offloading: a CPU primary tier fronting write-through secondary tiers."""
+"""Multi-tier offloading: a CPU primary tier fronting write-through secondary tiers.
+
+``manager`` (``TieringOffloadingManager``, and upstream's path of the primary tier) drives
+``primary`` (``CPUPrimaryTierOffloadingManager``) and the tiers; ``tier_jobs`` is the jobs'
+lifecycle (promotions queued by lookup, jobs submitted, tier reports checked and applied);
+``base`` is the interface a tier implements (``SecondaryTierManager``, ``TierJob``,
+``JobResult``); ``factory``, ``spec``, ``stats`` and ``validation`` its registry, the spec, the
+per-tier counters and the callers' checks. Tiers: ``example`` (in memory, the template), ``fs``
+and ``redis``; ``async_lookup``, ``tier_plumbing`` and ``block_format`` are what they share.
+"""

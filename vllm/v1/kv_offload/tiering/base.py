@@ -36,8 +36,11 @@ JobId = int
 """Id of a primary <-> secondary job, unique within one tiering manager (shared by all tiers)."""
 
 
-class JobMetadata:
+class TierJob:
     """One transfer between the primary tier and one secondary tier (read-only).
+
+    Upstream vLLM names this class ``JobMetadata``; that name stays importable from here
+    (``JobMetadata is TierJob``) for tiers written against upstream.
 
     A plain ``__slots__`` class: the tiering manager creates one per job on the scheduler's hot
     path, and a frozen dataclass's construction (one ``object.__setattr__`` per field, plus a
@@ -75,9 +78,13 @@ class JobMetadata:
     def __repr__(self) -> str:
         kind = "promotion" if self.is_promotion else "cascade"
         return (
-            f"JobMetadata(job_id={self.job_id}, {kind}, {len(self.keys)} keys, "
+            f"TierJob(job_id={self.job_id}, {kind}, {len(self.keys)} keys, "
             f"req_id={self.req_context.req_id!r})"
         )
+
+
+JobMetadata = TierJob
+"""Upstream vLLM's name of ``TierJob``."""
 
 
 class JobResult(NamedTuple):
@@ -142,7 +149,7 @@ class SecondaryTierManager(ABC):
         """
 
     @abstractmethod
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         """Start copying the primary rows ``job.block_ids`` into the tier, asynchronously.
 
         The tier skips blocks it already holds and evicts if it needs room. It must not copy on
@@ -150,7 +157,7 @@ class SecondaryTierManager(ABC):
         """
 
     @abstractmethod
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         """Start copying ``job.keys`` from the tier into the primary rows ``job.block_ids``.
 
         The rows were allocated for this job and are not readable by anyone until it is reported;

@@ -41,22 +41,22 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     check_offload_key,
+    refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.metrics import MetricsRecorder
-from vllm.v1.kv_offload.tiering.base import JobMetadata, SecondaryTierManager
-from vllm.v1.kv_offload.tiering.jobs import (
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TierJob
+
+# Upstream vLLM's path of the primary tier (its own module here: tiering/primary.py).
+from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.stats import TieringStats
+from vllm.v1.kv_offload.tiering.tier_jobs import (
+    PromotionQueue,
     SecondaryTierReportError,
     TierJobTable,
     cascade_owner,
 )
-
-# Re-exported: the primary tier lived here before it got its own module, and callers still
-# import it from here.
-from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
-from vllm.v1.kv_offload.tiering.promotions import PromotionQueue
-from vllm.v1.kv_offload.tiering.stats import TieringStats
 from vllm.v1.kv_offload.tiering.validation import check_keys_before_poll
 
 __all__ = [
@@ -66,6 +66,21 @@ __all__ = [
 ]
 
 logger = init_logger(__name__)
+
+# The methods a shut-down manager refuses (``shutdown``): every one that reads or changes
+# blocks, requests or the step.
+_REFUSED_AFTER_SHUTDOWN = (
+    "lookup",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_new_request",
+    "on_request_finished",
+    "on_schedule_end",
+    "reset_cache",
+)
 
 
 @dataclass(slots=True)
@@ -105,8 +120,9 @@ class TieringOffloadingManager(OffloadingManager):
         * A tier that raises inside ``submit_*`` is treated as having failed the job at once:
           pins are released / reserved rows freed, and no job is left behind.
         * Those pins and reserved rows are owned in the primary by internal contexts, not by the
-          request (``tiering/jobs.py``): the engine's ``complete_load`` / ``complete_store`` for
-          the request can release or publish only what its own ``prepare_*`` calls took.
+          request (``tiering/tier_jobs.py``): the engine's ``complete_load`` /
+          ``complete_store`` for the request can release or publish only what its own
+          ``prepare_*`` calls took.
 
     Errors: every public method validates its arguments and the keys' states before it changes
     anything (as ``CPUOffloadingManager`` does), including before it submits any tier job:
@@ -116,6 +132,13 @@ class TieringOffloadingManager(OffloadingManager):
     breaks the job contract (reports an unknown job, another tier's job, or a job twice) gets
     ``SecondaryTierReportError`` from the poll that saw it, after the valid reports were
     applied; the bad reports change nothing.
+
+    Where the checks are: the tiering manager checks only what the primary cannot, at its own
+    boundary: the type of the keys before the step's poll of the tiers (a refused call polls
+    nothing), and, in ``shutdown()``, the refusal of every later call. The states of keys are
+    checked by the primary's public methods, which the engine's calls reach; the manager's own
+    calls into the primary (cascades, promotions, their completions) take the exact-match fast
+    paths and are not re-validated.
 
     Args:
         primary_tier: the CPU primary tier (owned from now on; shut down last).
@@ -139,7 +162,10 @@ class TieringOffloadingManager(OffloadingManager):
         self._req_state: dict[str, _RequestState] = {}
         self._shut_down = False
         # The primary's two lookup probes, bound once: lookup() calls them directly.
-        self._primary_lookup_get = primary_tier.resident_probe
+        # (see CachePolicy.lookup_table: an entry of type exactly BlockStatus is the key's
+        # resident block; anything else, or no entry, means asking policy.lookup).
+        table = primary_tier.policy.lookup_table()
+        self._primary_lookup_get = (table if table is not None else {}).get
         self._primary_policy_lookup = primary_tier.policy.lookup
         # Counters for get_stats(); lookups are the primary's hits and misses.
         self._lookup_hits = 0
@@ -187,10 +213,6 @@ class TieringOffloadingManager(OffloadingManager):
         if self._processed_jobs_this_step:
             return
         self._processed_jobs_this_step = True
-        self._process_finished_jobs()
-
-    def _process_finished_jobs(self) -> None:
-        """Apply every result the tiers report now (``TierJobTable.poll``; O(results))."""
         self._jobs.poll()
 
     def _cascade(
@@ -205,7 +227,7 @@ class TieringOffloadingManager(OffloadingManager):
             owner = self._cascade_owners[tier_idx]
             spec = self._primary.prepare_read(keys, owner)
             assert isinstance(spec, CPULoadStoreSpec), f"primary returned {type(spec).__name__}"
-            job = JobMetadata(
+            job = TierJob(
                 job_id=job_id,
                 keys=keys,
                 block_ids=spec.block_ids,
@@ -230,7 +252,7 @@ class TieringOffloadingManager(OffloadingManager):
     def _flush_pending_promotions(self) -> None:
         """Submit the step's promotions: one ``submit_load`` per (tier, request)."""
         for tier_idx, req_id, batch in self._promotions.take_all():
-            job = JobMetadata(
+            job = TierJob(
                 job_id=self._jobs.new_id(),
                 keys=tuple(batch.keys),
                 block_ids=np.array(batch.block_ids, dtype=np.int64),
@@ -286,12 +308,9 @@ class TieringOffloadingManager(OffloadingManager):
         # a probe of the primary policy's lookup table. The primary's hit/miss counters are
         # kept here, since its own lookup() is bypassed (get_stats and the tier metrics add
         # them).
-        if self._shut_down:
-            raise self._shut_down_error("lookup")
+        if key.__class__ is not bytes:
+            check_offload_key("lookup", key, req_context)
         if not self._processed_jobs_this_step:
-            # Refuse a non-key before the step's poll (later, only a miss can be one).
-            if key.__class__ is not bytes:
-                check_offload_key("lookup", key, req_context)
             self._maybe_process_finished_jobs()
         block = self._primary_lookup_get(key)
         if block.__class__ is not BlockStatus:
@@ -305,9 +324,6 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _lookup_in_tiers(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """``lookup`` after a primary miss: ask the tiers in order (see ``lookup``)."""
-        # Only a miss can be a non-key: every resident key is bytes.
-        if key.__class__ is not bytes:
-            check_offload_key("lookup", key, req_context)
         self._lookup_misses += 1
         any_pending = False
         for tier_idx, tier in enumerate(self._tiers):
@@ -337,8 +353,6 @@ class TieringOffloadingManager(OffloadingManager):
             OffloadKeyStateError: a key is not readable (absent, being stored or promoted).
             RuntimeError: the manager is shut down.
         """
-        if self._shut_down:
-            raise self._shut_down_error("prepare_load")
         if not self._processed_jobs_this_step:
             check_keys_before_poll("prepare_load", keys, req_context)
             self._maybe_process_finished_jobs()
@@ -346,8 +360,6 @@ class TieringOffloadingManager(OffloadingManager):
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self._shut_down:
-            raise self._shut_down_error("touch")
         self._primary.touch(keys, req_context)
         for tier in self._tiers:
             tier.touch(keys, req_context)
@@ -360,8 +372,6 @@ class TieringOffloadingManager(OffloadingManager):
             OffloadKeyStateError: the request does not hold that many pins on a key.
             TypeError, RuntimeError: as ``prepare_load``.
         """
-        if self._shut_down:
-            raise self._shut_down_error("complete_load")
         self._primary.complete_load(keys, req_context)
 
     @override
@@ -377,8 +387,6 @@ class TieringOffloadingManager(OffloadingManager):
             TypeError: an element of ``keys`` is not an ``OffloadKey`` (nothing is allocated).
             RuntimeError: the manager is shut down.
         """
-        if self._shut_down:
-            raise self._shut_down_error("prepare_store")
         if not self._processed_jobs_this_step:
             check_keys_before_poll("prepare_store", keys, req_context)
             # Release finished cascades' pins before the primary picks eviction victims.
@@ -421,8 +429,6 @@ class TieringOffloadingManager(OffloadingManager):
             TypeError: an element of ``keys`` is not an ``OffloadKey``.
             RuntimeError: the manager is shut down.
         """
-        if self._shut_down:
-            raise self._shut_down_error("complete_store")
         done = keys if type(keys) is tuple else tuple(keys)
         if self._promotions.promoting:
             done = self._promotions.without_promoted(done)
@@ -434,14 +440,9 @@ class TieringOffloadingManager(OffloadingManager):
         if self._req_state:
             self._maybe_finish_secondary_tiers(req_context.req_id)
 
-    def _shut_down_error(self, method: str) -> RuntimeError:
-        return RuntimeError(f"TieringOffloadingManager.{method}: the manager is shut down")
-
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """REQUEST_LEVEL if any tier asks for it (those tiers get every block), else BLOCK_LEVEL."""
-        if self._shut_down:
-            raise self._shut_down_error("on_new_request")
         primary_policy = self._primary.on_new_request(req_context).policy
         request_level = tuple(
             tier_idx
@@ -457,8 +458,6 @@ class TieringOffloadingManager(OffloadingManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Tell the primary now and the tiers once the request's cascades were all submitted."""
-        if self._shut_down:
-            raise self._shut_down_error("on_request_finished")
         self._primary.on_request_finished(req_context)
         state = self._get_req_state(req_context.req_id)
         state.finished_req_context = req_context
@@ -477,8 +476,6 @@ class TieringOffloadingManager(OffloadingManager):
 
         A ``SecondaryTierReportError`` from the poll is raised after the rest of the step ran.
         """
-        if self._shut_down:
-            raise self._shut_down_error("on_schedule_end")
         try:
             self._maybe_process_finished_jobs()
         finally:
@@ -516,11 +513,9 @@ class TieringOffloadingManager(OffloadingManager):
                 pinned or reserved).
             RuntimeError: the manager is shut down.
         """
-        if self._shut_down:
-            raise self._shut_down_error("reset_cache")
         for tier in self._tiers:
             tier.drain_jobs()
-        self._process_finished_jobs()
+        self._jobs.poll()
         if self._jobs:
             raise SecondaryTierReportError(
                 [
@@ -577,11 +572,14 @@ class TieringOffloadingManager(OffloadingManager):
         """Shut every tier down (in order), then the primary; idempotent.
 
         Every component is shut down even if an earlier one raises; the first error is re-raised
-        afterwards.
+        afterwards. From now on every call that reads or changes blocks or steps the manager
+        raises ``RuntimeError`` (``refuse_after_shutdown``); ``take_events``, ``get_stats`` and
+        ``report_metrics`` still answer, ``has_pending_work`` answers False.
         """
         if self._shut_down:
             return
         self._shut_down = True
+        refuse_after_shutdown(self, _REFUSED_AFTER_SHUTDOWN)
         first_error: BaseException | None = None
         for tier_idx, tier in enumerate(self._tiers):
             try:

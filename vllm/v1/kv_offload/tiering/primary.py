@@ -5,7 +5,7 @@
 ``CPUPrimaryTierOffloadingManager`` is the CPU tier (``CPUOffloadingManager``) over the
 scheduler-side shared host region. Secondary tiers never see the GPU: they read and write the
 primary's rows through the memoryview it lends them (``get_kv_memoryview()``), under the pins and
-reservations the tiering manager takes with ``prepare_read`` / ``prepare_write``.
+reservations the tiering manager takes with ``prepare_read`` / ``reserve_row``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Collection
 
 from typing_extensions import override
 
-from vllm.v1.kv_offload.base import OffloadKey, PrepareStoreOutput, ReqContext
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 
 
 class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
@@ -50,7 +50,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             cache_policy: eviction policy name.
             enable_events: record ``OffloadingEvent`` s (medium ``"CPU"``).
             store_threshold, max_tracker_size: the reuse filter of GPU -> CPU stores (see
-                ``CPUOffloadingManager``); promotions (``prepare_write``) are never filtered.
+                ``CPUOffloadingManager``); promotions (``reserve_row``) are never filtered.
 
         Raises:
             ValueError: ``num_blocks`` disagrees with the region.
@@ -91,30 +91,6 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
     def complete_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin blocks pinned by ``prepare_read``. Same as ``complete_load``."""
         self.complete_load(keys, req_context)
-
-    def prepare_write(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
-        """Reserve rows (ref_cnt -1, unreadable) for blocks a tier will write (a promotion).
-
-        Same as ``prepare_store``, but never subject to the reuse filter (a block found in a
-        secondary tier was stored before); finish with ``complete_write``.
-        """
-        reuse_filter, self._reuse_filter = self._reuse_filter, None
-        try:
-            return self.prepare_store(keys, req_context)
-        finally:
-            self._reuse_filter = reuse_filter
-
-    def reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
-        """Reserve a row for block ``key`` (not resident) that a tier will write: a promotion.
-
-        The one-key ``prepare_write`` of the promotion path, without building a transfer spec:
-        returns the row (the block is being written, ``ref_cnt == -1``, unreadable, its store
-        pending for ``req_context``'s request), or None if no row can be freed. Finish with
-        ``complete_write``. Never subject to the reuse filter.
-        """
-        return self._reserve_row(key, req_context)
 
     def complete_write(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.v1.kv_connector.unit.offloading_connector.test_scheduler import ScriptedSpec, _req
+from tests.v1.kv_offload.cpu.manager_state import load_pins
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
@@ -74,7 +75,7 @@ def snapshot(sched: OffloadingConnectorScheduler, manager: CountingManager) -> A
         list(sched._current_batch_allocated_blocks),
         len(sched._jobs),
         sorted((k, b.block_id, b.ref_cnt) for k, b in manager.policy.items()),
-        {r: manager.load_pins(r) for r in sched._req_status},
+        {r: load_pins(manager, r) for r in sched._req_status},
         manager.schedule_ends,
         list(manager.finished),
     )

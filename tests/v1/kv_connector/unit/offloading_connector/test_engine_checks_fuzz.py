@@ -26,6 +26,7 @@ from tests.v1.kv_connector.unit.offloading_connector.test_engine_checks import (
     _setup,
     snapshot,
 )
+from tests.v1.kv_offload.cpu.manager_state import check_invariants, load_pins
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -150,7 +151,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def pins_are_the_load_jobs_in_flight(self) -> None:
-        self.manager.check_invariants()
+        check_invariants(self.manager)
         sched = self.sched
         for req_id, state in sched._req_status.items():
             loads = [sched._jobs[j] for j in state.transfer_jobs if not sched._jobs[j].is_store]
@@ -158,7 +159,7 @@ class EngineMachine(RuleBasedStateMachine):
             for job in loads:
                 for key in job.keys:
                     expected[key] = expected.get(key, 0) + 1
-            assert self.manager.load_pins(req_id) == expected, req_id
+            assert load_pins(self.manager, req_id) == expected, req_id
 
 
 TestEngineChecksFuzz = EngineMachine.TestCase

@@ -9,6 +9,7 @@ import pytest
 from tests.v1.kv_offload.cpu.policies.reference_arc import ReferenceARCCachePolicy
 from tests.v1.kv_offload.cpu.policies.utils import (
     CountingSet,
+    arc_lists,
     evicted_ids,
     insert_ready,
     k,
@@ -38,8 +39,8 @@ def test_basic() -> None:
     policy.insert(k(0), block)
     assert policy.get(k(0)) is block
     assert policy.get(k(1)) is None
-    assert sorted(ids(policy.t1_keys)) == [0]
-    assert sorted(ids(policy.t2_keys)) == []
+    assert sorted(ids(arc_lists(policy).t1)) == [0]
+    assert sorted(ids(arc_lists(policy).t2)) == []
     assert len(policy) == 1
     assert policy.target_t1_size == 0.0
     with pytest.raises(AssertionError, match=k(0).hex()):
@@ -50,15 +51,15 @@ def test_t1_to_t2_promotion() -> None:
     policy = ARCCachePolicy(8)
     policy.insert(k(0), BlockStatus(0))  # being written
     policy.touch([k(0)])
-    assert sorted(ids(policy.t1_keys)) == [0], "a block being written stays in T1 when touched"
+    assert sorted(ids(arc_lists(policy).t1)) == [0], "being written: stays in T1 when touched"
     block = policy.get(k(0))
     assert block is not None
     block.ref_cnt = 0
     policy.mark_evictable(k(0))
     policy.touch([k(0)])
-    assert sorted(ids(policy.t1_keys)) == [] and sorted(ids(policy.t2_keys)) == [0]
+    assert sorted(ids(arc_lists(policy).t1)) == [] and sorted(ids(arc_lists(policy).t2)) == [0]
     assert evicted_ids(policy.evict(1, ())) == [0]
-    assert ids(policy.b2_keys) == [0], "a victim from T2 goes to B2"
+    assert ids(arc_lists(policy).b2) == [0], "a victim from T2 goes to B2"
 
 
 def test_pinned_block_is_promoted_and_released_into_t2() -> None:
@@ -67,14 +68,14 @@ def test_pinned_block_is_promoted_and_released_into_t2() -> None:
     insert_ready(policy, 1)
     pin(policy, 0)
     policy.touch([k(0)])
-    assert sorted(ids(policy.t2_keys)) == [0]
+    assert sorted(ids(arc_lists(policy).t2)) == [0]
     assert policy.num_evictable == 1
     unpin(policy, 0)
     assert policy.num_evictable == 2
     # target 0: T1 (block 1) goes first, then T2 (block 0).
     victims = policy.evict(2, ())
     assert evicted_ids(victims) == [1, 0]
-    assert ids(policy.b1_keys) == [1] and ids(policy.b2_keys) == [0]
+    assert ids(arc_lists(policy).b1) == [1] and ids(arc_lists(policy).b2) == [0]
 
 
 def test_touch_ordering() -> None:
@@ -83,7 +84,7 @@ def test_touch_ordering() -> None:
     # The first key of a touch ends most recently used.
     policy.touch([k(2), k(0)])
     assert evicted_ids(policy.evict(4, ())) == [3, 1, 0, 2]
-    assert ids(policy.b2_keys) == [3, 1, 0, 2]
+    assert ids(arc_lists(policy).b2) == [3, 1, 0, 2]
 
 
 def test_touch_promotion_order_first_key_most_recent() -> None:
@@ -99,7 +100,7 @@ def test_t1_preferred_while_at_or_above_target() -> None:
     insert_ready(policy, 3)
     assert policy.target_t1_size == 0.0
     assert evicted_ids(policy.evict(2, ())) == [2, 3]
-    assert ids(policy.b1_keys) == [2, 3]
+    assert ids(arc_lists(policy).b1) == [2, 3]
 
 
 def test_t1_t2_eviction_policy_uses_virtual_t1_size() -> None:
@@ -111,7 +112,7 @@ def test_t1_t2_eviction_policy_uses_virtual_t1_size() -> None:
     # T2 order (LRU first) is 2, 1, 0: make_t2's touch left its first key most recent.
     # |T1| = 2 >= 2: first victim from T1; then the virtual |T1| is 1 < 2: from T2.
     assert evicted_ids(policy.evict(3, ())) == [3, 2, 1]
-    assert ids(policy.b1_keys) == [3] and ids(policy.b2_keys) == [2, 1]
+    assert ids(arc_lists(policy).b1) == [3] and ids(arc_lists(policy).b2) == [2, 1]
 
 
 def test_t2_preferred_below_target_with_fallback_to_t1() -> None:
@@ -130,13 +131,13 @@ def test_adaptive_target() -> None:
     insert_ready(policy, 0)
     assert evicted_ids(policy.evict(1, ())) == [0]  # T1 first
     assert evicted_ids(policy.evict(3, ())) == [3, 2, 1]  # then T2
-    assert ids(policy.b1_keys) == [0] and ids(policy.b2_keys) == [3, 2, 1]
+    assert ids(arc_lists(policy).b1) == [0] and ids(arc_lists(policy).b2) == [3, 2, 1]
 
     policy.touch([k(0)])  # B1 hit: + max(1, |B2| / |B1|) = + 3
     assert policy.target_t1_size == pytest.approx(3.0)
     policy.touch([k(3)])  # B2 hit: - max(1, |B1| / |B2|) = - 1
     assert policy.target_t1_size == pytest.approx(2.0)
-    assert ids(policy.b2_keys) == [2, 1, 3], "a ghost hit moves the ghost to its MRU end"
+    assert ids(arc_lists(policy).b2) == [2, 1, 3], "a ghost hit moves the ghost to its MRU end"
 
     # A ghost adapts once: its re-reference was counted (a request deferred for several steps
     # touches and looks its keys up again every step).
@@ -145,7 +146,7 @@ def test_adaptive_target() -> None:
         policy.touch([k(3)])
         assert policy.lookup(k(0)) is None
     assert policy.target_t1_size == pytest.approx(2.0)
-    assert ids(policy.b2_keys) == [2, 1, 3]
+    assert ids(arc_lists(policy).b2) == [2, 1, 3]
 
     policy.target_t1_size = 9.5
     policy.touch([k(2)])  # B2 hit: - max(1, 1 / 3)
@@ -186,20 +187,20 @@ def test_insert_removes_ghost() -> None:
     insert_ready(policy, 0)
     make_t2(policy, 1)
     policy.evict(2, ())
-    assert ids(policy.b1_keys) == [0] and ids(policy.b2_keys) == [1]
+    assert ids(arc_lists(policy).b1) == [0] and ids(arc_lists(policy).b2) == [1]
     policy.insert(k(0), BlockStatus(0))  # B1 hit: + max(1, |B2| / |B1|) = + 1
     assert policy.target_t1_size == 1.0
     policy.insert(k(1), BlockStatus(1))  # B2 hit: - max(1, |B1| / |B2|) = - 1
     assert policy.target_t1_size == 0.0
-    assert ids(policy.b1_keys) == [] and ids(policy.b2_keys) == []
+    assert ids(arc_lists(policy).b1) == [] and ids(arc_lists(policy).b2) == []
     # The paper's cases II and III: a block requested again after its eviction joins T2.
-    assert sorted(ids(policy.t2_keys)) == [0, 1] and not policy.t1_keys
+    assert sorted(ids(arc_lists(policy).t2)) == [0, 1] and not arc_lists(policy).t1
 
 
 def assert_directory_bounds(policy: ARCCachePolicy) -> None:
     """The ARC paper's bounds: L1 = T1 + B1 holds at most c keys, the whole directory 2c."""
-    t1, t2 = len(policy.t1_keys), len(policy.t2_keys)
-    b1, b2 = len(policy.b1_keys), len(policy.b2_keys)
+    t1, t2 = len(arc_lists(policy).t1), len(arc_lists(policy).t2)
+    b1, b2 = len(arc_lists(policy).b1), len(arc_lists(policy).b2)
     capacity = policy.cache_capacity
     assert t1 + b1 <= capacity, f"|T1| + |B1| = {t1} + {b1} > c = {capacity}"
     assert t1 + t2 + b1 + b2 <= 2 * capacity, f"directory {t1 + t2 + b1 + b2} > 2c"
@@ -219,23 +220,23 @@ def test_ghost_lists_follow_the_arc_directory_bounds() -> None:
     # T1 alone fills the cache: L1 is c already, so a T1 victim leaves no ghost behind.
     for i in range(6):
         store(i)
-    assert ids(policy.b1_keys) == []
+    assert ids(arc_lists(policy).b1) == []
     # With two blocks in T2, B1 keeps the c - |T1| newest T1 victims, the oldest dropped first.
     policy.touch([k(4), k(5)])
     for i in range(6, 9):
         store(i)
-    assert sorted(ids(policy.t1_keys)) == [7, 8]
-    assert ids(policy.b1_keys) == [3, 6], "|T1| + |B1| = c: the oldest B1 ghost went first"
+    assert sorted(ids(arc_lists(policy).t1)) == [7, 8]
+    assert ids(arc_lists(policy).b1) == [3, 6], "|T1| + |B1| = c: the oldest B1 ghost went first"
 
     # T2 victims fill B2 until the directory holds 2c keys; then B2's oldest ghosts go.
     policy.target_t1_size = 4.0  # |T1| < target: evict from T2
     for i in range(10, 14):
         store(i)
         policy.touch([k(i)])
-    assert ids(policy.b1_keys) == [6], "inserting 10 made L1 = c + 1"
+    assert ids(arc_lists(policy).b1) == [6], "inserting 10 made L1 = c + 1"
     # T2 victims in order: 5, 4, 10, 11; the directory reached 2c + 1 when 13 came in.
-    assert ids(policy.b2_keys) == [4, 10, 11]
-    assert len(policy) + len(policy.b1_keys) + len(policy.b2_keys) == 2 * capacity
+    assert ids(arc_lists(policy).b2) == [4, 10, 11]
+    assert len(policy) + len(arc_lists(policy).b1) + len(arc_lists(policy).b2) == 2 * capacity
 
 
 def test_insert_many_keeps_the_bounds_of_one_insert_per_block() -> None:
@@ -246,16 +247,16 @@ def test_insert_many_keeps_the_bounds_of_one_insert_per_block() -> None:
             insert_ready(policy, i)
         policy.touch([k(0)])
         assert evicted_ids(policy.evict(3, ())) == [1, 2, 3]
-        assert ids(policy.b1_keys) == [1, 2, 3]
+        assert ids(arc_lists(policy).b1) == [1, 2, 3]
     # Storing ghost 2 and two new keys: ghost 2 moves to T2 (adapting), L1 grows by the two
     # new keys and stays within c: B1 keeps its other ghosts.
     for i in (2, 20, 21):
         one_by_one.insert(k(i), BlockStatus(i))
     batched.insert_many([(k(i), BlockStatus(i)) for i in (2, 20, 21)])
     for policy in (one_by_one, batched):
-        assert ids(policy.b1_keys) == [1, 3]
-        assert sorted(ids(policy.t1_keys)) == [20, 21]
-        assert sorted(ids(policy.t2_keys)) == [0, 2]
+        assert ids(arc_lists(policy).b1) == [1, 3]
+        assert sorted(ids(arc_lists(policy).t1)) == [20, 21]
+        assert sorted(ids(arc_lists(policy).t2)) == [0, 2]
         assert policy.target_t1_size == 1.0
         assert_directory_bounds(policy)
 
@@ -280,7 +281,7 @@ def test_a_batch_trims_as_one_insert_per_block_would() -> None:
         assert manager.prepare_store([k(0), k(3)], ctx) is not None
         policy = manager.policy
         assert isinstance(policy, (ARCCachePolicy, ReferenceARCCachePolicy))
-        states.append((ids(policy.b1_keys), ids(policy.b2_keys)))
+        states.append((ids(arc_lists(policy).b1), ids(arc_lists(policy).b2)))
     assert states[0] == states[1] == ([1], [2])
 
 
@@ -314,19 +315,19 @@ def test_pinned_t2_blocks_return_at_the_mru_end_and_are_walked_past_once() -> No
         unpin(policy, 5)
         unpin(policy, 4)
         assert policy.num_evictable == 5
-        assert sorted(ids(policy.t2_keys)) == [0, 1, 2, 4, 5]
+        assert sorted(ids(arc_lists(policy).t2)) == [0, 1, 2, 4, 5]
         assert evicted_ids(policy.evict(5, ())) == [1, 0, 2, 5, 4]
     # Only the first eviction walks past a pinned block: it parks it, out of T2's order.
     policy = ARCCachePolicy(16)
     make_t2(policy, 6, 7, 8)  # 8 7 6
     pin(policy, 8)
     pin(policy, 7)
-    assert list(policy._t2) == [k(8), k(7), k(6)]
+    assert arc_lists(policy).t2_order == [k(8), k(7), k(6)]
     assert evicted_ids(policy.evict(1, ())) == [6]
-    assert list(policy._t2) == [] and policy._t2_parked == {k(7), k(8)}
+    assert arc_lists(policy).t2_order == [] and arc_lists(policy).t2_parked == {k(7), k(8)}
     assert policy.num_evictable == 0 and policy.evict(1, ()) is None
     unpin(policy, 7)
-    assert list(policy._t2) == [k(7)] and policy.num_evictable == 1
+    assert arc_lists(policy).t2_order == [k(7)] and policy.num_evictable == 1
 
 
 def test_failed_eviction_changes_nothing() -> None:
@@ -341,10 +342,10 @@ def test_failed_eviction_changes_nothing() -> None:
     def snapshot() -> object:
         return (
             sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items()),
-            sorted(policy.t1_keys),
-            sorted(policy.t2_keys),
-            list(policy.b1_keys),
-            list(policy.b2_keys),
+            sorted(arc_lists(policy).t1),
+            sorted(arc_lists(policy).t2),
+            list(arc_lists(policy).b1),
+            list(arc_lists(policy).b2),
             policy.target_t1_size,
             policy.num_evictable,
         )
@@ -382,7 +383,7 @@ def test_remove_leaves_no_ghost() -> None:
     policy.remove(k(0))
     policy.remove(k(1))
     assert len(policy) == 0
-    assert list(policy.b1_keys) == [] and list(policy.b2_keys) == []
+    assert list(arc_lists(policy).b1) == [] and list(arc_lists(policy).b2) == []
     assert policy.num_evictable == 0
     with pytest.raises(AssertionError, match=k(1).hex()):
         policy.remove(k(1))
@@ -400,12 +401,5 @@ def test_clear_resets_everything() -> None:
     policy.clear()
     assert len(policy) == 0
     assert policy.target_t1_size == 0.0
-    assert list(policy.b1_keys) == [] and list(policy.b2_keys) == []
+    assert list(arc_lists(policy).b1) == [] and list(arc_lists(policy).b2) == []
     assert policy.evict(1, ()) is None
-
-
-def test_mark_non_evictable_misuse_names_the_key() -> None:
-    policy = ARCCachePolicy(8)
-    policy.insert(k(9), BlockStatus(9))
-    with pytest.raises(AssertionError, match=k(9).hex()):
-        policy.mark_non_evictable(k(9))

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from tests.v1.kv_offload.cpu.policies.utils import k
+from tests.v1.kv_offload.cpu.policies.utils import arc_lists, k
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
@@ -37,7 +37,7 @@ def arc_with_b1_ghost() -> tuple[CPUOffloadingManager, ARCCachePolicy]:
     store(manager, 4)
     policy = manager.policy
     assert isinstance(policy, ARCCachePolicy)
-    assert policy.b1_keys == [k(3)] and policy.target_t1_size == 0.0
+    assert arc_lists(policy).b1 == [k(3)] and policy.target_t1_size == 0.0
     return manager, policy
 
 
@@ -51,7 +51,7 @@ def test_storing_a_ghost_adapts_and_places_it_in_t2() -> None:
     manager, policy = arc_with_b1_ghost()
     store(manager, 3)
     assert policy.target_t1_size == 1.0
-    assert k(3) in policy.t2_keys and k(3) not in policy.b1_keys
+    assert k(3) in arc_lists(policy).t2 and k(3) not in arc_lists(policy).b1
 
 
 @pytest.mark.parametrize("calls", [("touch", "lookup", "store"), ("lookup", "lookup", "store")])

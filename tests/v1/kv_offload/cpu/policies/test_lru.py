@@ -176,15 +176,6 @@ def test_clear() -> None:
     assert policy.evict(1, ()) is None
 
 
-def test_hook_misuse_is_reported_with_the_key() -> None:
-    policy = LRUCachePolicy(8)
-    policy.insert(k(5), BlockStatus(5))
-    with pytest.raises(AssertionError, match=k(5).hex()):
-        policy.mark_non_evictable(k(5))  # being written: was never evictable
-    with pytest.raises(AssertionError, match=k(5).hex()):
-        policy.mark_evictable(k(5))  # ref_cnt is still -1
-
-
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cache_capacity"):
         LRUCachePolicy(0)

@@ -13,8 +13,8 @@ import numpy.typing as npt
 import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, OffloadPolicy, ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.base import JobResult, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import (
     EXAMPLE_MEDIUM,
     ExampleSecondaryTierManager,
@@ -44,9 +44,9 @@ class Harness:
         self.tiers.append(tier)
         return tier
 
-    def job(self, job_keys: list[OffloadKey], rows: list[int], promotion: bool) -> JobMetadata:
+    def job(self, job_keys: list[OffloadKey], rows: list[int], promotion: bool) -> TierJob:
         self.next_job += 1
-        return JobMetadata(self.next_job, job_keys, np.array(rows, np.int64), promotion, CTX)
+        return TierJob(self.next_job, job_keys, np.array(rows, np.int64), promotion, CTX)
 
     def fill(self, row: int, value: int) -> None:
         self.rows[row] = value
@@ -179,6 +179,7 @@ def test_shutdown_releases_the_primary_view(
     harness = Harness(tmp_path)
     tier = harness.tier()
     tier.submit_store(harness.job(keys(1), [0], promotion=False))
+    # The primary owns its region and lends only the rows (get_kv_memoryview).
     region = harness.primary._mmap_region
     with caplog.at_level(logging.WARNING):
         harness.close()

@@ -150,29 +150,6 @@ class ARCCachePolicy(CachePolicy):
         self._b2 = LazyFIFO()
         self.target_t1_size: float = 0.0
 
-    # -- introspection (O(size): tests and debugging only) -----------------------------------
-
-    @property
-    def t1_keys(self) -> set[OffloadKey]:
-        """Keys resident in T1."""
-        resident = {key for key, v in self._entries.items() if type(v) is BlockStatus}
-        return resident - self.t2_keys
-
-    @property
-    def t2_keys(self) -> set[OffloadKey]:
-        """Keys resident in T2."""
-        return {*self._t2, *self._t2_parked}
-
-    @property
-    def b1_keys(self) -> list[OffloadKey]:
-        """Ghost keys evicted from T1, oldest first."""
-        return self._b1.live_keys()
-
-    @property
-    def b2_keys(self) -> list[OffloadKey]:
-        """Ghost keys evicted from T2, oldest first."""
-        return self._b2.live_keys()
-
     @property
     def num_evictable(self) -> int:
         """Number of blocks with ``ref_cnt == 0`` (O(1))."""
@@ -468,24 +445,6 @@ class ARCCachePolicy(CachePolicy):
     @override
     def __len__(self) -> int:
         return self._num_resident
-
-    @override
-    def mark_evictable(self, key: OffloadKey) -> None:
-        block = self._entries.get(key)
-        if type(block) is not BlockStatus:
-            raise AssertionError(f"mark_evictable: key {key.hex()} is not resident")
-        assert block.ref_cnt == 0, (
-            f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
-        )
-        self.mark_evictable_many((key,))
-
-    @override
-    def mark_non_evictable(self, key: OffloadKey) -> None:
-        # Every resident block with ref_cnt == 0 is evictable: in T2's order or T1's FIFO.
-        block = self._entries.get(key)
-        if type(block) is not BlockStatus or block.ref_cnt != 0:
-            raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
-        self.mark_non_evictable_many((key,))
 
     @override
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:

@@ -201,24 +201,34 @@ class CachePolicy(ABC):
     def __len__(self) -> int:
         """Number of resident blocks, whatever their ``ref_cnt``."""
 
-    def mark_evictable(self, key: OffloadKey) -> None:  # noqa: B027
-        """Hook: resident block ``key`` just reached ``ref_cnt == 0``. Default: no-op.
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """Hook: resident block ``key`` just reached ``ref_cnt == 0``.
 
-        Policies that keep a separate index of evictable blocks update it here; a policy that
-        ignores the hooks must filter on ``ref_cnt`` in ``evict`` itself.
+        Policies that keep a separate index of evictable blocks update it here or in
+        ``mark_evictable_many`` (the manager calls only that one); a policy that ignores the
+        hooks must filter on ``ref_cnt`` in ``evict`` itself. Default: ``mark_evictable_many``
+        of the one key if the policy overrides that, else nothing.
         """
+        if type(self).mark_evictable_many is not CachePolicy.mark_evictable_many:
+            self.mark_evictable_many((key,))
 
-    def mark_non_evictable(self, key: OffloadKey) -> None:  # noqa: B027
+    def mark_non_evictable(self, key: OffloadKey) -> None:
         """Hook: resident block ``key`` is leaving ``ref_cnt == 0`` (``0 -> 1``): called while
-        its ``ref_cnt`` is still 0. Default: no-op."""
+        its ``ref_cnt`` is still 0. Default: ``mark_non_evictable_many`` of the one key if the
+        policy overrides that, else nothing."""
+        if type(self).mark_non_evictable_many is not CachePolicy.mark_non_evictable_many:
+            self.mark_non_evictable_many((key,))
 
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         """``mark_evictable`` for each key, in order (every block has ``ref_cnt == 0`` already).
 
         The manager reports the blocks a ``complete_store`` or ``complete_load`` made evictable
         through this one call, after it checked each block's state and set its ``ref_cnt``: a
-        policy's override may skip re-checking them. Default: ``mark_evictable`` per key.
+        policy's override may skip re-checking them. Default: ``mark_evictable`` per key if the
+        policy overrides that (a policy written to the one-key hooks), else nothing.
         """
+        if type(self).mark_evictable is CachePolicy.mark_evictable:
+            return
         mark_evictable = self.mark_evictable
         for key in keys:
             mark_evictable(key)

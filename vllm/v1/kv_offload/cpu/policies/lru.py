@@ -149,23 +149,6 @@ class LRUCachePolicy(CachePolicy):
         return len(self._evictable) + len(self._non_evictable)
 
     @override
-    def mark_evictable(self, key: OffloadKey) -> None:
-        block = self._non_evictable.pop(key, None)
-        if block is None:
-            raise AssertionError(f"mark_evictable: key {key.hex()} is not a non-evictable block")
-        assert block.ref_cnt == 0, (
-            f"mark_evictable: key {key.hex()} has ref_cnt={block.ref_cnt}, expected 0"
-        )
-        self._evictable[key] = block
-
-    @override
-    def mark_non_evictable(self, key: OffloadKey) -> None:
-        block = self._evictable.pop(key, None)
-        if block is None:
-            raise AssertionError(f"mark_non_evictable: key {key.hex()} is not evictable")
-        self._non_evictable[key] = block
-
-    @override
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, ref_cnt == 0) just before this call.
         evictable = self._evictable

@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
@@ -110,7 +110,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         return key in self._blocks
 
     @override
-    def submit_store(self, job: JobMetadata) -> None:
+    def submit_store(self, job: TierJob) -> None:
         """Copy the job's primary rows into the tier (new keys only), evicting LRU blocks.
 
         Layout: for each ``i``, a copy of ``rows[job.block_ids[i], :]`` (``row_bytes`` bytes) is
@@ -153,7 +153,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self._finished.append(JobResult(job.job_id, success=True))
 
     @override
-    def submit_load(self, job: JobMetadata) -> None:
+    def submit_load(self, job: TierJob) -> None:
         """Copy ``job.keys`` into the primary rows ``job.block_ids``; fail if any is missing.
 
         Layout: ``rows[job.block_ids[i], :] = stored bytes of job.keys[i]`` (``row_bytes`` each).

@@ -9,7 +9,7 @@
   byte when it joins. The one that completes the set unlinks the name: from then on the file
   lives only as long as some participant holds it open or mapped, so even ``SIGKILL`` of every
   process leaves nothing behind.
-* Before joining or creating, every process sweeps the directory (``region_sweep``).
+* Before joining or creating, every process sweeps the directory (``sweep``).
 * A joiner that still finds a region of a dead creator (it died after the sweep), a region of
   another geometry, a file that is not a region of this format, or its own participant slot
   already taken gets a ``SharedRegionError`` and never maps it.
@@ -28,10 +28,10 @@ import stat
 import time
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.cpu.process_identity import current_identity, process_is_alive
-from vllm.v1.kv_offload.cpu.region_files import names_file, temp_path, unlink_if_names
-from vllm.v1.kv_offload.cpu.region_sweep import sweep_stale_regions
-from vllm.v1.kv_offload.cpu.region_trailer import (
+from vllm.v1.kv_offload.cpu.shared_region.files import names_file, temp_path, unlink_if_names
+from vllm.v1.kv_offload.cpu.shared_region.process_identity import current_identity, process_is_alive
+from vllm.v1.kv_offload.cpu.shared_region.sweep import sweep_stale_regions
+from vllm.v1.kv_offload.cpu.shared_region.trailer import (
     FORMAT_VERSION,
     JOINED,
     TRAILER,

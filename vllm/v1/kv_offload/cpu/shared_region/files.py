@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 
-from vllm.v1.kv_offload.cpu.process_identity import ProcessIdentity
+from vllm.v1.kv_offload.cpu.shared_region.process_identity import ProcessIdentity
 
 INSTANCE_ID_RE = re.compile(r"[A-Za-z0-9_.-]+")
 FILE_PREFIX = "vllm_offload_"

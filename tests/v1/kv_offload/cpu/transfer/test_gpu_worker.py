@@ -30,9 +30,12 @@ from tests.cuda_helpers import DeviceBuffer
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, current_compute_stream
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.cpu.transfer_handler import CrossDirectionOrder
+from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.transfer.gpu_worker import (
+    CpuGpuOffloadingHandlers,
+    current_compute_stream,
+)
+from vllm.v1.kv_offload.cpu.transfer.handler import CrossDirectionOrder
 from vllm.v1.kv_offload.worker.canonical import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -612,6 +615,7 @@ def test_cuda_copy_failure_is_reported_in_order(setups: list[Setup]) -> None:
     assert LIB is not None
     s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[0], "kernel")
     setups.append(s)
+    # Host registration is the handlers' own resource; nothing public reports it.
     [ptr] = s.handlers._registered
     first = s.submit(TransferSpec(GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([1])))
     s.worker.wait({first})

@@ -18,7 +18,10 @@ from tests.cuda_helpers import torch_cuda_problem
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, current_compute_stream
+from vllm.v1.kv_offload.cpu.transfer.gpu_worker import (
+    CpuGpuOffloadingHandlers,
+    current_compute_stream,
+)
 from vllm.v1.kv_offload.worker.canonical import KVCacheLayout, build_canonical_kv_caches
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker, TransferSpec
 
@@ -75,6 +78,7 @@ def test_cuda_kv_caches_register_with_their_device() -> None:
         for h in handlers.handlers:
             assert h.uses_cuda and h.device == device.index
             assert h.copy_method is ops.CopyMethod.DMA
+        # Host registration is the handlers' own resource; nothing public reports it.
         assert handlers._registered, "the CPU views were not pinned"
     finally:
         handlers.shutdown()
@@ -119,6 +123,7 @@ def test_round_trip_through_handlers_is_bit_exact(
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
+            # torch's only way to keep a stream busy for a set time on the GPU.
             torch.cuda._sleep(SLOW_WRITE_CYCLES)
             written = []
             for t in layers:

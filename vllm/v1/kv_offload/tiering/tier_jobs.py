@@ -1,6 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The tiering manager's primary <-> secondary jobs: submission, tier reports, their checks.
+"""The tiering manager's primary <-> secondary jobs, from start to report: one job lifecycle.
+
+* Promotions (``PromotionQueue``): a lookup that finds a key only in a secondary tier reserves
+  the key's primary row at once (``reserve_row``: ref_cnt -1, so later lookups answer None and
+  no second promotion is queued) and queues the key in its request's batch for that tier;
+  ``on_schedule_end`` submits one load job per (tier, request) batch.
+* Jobs in flight (``TierJobTable``): submitted to their tiers (a cascade pins its primary rows
+  once per tier), and finished when the tier reports them: a cascade's pins are released, a
+  promotion's rows are published or freed and its keys leave the queue's ``promoting`` map.
 
 Secondary tiers are third-party code: a tier may report a job id it was never given, a job that
 another tier runs, or the same job twice. ``TierJobTable.take`` checks every report before the
@@ -11,25 +19,29 @@ and a valid report next to it is never lost (a tier reports each job only once).
 The primary-side pins and reservations of the jobs are owned by internal request contexts
 (``cascade_owner`` / ``promotion_owner``), not by the request the job runs for, so that the
 engine's completions for that request can never release or publish them.
+
+Threading: everything here runs on the scheduler thread, inside the tiering manager's calls.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobId, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.stats import TieringStats
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.primary import CPUPrimaryTierOffloadingManager
-    from vllm.v1.kv_offload.tiering.promotions import PromotionQueue
 
 __all__ = [
     "InFlightJob",
+    "PromotionBatch",
+    "PromotionQueue",
     "SecondaryTierReportError",
     "TierJobTable",
     "cascade_owner",
@@ -69,6 +81,98 @@ def describe_keys(keys: tuple[OffloadKey, ...] | list[OffloadKey]) -> str:
     return f"keys {shown}{more}"
 
 
+@dataclass(slots=True)
+class PromotionBatch:
+    """Promotions one request queued for one tier during the current step.
+
+    Attributes:
+        req_context: the request (the job's ``req_context``).
+        owner: owns the reserved rows in the primary (``promotion_owner``).
+        keys, block_ids: the keys and their reserved rows, in lookup order.
+    """
+
+    req_context: ReqContext
+    owner: ReqContext
+    keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+class PromotionQueue:
+    """The step's queued promotion batches, and which tier each key is promoted from."""
+
+    def __init__(self, num_tiers: int) -> None:
+        # Per tier (by index): req_id -> the batch queued this step, submitted at step end.
+        self._pending: list[dict[str, PromotionBatch]] = [{} for _ in range(num_tiers)]
+        self._num_queued = 0
+        self._num_batches = 0  # names each batch's owner
+        # key -> index of the tier it is being promoted from, from lookup until the tier
+        # reports the load (for promotion_source; complete_store ignores these keys).
+        self.promoting: dict[OffloadKey, int] = {}
+
+    def __bool__(self) -> bool:
+        """Whether a batch is queued (not submitted yet)."""
+        return self._num_queued > 0
+
+    def queue(
+        self,
+        primary: CPUPrimaryTierOffloadingManager,
+        tier_idx: int,
+        key: OffloadKey,
+        req_context: ReqContext,
+    ) -> bool | None:
+        """Reserve ``key``'s primary row and queue it in its request's batch for the tier.
+
+        Returns:
+            None if the primary cannot make room (nothing changed); True if this opened a new
+            batch for the request, False if the key joined the request's batch.
+        """
+        pending = self._pending[tier_idx]
+        entry = pending.get(req_context.req_id)
+        owner = promotion_owner(self._num_batches) if entry is None else entry.owner
+        row = primary.reserve_row(key, owner)
+        if row is None:
+            return None
+        opened = entry is None
+        if entry is None:
+            self._num_batches += 1
+            entry = pending[req_context.req_id] = PromotionBatch(req_context, owner)
+            self._num_queued += 1
+        entry.keys.append(key)
+        entry.block_ids.append(row)
+        self.promoting[key] = tier_idx
+        return opened
+
+    def take_all(self) -> Iterator[tuple[int, str, PromotionBatch]]:
+        """Yield and forget every queued batch as ``(tier_idx, req_id, batch)``."""
+        if not self._num_queued:
+            return
+        for tier_idx, pending in enumerate(self._pending):
+            if not pending:
+                continue
+            self._pending[tier_idx] = {}
+            for req_id, batch in pending.items():
+                self._num_queued -= 1
+                yield tier_idx, req_id, batch
+        assert self._num_queued == 0, f"{self._num_queued} promotion batches left queued"
+
+    def finish(self, keys: Iterable[OffloadKey]) -> None:
+        """The keys' load was reported (or failed at submit): they are no longer promoted."""
+        for key in keys:
+            self.promoting.pop(key, None)
+
+    def without_promoted(self, keys: tuple[OffloadKey, ...]) -> tuple[OffloadKey, ...]:
+        """``keys`` less those being promoted (a non-key is kept, for the caller's check)."""
+        promoting = self.promoting
+        return tuple(key for key in keys if key.__class__ is not bytes or key not in promoting)
+
+    def clear(self) -> None:
+        """Forget every batch and promotion (``reset_cache``: the primary frees the rows)."""
+        for tier_idx in range(len(self._pending)):
+            self._pending[tier_idx] = {}
+        self._num_queued = 0
+        self.promoting.clear()
+
+
 class SecondaryTierReportError(RuntimeError):
     """A secondary tier broke the job contract (``SecondaryTierManager``): a tier bug.
 
@@ -95,7 +199,7 @@ class InFlightJob(NamedTuple):
     """
 
     tier_idx: int
-    job: JobMetadata
+    job: TierJob
     owner: ReqContext
     submitted_at: float = 0.0
 
@@ -140,7 +244,7 @@ class TierJobTable:
         self._next_job_id += 1
         return job_id
 
-    def submit(self, tier_idx: int, job: JobMetadata, owner: ReqContext) -> None:
+    def submit(self, tier_idx: int, job: TierJob, owner: ReqContext) -> None:
         """Register ``job`` and hand it to its tier; a raising tier fails the job at once."""
         tier = self._tiers[tier_idx]
         entry = InFlightJob(tier_idx, job, owner, time.perf_counter())

@@ -28,8 +28,8 @@ from vllm import _custom_ops as ops
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.compute_stream import ComputeStreamFn
-from vllm.v1.kv_offload.cpu.transfer_planner import JobPlanner, TransferPlan
+from vllm.v1.kv_offload.cpu.transfer.compute_stream import ComputeStreamFn
+from vllm.v1.kv_offload.cpu.transfer.planner import JobPlanner, TransferPlan
 from vllm.v1.kv_offload.worker.worker import (
     OffloadingHandler,
     TransferResult,

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.cpu.region_trailer import RegionGeometry, round_up
+from vllm.v1.kv_offload.cpu.shared_region.trailer import RegionGeometry, round_up
 
 logger = init_logger(__name__)
 

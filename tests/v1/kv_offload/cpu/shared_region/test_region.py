@@ -24,19 +24,17 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.v1.kv_offload.cpu import (
-    process_identity,
-    region_prefault,
-    region_publish,
-    region_sweep,
-    region_trailer,
-)
-from vllm.v1.kv_offload.cpu import shared_offload_region as sor
-from vllm.v1.kv_offload.cpu.shared_offload_region import (
+from vllm.v1.kv_offload.cpu.shared_region import (
     ProcessIdentity,
     SharedOffloadRegion,
     SharedRegionError,
+    process_identity,
 )
+from vllm.v1.kv_offload.cpu.shared_region import prefault as region_prefault
+from vllm.v1.kv_offload.cpu.shared_region import publish as region_publish
+from vllm.v1.kv_offload.cpu.shared_region import region as sor
+from vllm.v1.kv_offload.cpu.shared_region import sweep as region_sweep
+from vllm.v1.kv_offload.cpu.shared_region import trailer as region_trailer
 
 PAGE = mmap.PAGESIZE
 
@@ -605,6 +603,7 @@ def test_prefault_other_madvise_errors_raise(tmp_path: Path) -> None:
     with _region(tmp_path, prefault=False) as region:
         mm: Any = _MadviseFails()
         with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
+            # The populate step alone (the region prefaults at creation, and then only once).
             region_prefault._madvise_populate(
                 mm, region._geometry, 0, region.row_bytes, region.path, str(tmp_path)
             )

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from vllm.v1.kv_offload.cpu.process_identity import ProcessIdentity
+from vllm.v1.kv_offload.cpu.shared_region.process_identity import ProcessIdentity
 
 MAGIC = b"VLLMKVR\x00"
 FORMAT_VERSION = 1

@@ -16,14 +16,14 @@ import os
 import stat
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.cpu.process_identity import process_is_alive
-from vllm.v1.kv_offload.cpu.region_files import (
+from vllm.v1.kv_offload.cpu.shared_region.files import (
     FILE_PREFIX,
     FILE_SUFFIX,
     temp_file_creator,
     unlink_if_names,
 )
-from vllm.v1.kv_offload.cpu.region_trailer import read_trailer
+from vllm.v1.kv_offload.cpu.shared_region.process_identity import process_is_alive
+from vllm.v1.kv_offload.cpu.shared_region.trailer import read_trailer
 
 logger = init_logger(__name__)
 
