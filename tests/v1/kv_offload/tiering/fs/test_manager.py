@@ -293,6 +293,28 @@ def test_missing_file_fails_the_whole_job_once(make_tier: TierFactory, primary: 
     assert load(tier, primary, [keys[0], keys[2]], [4, 6])
 
 
+def test_stats_show_a_tier_that_failed_every_store_and_load(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    """What a run's verdict reads to tell a tier that served nothing from one that worked: the
+    jobs reported and those that failed, per direction (``get_stats().counters``)."""
+    tier = make_tier(min_free_bytes="1000TiB")  # no filesystem has room: every store fails
+    stores = [job([key_of(i)], [i], load=False) for i in range(3)]
+    loads = [job([key_of(i)], [8 + i], load=True) for i in range(2)]
+    assert set(run_jobs(tier, *stores, *loads).values()) == {False}
+    counters = tier.get_stats().counters
+    assert counters["store_jobs"] == counters["store_jobs_failed"] == 3
+    assert counters["load_jobs"] == counters["load_jobs_failed"] == 2
+    assert counters.get("blocks_written", 0) == counters.get("blocks_loaded", 0) == 0
+
+    healthy = make_tier(root_dir=str(Path(tier.rank_dir).parent / "other"))
+    assert store(healthy, primary, [key_of(0)], [0]) and load(healthy, primary, [key_of(0)], [1])
+    assert not load(healthy, primary, [key_of(9)], [2])
+    counters = healthy.get_stats().counters
+    assert (counters["store_jobs"], counters.get("store_jobs_failed", 0)) == (1, 0)
+    assert (counters["load_jobs"], counters["load_jobs_failed"]) == (2, 1)
+
+
 def _truncate(path: str) -> None:
     os.truncate(path, HEADER_SIZE + 10)
 

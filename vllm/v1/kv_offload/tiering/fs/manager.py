@@ -378,6 +378,10 @@ class FileSystemSecondaryTier(AsyncLookupTier):
                 f"fs tier: job {job_id} success={success} but failed keys "
                 f"{[key.hex() for key in record.failed_keys]}"
             )
+            kind = "load_jobs" if record.is_promotion else "store_jobs"
+            self._store.count(kind)
+            if not success:
+                self._store.count(f"{kind}_failed")
             if record.is_promotion and record.failed_keys:
                 # Stop requests from retrying blocks this tier could not deliver.
                 self._lookups.mark_miss(record.failed_keys)
@@ -509,6 +513,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             self._mapper,
             self._row_bytes,
             self._config.stale_tmp_age_s,
+            self._run_dir.rank_dir,
         )
 
     def _first_pass(self, stop: threading.Event) -> ScanStats:

@@ -31,6 +31,12 @@ writers). The bound is instead kept by the filesystem itself, with one atomic pr
   before publishing and the temporary file was removed. Garbage is reclaimed by the reconcile
   walk (``walk_subdir``) and by a claim that collides with it.
 
+Damage: the slot directories are the tier's own. A name among them that is not a directory (a
+regular file or a symlink planted at ``slots/000``, say) would fail every claim of its 1024
+slots, i.e. every store of a small cache: the tier replaces it with an empty directory and logs
+a WARNING naming the path, at start-up and whenever a store meets it; a slot directory it cannot
+use (not writable) makes the tier refuse to start, with its path in the message.
+
 Thread-safety: every method may be called from any thread; the bookkeeping (which slots are
 known taken, which inode holds which slot: ``SlotHints``) is a hint guarded by its own lock,
 never held across a system call. The filesystem is the truth: a stale hint costs a retry, never
@@ -40,8 +46,10 @@ the bound.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,12 +73,18 @@ logger = init_logger(__name__)
 SLOTS_DIR = "slots"
 """Name of the slot directory under the rank directory."""
 SLOTS_PER_SUBDIR = 1024
+_MAX_CACHED_SUBDIRS = 64
+"""Slot subdirectories whose descriptors stay open (64 Ki slots); beyond, they are opened per
+use, so that a huge ``max_bytes`` does not use up the process's descriptors."""
 _MAX_COLLISIONS = 16
 """Slots tried per ``try_claim`` before it reports that none is free (the caller evicts)."""
 _BLIND_PROBES = 4
 """Slots believed taken that ``try_claim`` also tries when none is known free: others may have
 freed them since the last walk."""
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NOT_A_DIRECTORY = (errno.ENOTDIR, errno.ELOOP)
+"""What opening a name with ``O_DIRECTORY | O_NOFOLLOW`` fails with when it is not a directory
+(a file, a fifo: ENOTDIR; a symlink: ELOOP)."""
 
 RemoveBlock = Callable[[OffloadKey, tuple[int, int]], bool]
 """``(key, (st_dev, st_ino)) -> removed``: see ``CapacitySlots.evict_unknown``."""
@@ -129,9 +143,11 @@ class CapacitySlots:
         mapper: to find a slot's block file from the key in its header.
         payload_len: payload bytes of a block file (to validate headers).
         stale_tmp_age_s: age after which a grab name of a possibly live releaser is recovered.
+        rank_dir: the rank directory's path (for messages).
 
     Raises:
-        OSError: the slot directory cannot be created or opened.
+        OSError: naming the directory, if ``slots/`` or one of its subdirectories below
+            ``capacity`` cannot be made a writable directory.
     """
 
     def __init__(
@@ -142,10 +158,11 @@ class CapacitySlots:
         mapper: FileMapper,
         payload_len: int,
         stale_tmp_age_s: float,
+        rank_dir: str,
     ) -> None:
         assert capacity >= 1, f"capacity={capacity}"
         self._rank_fd = rank_fd
-        self._slots_fd = open_dir(SLOTS_DIR, rank_fd, create=True)
+        self._slots_path = os.path.join(rank_dir, SLOTS_DIR)
         self.capacity = capacity
         self._writer = writer
         self._mapper = mapper
@@ -154,6 +171,31 @@ class CapacitySlots:
         self._stale_tmp_age_s = stale_tmp_age_s
         self._hints = SlotHints(capacity)
         self._remove: RemoveBlock | None = None
+        # Descriptors of slots/ and of the subdirectories below ``capacity`` (every store uses
+        # them), opened once. A descriptor is closed only by close(): one a repair replaced is
+        # kept in ``_retired``, because a thread may still be using it.
+        self._dirs_lock = threading.Lock()
+        self._retired: list[int] = []
+        self._sub_fds: dict[str, int] = {}
+        self._num_subdirs = -(-capacity // SLOTS_PER_SUBDIR)
+        self._slots_fd = _open_repairing(rank_fd, SLOTS_DIR, self._slots_path)
+        try:
+            for hi in range(self._num_subdirs):
+                sub = f"{hi:03x}"
+                fd = _open_repairing(self._slots_fd, sub, self._sub_path(sub))
+                if hi < _MAX_CACHED_SUBDIRS:
+                    self._sub_fds[sub] = fd
+                else:
+                    os.close(fd)
+                if not os.access(sub, os.W_OK | os.X_OK, dir_fd=self._slots_fd):
+                    raise OSError(
+                        errno.EACCES,
+                        f"fs tier: slot directory {self._sub_path(sub)} is not writable: fix "
+                        "its permissions or remove it",
+                    )
+        except BaseException:
+            self.close()
+            raise
 
     def bind_remover(self, remove: RemoveBlock) -> None:
         """Remove block files through ``remove`` (the store: index, events, counters) when a
@@ -161,11 +203,62 @@ class CapacitySlots:
         self._remove = remove
 
     def close(self) -> None:
-        """Close the slot directory (idempotent)."""
-        fd, self._slots_fd = self._slots_fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the slot directories (idempotent)."""
+        with self._dirs_lock:
+            fds = [self._slots_fd, *self._sub_fds.values(), *self._retired]
+            self._slots_fd = -1
+            self._sub_fds.clear()
+            self._retired.clear()
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    # -----------------------------------------------------------------------------------------
+    # Slot directories
+    # -----------------------------------------------------------------------------------------
+
+    def _sub_path(self, sub: str) -> str:
+        return os.path.join(self._slots_path, sub)
+
+    def _open_sub(self, sub: str, *, own: bool = False) -> tuple[int, bool]:
+        """``(descriptor of slots/<sub>, cached)``; the caller closes one that is not cached.
+
+        Args:
+            sub: the subdirectory.
+            own: it holds slots below ``capacity``: (re)made a directory if it is not one.
+
+        Raises:
+            FileNotFoundError: ``sub`` is not ``own`` and does not exist.
+        """
+        fd = self._sub_fds.get(sub)
+        if fd is not None:
+            return fd, True
+        if own:
+            return _open_repairing(self._slots_fd, sub, self._sub_path(sub)), False
+        return open_dir(sub, self._slots_fd, create=False), False
+
+    def _repair(self, sub: str, fd: int) -> bool:
+        """A system call in ``slots/<sub>`` (descriptor ``fd``) failed as if the directory were
+        gone. If it is (an operator or a tool removed it, or replaced it with a file or a
+        symlink), make it a directory again and return True: the caller retries. False if the
+        directory is fine (the error meant something else) or is not one of this tier's."""
+        with self._dirs_lock:
+            current = self._sub_fds.get(sub)
+            if current is None:
+                return False
+            if current != fd:
+                return True  # another thread repaired it meanwhile
+            if os.fstat(fd).st_nlink > 0:
+                return False
+            if os.fstat(self._slots_fd).st_nlink == 0:
+                logger.warning("fs tier: %s was removed; recreating it", self._slots_path)
+                self._retired.append(self._slots_fd)
+                self._slots_fd = _open_repairing(self._rank_fd, SLOTS_DIR, self._slots_path)
+            logger.warning("fs tier: %s was removed; recreating it", self._sub_path(sub))
+            self._retired.append(fd)
+            self._sub_fds[sub] = _open_repairing(self._slots_fd, sub, self._sub_path(sub))
+        return True
 
     # -----------------------------------------------------------------------------------------
     # Bookkeeping (hints)
@@ -211,7 +304,7 @@ class CapacitySlots:
             OSError: a system-call error other than the slot being taken (the file may or may
                 not have been linked: if its caller then unlinks it, the slot is garbage).
         """
-        collisions = blind = 0
+        collisions = blind = repairs = 0
         retry: int | None = None
         while True:
             n = retry
@@ -225,10 +318,16 @@ class CapacitySlots:
                 n = self._hints.pick(blind=True)
                 assert n is not None
             sub, slot_name = slot_location(n)
-            sub_fd = open_dir(sub, self._slots_fd, create=True)
+            sub_fd, cached = self._open_sub(sub, own=True)  # n < capacity
             try:
                 os.link(name, slot_name, src_dir_fd=dir_fd, dst_dir_fd=sub_fd,
                         follow_symlinks=False)  # fmt: skip
+            except FileNotFoundError:
+                if repairs < 2 and self._repair(sub, sub_fd):
+                    repairs += 1
+                    retry = n
+                    continue
+                raise
             except FileExistsError:
                 try:
                     held = os.stat(slot_name, dir_fd=sub_fd, follow_symlinks=False)
@@ -244,7 +343,8 @@ class CapacitySlots:
                         retry = n  # garbage freed: try it at once (another writer may be faster)
                     continue
             finally:
-                os.close(sub_fd)
+                if not cached:
+                    os.close(sub_fd)
             self._hints.note_taken(n, ino)
             return n
 
@@ -290,7 +390,7 @@ class CapacitySlots:
         """
         sub, slot_name = slot_location(n)
         try:
-            sub_fd = open_dir(sub, self._slots_fd, create=False)
+            sub_fd, cached = self._open_sub(sub)
         except FileNotFoundError:
             self._hints.note_free(n)
             return False
@@ -312,7 +412,8 @@ class CapacitySlots:
             # check below puts it back.
             return self._settle_grab(sub_fd, grab, n, ino)
         finally:
-            os.close(sub_fd)
+            if not cached:
+                os.close(sub_fd)
 
     def _stat_slot(self, sub_fd: int, slot_name: str, n: int) -> os.stat_result | None:
         """``lstat`` of slot ``n``'s name; None, noted free, if it has none."""
@@ -405,10 +506,7 @@ class CapacitySlots:
         n = self._hints.pick(blind=True)
         assert n is not None
         sub, slot_name = slot_location(n)
-        try:
-            sub_fd = open_dir(sub, self._slots_fd, create=False)
-        except FileNotFoundError:
-            return False
+        sub_fd, cached = self._open_sub(sub, own=True)  # n < capacity
         try:
             seen = self._stat_slot(sub_fd, slot_name, n)
             if seen is None:
@@ -430,7 +528,8 @@ class CapacitySlots:
             self._hints.note_free(n)
             return True
         finally:
-            os.close(sub_fd)
+            if not cached:
+                os.close(sub_fd)
 
     def _key_of(self, dir_fd: int, name: str) -> OffloadKey | None:
         """The key in the header of the block file ``name`` names; None if unreadable."""
@@ -462,7 +561,7 @@ class CapacitySlots:
         """
         seq = self._hints.seq()
         try:
-            sub_fd = open_dir(sub, self._slots_fd, create=False)
+            sub_fd, cached = self._open_sub(sub)
         except FileNotFoundError:
             return 1
         try:
@@ -483,7 +582,8 @@ class CapacitySlots:
             self._hints.note_absent(listed, present, seq)
             return len(names) + 1
         finally:
-            os.close(sub_fd)
+            if not cached:
+                os.close(sub_fd)
 
     def _walk_entry(
         self, sub_fd: int, sub: str, name: str, present: set[int], seq: int, stats: SlotWalkStats
@@ -550,6 +650,40 @@ class CapacitySlots:
         # Its inode is garbage (unlinked), or still live (its block name exists): rehome it.
         self._settle_grab(sub_fd, name, None, None)
         stats.leftovers += 1
+
+
+def _open_repairing(parent_fd: int, name: str, path: str) -> int:
+    """Open (creating it if absent) directory ``name`` under ``parent_fd``; a non-directory in
+    its place (a file, a symlink: not followed) is replaced, with a WARNING naming ``path``.
+
+    Raises:
+        OSError: naming ``path``, if it cannot be made a usable directory.
+    """
+    try:
+        for _ in range(3):
+            try:
+                return open_dir(name, parent_fd, create=True)
+            except OSError as e:
+                if e.errno not in _NOT_A_DIRECTORY:
+                    raise
+            try:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                continue  # replaced by a directory meanwhile (another instance repaired it)
+            logger.warning(
+                "fs tier: %s is a %s, not a directory; replacing it with an empty directory",
+                path,
+                "symlink" if stat.S_ISLNK(st.st_mode) else "file",
+            )
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=parent_fd)
+        raise OSError(errno.ENOTDIR, "keeps being replaced by a non-directory")
+    except OSError as e:
+        raise OSError(
+            e.errno, f"fs tier: slot directory {path} is not usable: {e.strerror or e}"
+        ) from e
 
 
 def _unlink_quietly(dir_fd: int, name: str) -> None:

@@ -54,6 +54,24 @@ __all__ = ["BlockStore", "BusyClock", "NoFreeSlot"]
 
 logger = init_logger(__name__)
 
+COUNTER_NAMES = (
+    "store_jobs",
+    "store_jobs_failed",
+    "load_jobs",
+    "load_jobs_failed",
+    "blocks_written",
+    "blocks_skipped",
+    "blocks_loaded",
+    "blocks_evicted",
+    "corrupt_removed",
+    "store_failures",
+    "load_failures",
+    "reads_given_up",
+    "slots_lost",
+    "claim_misses",
+)
+"""Every counter ``BlockStore.counters`` reports (0 until counted), besides the busy times."""
+
 _MAX_EVICTIONS_PER_CLAIM = 8
 """Victims a store evicts, one at a time, to find a free capacity slot before it gives up (a
 victim whose slot this instance does not know yet frees none until the reconcile finds it)."""
@@ -124,11 +142,13 @@ class BlockStore:
         wrong-size ones included), ``store_failures``, ``load_failures``, ``reads_given_up``
         (files no longer served after ``max_read_failures`` failed reads), ``slots_lost``
         (published files found without their capacity slot, see ``_keep_slot``),
-        ``claim_misses`` (random evictions that freed no slot); and
-        ``store_busy_us`` / ``load_busy_us``, the wall time (in microseconds) during which at
-        least one store / load was running (see ``BusyClock``)."""
+        ``claim_misses`` (random evictions that freed no slot); ``store_jobs`` /
+        ``load_jobs`` and ``store_jobs_failed`` / ``load_jobs_failed``, the jobs reported (by
+        the tier) and those of them that failed; and ``store_busy_us`` / ``load_busy_us``, the
+        wall time (in microseconds) during which at least one store / load was running (see
+        ``BusyClock``)."""
         with self._counters_lock:
-            counters = dict(self._counters)
+            counters = dict.fromkeys(COUNTER_NAMES, 0) | self._counters
         counters["store_busy_us"] = round(self._store_clock.seconds() * 1e6)
         counters["load_busy_us"] = round(self._load_clock.seconds() * 1e6)
         return counters
