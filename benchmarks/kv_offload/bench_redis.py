@@ -2,9 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """Throughput of the redis tier against raw pipelined SET/GET of the same bytes.
 
-For each block size, in the same run, against the same server, through the same client (the tier's
-own ``redis.Redis``, with its packer and read buffer), the four measurements are interleaved, round
-after round, so that a noisy neighbour slows all of them alike:
+For each block size, in the same run, against the same server, the measurements are interleaved,
+round after round, so that a noisy neighbour slows all of them alike. The raw baseline is redis-py
+at its fastest for these values: the tier's client settings (RESP2, read buffer, timeouts), with
+redis-py's pure-Python command packer, which sends a memoryview argument without copying it
+(hiredis's packer, the default, copies it twice), and hiredis parsing the replies. The tier moves
+its values over its own connections (``tiering/redis/direct_io.py``).
 
 * raw store: pipelined ``SET key row`` of every row, as many per pipeline as a tier job has
   blocks (``--blocks-per-job``), the row passed as a memoryview;
@@ -15,12 +18,17 @@ after round, so that a noisy neighbour slows all of them alike:
   bytes are only received);
 * tier load: ``submit_load`` + ``drain_jobs()``: ``GET`` rounds, every value received into its
   primary row and verified (size, header, key, CRC-32C); the rows are then compared with what was
-  stored.
+  stored;
+* keyed store and keyed load: the same, through a second tier with a fleet secret
+  (``integrity_key_env``): every value also carries an HMAC-SHA256 of header and row, computed on
+  store and verified on load (``block_format.IntegrityKey``). Its ratios are against the tier
+  without a secret: what keyed integrity costs.
 
 The server is flushed before each store, so that the tier writes every block. Throughput counts
 payload bytes (the rows); the tier's 4 KiB header per value is overhead it pays. Reported: the
-median of ``--repeat`` rounds of each, the tier/raw ratio of the medians, and the ratio of the
-fastest rounds (the ones least disturbed by other processes).
+median of ``--repeat`` rounds of each, the tier/raw ratio of the medians, the ratio of the
+fastest rounds (the ones least disturbed by other processes), and the client's CPU time (every
+thread of this process) per GB moved.
 
 Usage::
 
@@ -35,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -42,13 +52,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 import redis
 from _common import bench_keys, bench_spec
+from redis.connection import Encoder, PythonRespSerializer
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.sizes import parse_size
@@ -58,6 +70,7 @@ from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
 from vllm.v1.kv_offload.tiering.redis.transfer import MAX_ROUND_BYTES
 
 GB = 1e9
+_SECRET_ENV = "VLLM_KV_OFFLOAD_BENCH_INTEGRITY_KEY"
 
 
 @dataclass
@@ -75,6 +88,12 @@ class Result:
     load_ratio: float
     store_ratio_best: float
     load_ratio_best: float
+    keyed_store_gb_s: float
+    keyed_load_gb_s: float
+    keyed_store_ratio: float
+    keyed_load_ratio: float
+    client_cpu_s_per_gb: dict[str, float]
+    """CPU seconds of this process (all threads) per GB of payload, median, per measurement."""
 
 
 @contextmanager
@@ -112,7 +131,7 @@ def own_server() -> Iterator[str]:
 
 
 def _jobs(
-    keys: list[OffloadKey], per_job: int, first_id: int, *, load: bool, row_offset: int = 0
+    keys: list[OffloadKey], per_job: int, first_id: int, *, load: bool = False, row_offset: int = 0
 ) -> list[JobMetadata]:
     ctx = ReqContext("bench")
     return [
@@ -127,16 +146,13 @@ def _jobs(
     ]
 
 
-def _run_jobs(tier: RedisSecondaryTier, jobs: list[JobMetadata]) -> float:
-    start = time.perf_counter()
+def _run_jobs(tier: RedisSecondaryTier, jobs: list[JobMetadata]) -> None:
     for job in jobs:
         (tier.submit_load if job.is_promotion else tier.submit_store)(job)
     tier.drain_jobs()
-    elapsed = time.perf_counter() - start
     failed = [r.job_id for r in tier.get_finished_jobs() if not r.success]
     if failed:
         raise RuntimeError(f"tier jobs failed: {failed} ({tier.stats()})")
-    return elapsed
 
 
 def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, rounds: int) -> Result:
@@ -146,30 +162,46 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
     view = memoryview(mm).cast("B", (2 * n, block_bytes))
     rows = np.frombuffer(mm, dtype=np.uint8).reshape(2 * n, block_bytes)
     rows[:n] = np.random.default_rng(0).integers(0, 256, (n, block_bytes), dtype=np.uint8)
-    tier = RedisSecondaryTier(
-        bench_spec(block_bytes, 2 * n),
-        view,
-        "redis",
-        url=url,
-        max_inflight_bytes=2 * n * block_bytes,
+    os.environ[_SECRET_ENV] = secrets.token_hex(32)
+    tier, keyed = (
+        RedisSecondaryTier(
+            bench_spec(block_bytes, 2 * n),
+            view,
+            "redis",
+            url=url,
+            max_inflight_bytes=2 * n * block_bytes,
+            integrity_key_env=env,
+        )
+        for env in (None, _SECRET_ENV)
     )
-    client = tier.client
-    assert isinstance(client, redis.Redis)
+    pool = tier.client.connection_pool
+    assert isinstance(pool, redis.ConnectionPool)
+    client = redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            # The baseline's packer (benchmark only): redis-py's pure-Python one, see above.
+            command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+            **pool.connection_kwargs,
+        )
+    )
     flat = view.cast("B")
     keys = bench_keys(n, "tier")
     raw_keys = [f"raw:{i}".encode() for i in range(n)]
     # The raw pipelines carry what one tier job carries (a job is one round trip when it fits).
     per_round = max(1, min(per_job, MAX_ROUND_BYTES // (HEADER_SIZE + block_bytes)))
-    times: dict[str, list[float]] = {
-        "raw_store": [],
-        "tier_store": [],
-        "raw_load": [],
-        "tier_load": [],
-    }
+    names = ("raw_store", "tier_store", "keyed_store", "raw_load", "tier_load", "keyed_load")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     job_id = 0
 
-    def raw(load: bool) -> float:
-        start = time.perf_counter()
+    def measure(name: str, fn: Callable[[], None]) -> None:
+        """Wall time and this process's CPU time (every thread: the tier's I/O thread does the
+        work while the caller waits) of ``fn()``."""
+        wall, proc = time.perf_counter(), time.process_time()
+        fn()
+        times[name].append(time.perf_counter() - wall)
+        cpu[name].append(time.process_time() - proc)
+
+    def raw(load: bool) -> None:
         for lo in range(0, n, per_round):
             pipe = client.pipeline(transaction=False)
             for i in range(lo, min(lo + per_round, n)):
@@ -179,31 +211,37 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
                     pipe.set(raw_keys[i], flat[i * block_bytes : (i + 1) * block_bytes])
             replies = pipe.execute()
             assert all(r is not None for r in replies)
-        return time.perf_counter() - start
 
     try:
         for _ in range(rounds):
             client.flushall()
-            times["raw_store"].append(raw(load=False))
-            times["tier_store"].append(_run_jobs(tier, _jobs(keys, per_job, job_id, load=False)))
-            job_id += n
-            times["raw_load"].append(raw(load=True))
-            rows[n:] = 0
-            times["tier_load"].append(
-                _run_jobs(tier, _jobs(keys, per_job, job_id, load=True, row_offset=n))
-            )
-            job_id += n
-            if not np.array_equal(rows[n:], rows[:n]):
-                raise RuntimeError("tier load returned other bytes than were stored")
+            measure("raw_store", partial(raw, load=False))
+            for name, t in (("tier", tier), ("keyed", keyed)):
+                measure(f"{name}_store", partial(_run_jobs, t, _jobs(keys, per_job, job_id)))
+                job_id += n
+            measure("raw_load", partial(raw, load=True))
+            for name, t in (("tier", tier), ("keyed", keyed)):
+                rows[n:] = 0
+                jobs = _jobs(keys, per_job, job_id, load=True, row_offset=n)
+                measure(f"{name}_load", partial(_run_jobs, t, jobs))
+                job_id += n
+                if not np.array_equal(rows[n:], rows[:n]):
+                    raise RuntimeError(f"{name} load returned other bytes than were stored")
         client.flushall()
     finally:
+        client.close()
         del rows
         flat.release()
         tier.shutdown()
+        keyed.shutdown()
+        del os.environ[_SECRET_ENV]
         view.release()
         mm.close()
     med = {name: n * block_bytes / statistics.median(t) / GB for name, t in times.items()}
     best = {name: n * block_bytes / min(t) / GB for name, t in times.items()}
+    cpu_per_gb = {
+        name: round(statistics.median(c) / (n * block_bytes / GB), 3) for name, c in cpu.items()
+    }
     return Result(
         block_bytes=block_bytes,
         num_blocks=n,
@@ -216,6 +254,11 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
         load_ratio=round(med["tier_load"] / med["raw_load"], 3),
         store_ratio_best=round(best["tier_store"] / best["raw_store"], 3),
         load_ratio_best=round(best["tier_load"] / best["raw_load"], 3),
+        keyed_store_gb_s=round(med["keyed_store"], 3),
+        keyed_load_gb_s=round(med["keyed_load"], 3),
+        keyed_store_ratio=round(med["keyed_store"] / med["tier_store"], 3),
+        keyed_load_ratio=round(med["keyed_load"] / med["tier_load"], 3),
+        client_cpu_s_per_gb=cpu_per_gb,
     )
 
 
@@ -242,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"tier {r.tier_store_gb_s:.2f} GB/s (x{r.store_ratio:.2f}) | load raw "
                     f"{r.raw_load_gb_s:.2f} tier {r.tier_load_gb_s:.2f} GB/s (x{r.load_ratio:.2f}) "
                     f"| best rounds: store x{r.store_ratio_best:.2f} load x{r.load_ratio_best:.2f}"
+                    f"\n{'':>17} keyed (HMAC-SHA256): store {r.keyed_store_gb_s:.2f} GB/s "
+                    f"(x{r.keyed_store_ratio:.2f} of the tier) | load {r.keyed_load_gb_s:.2f} GB/s "
+                    f"(x{r.keyed_load_ratio:.2f} of the tier)"
+                    f"\n{'':>17} client CPU s/GB: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in r.client_cpu_s_per_gb.items())
                 )
 
     if args.url:

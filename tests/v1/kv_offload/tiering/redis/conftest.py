@@ -48,7 +48,7 @@ def pattern(key: bytes, nbytes: int = ROW_BYTES) -> npt.NDArray[np.uint8]:
 class Engine:
     """A tiering manager with one redis tier, and helpers that play the scheduler and worker."""
 
-    def __init__(self, tmp_path: Path, url: str, **tier_kwargs: Any) -> None:
+    def __init__(self, tmp_path: Path, url: str | None, **tier_kwargs: Any) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         spec = make_tiering_spec(
             tmp_path,

@@ -79,14 +79,20 @@ def free_port(*, with_bus: bool = False) -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` child process on ``127.0.0.1:port``; data in memory only."""
+    """One ``redis-server`` child process on ``127.0.0.1:port``; data in memory only.
 
-    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
+    With ``password``, the default user requires it (``--requirepass``); ``client()`` uses it.
+    """
+
+    def __init__(
+        self, workdir: Path, *extra: str, port: int | None = None, password: str | None = None
+    ) -> None:
         self.binary = require_redis_server()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = port if port is not None else free_port(with_bus="--cluster-enabled" in extra)
-        self.extra = extra
+        self.password = password
+        self.extra = (*extra, "--requirepass", password) if password is not None else extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -131,6 +137,7 @@ class RedisServer:
             client.close()
 
     def client(self, **kwargs: object) -> redis.Redis:
+        kwargs.setdefault("password", self.password)
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kwargs)  # type: ignore[arg-type]
 
     def kill(self) -> None:

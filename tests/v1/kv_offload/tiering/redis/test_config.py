@@ -60,7 +60,7 @@ def test_defaults_and_sizes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({}, "'url' is required"),
+        ({}, r"'url' \(or 'url_env'\) is required"),
         ({"url": "http://h:1"}, "'url'"),
         ({"url": "redis://h:99999"}, "'url'"),
         ({"url": "redis://"}, "'url'"),
@@ -76,6 +76,12 @@ def test_defaults_and_sizes() -> None:
         ({"url": "redis://h", "timeout_s": True}, "'timeout_s'"),
         ({"url": "redis://h", "max_inflight_bytes": "12 parsecs"}, "'max_inflight_bytes'"),
         ({"url": "redis://h", "max_inflight_bytes": 0}, "'max_inflight_bytes'"),
+        ({"url": "redis://h", "integrity_key_env": 5}, "'integrity_key_env'"),
+        ({"url": "redis://h", "integrity_key_file": ""}, "'integrity_key_file'"),
+        (
+            {"url": "redis://h", "integrity_key_env": "A", "integrity_key_file": "/k"},
+            "'integrity_key_env' and 'integrity_key_file'",
+        ),
     ],
 )
 def test_bad_values_name_the_key(kwargs: dict[str, Any], key: str) -> None:

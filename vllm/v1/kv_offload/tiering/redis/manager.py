@@ -7,6 +7,14 @@ value is the shared block format (``tiering.block_format``: a 4 KiB header bindi
 its key and run, with a CRC-32C of the payload, then the primary row). Several engine instances
 pointed at the same server and namespace share their blocks: what one stored, the others find.
 
+With a fleet secret (``integrity_key_env`` / ``integrity_key_file``) every value also carries a
+MAC (``block_format.IntegrityKey``) and keys are ``kvo@<key id>:<namespace>:<hex of the key>``:
+instances with the same secret share blocks, and a fleet that changes its secret starts on a key
+space of its own, where it never reads the old values (they age out by the server's eviction
+policy or ``ttl_s``). A value there that does not authenticate is never served: it is deleted and
+counted (``forged_removed``: a MAC that does not verify; ``unauthenticated_removed``: a value
+written without the key, or with another, which no instance of the fleet writes there).
+
 Capacity belongs to the server (``maxmemory`` and its eviction policy, see docs/redis_tier.md):
 the tier never evicts; a block the server evicted is a miss.
 
@@ -22,14 +30,18 @@ Guarantees:
     * Never a wrong byte: every loaded value is verified (size, header, key, run, checksum) after
       it is received into its reserved row and before the job reports success; a job that fails
       leaves its rows to the manager, which frees them without serving them.
-    * Never blocks the scheduler: while the server is unreachable (circuit breaker open) lookups
-      answer False at once and jobs fail at once; otherwise each command is bounded by
-      ``timeout_s``; ``shutdown()`` waits at most a few ``timeout_s``.
+    * Never blocks the scheduler: while the server is cut off (circuit breaker open:
+      unreachable, or refusing the credentials) lookups answer False at once and jobs fail at
+      once; otherwise each round trip is bounded by ``timeout_s``; ``shutdown()`` waits at most
+      a few ``timeout_s``.
+    * Never prints a credential (``redaction``); misconfigurations (a wrong password, an ACL
+      refusal) are reported as such, once (``health``).
 """
 
 from __future__ import annotations
 
 import threading
+import traceback
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -40,14 +52,14 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext, TierStats
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
-from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
-from vllm.v1.kv_offload.tiering.redis.client import (
-    RedisClient,
-    Router,
-    is_unreachable,
-)
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, IntegrityKey
+from vllm.v1.kv_offload.tiering.redis.client import RedisClient, Router, cuts_off
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
-from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, HealthThread
+from vllm.v1.kv_offload.tiering.redis.health import (
+    CircuitBreaker,
+    HealthThread,
+    PermissionGates,
+)
 from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
 from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
 from vllm.v1.kv_offload.tiering.tier_plumbing import (
@@ -63,6 +75,15 @@ logger = init_logger(__name__)
 
 KEY_PREFIX = "kvo"
 """First component of every key the tier writes."""
+
+
+def key_prefix(namespace: str, integrity: IntegrityKey | None) -> bytes:
+    """What every key of ``namespace`` starts with: ``kvo:<namespace>:``, or with a fleet secret
+    ``kvo@<key id>:<namespace>:`` (a namespace cannot contain ``@``, so the two never meet)."""
+    if integrity is None:
+        return f"{KEY_PREFIX}:{namespace}:".encode()
+    return f"{KEY_PREFIX}@{integrity.key_id.hex()}:{namespace}:".encode()
+
 
 STORE_BATCH_BYTES = 64 << 20
 """Most bytes of queued store jobs the I/O thread takes as one batch (``store_many``)."""
@@ -104,12 +125,18 @@ class RedisSecondaryTier(AsyncLookupTier):
     invalid.
 
     Tier kwargs (the ``secondary_tiers`` entry of type ``"redis"``; see ``RedisTierConfig``):
-        url: required; ``redis://``, ``rediss://`` or ``unix://``.
+        url: ``redis://``, ``rediss://`` or ``unix://``; this or ``url_env`` is required.
+        url_env: the name of an environment variable holding the URL (keeps it out of configs
+            and command lines).
+        password_file: a file (readable by its owner only) holding the password, for a URL
+            without one.
         cluster: use Redis Cluster (default false).
         namespace: key namespace (default: the run's identity, ``<model>_<digest>``).
         ttl_s: expiry of stored blocks (default none).
         timeout_s: connect and command timeout (default 2).
         max_inflight_bytes: bytes per round trip and of queued stores (default 256 MiB).
+        integrity_key_env, integrity_key_file: where the fleet secret is (an environment
+            variable's name, or a file readable by its owner only); default: no MAC.
         enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``, locality
             ``"REMOTE"``: every instance sharing the server can load them) for blocks this
             tier stored; removals are not seen (the server evicts and expires keys by itself).
@@ -121,8 +148,8 @@ class RedisSecondaryTier(AsyncLookupTier):
     """
 
     _STOP_TIMEOUT_FACTOR = 3
-    """``shutdown()`` waits for each thread at most this many ``timeout_s`` (a command in
-    flight is bounded by the socket timeout, plus one retry)."""
+    """``shutdown()`` waits for each thread at most this many ``timeout_s`` (a round trip in
+    flight is bounded by the socket timeout: a connect, then a read)."""
 
     def __init__(
         self,
@@ -130,11 +157,15 @@ class RedisSecondaryTier(AsyncLookupTier):
         primary_kv_view: memoryview,
         tier_type: str,
         url: str | None = None,
+        url_env: str | None = None,
+        password_file: str | None = None,
         cluster: bool = False,
         namespace: str | None = None,
         ttl_s: float | None = None,
         timeout_s: float = 2.0,
         max_inflight_bytes: int | str = 256 << 20,
+        integrity_key_env: str | None = None,
+        integrity_key_file: str | None = None,
         enable_events: bool = False,
         **tier_kwargs: Any,
     ) -> None:
@@ -145,11 +176,15 @@ class RedisSecondaryTier(AsyncLookupTier):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._config = config = RedisTierConfig.from_kwargs(
             url=url,
+            url_env=url_env,
+            password_file=password_file,
             cluster=cluster,
             namespace=namespace,
             ttl_s=ttl_s,
             timeout_s=timeout_s,
             max_inflight_bytes=max_inflight_bytes,
+            integrity_key_env=integrity_key_env,
+            integrity_key_file=integrity_key_file,
         )
         view = primary_kv_view
         self._num_rows, self._row_bytes = primary_view_rows(view, "redis")
@@ -164,23 +199,28 @@ class RedisSecondaryTier(AsyncLookupTier):
         identity = RunIdentity.from_spec(offloading_spec, self._row_bytes)
         self.run_digest = identity.digest
         self.namespace = config.namespace or identity.name
-        self._name = f"{tier_type}@{config.url}"
-        self._router = Router(config)
+        # The tier's printable name, in every log line: credentials masked.
+        self._name = f"{tier_type}@{config.redactor.url}"
+        self._router = Router(config, self._name)
         self._client: RedisClient = self._router.client
         self._counters = Counters()
-        self._breaker = CircuitBreaker(self._name)
+        self._breaker = CircuitBreaker(self._name, config.redactor)
+        self._gates = PermissionGates(self._name, config.redactor)
         self._flat: memoryview = view.cast("B")
         self.transfer = BlockTransfer(
             self._router,
             self._flat,
             row_bytes=self._row_bytes,
             run_digest=self.run_digest,
-            key_prefix=f"{KEY_PREFIX}:{self.namespace}:".encode(),
+            key_prefix=key_prefix(self.namespace, config.integrity),
+            integrity=config.integrity,
             ttl_ms=None if config.ttl_s is None else max(1, round(config.ttl_s * 1000)),
             max_round_bytes=config.max_inflight_bytes,
             breaker=self._breaker,
+            gates=self._gates,
             counters=self._counters,
             name=self._name,
+            redactor=config.redactor,
         )
         # Server figures for get_stats (keys, used memory, maxmemory or 0), replaced whole by
         # the health thread.
@@ -200,19 +240,28 @@ class RedisSecondaryTier(AsyncLookupTier):
             target=self._io_loop, name=f"vllm_redis_tier_{tier_type}_io", daemon=True
         )
         self._lookups = _RedisLookups(self)
-        self._health = HealthThread(tier_type, self._breaker, self._ping, self._refresh_stats)
+        self._health = HealthThread(
+            tier_type,
+            self._breaker,
+            ping=self._router.ping,
+            refresh_stats=self._refresh_stats,
+            probe_masters=self._router.probe_down_masters,
+        )
         self._io_thread.start()
         self._health.start()
         logger.info(
             "redis tier: %s%s, namespace %s, %d-byte values, ttl %s, timeout %.3g s, "
-            "max_inflight_bytes %d",
-            config.url,
+            "max_inflight_bytes %d, %s",
+            config.redactor.url,
             " (cluster)" if config.cluster else "",
             self.namespace,
             self.value_bytes,
             "none" if config.ttl_s is None else f"{config.ttl_s:g} s",
             config.timeout_s,
             config.max_inflight_bytes,
+            "blocks not authenticated (CRC only)"
+            if config.integrity is None
+            else f"blocks authenticated (HMAC-SHA256, key id {config.integrity.key_id.hex()})",
         )
 
     # -----------------------------------------------------------------------------------------
@@ -230,8 +279,14 @@ class RedisSecondaryTier(AsyncLookupTier):
         return self._client
 
     @property
+    def integrity_key_id(self) -> bytes | None:
+        """The key id of the fleet secret blocks are authenticated with; None without one."""
+        return None if self._config.integrity is None else self._config.integrity.key_id
+
+    @property
     def breaker_open(self) -> bool:
-        """Whether the server is considered unreachable now."""
+        """Whether the server is considered cut off now (unreachable, or refusing the
+        credentials)."""
         return self._breaker.is_open
 
     def wait_reachable(self, timeout: float | None = None) -> bool:
@@ -246,6 +301,8 @@ class RedisSecondaryTier(AsyncLookupTier):
         """Cumulative counters (``transfer.COUNTER_NAMES``)."""
         counters = self._counters.snapshot()
         counters["breaker_trips"] = self._breaker.trips
+        counters["auth_failures"] = self._breaker.auth_failures
+        counters["permission_refusals"] = self._gates.refusals
         return counters
 
     @override
@@ -265,7 +322,7 @@ class RedisSecondaryTier(AsyncLookupTier):
 
     @override
     def __repr__(self) -> str:
-        return f"RedisSecondaryTier({self._config.url!r}, namespace={self.namespace!r})"
+        return f"RedisSecondaryTier({self._config.redactor.url!r}, namespace={self.namespace!r})"
 
     # -----------------------------------------------------------------------------------------
     # SecondaryTierManager (scheduler thread)
@@ -315,10 +372,14 @@ class RedisSecondaryTier(AsyncLookupTier):
         for job, outcome in done:
             submitted = self._jobs.pop(job.job_id, None)
             assert submitted is job, f"redis tier: job {job.job_id} unknown"
-            if job.is_promotion and not outcome.success:
-                # Stop requests from retrying blocks the server could not deliver.
-                self._lookups.mark_miss(outcome.failed_keys or job.keys)
-            elif self._events is not None and not job.is_promotion and outcome.success:
+            if not outcome.success:
+                if job.is_promotion:
+                    # Stop requests from retrying blocks the server could not deliver.
+                    self._lookups.mark_miss(outcome.failed_keys or job.keys)
+                    self._counters.add(load_failed_blocks=len(job.keys))
+                else:
+                    self._counters.add(store_failed_blocks=len(job.keys))
+            elif self._events is not None and not job.is_promotion:
                 self._events.append(
                     OffloadingEvent(list(job.keys), REDIS_MEDIUM, False, REDIS_LOCALITY)
                 )
@@ -423,10 +484,15 @@ class RedisSecondaryTier(AsyncLookupTier):
                 (job,) = batch
                 return [self.transfer.load(list(job.keys), job.block_ids.tolist())]
             return self.transfer.store_many([(list(j.keys), j.block_ids.tolist()) for j in batch])
-        except Exception:
-            logger.exception(
-                "redis tier %s: jobs %s failed", self._name, [job.job_id for job in batch]
+        except Exception as e:
+            # A bug, not a server error (those are handled in transfer): logged whole, redacted.
+            logger.error(
+                "redis tier %s: jobs %s failed: %s",
+                self._name,
+                [job.job_id for job in batch],
+                self._config.redactor.error(e),
             )
+            logger.debug("%s", self._config.redactor.text("".join(traceback.format_exception(e))))
             return [Outcome(False, list(job.keys)) for job in batch]
 
     def _probe(self, groups: list[tuple[list[OffloadKey], ReqContext]]) -> list[list[bool]]:
@@ -434,42 +500,24 @@ class RedisSecondaryTier(AsyncLookupTier):
         misses = [[False] * len(keys) for keys, _ in groups]
         if self._breaker.is_open:
             return misses
-        rkeys = [self.transfer.redis_key(key) for keys, _ in groups for key in keys]
         try:
-            replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+            present = self.transfer.presence([key for keys, _ in groups for key in keys])
         except Exception as e:
-            logger.warning("redis tier %s: lookup failed: %s", self._name, e)
+            if not cuts_off(e):  # the breaker has logged a cut-off
+                logger.warning(
+                    "redis tier %s: lookup failed: %s", self._name, self._config.redactor.error(e)
+                )
             return misses
-        down = self._router.all_down(replies)
-        if down is not None:
-            self._breaker.trip(down)
-            return misses
-        it = iter(replies)
-        # A failed EXISTS (e.g. its master is down or the slot moved) is a miss.
-        answers = [
-            [not isinstance(r, Exception) and bool(r) for _, r in zip(keys, it, strict=False)]
-            for keys, _ in groups
-        ]
-        found = sum(map(sum, answers))
-        self._counters.add(lookups=sum(len(k) for k, _ in groups), lookup_hits=found)
+        it = iter(present)
+        answers = [[next(it) for _ in keys] for keys, _ in groups]
+        self._counters.add(lookups=len(present), lookup_hits=sum(present))
         return answers
 
-    def _ping(self) -> None:
-        """Health thread: raises unless the server answers."""
-        self._router.ping()
-
     def _refresh_stats(self) -> None:
-        """Health thread: the server's key count and memory, for ``get_stats``."""
+        """Health thread: the server's key count and memory, for ``get_stats``; raises only
+        when the server (every master) is cut off."""
         try:
-            num_keys = int(self._client.dbsize())
-            info: Any = self._client.info("memory")
+            self._server_figures = self._router.server_figures()
         except Exception as e:
-            if is_unreachable(e):
+            if cuts_off(e):
                 raise
-            return
-        nodes = [info] if "used_memory" in info else list(info.values())  # cluster: per node
-        used = sum(int(node.get("used_memory", 0)) for node in nodes)
-        maxmemory = sum(int(node.get("maxmemory", 0)) for node in nodes)
-        if any(int(node.get("maxmemory", 0)) == 0 for node in nodes):
-            maxmemory = 0  # a node without a limit: the tier is unbounded
-        self._server_figures = (num_keys, used, maxmemory)

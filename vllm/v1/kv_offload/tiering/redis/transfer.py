@@ -10,13 +10,19 @@ redirection during a resharding or failover sends keys to: ``client.Router``).
 * Store: one round of ``EXISTS`` for the job's keys (blocks already in Redis are skipped, their
   bytes never sent), then ``SET key value [PX ttl]`` rounds, each command sent as soon as its
   value's header is made (``direct_io.set_streamed``). A value is the block format's header
-  followed by the primary row, sent from the row without a copy (``client.BlockPacker``).
+  followed by the primary row, sent from the row without a copy (``direct_io``).
 * Load: ``GET`` rounds whose values are received straight into the job's primary rows (header
   aside, ``direct_io``), then verified (size, then header, key, run and checksum of the payload:
-  ``block_format.verify_parts``); the rows are reserved for the job, and the manager frees
-  the rows of a failed job without serving them. A missing value (evicted or expired since the
-  lookup) fails the job and is counted as a server miss; an invalid one fails the job, is
-  deleted, counted and logged.
+  ``block_format.verify_parts``, and the MAC with a fleet secret); the rows are reserved for
+  the job, and the manager frees the rows of a failed job without serving them. A missing value
+  (evicted or expired since the lookup) fails the job and is counted as a server miss; an
+  invalid one fails the job, is deleted, counted and logged: ``corrupt_removed`` for accidents
+  (CRC, size, key, run), ``forged_removed`` for a MAC that does not verify,
+  ``unauthenticated_removed`` for a value without the fleet's MAC in the fleet's key space.
+
+A value of another Redis type under a block's key (``WRONGTYPE``) is a corrupt value of that key:
+a miss, deleted, counted. A command the server refuses for this user (``NOPERM``) shuts its gate
+(``health.PermissionGates``): the jobs that need it fail at once until it is tried again.
 
 A job succeeds or fails as a whole. Nothing is retried here: a failed load is recomputed by the
 connector, a failed store only means the block is absent from Redis.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -36,16 +43,21 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.block_format import (
     HEADER_SIZE,
     BlockFileCorrupt,
+    BlockForged,
+    BlockNotAuthenticated,
+    IntegrityKey,
     encode_block_header,
     verify_parts,
 )
 from vllm.v1.kv_offload.tiering.redis.client import (
     BlockValue,
+    ErrorKind,
     Router,
-    is_oom,
-    is_unreachable,
+    cuts_off,
+    error_kind,
 )
-from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker
+from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, PermissionGates
+from vllm.v1.kv_offload.tiering.redis.redaction import Redactor
 
 logger = init_logger(__name__)
 
@@ -62,11 +74,18 @@ COUNTER_NAMES = (
     "bytes_loaded",
     "server_misses",
     "corrupt_removed",
+    "forged_removed",
+    "unauthenticated_removed",
     "store_failures",
     "load_failures",
+    "store_failed_blocks",
+    "load_failed_blocks",
     "stores_dropped",
     "oom_refusals",
+    "server_answers",
     "breaker_trips",
+    "auth_failures",
+    "permission_refusals",
     "lookups",
     "lookup_hits",
 )
@@ -119,10 +138,16 @@ class BlockTransfer:
         ttl_ms: int | None,
         max_round_bytes: int,
         breaker: CircuitBreaker,
+        gates: PermissionGates,
         counters: Counters,
         name: str,
+        redactor: Redactor,
+        integrity: IntegrityKey | None = None,
     ) -> None:
         self._router = router
+        self._gates = gates
+        self._redactor = redactor
+        self._integrity = integrity
         self._flat = flat
         self._row_bytes = row_bytes
         self._run_digest = run_digest
@@ -163,7 +188,9 @@ class BlockTransfer:
                 blocks.setdefault(key, block_id)
         failed: set[OffloadKey] = set()
         try:
-            present = self._exists(list(blocks))
+            if self._gates.is_shut("SET"):
+                raise _GateShut("SET")
+            present = self.presence(list(blocks))
             todo = [
                 (k, b) for (k, b), there in zip(blocks.items(), present, strict=True) if not there
             ]
@@ -183,36 +210,53 @@ class BlockTransfer:
         self._counters.add(store_failures=sum(not o.success for o in outcomes))
         return outcomes
 
-    def _exists(self, keys: list[OffloadKey]) -> list[bool]:
+    def presence(self, keys: list[OffloadKey]) -> list[bool]:
+        """Which of ``keys`` the server holds, in one pipelined round trip of ``EXISTS`` (a
+        cluster: one per master). Also called by the tier's lookup thread (everything it uses
+        is thread-safe).
+
+        A failed ``EXISTS`` (its master is down, the slot moved, the command is refused) is
+        "absent"; all are absent while ``EXISTS`` is refused. Raises when the server (every
+        master) is cut off, after opening the breaker.
+        """
+        if self._gates.is_shut("EXISTS"):
+            return [False] * len(keys)
         rkeys = [self.redis_key(key) for key in keys]
-        replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
-        self._raise_if_unreachable(replies)
-        # A failed EXISTS (e.g. its master is down) is "absent": the SET then decides.
+        try:
+            replies = self._router.execute(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+            self._answered("EXISTS", replies)
+        except Exception as e:
+            if cuts_off(e):
+                self._breaker.trip(e)
+            raise
         return [not isinstance(r, Exception) and bool(r) for r in replies]
 
     def _set_round(self, chunk: list[tuple[OffloadKey, int]]) -> list[OffloadKey]:
         """One pipelined round of SETs; returns the keys whose SET failed (OOM, READONLY, a dead
-        master); raises when the whole server is unreachable. Each value's header (a checksum
+        master); raises when the whole server is cut off. Each value's header (a checksum
         pass over its row) is made just before the value is sent, so the server stores one value
         while the next is checksummed."""
         rb = self._row_bytes
         rkeys = [self.redis_key(key) for key, _ in chunk]
 
-        def value(i: int) -> object:
+        def value(i: int) -> BlockValue:
             key, block_id = chunk[i]
             row = self._flat[block_id * rb : (block_id + 1) * rb]
-            header = encode_block_header(key, self._run_digest, row)
-            return self._router.value(BlockValue(header, row))
+            header = encode_block_header(key, self._run_digest, row, integrity=self._integrity)
+            return BlockValue(header, row)
 
         replies = self._router.set_streamed(rkeys, value, px=self._ttl_ms)
         errors = [r for r in replies if isinstance(r, Exception)]
         stored = len(replies) - len(errors)
         self._counters.add(blocks_written=stored, bytes_written=stored * self._value_bytes)
+        self._answered("SET", replies)
         if not errors:
             return []
-        self._counters.add(oom_refusals=sum(is_oom(e) for e in errors))
-        self._raise_if_unreachable(replies)
-        self._failed("store", len(errors), errors[0])
+        self._counters.add(oom_refusals=sum(error_kind(e) is ErrorKind.OOM for e in errors))
+        # A dead master's keys fail without a line each (the router logged its state change).
+        refusal = next((e for e in errors if not cuts_off(e)), None)
+        if refusal is not None:
+            self._failed("store", len(errors), refusal)
         return [key for (key, _), r in zip(chunk, replies, strict=True) if isinstance(r, Exception)]
 
     # -----------------------------------------------------------------------------------------
@@ -224,6 +268,8 @@ class BlockTransfer:
         failed: list[OffloadKey] = []
         pairs = list(zip(keys, block_ids, strict=True))
         try:
+            if self._gates.is_shut("GET"):
+                raise _GateShut("GET")
             for chunk in self._rounds(pairs):
                 failed.extend(self._get_round(chunk))
                 if failed:
@@ -250,46 +296,68 @@ class BlockTransfer:
             for n, (_, b) in enumerate(chunk)
         ]
         replies = self._router.get_into(rkeys, dests)
-        self._raise_if_unreachable(replies)
+        self._answered("GET", replies)
         failed: list[OffloadKey] = []
-        corrupt: list[bytes] = []
+        invalid: dict[str, list[bytes]] = {}  # counter name -> Redis keys to delete
         loaded = 0
         for (key, _), reply, (header, row) in zip(chunk, replies, dests, strict=True):
-            if isinstance(reply, Exception):
-                raise reply
             if reply is None:
                 # Evicted or expired between the lookup and now: normal under allkeys-lru.
                 self._counters.add(server_misses=1)
                 failed.append(key)
                 continue
+            if isinstance(reply, Exception) and error_kind(reply) is not ErrorKind.WRONGTYPE:
+                # The key's command failed (its master is down, the GET was refused, a second
+                # redirection): the job fails; a dead master was logged by the router, a
+                # refusal by its gate.
+                if not cuts_off(reply):
+                    self._failed("load", 1, reply)
+                failed.append(key)
+                continue
             try:
+                if isinstance(reply, Exception):  # WRONGTYPE: not a string value, not a block
+                    raise BlockFileCorrupt(str(reply))
                 if reply is not True:
                     raise BlockFileCorrupt(f"{reply} bytes, expected {self._value_bytes}")
-                verify_parts(header, row, key=key, run_digest=self._run_digest)
-            except BlockFileCorrupt as e:
+                verify_parts(
+                    header, row, key=key, run_digest=self._run_digest, integrity=self._integrity
+                )
+            except (BlockFileCorrupt, BlockNotAuthenticated) as e:
+                if isinstance(e, BlockForged):
+                    counter, what = "forged_removed", "failed authentication"
+                elif isinstance(e, BlockNotAuthenticated):
+                    # In the fleet's own key space (``manager.key_prefix``), where no instance
+                    # writes anything but values under its key: garbage or an attack.
+                    counter, what = "unauthenticated_removed", "is not authenticated"
+                else:
+                    counter, what = "corrupt_removed", "is invalid"
+                rkey = self.redis_key(key)
                 logger.warning(
-                    "redis tier %s: value of %s is invalid (%s); deleted, the load fails",
+                    "redis tier %s: value of %s %s (%s); deleted, the load fails",
                     self._name,
-                    self.redis_key(key).decode(),
+                    rkey.decode(),
+                    what,
                     e.reason,
                 )
-                corrupt.append(self.redis_key(key))
+                invalid.setdefault(counter, []).append(rkey)
                 failed.append(key)
                 continue
             loaded += 1
         self._counters.add(blocks_loaded=loaded, bytes_loaded=loaded * rb)
-        if corrupt:
-            self._delete(corrupt)
+        for counter, invalid_keys in invalid.items():
+            if self._delete(invalid_keys):
+                self._counters.add(**{counter: len(invalid_keys)})
         return failed
 
-    def _delete(self, redis_keys: list[bytes]) -> None:
-        """Delete invalid values so that no lookup finds them again (best effort)."""
+    def _delete(self, redis_keys: list[bytes]) -> bool:
+        """Delete invalid values so that no lookup finds them again (best effort); whether the
+        round trip succeeded."""
         try:
             self._router.execute(redis_keys, lambda pipe, i: pipe.delete(redis_keys[i]))
         except Exception as e:
             self._failed("delete of invalid values", len(redis_keys), e)
-            return
-        self._counters.add(corrupt_removed=len(redis_keys))
+            return False
+        return True
 
     # -----------------------------------------------------------------------------------------
     # Helpers
@@ -302,39 +370,65 @@ class BlockTransfer:
         for start in range(0, len(items), n):
             yield items[start : start + n]
 
-    def _raise_if_unreachable(self, replies: Sequence[object]) -> None:
-        """Raise when the whole server (every master) is unreachable, so the breaker opens; a
-        cluster whose other masters answered only fails (or misses) the keys of the dead one."""
+    def _answered(self, command: str, replies: Sequence[object]) -> None:
+        """Account for one round trip of ``command``: raise when the whole server (every master)
+        is cut off, so the breaker opens (a cluster whose other masters answered only fails, or
+        misses, the keys of the dead one); count the answer; shut or open the command's gate on
+        a permission refusal or a success."""
         exc = self._router.all_down(replies)
         if exc is not None:
             raise exc
+        self._counters.add(server_answers=1)
+        refusal = next(
+            (
+                r
+                for r in replies
+                if isinstance(r, Exception) and error_kind(r) is ErrorKind.PERMISSION
+            ),
+            None,
+        )
+        if refusal is not None:
+            self._gates.refused(command, refusal)
+        elif any(not isinstance(r, Exception) for r in replies):
+            self._gates.allowed(command)
 
     def _failed(self, what: str, num_blocks: int, exc: BaseException) -> None:
-        if is_unreachable(exc):
+        kind = error_kind(exc)
+        if cuts_off(exc):
             # The breaker logs the state change once; no line per failed job.
             self._breaker.trip(exc)
             return
+        if isinstance(exc, _GateShut) or kind is ErrorKind.PERMISSION:
+            return  # the gate logged the refusal once
         if isinstance(exc, rexc.RedisError):
             # Refusals (OOM at maxmemory, READONLY, a redirection not followed) can repeat for
             # every job for a while: the first of each kind is a warning, the rest debug. The
             # kind is the error class, or the error code for a plain ResponseError (redis-py
             # strips the code of the errors it has a class for: a MOVED message starts with
             # its slot, which would make every slot a kind of its own).
-            kind = type(exc).__name__
+            name = type(exc).__name__
             if type(exc) is rexc.ResponseError:
-                kind = str(exc).split(" ", 1)[0]
-            level = logging.DEBUG if kind in self._logged_kinds else logging.WARNING
-            self._logged_kinds.add(kind)
+                name = str(exc).split(" ", 1)[0]
+            level = logging.DEBUG if name in self._logged_kinds else logging.WARNING
+            self._logged_kinds.add(name)
             logger.log(
                 level,
-                "redis tier %s: %s of %d block(s) failed: %s: %s",
+                "redis tier %s: %s of %d block(s) failed: %s",
                 self._name,
                 what,
                 num_blocks,
-                type(exc).__name__,
-                exc,
+                self._redactor.error(exc),
             )
         else:
-            logger.exception(
-                "redis tier %s: %s of %d block(s) failed", self._name, what, num_blocks
+            logger.error(
+                "redis tier %s: %s of %d block(s) failed: %s",
+                self._name,
+                what,
+                num_blocks,
+                self._redactor.error(exc),
             )
+            logger.debug("%s", self._redactor.text("".join(traceback.format_exception(exc))))
+
+
+class _GateShut(Exception):
+    """A job needs a command whose gate is shut (``health.PermissionGates``): it fails at once."""
