@@ -11,14 +11,13 @@ from typing import Any
 import pytest
 from typing_extensions import override
 
+from tests.v1.kv_offload.tiering.test_manager import make_spec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.config import SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-
-from ..test_tiering_offloading import make_spec
 
 
 class OutOfTreeTier(SecondaryTierManager):

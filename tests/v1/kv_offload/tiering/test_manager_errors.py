@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from tests.v1.kv_offload.cpu import manager_state as cpu_state
-from tests.v1.kv_offload.test_tiering_offloading import make_primary, make_spec, to_keys
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from tests.v1.kv_offload.tiering.manager_state import (
     jobs_in_flight,
@@ -26,6 +25,7 @@ from tests.v1.kv_offload.tiering.manager_state import (
     queued_promotions,
     request_states,
 )
+from tests.v1.kv_offload.tiering.test_manager import make_primary, make_spec, to_keys
 from vllm.v1.kv_offload.base import OffloadKey, OffloadKeyStateError, ReqContext
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobResult

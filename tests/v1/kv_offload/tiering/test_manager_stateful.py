@@ -44,7 +44,6 @@ from typing_extensions import override
 
 from tests.v1.kv_offload.cpu import manager_state as cpu_state
 from tests.v1.kv_offload.refusal_machine import RefusalMachine, Refused
-from tests.v1.kv_offload.test_tiering_offloading import make_spec
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from tests.v1.kv_offload.tiering.manager_state import (
     jobs_in_flight,
@@ -52,6 +51,7 @@ from tests.v1.kv_offload.tiering.manager_state import (
     queued_promotions,
     request_states,
 )
+from tests.v1.kv_offload.tiering.test_manager import make_spec
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     OffloadKeyStateError,

@@ -6,7 +6,7 @@
 ``primary`` (``CPUPrimaryTierOffloadingManager``) and the tiers; ``tier_jobs`` is the jobs'
 lifecycle (promotions queued by lookup, jobs submitted, tier reports checked and applied);
 ``base`` is the interface a tier implements (``SecondaryTierManager``, ``TierJob``,
-``JobResult``); ``factory``, ``spec``, ``stats`` and ``validation`` its registry, the spec, the
-per-tier counters and the callers' checks. Tiers: ``example`` (in memory, the template), ``fs``
-and ``redis``; ``async_lookup``, ``tier_plumbing`` and ``block_format`` are what they share.
+``JobResult``); ``factory``, ``spec`` and ``stats`` its registry, the spec and the per-tier
+counters. Tiers: ``example`` (in memory, the template), ``fs`` and ``redis``;
+``async_lookup``, ``tier_plumbing``, ``block_format`` and ``run_identity`` are what they share.
 """

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 from typing_extensions import override
@@ -41,6 +42,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     check_offload_key,
+    check_offload_keys,
     refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -57,7 +59,6 @@ from vllm.v1.kv_offload.tiering.tier_jobs import (
     TierJobTable,
     cascade_owner,
 )
-from vllm.v1.kv_offload.tiering.validation import check_keys_before_poll
 
 __all__ = [
     "CPUPrimaryTierOffloadingManager",
@@ -81,6 +82,19 @@ _REFUSED_AFTER_SHUTDOWN = (
     "on_schedule_end",
     "reset_cache",
 )
+
+
+def _check_keys_before_poll(
+    method: str, keys: Collection[OffloadKey], req_context: ReqContext
+) -> None:
+    """Raise ``TypeError`` unless ``keys`` is a collection of ``OffloadKey`` s (O(keys)).
+
+    The tiering manager's one check of its callers' keys, made only before the step's poll of
+    the tiers, so that a refused call polls nothing; every other check is the primary's, which
+    the call reaches next.
+    """
+    if isinstance(keys, (bytes, str)) or not all(map(isinstance, keys, repeat(bytes))):
+        check_offload_keys(method, keys, req_context)
 
 
 @dataclass(slots=True)
@@ -354,7 +368,7 @@ class TieringOffloadingManager(OffloadingManager):
             RuntimeError: the manager is shut down.
         """
         if not self._processed_jobs_this_step:
-            check_keys_before_poll("prepare_load", keys, req_context)
+            _check_keys_before_poll("prepare_load", keys, req_context)
             self._maybe_process_finished_jobs()
         return self._primary.prepare_load(keys, req_context)
 
@@ -388,7 +402,7 @@ class TieringOffloadingManager(OffloadingManager):
             RuntimeError: the manager is shut down.
         """
         if not self._processed_jobs_this_step:
-            check_keys_before_poll("prepare_store", keys, req_context)
+            _check_keys_before_poll("prepare_store", keys, req_context)
             # Release finished cascades' pins before the primary picks eviction victims.
             self._maybe_process_finished_jobs()
         output = self._primary.prepare_store(keys, req_context)
