@@ -7,19 +7,25 @@ behind ``vllm._custom_ops``), built with CMake and nvcc alone: it needs no CUDA 
 Environment variables:
 
 * ``VLLM_KV_OFFLOAD_CPU_ONLY=1``: never build it (the torch copy path is used at run time).
-* ``VLLM_KV_OFFLOAD_REQUIRE_CUDA=1``: fail the install if it cannot be built (used by CI).
+* ``VLLM_KV_OFFLOAD_REQUIRE_CUDA=1``: fail the install if it cannot be built, and build it even
+  where no NVIDIA driver is present (used by CI, which compile-checks ``csrc/``).
 * ``VLLM_KV_OFFLOAD_CUDA_ARCHS``: CUDA architectures, CMake syntax (default ``80;90``).
 * ``CUDACXX`` (an nvcc) / ``CUDA_HOME`` (a toolkit directory): the toolkit to build with. Its CUDA
   runtime is linked statically, so the driver must support that CUDA version (CUDA 13: R580 or
   newer); for an older driver, point these at an older toolkit (README.md).
+
+Without an NVIDIA driver (``libcuda.so.1`` cannot be loaded: a CPU-only machine that happens to
+have a toolkit) the library is not built: it could not run there, and building it takes minutes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -28,8 +34,21 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+DRIVER_LIBRARY = "libcuda.so.1"
+"""The NVIDIA driver's CUDA library: present wherever a CUDA library can run."""
+
+
+def _env_flag(name: str, env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def nvidia_driver_present() -> bool:
+    """Whether the NVIDIA driver's CUDA library can be loaded (an NVIDIA driver is installed)."""
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError:
+        return False
+    return True
 
 
 def _find_nvcc() -> str | None:
@@ -96,14 +115,36 @@ class CMakeBuild(build_ext):
             raise RuntimeError(f"CMake finished but {out_path} was not produced")
 
 
+def cuda_skip_reason(env: Mapping[str, str], nvcc: str | None, driver: bool) -> str | None:
+    """Why the CUDA copy library is not built, or None to build it.
+
+    Args:
+        env: the environment (the ``VLLM_KV_OFFLOAD_*`` variables).
+        nvcc: the toolkit's nvcc, if one was found.
+        driver: whether an NVIDIA driver is present (``nvidia_driver_present``).
+    """
+    if _env_flag("VLLM_KV_OFFLOAD_CPU_ONLY", env):
+        return "VLLM_KV_OFFLOAD_CPU_ONLY is set"
+    if _env_flag("VLLM_KV_OFFLOAD_REQUIRE_CUDA", env):
+        return None  # build, and fail the install if that fails
+    if nvcc is None:
+        return "No CUDA toolkit (nvcc) found"
+    if not driver:
+        return (
+            f"No NVIDIA driver ({DRIVER_LIBRARY} cannot be loaded), so the library could not run "
+            "here; VLLM_KV_OFFLOAD_REQUIRE_CUDA=1 builds it anyway"
+        )
+    return None
+
+
 def _ext_modules() -> list[Extension]:
-    if _env_flag("VLLM_KV_OFFLOAD_CPU_ONLY"):
-        print("VLLM_KV_OFFLOAD_CPU_ONLY is set: skipping the CUDA copy library.", file=sys.stderr)
-        return []
-    if _find_nvcc() is None and not _env_flag("VLLM_KV_OFFLOAD_REQUIRE_CUDA"):
-        print("No CUDA toolkit (nvcc) found: skipping the CUDA copy library.", file=sys.stderr)
+    reason = cuda_skip_reason(os.environ, _find_nvcc(), nvidia_driver_present())
+    if reason is not None:
+        print(f"{reason}: skipping the CUDA copy library.", file=sys.stderr)
         return []
     return [CMakeExtension("vllm._kv_offload_cuda")]
 
 
-setup(ext_modules=_ext_modules(), cmdclass={"build_ext": CMakeBuild})
+# setuptools runs this file as __main__ (also through pip's build backend); tests import it.
+if __name__ == "__main__":
+    setup(ext_modules=_ext_modules(), cmdclass={"build_ext": CMakeBuild})

@@ -17,7 +17,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from vllm.entrypoints.cli.fleet import cross_instance_tokens
 from vllm.entrypoints.cli.main import main
 from vllm.entrypoints.cli.option_values import redact_url
 
+from .test_metrics import figure_checks, free_port, scrape_while_running, value
 from .workload_args import REPO, command_env, workload_args
 
 # Documents asked for by several sessions: an instance often gets a document another instance
@@ -74,6 +74,8 @@ def test_fleet_with_redis_passes_and_serves_kv_another_instance_computed(
             "2",
             "--json",
             str(out),
+            "--metrics-port",
+            str(free_port()),
         ]
     )
     text = capsys.readouterr()
@@ -81,6 +83,8 @@ def test_fleet_with_redis_passes_and_serves_kv_another_instance_computed(
     doc = json.loads(out.read_text())
     assert doc["verdict"]["status"] == "PASS"
     off, base = doc["runs"]["offload"], doc["runs"]["baseline"]
+    # The instances' metrics, summed, are the fleet's figures: every tier's, redis's included.
+    figure_checks(off, doc["metrics"]["offload"])
     assert off["redis_url"] == redis_server.url
     # Cross-instance reuse: KV one instance computed, served to another through redis.
     assert off["cross_instance_tokens"] > 0
@@ -307,7 +311,7 @@ SHARED_DOCUMENTS = workload_args(clients=4, sessions=16, think_time=0.001, timeo
 
 def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) -> None:
     session = _fleet_json(tmp_path, "session", "--routing", "session")
-    kv = _fleet_json(tmp_path, "kv", "--routing", "kv-aware", "--metrics-port", str(_free_port()))
+    kv = _fleet_json(tmp_path, "kv", "--routing", "kv-aware", "--metrics-port", str(free_port()))
     computed = {
         name: doc["runs"]["offload"]["prompt_tokens"]["computed"]  # type: ignore[index]
         for name, doc in (("session", session), ("kv-aware", kv))
@@ -329,7 +333,33 @@ def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) ->
     assert metrics['vllm:router_event_lost{instance="0",policy="kv-aware"}'] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def test_a_fleet_serves_metrics_per_instance_and_logs_each_instance_with_v(
+    tmp_path: Path,
+) -> None:
+    # No --redis-url: the instances share nothing (said in the header), and still each one's
+    # metrics are served (series told apart by the engine label) and its log lines prefixed.
+    out = tmp_path / "report.json"
+    argv = [*FLEET, "--no-progress", "--fs-root", str(tmp_path / "fs"), "--engines", "2", "-v"]
+    code, stderr, scrapes = scrape_while_running([*argv, "--json", str(out)], free_port())
+    assert code == 0, stderr
+    # Live: scraped during the runs, one series per instance.
+    queries = "vllm:prefix_cache_queries_total"
+    for engine in ("0", "1"):
+        assert any(value(s, queries, engine=engine, run="baseline") > 0 for s in scrapes)
+        assert any(
+            value(s, "vllm:kv_offload_transfer_blocks_total", engine=engine, run="offload") > 0
+            for s in scrapes
+        ), engine
+    # Counters only grow between scrapes.
+    seen = [value(s, queries) for s in scrapes]
+    assert seen == sorted(seen)
+    # At the end: the JSON's metrics (summed over the instances) equal the fleet's figures.
+    doc = json.loads(out.read_text())
+    figure_checks(doc["runs"]["offload"], doc["metrics"]["offload"])
+    base = doc["runs"]["baseline"]["prompt_tokens"]["total"]
+    assert doc["metrics"]["baseline"][queries] == base
+    # -v: each instance's INFO lines, prefixed with its index.
+    for engine in ("0", "1"):
+        assert f"engine {engine}: INFO vllm.v1.kv_offload.tiering.spec: Created secondary" in (
+            stderr
+        )

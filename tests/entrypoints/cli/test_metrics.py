@@ -21,7 +21,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.cli.test_run import TINY
@@ -32,8 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog impo
 )
 from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.engine_run import engine_config
-from vllm.entrypoints.cli.main import build_parser, main
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.main import build_parser
+from vllm.entrypoints.cli.metrics_server import EngineMetrics, MetricsServer
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.engine.core import EngineCore
 
@@ -43,13 +42,13 @@ SCRAPE_TIMEOUT_S = 5.0
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _scrape(url: str) -> Series:
+def scrape(url: str) -> Series:
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
         text = response.read().decode()
     series: Series = {}
@@ -59,7 +58,7 @@ def _scrape(url: str) -> Series:
     return series
 
 
-def _value(series: Series, name: str, **labels: str) -> float:
+def value(series: Series, name: str, **labels: str) -> float:
     """The sum of ``name``'s series whose labels include ``labels``."""
     return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= set(ls))
 
@@ -70,10 +69,11 @@ def test_scrape_during_a_run_shows_hits_stores_and_loads_of_both_tiers(tmp_path:
     args = parser.parse_args(["run", *TINY, "--fs-root", str(tmp_path / "fs")])
     config = build_run_config(args)
     workload = generate_workload(config.workload)
-    exporter = MetricsExporter(0)
+    recorder = EngineMetrics()
+    server = MetricsServer(recorder.registry, 0)
     try:
         with EngineCore(engine_config(config, offload=True)) as engine:
-            exporter.attach(engine, "offload")
+            recorder.attach(engine, "offload")
             sessions = workload.sessions
             for session in sessions:
                 history: list[int] = list(session.prefix)
@@ -83,20 +83,20 @@ def test_scrape_during_a_run_shows_hits_stores_and_loads_of_both_tiers(tmp_path:
                     if session.keeps_history:
                         history = [*prompt, *out[session.request_id(t)]]
             # The run is not over (the engine and its tiers are up): scrape it.
-            live = _scrape(exporter.url)
+            live = scrape(server.url)
     finally:
-        exporter.close()
+        server.close()
     run = {"run": "offload"}
     for tier in ("0:primary", "1:fs"):
-        assert _value(live, "vllm:kv_offload_tiering_chunk_hits_total", tier=tier, **run) > 0
-        assert _value(live, "vllm:kv_offload_tier_hit_tokens_total", tier=tier, **run) > 0
+        assert value(live, "vllm:kv_offload_tiering_chunk_hits_total", tier=tier, **run) > 0
+        assert value(live, "vllm:kv_offload_tier_hit_tokens_total", tier=tier, **run) > 0
     for direction in ("GPU_to_CPU", "CPU_to_GPU", "CPU_to_fs", "fs_to_CPU"):
-        blocks = _value(
+        blocks = value(
             live, "vllm:kv_offload_transfer_blocks_total", transfer_type=direction, **run
         )
         assert blocks > 0, direction
         assert (
-            _value(
+            value(
                 live,
                 "vllm:kv_offload_transfer_latency_seconds_count",
                 transfer_type=direction,
@@ -104,12 +104,12 @@ def test_scrape_during_a_run_shows_hits_stores_and_loads_of_both_tiers(tmp_path:
             )
             > 0
         )
-    assert _value(live, "vllm:kv_offload_store_bytes_total", **run) > 0
-    assert _value(live, "vllm:kv_offload_load_bytes_total", **run) > 0
-    assert _value(live, "vllm:kv_offload_tier_used_blocks", tier="1:fs", **run) > 0
+    assert value(live, "vllm:kv_offload_store_bytes_total", **run) > 0
+    assert value(live, "vllm:kv_offload_load_bytes_total", **run) > 0
+    assert value(live, "vllm:kv_offload_tier_used_blocks", tier="1:fs", **run) > 0
 
 
-def _figure_checks(run: dict[str, Any], metrics: dict[str, float]) -> None:
+def figure_checks(run: dict[str, Any], metrics: dict[str, float]) -> None:
     """Every figure the report derives from counters equals the matching counter exactly."""
 
     def m(key: str) -> float:
@@ -138,17 +138,17 @@ def _figure_checks(run: dict[str, Any], metrics: dict[str, float]) -> None:
     assert m("vllm:prefix_cache_hits_total") == tokens["gpu_prefix_cache"]
     assert m('vllm:kv_offload_tier_hit_tokens_total{tier="0:primary"}') == tokens["cpu_tier"]
     assert m('vllm:kv_offload_tier_hit_tokens_total{tier="1:fs"}') == tokens["fs_tier"]
+    if run["redis_url"] is not None:  # the second secondary tier, after the fs tier
+        assert m('vllm:kv_offload_tier_hit_tokens_total{tier="2:redis"}') == tokens["redis_tier"]
     corrupt = run["verification"]["corrupt_blocks_detected"]
     assert m('vllm:kv_offload_tier_corrupt_blocks_total{tier="1:fs"}') == corrupt
     assert m("vllm:kv_offload_jobs_in_flight") == 0
 
 
-def test_cli_serves_metrics_during_the_run_and_they_equal_the_report(tmp_path: Path) -> None:
-    """The command in its own process (it owns the signals), scraped from here while it runs."""
-    port = _free_port()
+def scrape_while_running(argv: list[str], port: int) -> tuple[int, str, list[Series]]:
+    """Run the command in its own process (it owns the signals) and scrape ``port`` until it
+    ends; its exit code, its stderr and the scrapes that succeeded."""
     url = f"http://127.0.0.1:{port}/metrics"
-    out = tmp_path / "report.json"
-    argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv, "--metrics-port", str(port)],
@@ -163,42 +163,38 @@ def test_cli_serves_metrics_during_the_run_and_they_equal_the_report(tmp_path: P
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(OSError):  # not listening yet, or already closed
-                scrapes.append(_scrape(url))
-            time.sleep(0.05)
+                scrapes.append(scrape(url))
+            time.sleep(0.05)  # the pace of the scrapes, not a synchronisation
         _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, stderr
+    return proc.returncode, stderr, scrapes
+
+
+def test_cli_serves_metrics_during_the_run_and_they_equal_the_report(tmp_path: Path) -> None:
+    """The command in its own process, scraped from here while it runs."""
+    out = tmp_path / "report.json"
+    argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    code, stderr, scrapes = scrape_while_running(argv, free_port())
+    assert code == 0, stderr
     # Live: scraped while the runs were going, with both runs' series told apart.
     assert scrapes, "no scrape succeeded while the run was going"
-    assert any(_value(s, "vllm:prefix_cache_queries_total", run="baseline") > 0 for s in scrapes)
+    assert any(value(s, "vllm:prefix_cache_queries_total", run="baseline") > 0 for s in scrapes)
     # Counters only grow between scrapes.
     key = "vllm:prefix_cache_queries_total"
-    seen = [_value(s, key) for s in scrapes]
+    seen = [value(s, key) for s in scrapes]
     assert seen == sorted(seen)
 
     doc = json.loads(out.read_text())
     assert set(doc["metrics"]) == {"baseline", "offload"}
-    _figure_checks(doc["runs"]["offload"], doc["metrics"]["offload"])
+    figure_checks(doc["runs"]["offload"], doc["metrics"]["offload"])
     base = doc["metrics"]["baseline"]
     assert (
         base["vllm:prefix_cache_queries_total"] == doc["runs"]["baseline"]["prompt_tokens"]["total"]
     )
     assert not any(k.startswith("vllm:kv_offload") for k in base)
-
-
-def test_metrics_port_in_use_fails_cleanly(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        code = main([*TINY, "--no-fs", "--metrics-port", str(port)])
-    assert code == 1
-    assert "error" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,8 @@ import pytest
 from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.main import build_parser, main
 from vllm.entrypoints.cli.option_values import default_fs_root, parse_size
+
+from .workload_args import REPO, command_env
 
 
 @pytest.mark.parametrize(
@@ -70,6 +76,15 @@ def test_parse_size_rejects(text: str) -> None:
             "--json /nonexistent-dir/x.json: directory /nonexistent-dir does not exist: create it",
         ),
         (["--redis-url", "http://127.0.0.1:6379"], "--redis-url: 'http://127.0.0.1:6379' is not a"),
+        (
+            ["--max-num-batched-tokens", "8"],
+            "--max-num-batched-tokens 8 is below one GPU block (--block-size 16): no step could "
+            "compute a whole block; use at least 16",
+        ),
+        (
+            ["--redis-url", "redis://127.0.0.1:notaport"],
+            "--redis-url redis://127.0.0.1:notaport: redis tier: config key 'url'=",
+        ),
         (["--engines", "0"], "--engines: must be >= 1, got 0"),
         (["--engines", "65"], "--engines: must be <= 64, got 65"),
         (["--bogus"], "unrecognized arguments: --bogus"),
@@ -204,14 +219,15 @@ def test_default_fs_root_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert default_fs_root() == tmp_path / "home" / ".cache" / "vllm-kv-offload"
 
 
-def test_run_is_the_default_subcommand() -> None:
-    parser = build_parser()
-    from vllm.entrypoints.cli.main import _with_default_subcommand
-
-    args = parser.parse_args(_with_default_subcommand(["--workload", "chat"]))
-    assert args.command == "run"
-    assert args.workload == "chat"
-    assert parser.parse_args(_with_default_subcommand([])).workload == "mix"
+def test_run_is_the_default_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    # An option of run without a subcommand goes to run (its help, its errors).
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "chat", "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: vllm-kv-offload run ")
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "tweets"])
+    assert capsys.readouterr().err.startswith("vllm-kv-offload run: error: argument --workload")
 
 
 # The parsed defaults of `run`, captured before its options became a table (issue #16); a change
@@ -308,3 +324,92 @@ def test_model_stand_in_choices_are_the_engines() -> None:
     from vllm.v1.engine.model import ModelStandIn
 
     assert tuple(m.value for m in ModelStandIn) == MODEL_STAND_INS
+
+
+def test_a_redis_password_never_reaches_a_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused by the redis tier's own config parser (up front), whose message quotes the URL.
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--no-fs", "--redis-url", "redis://:s3cret@127.0.0.1:notaport"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--redis-url redis://:***@127.0.0.1:notaport: redis tier" in err
+    assert "s3cret" not in err
+
+
+def test_few_batched_tokens_are_accepted_with_a_warning(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # --fs-clear: the options are checked as for a run, then nothing runs.
+    argv = ["run", "--fs-root", str(tmp_path), "--fs-clear", "--max-num-batched-tokens"]
+    assert main([*argv, "64"]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        "vllm-kv-offload run: warning: --max-num-batched-tokens 64 is below 128: prefills are "
+        "chunked into many small steps, so per-step costs decide the run's time (default 512)\n"
+    )
+    assert main([*argv, "128"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_metrics_port_in_use_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["run", "--fs-root", str(tmp_path), "--metrics-port", str(port)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"vllm-kv-offload run: error: --metrics-port {port}: cannot listen on 127.0.0.1:{port} "
+        "(Address already in use): choose another port, or leave --metrics-port out\n"
+    )
+
+
+# One of each kind of refusal: argparse's own, values against each other, the connector's and
+# tiers' parsers, and the machine (directories, space, ports, files).
+_SEMANTIC_REFUSALS = [
+    ["--workload", "tweets"],
+    ["--offload-block-size", "24"],
+    ["--max-num-batched-tokens", "8"],
+    ["--gpu-blocks", "8"],
+    ["--cpu-bytes", "100"],
+    ["--fs-root", "/proc"],
+    ["--fs-max-bytes", "1KiB"],
+    ["--json", "/nonexistent-dir/x.json"],
+    ["--redis-url", "redis://127.0.0.1:notaport"],
+    ["--metrics-port", "PORT_IN_USE"],
+]
+REFUSAL_BOUND_S = 10.0
+"""Generous: the target is 3 s on a quiet machine; this one is shared with other test runs."""
+
+
+def test_every_bad_option_is_refused_at_once_without_importing_torch(tmp_path: Path) -> None:
+    # The real command in a process of its own, timed from start to exit; -X importtime lists
+    # every module it imported, so a refusal that waited for torch (or the workload) shows.
+    env = command_env(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for argv in _SEMANTIC_REFUSALS:
+            argv = [port if a == "PORT_IN_USE" else a for a in argv]
+            start = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, "-X", "importtime", "-m", "vllm.entrypoints.cli.main", *argv],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            elapsed = time.monotonic() - start
+            errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+            imported = {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines()}
+            assert proc.returncode == 2, (argv, errors)
+            assert errors[0].startswith("vllm-kv-offload run: error: "), (argv, errors)
+            assert "torch" not in imported, argv
+            assert elapsed < REFUSAL_BOUND_S, (argv, elapsed)

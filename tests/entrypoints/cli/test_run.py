@@ -231,6 +231,7 @@ def test_run_end_to_end_report_json_and_plot(
         "status": "PASS",
         "served_correctly": True,
         "storage_intact": True,
+        "tiers_working": True,
         "reasons": [],
     }
     # The last sample holds the run's cumulative token figures.

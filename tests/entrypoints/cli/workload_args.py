@@ -41,7 +41,7 @@ def tiny_workload(*, turns: int = 2, documents: int = 4) -> list[str]:
         "--max-num-seqs",
         "3",
         "--max-num-batched-tokens",
-        "64",
+        "128",
         "--cpu-bytes",
         "128KiB",
     ]

@@ -11,6 +11,7 @@ is a function here returning ``str | None``, called from ``config._machine_probl
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from vllm.entrypoints.cli.report.text import format_bytes
 
 SHM_DIR = "/dev/shm"
 """Where the CPU tier's shared region lives (the config's default ``shared_region_dir``)."""
+
+METRICS_ADDRESS = "127.0.0.1"
+"""Where ``--metrics-port`` listens: loopback only (the metrics reveal the workload's shape)."""
 
 STDOUT = "-"
 """``--json -``: the JSON document goes to stdout (the human report to stderr)."""
@@ -111,3 +115,23 @@ def plot_format_problem(path: Path) -> str | None:
         f"--plot {path}: {named}, and the format is taken from the suffix: use one of "
         f"{', '.join('.' + f for f in formats)} (e.g. {path.with_suffix('.png').name})"
     )
+
+
+def metrics_port_problem(port: int, address: str = METRICS_ADDRESS) -> str | None:
+    """Why the metrics server could not listen on ``address:port``, or None.
+
+    Probed by binding a socket the way the server will (``SO_REUSEADDR``, so a port left in
+    ``TIME_WAIT`` by an earlier run is fine and one another process listens on is not), then
+    closing it at once.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as e:
+            reason = e.strerror or str(e)
+            return (
+                f"--metrics-port {port}: cannot listen on {address}:{port} ({reason}): choose "
+                "another port, or leave --metrics-port out"
+            )
+    return None

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ REDIS_TIER_TYPE = "redis"
 """Registered type name of the redis tier."""
 COMPARE_TTL_S = 3600.0
 """Expiry of the blocks ``--compare-routing`` stores under its own redis namespaces."""
+LOG_LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)
+"""The logging level of ``-v`` given 0, 1, 2 times."""
+SMALL_BATCH_TOKENS = 128
+"""Below this ``--max-num-batched-tokens`` a run is warned about: prefills are chunked into so
+many steps that per-step costs, not the work, decide its time."""
 
 
 class OptionError(ValueError):
@@ -185,13 +191,16 @@ class OutputConfig:
         json_path: where to write the JSON report (``-``: stdout, the text going to stderr).
         plot_path: where to write the plot.
         progress: draw progress on stderr.
-        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs.
+        metrics_port: serve Prometheus metrics on ``127.0.0.1`` at this port during the runs
+            (in a fleet instance: record them for the command's process, which serves them).
+        log_level: the logging level of the command and of every fleet instance (``-v``).
     """
 
     json_path: Path | None = None
     plot_path: Path | None = None
     progress: bool = True
     metrics_port: int | None = None
+    log_level: int = logging.WARNING
 
     @property
     def json_to_stdout(self) -> bool:
@@ -224,11 +233,14 @@ class RunConfig:
     settings: Mapping[str, Any] = field(default_factory=dict)
 
     def for_instance(self, index: int) -> RunConfig:
-        """What fleet instance ``index`` runs with: its own fs directory; no output of its own
-        (the command's process renders the report and draws the progress)."""
-        return dataclasses.replace(
-            self, tiers=self.tiers.for_instance(index), output=OutputConfig(progress=False)
+        """What fleet instance ``index`` runs with: its own fs directory; no report, plot or
+        progress of its own (the command's process renders them), the same metrics and logs."""
+        output = OutputConfig(
+            progress=False,
+            metrics_port=self.output.metrics_port,
+            log_level=self.output.log_level,
         )
+        return dataclasses.replace(self, tiers=self.tiers.for_instance(index), output=output)
 
 
 def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
@@ -333,6 +345,7 @@ def _output_config(args: argparse.Namespace) -> OutputConfig:
         plot_path=args.plot,
         progress=not args.no_progress,
         metrics_port=args.metrics_port,
+        log_level=LOG_LEVELS[min(args.verbose, len(LOG_LEVELS) - 1)],
     )
 
 
@@ -356,11 +369,52 @@ def _machine_problems(
 
         problems.append(checks.fs_root_problem(tiers.fs.root))
         problems.append(checks.fs_max_bytes_problem(tiers.fs.max_bytes, file_size(row_bytes)))
+    if output.metrics_port is not None:
+        problems.append(checks.metrics_port_problem(output.metrics_port))
     if output.json_path is not None:
         problems.append(checks.output_file_problem("--json", output.json_path))
     if output.plot_path is not None:
         problems.append(checks.output_file_problem("--plot", output.plot_path))
     return [p for p in problems if p is not None]
+
+
+def _connector_problem(tiers: TiersConfig) -> str | None:
+    """What the connector and its tiers would refuse of ``tiers`` when the offloaded run's engine
+    starts (after the whole baseline run), asked of their own config parsers now."""
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
+    from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
+
+    parsers: dict[str, Callable[..., object]] = {
+        FS_TIER_TYPE: FsTierConfig.from_kwargs,
+        REDIS_TIER_TYPE: RedisTierConfig.from_kwargs,
+    }
+    try:
+        for tier in OffloadingConfig.from_extra_config(tiers.connector_config()).secondary_tiers:
+            parsers[tier.type](**tier.kwargs)
+    except ValueError as e:
+        message = str(e)
+        if tiers.redis_url is None:
+            return f"the offloading connector refuses these options: {message}"
+        # The tiers' messages quote the URL they were given: never its password.
+        message = message.replace(tiers.redis_url, redact_url(tiers.redis_url))
+        return f"--redis-url {redact_url(tiers.redis_url)}: {message}"
+    return None
+
+
+def _batch_problem(args: argparse.Namespace, warn: Callable[[str], None]) -> str | None:
+    tokens, block = args.max_num_batched_tokens, args.block_size
+    if tokens < block:
+        return (
+            f"--max-num-batched-tokens {tokens} is below one GPU block (--block-size {block}): "
+            f"no step could compute a whole block; use at least {block} (default 512)"
+        )
+    if tokens < SMALL_BATCH_TOKENS:
+        warn(
+            f"--max-num-batched-tokens {tokens} is below {SMALL_BATCH_TOKENS}: prefills are "
+            "chunked into many small steps, so per-step costs decide the run's time (default 512)"
+        )
+    return None
 
 
 def resolve_device(requested: str) -> str:
@@ -462,17 +516,30 @@ def _settings(
     }
 
 
-def build_run_config(args: argparse.Namespace) -> RunConfig:
+def build_run_config(
+    args: argparse.Namespace, warn: Callable[[str], None] = lambda message: None
+) -> RunConfig:
     """Check the parsed options of ``run`` and build the ``RunConfig`` of the invocation.
 
     Everything that can be checked before the first engine step is checked here, cheapest
-    first: values against each other, then against the machine (``checks``: the fs root, free
-    space in ``/dev/shm``, output files, the plot's format), then what needs torch (the device).
+    first: values against each other and what the connector and its tiers would refuse, then
+    against the machine (``checks``: the fs root, free space in ``/dev/shm``, the metrics port,
+    output files, the plot's format), then what needs torch (the device).
+
+    Args:
+        args: the parsed options of ``run``.
+        warn: told each accepted value that will probably not do what the user wants.
 
     Raises:
         OptionError: a value is refused (the first problem found).
     """
+    problem = _batch_problem(args, warn)
+    if problem is not None:
+        raise OptionError(problem)
     tiers = _tiers_config(args)
+    problem = _connector_problem(tiers)
+    if problem is not None:
+        raise OptionError(problem)
     output = _output_config(args)
     fleet = _fleet_config(args)
     events = _events_config(args)

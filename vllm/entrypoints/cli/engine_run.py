@@ -28,7 +28,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import KVEventBatch
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.option_values import redact_url
 from vllm.entrypoints.cli.report.figures import (
     Direction,
@@ -280,7 +280,7 @@ class EngineRun:
         config: the invocation's settings.
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
-        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
         event_sink: receives the engine's KV event batches (the instance's publisher's
             ``publish``, which outlives the run: ``fleet_events.py``).
     """
@@ -290,7 +290,7 @@ class EngineRun:
         config: RunConfig,
         offload: bool,
         instance_id: str | None = None,
-        exporter: MetricsExporter | None = None,
+        metrics: EngineMetrics | None = None,
         event_sink: Callable[[KVEventBatch], None] | None = None,
     ) -> None:
         self.label = "offload" if offload else "baseline"
@@ -301,11 +301,11 @@ class EngineRun:
         if offload and tiers.fs is not None:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic())
-        self._exporter = exporter
+        self._metrics = metrics
         engine = EngineCore(engine_config(config, offload, instance_id), event_sink=event_sink)
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
-        if exporter is not None:
-            callback = exporter.attach(engine, self.label, self.sampler)
+        if metrics is not None:
+            callback = metrics.attach(engine, self.label, self.sampler)
         # From here on the engine belongs to the front end's thread (and is shut down by it).
         self.llm = AsyncLLM(engine, step_callback=callback)
 
@@ -343,9 +343,9 @@ class EngineRun:
                 f"{self.label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the "
                 "last output"
             ) from None
-        exporter = self._exporter
-        if exporter is not None:
-            await self.llm.call(lambda e: exporter.flush(e, self.label))
+        metrics = self._metrics
+        if metrics is not None:
+            await self.llm.call(lambda e: metrics.flush(e, self.label))
         snapshot = await self.llm.call(snapshot_engine)
         result = self.result
         result.samples = self.sampler.samples

@@ -53,7 +53,7 @@ from vllm.entrypoints.cli.clients import serve_workload
 from vllm.entrypoints.cli.config import REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.fleet_events import FleetRouting, routing_figures
 from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.metrics_server import InstanceMetrics
 from vllm.entrypoints.cli.progress import token_shares
 from vllm.entrypoints.cli.report.figures import (
     Direction,
@@ -98,6 +98,7 @@ class _Instance:
     replies: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     streams: dict[str, asyncio.Queue[Message]] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    metrics: InstanceMetrics | None = None
     gone: bool = False
 
     def send(self, message: Message) -> None:
@@ -137,6 +138,9 @@ class _Instance:
                 self.tokens = message[3]
             if queue is not None:  # None: the client gave up on it already
                 queue.put_nowait(message)
+        elif kind == "metrics":
+            if self.metrics is not None:
+                self.metrics.update(self.index, message[1])
         else:
             self.replies.put_nowait(message)
 
@@ -157,14 +161,20 @@ class Fleet:
     Args:
         config: the invocation's settings (``config.fleet.engines`` instances).
         workload: what the clients send.
-        exporter: where the router's series go (``--metrics-port``), or None.
+        metrics: where the instances' metrics go (``--metrics-port``), if anywhere.
+        router_metrics: where the router's own series go (``--metrics-port``), if anywhere.
     """
 
     def __init__(
-        self, config: RunConfig, workload: Workload, exporter: MetricsExporter | None = None
+        self,
+        config: RunConfig,
+        workload: Workload,
+        metrics: InstanceMetrics | None = None,
+        router_metrics: RouterPromMetrics | None = None,
     ) -> None:
         self.config = config
         self.workload = workload
+        self.metrics = metrics
         self.instances: list[_Instance] = []
         # The current run's routes (request id -> instance) and router.
         self.routes: dict[str, int] = {}
@@ -173,7 +183,7 @@ class Fleet:
         # Per instance, the KV event batches its publisher sent so far (end of the last run).
         self.batches_sent = [0] * config.fleet.engines
         # The router's series (--metrics-port), labelled with the current run.
-        self.metrics = None if exporter is None else RouterPromMetrics(exporter.registry)
+        self.router_metrics = router_metrics
         self.run_label = ""
 
     async def connect_events(self) -> None:
@@ -209,7 +219,7 @@ class Fleet:
             finally:
                 signal.signal(signal.SIGINT, previous)
                 child_end.close()
-            instance = _Instance(index, process, parent_end)
+            instance = _Instance(index, process, parent_end, metrics=self.metrics)
             self.instances.append(instance)
             loop.add_reader(parent_end.fileno(), instance.on_readable)
 
@@ -256,11 +266,11 @@ class Fleet:
         assert router is not None, "generate outside a run"
         decision = router.route(req_id, session.session_id, prompt)
         index = decision.instance
-        if self.metrics is not None:
-            self.metrics.observe(self.run_label, router.policy.name, decision)
+        if self.router_metrics is not None:
+            self.router_metrics.observe(self.run_label, router.policy.name, decision)
             feed = self.routing.feed_stats() if self.routing is not None else None
             if feed is not None:
-                self.metrics.update_feed(self.run_label, router.policy.name, feed)
+                self.router_metrics.update_feed(self.run_label, router.policy.name, feed)
         self.routes[req_id] = index
         instance = self.instances[index]
         queue: asyncio.Queue[Message] = asyncio.Queue()
@@ -507,7 +517,8 @@ async def serve_fleet(
     config: RunConfig,
     workload: Workload,
     on_fs_start: Callable[[FsTierState], None] | None = None,
-    exporter: MetricsExporter | None = None,
+    metrics: InstanceMetrics | None = None,
+    router_metrics: RouterPromMetrics | None = None,
 ) -> Report:
     """Serve ``workload`` on the fleet without, then with offloading; the report of both.
 
@@ -520,10 +531,10 @@ async def serve_fleet(
         workload: what the clients send.
         on_fs_start: called with the instances' fs directories' state (added up) once every
             instance scanned its own, before the offloaded run's first request.
-        exporter: gets the router's series (``--metrics-port``; the instances' own connector
-            series stay in their processes).
+        metrics: where the instances' metrics go (``--metrics-port``), if anywhere.
+        router_metrics: where the router's own series go (``--metrics-port``), if anywhere.
     """
-    fleet = Fleet(config, workload, exporter)
+    fleet = Fleet(config, workload, metrics, router_metrics)
     policy_runs: list[PolicyRun] = []
     try:
         fleet.start()

@@ -27,7 +27,9 @@ Messages, parent -> instance (tuples, the first item names them):
         served_not_stored_here, batches_sent)`` (``batches_sent``: the publisher's count so far,
         so the router can wait until it applied them all).
     ``("exit",)``, or the pipe closing: shut down and end the process.
-Instance -> parent, besides the answers: ``("error", message)`` when the run failed.
+Instance -> parent, besides the answers: ``("error", message)`` when the run failed, and with
+``--metrics-port`` ``("metrics", families)`` (its recorder's metric families, every
+``SEND_INTERVAL_S`` during a run and once more before ``result``).
 
 Signals: SIGINT is ignored (a Ctrl-C reaches the whole process group, and the parent decides:
 it sends ``exit``); SIGTERM shuts the engine down cleanly, like ``exit``. An instance whose
@@ -55,6 +57,7 @@ from vllm.entrypoints.cli.fleet_events import (
     private_endpoints,
 )
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
+from vllm.entrypoints.cli.metrics_server import SEND_INTERVAL_S, EngineMetrics
 from vllm.entrypoints.router.policies import KVAware
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -80,6 +83,8 @@ class _Instance:
         self.index = index
         self.instance_id = fleet_instance_id(fleet_pid, index)
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+        # The command's process serves them; one recorder for both runs (labelled by run).
+        self.metrics = EngineMetrics(index) if config.output.metrics_port is not None else None
 
     def send(self, message: Message) -> None:
         """Send ``message`` to the parent (a closed pipe means the parent is gone: dropped)."""
@@ -139,7 +144,8 @@ class _Instance:
         requests: dict[str, asyncio.Task[None]] = {}
         publisher = self.publisher
         sink = None if publisher is None else publisher.publish
-        async with EngineRun(config, offload, instance_id, event_sink=sink) as run:
+        async with EngineRun(config, offload, instance_id, self.metrics, event_sink=sink) as run:
+            sender = asyncio.ensure_future(self.send_metrics_every(SEND_INTERVAL_S))
             try:
                 fs = run.result.fs
                 self.send(("ready", fs.files_at_start if fs else 0, fs.bytes_at_start if fs else 0))
@@ -164,13 +170,28 @@ class _Instance:
                 await asyncio.gather(*requests.values())
                 snapshot = await run.finish()
             finally:
-                for task in requests.values():
+                for task in (*requests.values(), sender):
                     task.cancel()
-                await asyncio.gather(*requests.values(), return_exceptions=True)
+                await asyncio.gather(*requests.values(), sender, return_exceptions=True)
+        self.send_metrics()
         run.result.num_requests = len(requests)
         origins = snapshot.engine_stats.served_not_stored_here or {}
         sent = 0 if publisher is None else await announce_engine_end(publisher)
         self.send(("result", run.result, snapshot.stored_keys, origins, sent))
+
+    def send_metrics(self) -> None:
+        """Send the recorder's families to the parent (with ``--metrics-port`` only)."""
+        if self.metrics is not None:
+            self.send(("metrics", self.metrics.families()))
+
+    async def send_metrics_every(self, interval_s: float) -> None:
+        """Send the metrics every ``interval_s`` (cancelled by the caller)."""
+        if self.metrics is None:
+            return
+        # A timer, not a synchronisation: the parent's scrapes see figures at most this old.
+        while True:
+            await asyncio.sleep(interval_s)
+            self.send_metrics()
 
     async def generate(
         self,
@@ -206,8 +227,10 @@ def instance_main(conn: Connection, config: RunConfig, index: int, fleet_pid: in
     """
     # Ignored before anything else: the parent stops the instances on a Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Its lines go to the inherited stderr, each prefixed with the instance's index.
     logging.basicConfig(
-        level=logging.WARNING, format=f"%(levelname)s engine {index} %(name)s: %(message)s"
+        level=config.output.log_level,
+        format=f"engine {index}: %(levelname)s %(name)s: %(message)s",
     )
     instance = _Instance(conn, config, index, fleet_pid)
     try:

@@ -127,17 +127,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(_with_default_subcommand(sys.argv[1:] if argv is None else argv))
     if args.command == "bench":
         return run_bench(args)
+
+    def warn(message: str) -> None:
+        sys.stderr.write(f"{args.command_parser.prog}: warning: {message}\n")
+
     try:
-        config = build_run_config(args)
+        config = build_run_config(args, warn)
     except OptionError as e:
         args.command_parser.error(str(e))
     if args.fs_clear:
         assert config.tiers.fs is not None  # --fs-clear --no-fs is refused
         return clear_fs(config.tiers.fs.root)
-    logging.basicConfig(
-        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=config.output.log_level, format="%(levelname)s %(name)s: %(message)s")
     # Imported once the options are accepted: the engine's modules import torch, and a refused
     # option should not wait for that.
     from vllm.entrypoints.cli.run import run_command

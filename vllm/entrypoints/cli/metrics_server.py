@@ -2,24 +2,36 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``--metrics-port``: serve the runs' metrics on ``http://127.0.0.1:PORT/metrics`` while they run.
 
-``MetricsExporter`` owns a ``prometheus_client`` registry with the offloading connector's
-metrics (``OffloadPromMetrics``, catalogue in ``metric_catalog``) and the HTTP server that
-exposes it. Every series carries ``model_name``, ``engine`` and ``run`` (``baseline`` or
-``offload``), so both runs of one invocation are told apart in one scrape.
+Three parts, by where they run:
 
-Feeding happens on the engine thread: ``attach`` installs the engine's per-step stats sink
-(the connector's ``OffloadingConnectorStats`` of every step) and wraps the front end's step
-callback to bring the engine's token counters up to date; ``flush`` does both once more at the
-end of a run, before the report is taken. ``final_values`` is the report's ``metrics`` section.
+- ``EngineMetrics`` (the process that owns the engine): a ``prometheus_client`` registry with
+  the offloading connector's metrics (``OffloadPromMetrics``, catalogue in ``metric_catalog``),
+  fed from the engine thread. ``attach`` installs the engine's per-step stats sink (the
+  connector's ``OffloadingConnectorStats`` of every step) and wraps the front end's step callback
+  to bring the engine's token counters up to date; ``flush`` does both once more at the end of a
+  run, before the report is taken.
+- ``InstanceMetrics`` (a fleet's command process): the latest families each instance's recorder
+  sent over its pipe (``fleet_instance.py`` sends them every ``SEND_INTERVAL_S`` and at the end of
+  each run), exposed as one collector.
+- ``MetricsServer``: the HTTP server exposing a registry (a recorder's, or one holding the
+  instances' collector).
+
+Every series carries ``model_name``, ``engine`` (the instance's index; ``0`` with one engine) and
+``run`` (``baseline`` or ``offload``), so both runs and every instance of one invocation are told
+apart in one scrape. ``final_values`` is the report's ``metrics`` section: per run, each series
+summed over the instances (a fleet's figures are sums too).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from typing_extensions import override
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog import (
     PRIMARY_TIER_LABEL,
@@ -31,60 +43,75 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.prometheus import (
     OffloadPromMetrics,
 )
+from vllm.entrypoints.cli.checks import METRICS_ADDRESS
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.stats import EngineStats
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-ADDRESS = "127.0.0.1"
+ADDRESS = METRICS_ADDRESS
 """Loopback only: the metrics reveal the workload's shape and are not meant for other hosts."""
 LABELNAMES = ("model_name", "engine", "run")
+SEND_INTERVAL_S = 1.0
+"""How often a fleet instance sends its metrics to the command's process during a run."""
 
 StepCallback = Callable[[EngineCore, list[Any]], None]
 
 
-def _tier_labels(engine: EngineCore) -> list[str]:
-    """``tier`` labels of the CPU tier and each secondary tier (none without offloading)."""
+def _tier_labels(engine: EngineCore) -> list[tuple[str, str | None]]:
+    """``tier`` label and tier type of the CPU tier (no type) and of each secondary tier, in
+    lookup order (none without offloading)."""
     if engine.connector is None:
         return []
     manager = engine.connector.connector_scheduler.manager
-    labels = [PRIMARY_TIER_LABEL]
+    labels: list[tuple[str, str | None]] = [(PRIMARY_TIER_LABEL, None)]
     if isinstance(manager, TieringOffloadingManager):
-        labels += [tier_label(i, t.tier_type) for i, t in enumerate(manager.secondary_tiers)]
+        labels += [
+            (tier_label(i, t.tier_type), t.tier_type) for i, t in enumerate(manager.secondary_tiers)
+        ]
     return labels
 
 
-class MetricsExporter:
-    """A registry and its ``/metrics`` server on ``127.0.0.1:port`` (0: any free port).
+def _served_by_tier(stats: EngineStats, types: Sequence[str | None]) -> list[int]:
+    """Prompt tokens each tier served: the CPU tier's own hits, then each secondary tier's
+    promoted tokens by its type; tokens whose tier the manager did not name count as the first
+    secondary tier's, so the tiers add up to what the engine placed (as in the report)."""
+    if not types:
+        return []
+    served = [stats.tokens_from_cpu]
+    named = 0
+    for tier_type in types[1:]:
+        n = stats.tokens_from_tier.get(tier_type, 0) if tier_type is not None else 0
+        served.append(n)
+        named += n
+    if len(served) > 1:
+        served[1] += stats.tokens_from_secondary - named
+    return served
 
-    Raises:
-        OSError: the port cannot be bound.
+
+class EngineMetrics:
+    """The connector's metrics of this process's engines, in a registry of their own.
+
+    Observations come from the engine thread, reads (scrapes, ``families``) from any thread;
+    prometheus_client locks each metric, and this recorder's lock keeps one step's observations
+    together.
+
+    Args:
+        engine_index: the ``engine`` label of every series (a fleet instance's index).
     """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, engine_index: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.prom = OffloadPromMetrics(self.registry, LABELNAMES)
-        self._server, self._thread = start_http_server(port, ADDRESS, registry=self.registry)
-        # Observations come from the engine thread, scrapes from the server's; prometheus_client
-        # locks each metric, this lock keeps one step's observations together.
+        self.engine_index = engine_index
         self._lock = threading.Lock()
         self._flushers: dict[str, Callable[[EngineCore], None]] = {}
-        self._closed = False
-
-    @property
-    def port(self) -> int:
-        """The port the server listens on."""
-        return int(self._server.server_port)
-
-    @property
-    def url(self) -> str:
-        """Where to scrape."""
-        return f"http://{ADDRESS}:{self.port}/metrics"
 
     def attach(
         self, engine: EngineCore, run: str, step_callback: StepCallback | None = None
     ) -> StepCallback:
         """Feed ``engine``'s metrics, labelled ``run``; returns the step callback to give the
         front end (it calls ``step_callback`` too)."""
-        labelvalues = (engine.config.model_name, "0", run)
+        labelvalues = (engine.config.model_name, str(self.engine_index), run)
         tiers = _tier_labels(engine)
 
         def sink(stats: OffloadingConnectorStats) -> None:
@@ -107,7 +134,17 @@ class MetricsExporter:
         """Engine thread, after the run's last step: collect what the last step left."""
         self._flushers[run](engine)
 
-    def _flush(self, engine: EngineCore, labelvalues: tuple[str, ...], tiers: list[str]) -> None:
+    def families(self) -> list[Metric]:
+        """Every metric family now (picklable: a fleet instance sends them to the command)."""
+        with self._lock:
+            return list(self.registry.collect())
+
+    def _flush(
+        self,
+        engine: EngineCore,
+        labelvalues: tuple[str, ...],
+        tiers: list[tuple[str, str | None]],
+    ) -> None:
         stats = engine.connector.get_kv_connector_stats() if engine.connector else None
         with self._lock:
             if stats is not None:
@@ -115,7 +152,10 @@ class MetricsExporter:
             self._observe_engine(engine, labelvalues, tiers)
 
     def _observe_engine(
-        self, engine: EngineCore, labelvalues: tuple[str, ...], tiers: list[str]
+        self,
+        engine: EngineCore,
+        labelvalues: tuple[str, ...],
+        tiers: list[tuple[str, str | None]],
     ) -> None:
         """The engine's token accounting, as the report derives it: each tier is looked up for
         the tokens every faster one missed, and serves what it loaded and verified."""
@@ -124,24 +164,72 @@ class MetricsExporter:
         total("vllm:prefix_cache_queries", s.prompt_tokens, labelvalues)
         total("vllm:prefix_cache_hits", s.tokens_from_gpu_cache, labelvalues)
         remaining = s.prompt_tokens - s.tokens_from_gpu_cache
-        served = [s.tokens_from_cpu, s.tokens_from_secondary]
-        for i, tier in enumerate(tiers[:2]):
+        served = _served_by_tier(s, [tier_type for _, tier_type in tiers])
+        for (tier, _), n in zip(tiers, served, strict=True):
             total("vllm:kv_offload_tier_lookup_tokens", remaining, labelvalues, (tier,))
-            total("vllm:kv_offload_tier_hit_tokens", served[i], labelvalues, (tier,))
-            remaining -= served[i]
+            total("vllm:kv_offload_tier_hit_tokens", n, labelvalues, (tier,))
+            remaining -= n
 
-    def final_values(self, run: str) -> dict[str, float]:
-        """Every series of ``run`` now, as ``name{label="value",...}`` -> value: counters (with
-        Prometheus' ``_total``), gauges, and histograms' ``_count`` and ``_sum``."""
-        out: dict[str, float] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.labels.get("run") != run or sample.name.endswith(("_created", "_bucket")):
-                    continue
-                own = {k: v for k, v in sample.labels.items() if k not in LABELNAMES}
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(own.items()))
-                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return dict(sorted(out.items()))
+
+class InstanceMetrics(Collector):
+    """A fleet's metrics in the command's process: each instance's latest families, as one
+    collector (families of one name merged over the instances, whose ``engine`` labels differ).
+
+    ``update`` is called on the event loop's thread, ``collect`` on the server's.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_instance: dict[int, Sequence[Metric]] = {}
+
+    def update(self, index: int, families: Sequence[Metric]) -> None:
+        """Instance ``index``'s families now (replacing what it sent before)."""
+        with self._lock:
+            self._by_instance[index] = families
+
+    @override
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            parts = [self._by_instance[i] for i in sorted(self._by_instance)]
+        merged: dict[str, Metric] = {}
+        for families in parts:
+            for family in families:
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                into.samples.extend(family.samples)
+        return list(merged.values())
+
+    def registry(self) -> CollectorRegistry:
+        """A registry holding only this collector, for a ``MetricsServer``."""
+        registry = CollectorRegistry()
+        registry.register(self)
+        return registry
+
+
+class MetricsServer:
+    """The ``/metrics`` server of ``registry`` on ``127.0.0.1:port`` (0: any free port).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+
+    def __init__(self, registry: CollectorRegistry, port: int) -> None:
+        self.registry = registry
+        self._server, self._thread = start_http_server(port, ADDRESS, registry=registry)
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on."""
+        return int(self._server.server_port)
+
+    @property
+    def url(self) -> str:
+        """Where to scrape."""
+        return f"http://{ADDRESS}:{self.port}/metrics"
 
     def close(self) -> None:
         """Stop serving (idempotent)."""
@@ -151,3 +239,19 @@ class MetricsExporter:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def final_values(registry: CollectorRegistry, run: str) -> dict[str, float]:
+    """Every series of ``run`` now, as ``name{label="value",...}`` -> value: counters (with
+    Prometheus' ``_total``), gauges, and histograms' ``_count`` and ``_sum``; a series of several
+    instances is their sum."""
+    out: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.labels.get("run") != run or sample.name.endswith(("_created", "_bucket")):
+                continue
+            own = {k: v for k, v in sample.labels.items() if k not in LABELNAMES}
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(own.items()))
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            out[key] = out.get(key, 0.0) + sample.value
+    return dict(sorted(out.items()))

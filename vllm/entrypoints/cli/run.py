@@ -31,7 +31,12 @@ from vllm.entrypoints.cli.engine_run import EngineRun
 from vllm.entrypoints.cli.fleet import serve_fleet
 from vllm.entrypoints.cli.fleet_events import announce_engine_end, instance_publisher
 from vllm.entrypoints.cli.interrupt import run_interruptible
-from vllm.entrypoints.cli.metrics_server import MetricsExporter
+from vllm.entrypoints.cli.metrics_server import (
+    EngineMetrics,
+    InstanceMetrics,
+    MetricsServer,
+    final_values,
+)
 from vllm.entrypoints.cli.progress import token_shares
 from vllm.entrypoints.cli.report.figures import FsTierState, Report, RunResult
 from vllm.entrypoints.cli.report.json_doc import report_json
@@ -39,6 +44,7 @@ from vllm.entrypoints.cli.report.plot import write_plot
 from vllm.entrypoints.cli.report.text import PROG, render_body, render_fs_start, render_header
 from vllm.entrypoints.cli.report.verdict import judge_report
 from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload
+from vllm.entrypoints.router.metrics import RouterPromMetrics
 from vllm.v1.engine.async_llm import AsyncLLM, GenerateOutput
 
 
@@ -56,7 +62,7 @@ async def serve(
     workload: Workload,
     offload: bool,
     on_fs_start: Callable[[FsTierState], None] | None = None,
-    exporter: MetricsExporter | None = None,
+    metrics: EngineMetrics | None = None,
     publisher: ZmqEventPublisher | None = None,
 ) -> RunResult:
     """Serve ``workload`` on a fresh engine in this process and return what the run measured.
@@ -67,12 +73,12 @@ async def serve(
         offload: with the offloading connector and its tiers (else the baseline).
         on_fs_start: called with the fs tier's state once its start-up scan counted what is on
             disk, before the first request (the command prints it at once).
-        exporter: fed the run's metrics, labelled with the run (``--metrics-port``).
+        metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
         publisher: where the engine's KV events go (``--kv-events-endpoint``); it outlives the
             run, which ends by announcing ``AllBlocksCleared``.
     """
     sink = None if publisher is None else publisher.publish
-    async with EngineRun(config, offload, exporter=exporter, event_sink=sink) as run:
+    async with EngineRun(config, offload, metrics=metrics, event_sink=sink) as run:
         if run.result.fs is not None and on_fs_start is not None:
             on_fs_start(run.result.fs)
         samples = run.sampler.samples
@@ -114,18 +120,23 @@ def _write(stream: TextIO, lines: list[str]) -> None:
 
 
 async def _serve_both(
-    config: RunConfig, workload: Workload, out: TextIO, exporter: MetricsExporter | None
+    config: RunConfig,
+    workload: Workload,
+    out: TextIO,
+    recorder: EngineMetrics | None,
+    instance_metrics: InstanceMetrics | None,
+    router_metrics: RouterPromMetrics | None = None,
 ) -> Report:
     def on_fs_start(fs: FsTierState) -> None:
         _write(out, render_fs_start(fs))
 
     if config.fleet.enabled:
-        return await serve_fleet(config, workload, on_fs_start, exporter)
+        return await serve_fleet(config, workload, on_fs_start, instance_metrics, router_metrics)
     # One publisher for both runs: one sequence of batch numbers across them.
     publisher = instance_publisher(config.events, 0, for_router=False)
     try:
-        baseline = await serve(config, workload, False, exporter=exporter, publisher=publisher)
-        offload = await serve(config, workload, True, on_fs_start, exporter, publisher)
+        baseline = await serve(config, workload, False, metrics=recorder, publisher=publisher)
+        offload = await serve(config, workload, True, on_fs_start, recorder, publisher)
     finally:
         if publisher is not None:
             publisher.shutdown()
@@ -155,26 +166,40 @@ def run_command(config: RunConfig) -> int:
     out = sys.stderr if output.json_to_stdout else sys.stdout
     workload = generate_workload(config.workload)
     _write(out, render_header(config.settings, workload.num_requests))
-    exporter: MetricsExporter | None = None
+    recorder: EngineMetrics | None = None
+    instance_metrics: InstanceMetrics | None = None
+    router_metrics: RouterPromMetrics | None = None
+    server: MetricsServer | None = None
     try:
         if output.metrics_port is not None:
-            exporter = MetricsExporter(output.metrics_port)
+            # One engine feeds a recorder here; a fleet's instances record their own and send it.
+            if config.fleet.enabled:
+                instance_metrics = InstanceMetrics()
+                server = MetricsServer(instance_metrics.registry(), output.metrics_port)
+                # The router's own series, in the same registry (docs/metrics.md).
+                router_metrics = RouterPromMetrics(server.registry)
+            else:
+                recorder = EngineMetrics()
+                server = MetricsServer(recorder.registry, output.metrics_port)
         # SIGINT and SIGTERM (INTERRUPT_SIGNALS): a fleet's processes, shared regions and fs files
         # are cleaned up alike.
-        report = run_interruptible(_serve_both(config, workload, out, exporter))
+        report = run_interruptible(
+            _serve_both(config, workload, out, recorder, instance_metrics, router_metrics)
+        )
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 1
     finally:
-        if exporter is not None:
-            exporter.close()
+        if server is not None:
+            server.close()
     _write(out, list(render_body(report)))
     try:
         if output.json_path is not None:
             doc = report_json(report)
-            if exporter is not None:
+            if server is not None:
                 # The metrics' final values, per run (docs/metrics.md).
-                doc["metrics"] = {r: exporter.final_values(r) for r in ("baseline", "offload")}
+                runs = ("baseline", "offload")
+                doc["metrics"] = {r: final_values(server.registry, r) for r in runs}
             text = json.dumps(doc, indent=2) + "\n"
             if output.json_to_stdout:
                 sys.stdout.write(text)

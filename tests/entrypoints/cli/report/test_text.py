@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from vllm.entrypoints.cli.report.figures import Report
-from vllm.entrypoints.cli.report.text import WIDTH, format_bytes, render_report, show_path
+from vllm.entrypoints.cli.report.text import (
+    WIDTH,
+    format_bytes,
+    render_header,
+    render_report,
+    show_path,
+)
 from vllm.entrypoints.cli.report.verdict import judge_report
 
 from .sample_reports import huge_report
@@ -69,3 +75,12 @@ def test_disk_line_says_where_how_big_and_how_to_clear(monkeypatch: pytest.Monke
     report.offload.fs.root_dir = "/data/kv"
     flat = " ".join(line.strip() for line in render_text(report, home="/home/u").splitlines())
     assert "To delete them: vllm-kv-offload run --fs-root /data/kv --fs-clear" in flat
+
+
+def test_a_fleet_without_redis_says_its_instances_share_nothing() -> None:
+    settings = {"engines": 2, "fs_root": None, "redis_url": None, "cpu_bytes": 1, "block_bytes": 1}
+    shared_nothing = "  shared tier: none (no --redis-url): instances reuse only their own KV"
+    assert shared_nothing in render_header(settings, 10)
+    with_redis = render_header({**settings, "redis_url": "redis://127.0.0.1:6379"}, 10)
+    assert shared_nothing not in with_redis
+    assert shared_nothing not in render_header({**settings, "engines": 1}, 10)

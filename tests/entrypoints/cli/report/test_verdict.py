@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vllm.entrypoints.cli.report.figures import Direction, Report, Tier, TransferFigures
 from vllm.entrypoints.cli.report.json_doc import report_json
-from vllm.entrypoints.cli.report.verdict import judge, no_savings_reason
+from vllm.entrypoints.cli.report.verdict import judge, judge_report, no_savings_reason
 
 from .sample_reports import small_runs
 from .test_text import render_text
@@ -65,3 +65,31 @@ def test_a_run_that_saved_nothing_says_why() -> None:
     assert no_savings_reason(report) is None
     assert "why:" not in render_text(report)
     assert report_json(report)["comparison"]["no_savings_reason"] is None
+
+
+def test_a_secondary_tier_that_failed_everything_fails_the_verdict() -> None:
+    base, off = small_runs()
+    report = Report(settings={}, baseline=base, offload=off)
+    assert judge_report(report).tiers_working
+    # Every store to the fs tier failed (e.g. its slot directory was broken): never a PASS.
+    off.transfers[Direction.CPU_TO_FS] = TransferFigures(blocks=0, failed_blocks=591)
+    v = judge_report(report)
+    assert (v.passed, v.tiers_working, v.served_correctly, v.storage_intact) == (
+        False,
+        False,
+        True,
+        True,
+    )
+    assert v.reasons == (
+        "the fs tier failed every store of the run (591 block(s), none stored): see its "
+        "WARNING lines (-v for more)",
+    )
+    assert report_json(report)["verdict"]["tiers_working"] is False
+    flat = " ".join(line.strip() for line in render_text(report).splitlines())
+    assert "secondary tiers: FAIL" in flat and "verdict: FAIL" in flat
+    # Some failures among successes are a tier at work (a corrupt file, a full disk for a while).
+    off.transfers[Direction.CPU_TO_FS] = TransferFigures(blocks=1, failed_blocks=591)
+    assert judge_report(report).passed
+    # Every load from the redis tier failed.
+    off.transfers[Direction.REDIS_TO_CPU] = TransferFigures(blocks=0, failed_blocks=3)
+    assert judge_report(report).reasons[0].startswith("the redis tier failed every load")

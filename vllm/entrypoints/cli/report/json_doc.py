@@ -118,6 +118,7 @@ def verdict_json(v: Verdict) -> dict[str, Any]:
         "status": "PASS" if v.passed else "FAIL",
         "served_correctly": v.served_correctly,
         "storage_intact": v.storage_intact,
+        "tiers_working": v.tiers_working,
         "reasons": list(v.reasons),
     }
 

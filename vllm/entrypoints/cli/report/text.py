@@ -157,6 +157,9 @@ def render_header(
             f"pool, CPU tier and fs directory; requests routed {how}",
             hanging=4,
         )
+        if url is None:
+            # Not refused (with KV-aware routing such a fleet is useful), but said.
+            lines.append("  shared tier: none (no --redis-url): instances reuse only their own KV")
     return lines
 
 
@@ -440,6 +443,8 @@ def _verdict(report: Report) -> Iterable[str]:
         + ("on disk or in redis" if o.redis_url is not None else "on disk")
         + (" (discarded and recomputed, never served)" if o.corrupt_blocks_detected else "")
     )
+    if not verdict.tiers_working:
+        yield "  secondary tiers: FAIL - a tier failed everything it was given (below)"
     for reason in verdict.reasons:
         yield from _wrap(f"- {reason}", indent=4)
     yield f"  verdict: {'PASS' if verdict.passed else 'FAIL'}"

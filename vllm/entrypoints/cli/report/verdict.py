@@ -25,10 +25,13 @@ class Verdict:
     """Outcome of the correctness checks of the offloaded run.
 
     Attributes:
-        passed: True when nothing wrong was served and no stored block was found corrupt.
+        passed: True when nothing wrong was served, no stored block was found corrupt and every
+            secondary tier worked.
         served_correctly: every block loaded from CPU or disk matched recomputation, and every
             request's output equals the baseline's.
         storage_intact: no block on disk was found corrupt.
+        tiers_working: no secondary tier failed every store, or every load, it was given during
+            the run (a tier that did is broken: it only costs, and a PASS would hide it).
         reasons: one line per failed check.
     """
 
@@ -36,6 +39,7 @@ class Verdict:
     served_correctly: bool
     storage_intact: bool
     reasons: tuple[str, ...]
+    tiers_working: bool = True
 
 
 def compare_outputs(
@@ -48,6 +52,27 @@ def compare_outputs(
         for r in ids
         if r not in baseline or r not in offload or tuple(baseline[r]) != tuple(offload[r])
     ]
+
+
+SECONDARY_DIRECTIONS: tuple[tuple[str, Direction, Direction], ...] = (
+    ("fs", Direction.CPU_TO_FS, Direction.FS_TO_CPU),
+    ("redis", Direction.CPU_TO_REDIS, Direction.REDIS_TO_CPU),
+)
+"""Each secondary tier's name, store direction and load direction."""
+
+
+def failed_tiers(run: RunResult) -> list[str]:
+    """One line per secondary tier and direction in which every block of ``run`` failed."""
+    lines = []
+    for name, store, load in SECONDARY_DIRECTIONS:
+        for direction, verb, done in ((store, "store", "stored"), (load, "load", "loaded")):
+            t = run.transfers[direction]
+            if t.failed_blocks and not t.blocks:
+                lines.append(
+                    f"the {name} tier failed every {verb} of the run ({t.failed_blocks:,} "
+                    f"block(s), none {done}): see its WARNING lines (-v for more)"
+                )
+    return lines
 
 
 def judge(baseline: RunResult, offload: RunResult) -> Verdict:
@@ -69,11 +94,14 @@ def judge(baseline: RunResult, offload: RunResult) -> Verdict:
             "(discarded and recomputed, never served)"
         )
     storage_intact = offload.corrupt_blocks_detected == 0
+    broken = failed_tiers(offload)
+    reasons += broken
     return Verdict(
-        passed=served_correctly and storage_intact,
+        passed=served_correctly and storage_intact and not broken,
         served_correctly=served_correctly,
         storage_intact=storage_intact,
         reasons=tuple(reasons),
+        tiers_working=not broken,
     )
 
 
@@ -89,6 +117,7 @@ def judge_report(report: Report) -> Verdict:
         served_correctly=verdict.served_correctly and all(v.served_correctly for _, v in failed),
         storage_intact=verdict.storage_intact and all(v.storage_intact for _, v in failed),
         reasons=(*verdict.reasons, f"instance(s) {names} failed their own verdict"),
+        tiers_working=verdict.tiers_working and all(v.tiers_working for _, v in failed),
     )
 
 
