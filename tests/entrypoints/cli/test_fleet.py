@@ -290,7 +290,8 @@ def _fleet_json(tmp_path: Path, name: str, *extra: str) -> dict[str, object]:
         [
             *SHARED_DOCUMENTS,
             "--no-progress",
-            "--no-fs",
+            "--fs-root",
+            str(tmp_path / name),
             "--engines",
             "2",
             "--json",
@@ -304,9 +305,18 @@ def _fleet_json(tmp_path: Path, name: str, *extra: str) -> dict[str, object]:
     return doc  # type: ignore[no-any-return]
 
 
-# Sessions that share documents: only an index of the KV finds a document another session read
-# on another instance; session affinity cannot.
-SHARED_DOCUMENTS = workload_args(clients=4, sessions=16, think_time=0.001, timeout=300, turns=2)
+# Sessions that share documents: 20 sessions over 6 documents (read by 6, 5, 4, 2, 2 and 1
+# sessions), each instance with its own CPU tier and fs directory (nothing shared), so an
+# instance keeps every document it read. Session affinity spreads the sessions of a document
+# over both instances, and each computes it; only an index of the KV finds that another session
+# read it, and where. A GPU pool of two documents (48 blocks, not the tiny workload's 24): with
+# one, two documents in flight on one instance preempt each other, and the recomputation that
+# follows depends on the machine's timing more than on the routing.
+SHARED_DOCUMENTS = [
+    *workload_args(clients=4, sessions=20, think_time=0.001, timeout=300, turns=2, documents=6),
+    "--gpu-blocks",
+    "48",
+]
 
 
 def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) -> None:
@@ -321,7 +331,7 @@ def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) ->
         routing = doc["fleet"]["routing"]  # type: ignore[index]
         assert routing["policy"] == policy
         requests = routing["requests"]
-        assert sum(requests) == 32 and max(requests) <= 1.2 * 16 + 1
+        assert sum(requests) == 40 and max(requests) <= 1.2 * 20 + 1
     assert kv["fleet"]["routing"]["events"]["lost"] == [0, 0]  # type: ignore[index]
     assert session["fleet"]["routing"]["events"] is None  # type: ignore[index]
     # The router's own series (--metrics-port): its decisions per instance, and the feed's.

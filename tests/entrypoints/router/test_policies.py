@@ -9,16 +9,17 @@ from collections.abc import Sequence
 import pytest
 
 from vllm.entrypoints.router.policies import (
+    InstanceLoad,
     KVAware,
     RoutingCosts,
     make_policy,
 )
-from vllm.entrypoints.router.prefix_index import Place, PrefixMatch
+from vllm.entrypoints.router.prefix_index import Place, PrefixIndex, PrefixMatch
 from vllm.entrypoints.router.router import Router
 
 
 def _matcher(per_instance: list[list[int]]):  # type: ignore[no-untyped-def]
-    def match(hashes: Sequence[object], piece: int) -> list[PrefixMatch]:
+    def match(hashes: Sequence[object], piece: int, on_gpu: object = None) -> list[PrefixMatch]:
         return [PrefixMatch(tokens=list(t)) for t in per_instance]
 
     return match
@@ -65,6 +66,35 @@ def test_the_guard_keeps_every_instance_within_its_share() -> None:
     assert sum(counts) == 40 and max(counts) <= 1.25 * 40 / 4 + 1
     assert counts[0] == max(counts)
     assert router.stats.guard_exclusions > 0
+
+
+def test_a_prefix_in_flight_draws_the_next_request_before_any_event() -> None:
+    # Nothing announced yet: the first request's blocks are on its instance's GPU all the same
+    # (being computed, pinned until it ends), so a second one sharing its prefix goes there.
+    index = PrefixIndex(2)
+    router = Router(KVAware(2, index.match, 16))
+    document = list(range(1, 257))
+    first = router.route("r0", "s0", [*document, 7, 7])
+    assert first.instance == 0 and first.expected_computed == 258
+    second = router.route("r1", "s1", [*document, 9, 9, 9])
+    assert second.instance == 0
+    assert second.match is not None and second.match.tokens[Place.GPU] == 256
+    assert second.expected_computed == 3
+    # A request that shares nothing goes to the idle instance (the queue weighs).
+    assert router.route("r2", "s2", list(range(300, 556))).instance == 1
+    # Ended, a request's blocks are no longer counted as in flight.
+    for r in ("r0", "r1", "r2"):
+        router.on_finished(r)
+    assert all(not load.blocks for load in router.loads)
+
+
+def test_the_guard_allows_one_request_beyond_the_share() -> None:
+    policy = KVAware(2, _matcher([[0] * 4] * 2), 16, slack=0.2)
+    loads = [InstanceLoad(routed=1), InstanceLoad(routed=0)]
+    # (1 + 0.2) * (1 + 1) / 2 + 1: the busier instance may take a second request now.
+    assert policy.cap(loads) == pytest.approx(2.2)
+    loads = [InstanceLoad(routed=12), InstanceLoad(routed=8)]
+    assert policy.cap(loads) == pytest.approx(1.2 * 21 / 2 + 1)
 
 
 def test_costs_from_throughputs() -> None:

@@ -90,3 +90,17 @@ def test_blocks_larger_than_the_hashed_piece_count_whole() -> None:
     index.apply(0, _batch(_stored([HASHES[1], HASHES[3]], "CPU", bs=32)))
     assert index.match(HASHES, H)[0].tokens[Place.CPU] == 64
     assert index.match(HASHES[:3], H)[0].tokens[Place.CPU] == 32  # second block not full
+
+
+def test_blocks_the_caller_knows_are_on_a_gpu_count_as_gpu() -> None:
+    # The router's requests in flight: instance 1 holds the first three pieces, announced or not.
+    index = PrefixIndex(2)
+    in_flight = [set(), set(HASHES[:3])]
+    m0, m1 = index.match(HASHES, H, in_flight)
+    assert m0.cached == 0 and m1.tokens == [48, 0, 0, 0]
+    # Beyond them, the instance's announced tiers go on serving the prefix.
+    index.apply(1, _batch(_stored(HASHES[:5], "CPU")))
+    assert index.match(HASHES, H, in_flight)[1].tokens == [48, 32, 0, 0]
+    # Once a GPU event said the GPU's blocks are 32 tokens, a block counts whole or not at all.
+    index.apply(0, _batch(_stored(HASHES[1:2], "GPU", bs=32)))
+    assert index.match(HASHES, H, in_flight)[1].tokens == [32, 48, 0, 0]

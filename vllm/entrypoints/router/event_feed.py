@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -82,11 +82,14 @@ class EventFeed:
         self._thread.start()
 
     def match(
-        self, block_hashes: Sequence[ExternalBlockHash], hash_block_size: int
+        self,
+        block_hashes: Sequence[ExternalBlockHash],
+        hash_block_size: int,
+        on_gpu: Sequence[Container[ExternalBlockHash]] | None = None,
     ) -> list[PrefixMatch]:
         """``PrefixIndex.match`` under the feed's lock."""
         with self._lock:
-            return self.index.match(block_hashes, hash_block_size)
+            return self.index.match(block_hashes, hash_block_size, on_gpu)
 
     @property
     def stats(self) -> FeedStats:

@@ -13,13 +13,14 @@
 
   with ``tokens_{i,p}`` the prompt's prefix instance ``i`` would serve from place ``p``
   (``PrefixIndex.match``: its GPU cache, CPU tier, local storage, and the shared store, which
-  counts for every instance), ``computed_i`` the rest of the prompt, ``load_cost_p`` the cost of
-  loading one token from ``p`` in units of computing one (``RoutingCosts``), and ``queued_i``
-  the tokens instance ``i`` still has to prefill for requests already routed to it and not yet
-  answered (the router's own count). A **load-balance guard** keeps every instance within its
-  share: an instance that would then hold more than ``(1 + slack)`` times its fair share of
-  the requests routed so far (this one included) is not a candidate, unless it is the least
-  routed (``KVAware.cap``); ties go to the lower index.
+  counts for every instance; the GPU cache also holds the blocks of the requests in flight
+  there, ``InstanceLoad.blocks``, which no event may have announced yet), ``computed_i`` the
+  rest of the prompt, ``load_cost_p`` the cost of loading one token from ``p`` in units of
+  computing one (``RoutingCosts``), and ``queued_i`` the tokens instance ``i`` still has to
+  prefill for requests already routed to it and not yet answered (the router's own count).
+  A **load-balance guard** keeps every instance within its share: an instance that would then
+  hold more than ``(1 + slack)`` times its fair share of the requests routed so far (this one
+  included), plus one request, is not a candidate (``KVAware.cap``); ties go to the lower index.
 
 Policies are told what the router knows (``RouteRequest``, the instances' ``InstanceLoad``) and
 return a ``Decision``. Threading: called on the front end's event loop only.
@@ -28,7 +29,8 @@ return a ``Decision``. Threading: called on the front end's event loop only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,6 +43,14 @@ ROUTING_POLICIES = ("round-robin", "session", "kv-aware")
 """The names ``--routing`` takes."""
 DEFAULT_SLACK = 0.2
 """The load-balance guard's default: no instance takes more than 1.2x its share (plus one)."""
+
+PrefixMatcher = Callable[
+    [Sequence[ExternalBlockHash], int, Sequence[Container[ExternalBlockHash]] | None],
+    list[PrefixMatch],
+]
+"""The prefix lookup kv-aware routing scores with (``EventFeed.match``, ``PrefixIndex.match``):
+the prompt's hashes, the hashed piece's tokens, and per instance the pieces known to be in its
+GPU besides what its events announced."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +80,16 @@ class InstanceLoad:
         in_flight: routed and not finished.
         queued_tokens: prompt tokens it is expected to compute for requests routed to it that
             have not produced their first token yet.
+        blocks: the hashed pieces of the prompts in flight there (kv-aware: counted once per
+            request). Their blocks are in its GPU pool, computed or about to be, and pinned
+            until the request ends, whether or not its events announced them yet: a request
+            that shares such a prefix and arrives meanwhile finds it there.
     """
 
     routed: int = 0
     in_flight: int = 0
     queued_tokens: int = 0
+    blocks: Counter[ExternalBlockHash] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -202,7 +217,8 @@ class KVAware(RoutingPolicy):
 
     Args:
         num_instances: instances.
-        match: the prefix lookup (``EventFeed.match``: the index fed by the instances' events).
+        match: the prefix lookup (``EventFeed.match``: the index fed by the instances' events),
+            given each instance's ``InstanceLoad.blocks`` as blocks on its GPU.
         hash_block_size: tokens per hashed piece of ``RouteRequest.block_hashes``.
         costs: load cost per place.
         slack: the guard's slack (>= 0, see ``cap``).
@@ -213,7 +229,7 @@ class KVAware(RoutingPolicy):
     def __init__(
         self,
         num_instances: int,
-        match: Callable[[Sequence[ExternalBlockHash], int], list[PrefixMatch]],
+        match: PrefixMatcher,
         hash_block_size: int,
         costs: RoutingCosts | None = None,
         slack: float = DEFAULT_SLACK,
@@ -233,15 +249,16 @@ class KVAware(RoutingPolicy):
 
     def cap(self, loads: Sequence[InstanceLoad]) -> float:
         """The most requests an instance may hold after taking this one: ``(1 + slack)`` times
-        the fair share of the requests routed so far plus this one, and never less than the
-        least-routed instance's count plus one (so some instance is always a candidate)."""
+        the fair share of the requests routed so far plus this one, plus one request. The
+        least-routed instance always stays a candidate (it holds at most the fair share)."""
         total = sum(load.routed for load in loads)
-        fair = (1 + self.slack) * (total + 1) / self.num_instances
-        return max(fair, min(load.routed for load in loads) + 1)
+        return (1 + self.slack) * (total + 1) / self.num_instances + 1
 
     @override
     def choose(self, request: RouteRequest, loads: Sequence[InstanceLoad]) -> Decision:
-        matches = self._match(request.block_hashes, self.hash_block_size)
+        matches = self._match(
+            request.block_hashes, self.hash_block_size, [load.blocks for load in loads]
+        )
         cap = self.cap(loads)
         load_cost = self.costs.load_cost
         costs: list[float | None] = []
@@ -270,7 +287,7 @@ class KVAware(RoutingPolicy):
 def make_policy(
     name: str,
     num_instances: int,
-    match: Callable[[Sequence[ExternalBlockHash], int], list[PrefixMatch]] | None = None,
+    match: PrefixMatcher | None = None,
     hash_block_size: int = 16,
     costs: RoutingCosts | None = None,
     slack: float = DEFAULT_SLACK,

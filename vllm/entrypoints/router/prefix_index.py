@@ -13,7 +13,9 @@ per block hash, the places it can be loaded from:
 instances compute them) and returns, per instance, how many of the prompt's leading tokens it
 would serve from each place, the way an instance serves a prefix: its GPU prefix cache first,
 then its offload tiers in lookup order (CPU, then local storage, then the shared store), the
-first block found nowhere ending the prefix.
+first block found nowhere ending the prefix. A caller may add blocks it knows an instance's GPU
+holds or is about to hold (``match``'s ``on_gpu``: the router's requests in flight there, whose
+blocks are computed, or being computed, and pinned in that GPU pool until they finish).
 
 Events carry the block size of their medium; a block of ``block_size`` tokens is named by the
 hash of its last hashed piece, so the index serves a prompt hashed at any divisor of the sizes.
@@ -24,7 +26,7 @@ Threading: not thread-safe; the owner (``EventFeed``) serialises ``apply`` and `
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_events import (
@@ -169,26 +171,36 @@ class PrefixIndex:
             del self._places[h]
 
     def match(
-        self, block_hashes: Sequence[ExternalBlockHash], hash_block_size: int
+        self,
+        block_hashes: Sequence[ExternalBlockHash],
+        hash_block_size: int,
+        on_gpu: Sequence[Container[ExternalBlockHash]] | None = None,
     ) -> list[PrefixMatch]:
         """Per instance, the tokens of the prompt's prefix it would serve from each place.
 
         Args:
             block_hashes: the prompt's chained hashes, one per full ``hash_block_size`` piece.
             hash_block_size: tokens per hashed piece; divides the block size of every place.
+            on_gpu: per instance, hashed pieces to count as in its GPU cache besides those its
+                events announced (a GPU block counts when the hash of its last piece is there;
+                before any GPU event said the GPU's block size, per piece).
 
         Cost: O(pieces of the longest matched prefix x places x instances).
         """
         total = len(block_hashes)
+        sizes = dict(self.block_sizes)
+        if on_gpu is not None:
+            sizes.setdefault(Place.GPU, hash_block_size)
         # Per place, hashed pieces per block (places never announced cannot serve).
         ratios = [
             (place, bs // hash_block_size)
-            for place, bs in sorted(self.block_sizes.items())
+            for place, bs in sorted(sizes.items())
             if bs >= hash_block_size and bs % hash_block_size == 0
         ]
         out: list[PrefixMatch] = []
         for i in range(self.num_instances):
             match = PrefixMatch()
+            extra = on_gpu[i] if on_gpu is not None else ()
             bit_of = [(place, 1 << place, r) for place, r in ratios]
             for j in range(total):
                 best: Place | None = None
@@ -205,7 +217,9 @@ class PrefixIndex:
                             break
                     else:
                         per = self._places.get(h)
-                        if per is not None and per[i] & bit:
+                        if (per is not None and per[i] & bit) or (
+                            place is Place.GPU and h in extra
+                        ):
                             best = place
                             break
                 if best is None:

@@ -4,9 +4,10 @@
 
 It hashes a prompt the way the instances do (chained prefix hashes of ``hash_block_size``-token
 pieces, ``vllm.v1.core.kv_cache_utils``) when the policy needs them, asks the policy, and keeps
-per instance what it routed there and what is still waiting for a first token; nothing it uses
-comes from inside an instance but the events the instances publish (through the policy's
-``EventFeed``). ``RouterStats`` are what the report and the metrics show.
+per instance what it routed there, what is still waiting for a first token and the prompt
+blocks of what is still in flight (``InstanceLoad``); nothing it uses comes from inside an
+instance but the events the instances publish (through the policy's ``EventFeed``).
+``RouterStats`` are what the report and the metrics show.
 
 Threading: the front end's event loop only.
 """
@@ -83,6 +84,8 @@ class Router:
         self.stats = RouterStats(policy=policy.name, decisions=[0] * n)
         # request id -> (instance, tokens counted in its queue until the first token).
         self._open: dict[str, tuple[int, int]] = {}
+        # request id -> its prompt's hashes counted in its instance's InstanceLoad.blocks.
+        self._blocks: dict[str, Sequence[ExternalBlockHash]] = {}
 
     def route(self, request_id: str, session_id: str, prompt: list[int]) -> Decision:
         """Choose the instance for a request and count it there."""
@@ -96,6 +99,9 @@ class Router:
         load.in_flight += 1
         load.queued_tokens += decision.expected_computed
         self._open[request_id] = (i, decision.expected_computed)
+        if hashes:
+            load.blocks.update(hashes)
+            self._blocks[request_id] = hashes
         stats = self.stats
         stats.decisions[i] += 1
         stats.expected_computed_tokens += decision.expected_computed
@@ -122,4 +128,13 @@ class Router:
         self.on_first_token(request_id)
         entry = self._open.pop(request_id, None)
         if entry is not None:
-            self.loads[entry[0]].in_flight -= 1
+            load = self.loads[entry[0]]
+            load.in_flight -= 1
+            blocks = load.blocks
+            # Counts that reach zero go, so the map stays the size of what is in flight.
+            for h in self._blocks.pop(request_id, ()):
+                n = blocks[h] - 1
+                if n:
+                    blocks[h] = n
+                else:
+                    del blocks[h]
