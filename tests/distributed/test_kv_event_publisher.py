@@ -24,8 +24,13 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
     make_config,
     random_tokens,
 )
-from vllm.distributed.kv_event_publisher import ZmqEventPublisher
-from vllm.distributed.kv_events import BlockRemoved, KVEventBatch, KVEventsConfig
+from vllm.distributed.kv_event_publisher import ZmqEventPublisher, make_event_publisher
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    KVEventBatch,
+    KVEventsConfig,
+    NullEventPublisher,
+)
 from vllm.v1.engine.core import EngineCore
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -221,5 +226,17 @@ def test_from_config_binds_wildcards_and_offsets_by_rank() -> None:
         assert publisher.wait_sent(WAIT_S)
         assert sub.replay_from(0) == [0] and sub.batches[0] == [2.0, [], 1]
         sub.close()
+    finally:
+        publisher.shutdown()
+
+
+def test_the_factory_picks_the_publisher_the_config_names() -> None:
+    assert isinstance(make_event_publisher(KVEventsConfig()), NullEventPublisher)
+    off = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    assert isinstance(make_event_publisher(off), NullEventPublisher)
+    on = KVEventsConfig(enable_kv_cache_events=True, endpoint=LOOPBACK)
+    publisher = make_event_publisher(on, data_parallel_rank=1)
+    try:
+        assert isinstance(publisher, ZmqEventPublisher)
     finally:
         publisher.shutdown()

@@ -45,6 +45,7 @@ from vllm.distributed.kv_events import (
     EventBatch,
     EventPublisher,
     KVEventsConfig,
+    NullEventPublisher,
     check_endpoint,
     offset_endpoint_port,
 )
@@ -375,3 +376,10 @@ def _last_endpoint(socket: zmq.Socket[bytes]) -> str:
 
 
 __all__ = ["END_SEQ", "PublisherEndpoints", "ZmqEventPublisher", "binds"]
+
+
+def make_event_publisher(config: KVEventsConfig, data_parallel_rank: int = 0) -> EventPublisher:
+    """The publisher ``config`` names, for instance ``data_parallel_rank`` (vLLM's factory)."""
+    if not config.enable_kv_cache_events or config.publisher == "null":
+        return NullEventPublisher(data_parallel_rank)
+    return ZmqEventPublisher.from_config(config, data_parallel_rank)

@@ -25,8 +25,9 @@ publish 64-bit integers instead (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so th
 both (``ExternalBlockHash``).
 
 Publishing: ``EventPublisher`` is what the engine core hands its batches to (``publish`` never
-blocks); ``NullEventPublisher`` drops them; the ZeroMQ publisher lives in
-``vllm.distributed.kv_event_publisher`` and the subscriber with replay in
+blocks); ``NullEventPublisher`` drops them; the ZeroMQ publisher and the factory that picks
+one by ``KVEventsConfig`` (``make_event_publisher``) live in
+``vllm.distributed.kv_event_publisher``, and the subscriber with replay in
 ``vllm.distributed.kv_event_subscriber``. ``KVEventsConfig`` holds vLLM's
 ``kv_events_config`` keys.
 
@@ -312,12 +313,3 @@ class NullEventPublisher(EventPublisher):
     @override
     def shutdown(self) -> None:
         return
-
-
-def make_event_publisher(config: KVEventsConfig, data_parallel_rank: int = 0) -> EventPublisher:
-    """The publisher ``config`` names, for instance ``data_parallel_rank`` (vLLM's factory)."""
-    if not config.enable_kv_cache_events or config.publisher == "null":
-        return NullEventPublisher(data_parallel_rank)
-    from vllm.distributed.kv_event_publisher import ZmqEventPublisher
-
-    return ZmqEventPublisher.from_config(config, data_parallel_rank)
