@@ -287,6 +287,12 @@ _RUN_DEFAULTS: dict[str, object] = {
     "redis_cluster": False,
     "integrity_key_file": None,
     "engines": 1,
+    # KV events and routing (issue 28): off, and routing only matters with --engines > 1.
+    "kv_events_endpoint": None,
+    "kv_events_replay_endpoint": None,
+    "kv_events_topic": "",
+    "routing": None,
+    "compare_routing": False,
 }
 
 

@@ -175,8 +175,17 @@ def test_run_end_to_end_report_json_and_plot(
         assert line in text.out
 
     assert doc["schema_version"] == 1
-    assert set(doc) == {"schema_version", "settings", "runs", "comparison", "verdict", "fleet"}
+    assert set(doc) == {
+        "schema_version",
+        "settings",
+        "runs",
+        "comparison",
+        "verdict",
+        "fleet",
+        "kv_events",
+    }
     assert doc["fleet"] is None  # one engine, in this process
+    assert doc["kv_events"] is None  # no --kv-events-endpoint
     base, off = doc["runs"]["baseline"], doc["runs"]["offload"]
     _check_run_schema(base, offload=False)
     _check_run_schema(off, offload=True)

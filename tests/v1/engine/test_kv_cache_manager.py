@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
 from vllm.v1.request import Request
 
 
-def _request(req_id: str, tokens: list[int]) -> Request:
-    return Request(req_id, tokens, 4, block_hasher=get_request_block_hasher(8))
+def _request(req_id: str, tokens: list[int], hash_block_size: int = 8) -> Request:
+    return Request(req_id, tokens, 4, block_hasher=get_request_block_hasher(hash_block_size))
 
 
 def test_prefix_hits_are_aligned_and_never_cover_the_last_token() -> None:
@@ -84,3 +85,54 @@ def test_a_sliding_window_prefix_hit_needs_only_the_window_before_it() -> None:
     block.block_hash = None
     _, tokens = kv.get_computed_blocks(_request("c", list(range(48))))
     assert tokens == 0  # a hit at 32 needs block 3 (24..31); at 24 block 2; ... all evicted
+
+
+def test_kv_events_announce_cached_evicted_and_cleared_blocks() -> None:
+    kv = KVCacheManager(4, (16,), hash_block_size=16, enable_kv_cache_events=True)
+    a = _request("a", list(range(40)), 16)  # two full blocks, one partial
+    assert kv.allocate_slots(a, 40) is not None
+    (stored,) = kv.take_events()
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == a.block_hashes[:2] and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(32)) and stored.block_size == 16
+    assert (stored.medium, stored.group_idx) == ("GPU", 0)
+    assert kv.take_events() == []  # drained
+    kv.free(a)
+    # Four blocks for b: the two cached ones of a are evicted, in eviction order (a request's
+    # last blocks are freed first).
+    b = _request("b", list(range(100, 164)), 16)
+    assert kv.allocate_slots(b, 64) is not None
+    removed, stored_b = kv.take_events()
+    evicted = [a.block_hashes[1], a.block_hashes[0]]
+    assert removed == BlockRemoved(block_hashes=evicted, medium="GPU", group_idx=0)
+    assert isinstance(stored_b, BlockStored) and stored_b.block_hashes == b.block_hashes
+    kv.reset_prefix_cache()
+    assert kv.take_events() == [AllBlocksCleared()]
+
+
+def test_kv_events_of_a_later_run_name_their_parent() -> None:
+    kv = KVCacheManager(8, (8, 16), hash_block_size=8, enable_kv_cache_events=True)
+    a = _request("a", list(range(32)))
+    kv.allocate_slots(a, 0, num_external_computed_tokens=32, delay_cache_blocks=True)
+    kv.cache_blocks(a, 16)
+    kv.take_events()
+    kv.cache_blocks(a, 32)
+    g0, g1 = kv.take_events()
+    assert isinstance(g0, BlockStored) and isinstance(g1, BlockStored)
+    assert (g0.group_idx, g0.block_hashes, g0.parent_block_hash) == (
+        0,
+        a.block_hashes[2:4],
+        a.block_hashes[1],
+    )
+    assert (g1.group_idx, g1.block_hashes, g1.parent_block_hash) == (
+        1,
+        [a.block_hashes[3]],
+        a.block_hashes[1],
+    )
+    assert g1.token_ids == list(range(16, 32))
+
+
+def test_without_kv_events_nothing_is_recorded() -> None:
+    kv = KVCacheManager(4, (16,), hash_block_size=16)
+    assert kv.allocate_slots(_request("a", list(range(40))), 40) is not None
+    assert kv.take_events() == [] and kv.pools[0].evicted_hashes is None

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import KVEventsConfig
 from vllm.entrypoints.cli import checks
 from vllm.entrypoints.cli.option_values import default_fs_root
 from vllm.entrypoints.cli.options import DTYPE_BYTES, HASH_GEOMETRY
@@ -53,6 +54,8 @@ FS_TIER_TYPE = "fs"
 """Registered type name of the filesystem tier (``secondary_tiers[i]["type"]``)."""
 REDIS_TIER_TYPE = "redis"
 """Registered type name of the redis tier."""
+COMPARE_TTL_S = 3600.0
+"""Expiry of the blocks ``--compare-routing`` stores under its own redis namespaces."""
 LOG_LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)
 """The logging level of ``-v`` given 0, 1, 2 times."""
 SMALL_BATCH_TOKENS = 128
@@ -92,6 +95,8 @@ class RedisTierOptions:
         cluster: the URL names a node of a Redis Cluster (``--redis-cluster``).
         integrity_key_file: the fleet secret authenticating every block
             (``--integrity-key-file``).
+        namespace: the tier's key namespace (None: the tier's default, the run's identity);
+        ttl_s: with it, the expiry of its blocks (None: they do not expire).
     """
 
     url: str | None = field(default=None, repr=False)
@@ -99,6 +104,8 @@ class RedisTierOptions:
     password_file: Path | None = None
     cluster: bool = False
     integrity_key_file: Path | None = None
+    namespace: str | None = None
+    ttl_s: float | None = None
 
     @property
     def option(self) -> str:
@@ -116,6 +123,10 @@ class RedisTierOptions:
             kwargs["cluster"] = True
         if self.integrity_key_file is not None:
             kwargs["integrity_key_file"] = str(self.integrity_key_file)
+        if self.namespace is not None:
+            kwargs["namespace"] = self.namespace
+        if self.ttl_s is not None:
+            kwargs["ttl_s"] = self.ttl_s
         return kwargs
 
     def shown_url(self) -> str:
@@ -172,6 +183,24 @@ class TiersConfig:
         cfg["secondary_tiers"] = tiers
         return cfg
 
+    def for_comparison(self, tag: str) -> TiersConfig:
+        """Fresh storage for one policy's run of ``--compare-routing``: the fs directories under
+        ``<root>/compare-<tag>`` and the redis namespace ``kvo-compare-<tag>`` (blocks expire
+        after ``COMPARE_TTL_S``), so every policy starts from the same empty tiers."""
+        fs = (
+            None
+            if self.fs is None
+            else dataclasses.replace(self.fs, root=self.fs.root / f"compare-{tag}")
+        )
+        redis = (
+            None
+            if self.redis is None
+            else dataclasses.replace(
+                self.redis, namespace=f"kvo-compare-{tag}", ttl_s=COMPARE_TTL_S
+            )
+        )
+        return dataclasses.replace(self, fs=fs, redis=redis)
+
     def for_instance(self, index: int) -> TiersConfig:
         """The tiers of fleet instance ``index``: its own fs directory under the root."""
         if self.fs is None:
@@ -182,13 +211,19 @@ class TiersConfig:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The engine instances that serve the workload.
+    """The engine instances that serve the workload, and how the front end routes to them.
 
     Attributes:
         engines: engine instances; > 1 runs each in its own process (``fleet.py``).
+        routing: the routing policy (``vllm/entrypoints/router/policies.py``); ``kv-aware``
+            subscribes to the instances' KV events (``fleet_events.py``).
+        compare_routing: serve the offloaded run once per policy (``ROUTING_POLICIES``) and
+            compare them; ``routing`` is then the one the main report shows.
     """
 
     engines: int = 1
+    routing: str = "round-robin"
+    compare_routing: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -230,6 +265,7 @@ class RunConfig:
         engine: the baseline's engine (no connector); see ``engine_run.engine_config``.
         tiers: the offloaded run's tiers.
         fleet: the engine instances.
+        events: where each engine instance publishes its KV events (``fleet_events.py``).
         output: the report's destinations.
         timeout_s: longest time one run may take (None: no limit).
         settings: the options echoed in the report (JSON-serialisable values).
@@ -239,6 +275,7 @@ class RunConfig:
     engine: EngineConfig
     tiers: TiersConfig
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    events: KVEventsConfig = field(default_factory=KVEventsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     timeout_s: float | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
@@ -370,6 +407,27 @@ def _redis_options(args: argparse.Namespace) -> RedisTierOptions | None:
         password_file=args.redis_password_file,
         cluster=args.redis_cluster,
         integrity_key_file=args.integrity_key_file,
+    )
+
+
+def _fleet_config(args: argparse.Namespace) -> FleetConfig:
+    if args.engines == 1 and (args.routing is not None or args.compare_routing):
+        flag = "--routing" if args.routing is not None else "--compare-routing"
+        raise OptionError(f"{flag} routes between engine instances: it needs --engines > 1")
+    routing = args.routing or ("kv-aware" if args.engines > 1 else "round-robin")
+    return FleetConfig(engines=args.engines, routing=routing, compare_routing=args.compare_routing)
+
+
+def _events_config(args: argparse.Namespace) -> KVEventsConfig:
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise OptionError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return KVEventsConfig(topic=args.kv_events_topic)
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=args.kv_events_endpoint,
+        replay_endpoint=args.kv_events_replay_endpoint,
+        topic=args.kv_events_topic,
     )
 
 
@@ -518,6 +576,7 @@ def _settings(
     engine: EngineConfig,
     tiers: TiersConfig,
     fleet: FleetConfig,
+    events: KVEventsConfig,
     timeout_s: float | None,
 ) -> dict[str, Any]:
     """The options echoed in the report (JSON-serialisable; ``docs/cli.md`` lists them)."""
@@ -558,6 +617,10 @@ def _settings(
         "redis_cluster": tiers.redis is not None and tiers.redis.cluster,
         "integrity_key_id": _integrity_key_id(tiers.redis),
         "engines": fleet.engines,
+        "routing": fleet.routing if fleet.enabled else None,
+        "compare_routing": fleet.compare_routing,
+        "kv_events_endpoint": events.endpoint if events.enable_kv_cache_events else None,
+        "kv_events_replay_endpoint": events.replay_endpoint,
         "device": engine.device,
         "timeout_s": timeout_s,
         "async_scheduling": engine.async_scheduling,
@@ -612,7 +675,8 @@ def build_run_config(
     if problem is not None:
         raise OptionError(problem)
     output = _output_config(args)
-    fleet = FleetConfig(engines=args.engines)
+    fleet = _fleet_config(args)
+    events = _events_config(args)
     workload = _workload_config(args)
     longest = max_request_tokens(workload)
     blocks_needed = -(-longest // args.block_size)
@@ -632,7 +696,8 @@ def build_run_config(
         engine=engine,
         tiers=tiers,
         fleet=fleet,
+        events=events,
         output=output,
         timeout_s=timeout_s,
-        settings=_settings(args, workload, engine, tiers, fleet, timeout_s),
+        settings=_settings(args, workload, engine, tiers, fleet, events, timeout_s),
     )

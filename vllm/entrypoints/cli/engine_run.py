@@ -29,6 +29,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.report.figures import (
@@ -310,6 +311,8 @@ class EngineRun:
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
         metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
+        event_sink: receives the engine's KV event batches (the instance's publisher's
+            ``publish``, which outlives the run: ``fleet_events.py``).
     """
 
     def __init__(
@@ -318,6 +321,7 @@ class EngineRun:
         offload: bool,
         instance_id: str | None = None,
         metrics: EngineMetrics | None = None,
+        event_sink: Callable[[KVEventBatch], None] | None = None,
     ) -> None:
         self.label = "offload" if offload else "baseline"
         self.result = RunResult(label=self.label, offload=offload)
@@ -331,7 +335,7 @@ class EngineRun:
         self._cpu_at_start = 0.0
         self.digests: dict[BlockKey, bytes] = {}
         """Digests of every block the run computed (after ``finish``): another run's reference."""
-        engine = EngineCore(engine_config(config, offload, instance_id))
+        engine = EngineCore(engine_config(config, offload, instance_id), event_sink=event_sink)
         self.result.verify_mode = engine.config.verify.value
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
         if metrics is not None:

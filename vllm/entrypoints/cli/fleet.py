@@ -9,13 +9,17 @@ with its own GPU pool, CPU tier (a shared region named ``fleet-<pid>-<index>``) 
 directory (``<--fs-root>/engine-<index>``); the instances share only the redis server of
 ``--redis-url``.
 
-The clients run here, in the command's process, as in a single-engine run; a router sends each
-turn of a session to instance ``(session number + turn) % N``: round-robin per turn, so a
-session never stays on one instance and its next turn finds its prefix only where another
-instance put it (the redis tier) or by recomputing. The routing is a function of the workload
-alone, so the baseline (N engines without offloading) serves every request on the same
-instance as the offloaded run, and their outputs compare request by request and instance by
-instance.
+The clients run here, in the command's process, as in a single-engine run; the front end's
+router (``vllm/entrypoints/router/``, set up by ``fleet_events.FleetRouting``) sends each
+request to an instance by the ``--routing`` policy: ``kv-aware`` (the default) by the KV each
+instance announced in its published events (it subscribes to every instance's private loopback
+endpoints, ``fleet_events.py``), ``session`` by session affinity, ``round-robin`` per request.
+Each run gets a fresh router; the kv-aware index carries on (an engine that ends announces
+``AllBlocksCleared``), and between runs the front end waits until it applied every batch each
+instance sent. The baseline (N engines without offloading) is routed by the same policy, so a
+request may run on another instance in each run: outputs compare request by request (the model
+is the same on every instance), each instance's offloaded outputs against the baseline's
+outputs of the same requests.
 
 Cross-instance reuse: every instance records the keys of the blocks it stored from its GPU pool
 (it computed them), and, per block promoted from a tier, whether it had stored that key itself
@@ -38,6 +42,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ from multiprocessing.process import BaseProcess
 
 from vllm.entrypoints.cli.clients import serve_workload
 from vllm.entrypoints.cli.config import REDIS_TIER_TYPE, RunConfig
+from vllm.entrypoints.cli.fleet_events import FleetRouting, routing_figures
 from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, process_target
 from vllm.entrypoints.cli.metrics_server import InstanceMetrics
 from vllm.entrypoints.cli.progress import token_shares
@@ -53,13 +59,18 @@ from vllm.entrypoints.cli.report.figures import (
     Direction,
     FsTierState,
     InstanceResult,
+    PolicyRun,
     Report,
+    RoutingFigures,
     RunResult,
     StepSample,
     Tier,
     TransferFigures,
 )
 from vllm.entrypoints.cli.workloads import Session, Workload
+from vllm.entrypoints.router.metrics import RouterPromMetrics
+from vllm.entrypoints.router.policies import ROUTING_POLICIES
+from vllm.entrypoints.router.router import Router
 from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import GenerateOutput
 from vllm.v1.engine.verification import BlockKey
@@ -72,11 +83,6 @@ STOP_TIMEOUT_S = 60.0
 SIGKILL): shutting down drains the fs tier's writes."""
 SHARED_TIER_TYPES = (REDIS_TIER_TYPE,)
 """Tiers the instances share: only blocks promoted from these can be another instance's."""
-
-
-def route(session_number: int, turn: int, engines: int) -> int:
-    """The instance that serves turn ``turn`` of the ``session_number``-th session."""
-    return (session_number + turn) % engines
 
 
 class InstanceGone(RuntimeError):
@@ -155,19 +161,42 @@ class Fleet:
 
     Args:
         config: the invocation's settings (``config.fleet.engines`` instances).
-        workload: what the clients send (its sessions' order numbers the router's sessions).
+        workload: what the clients send.
         metrics: where the instances' metrics go (``--metrics-port``), if anywhere.
+        router_metrics: where the router's own series go (``--metrics-port``), if anywhere.
     """
 
     def __init__(
-        self, config: RunConfig, workload: Workload, metrics: InstanceMetrics | None = None
+        self,
+        config: RunConfig,
+        workload: Workload,
+        metrics: InstanceMetrics | None = None,
+        router_metrics: RouterPromMetrics | None = None,
     ) -> None:
         self.config = config
         self.workload = workload
         self.metrics = metrics
         self.instances: list[_Instance] = []
+        # The current run's routes (request id -> instance) and router.
         self.routes: dict[str, int] = {}
-        self._session_numbers = {s.session_id: n for n, s in enumerate(workload.sessions)}
+        self.routing: FleetRouting | None = None
+        self.router: Router | None = None
+        # Per instance, the KV event batches its publisher sent so far (end of the last run).
+        self.batches_sent = [0] * config.fleet.engines
+        # The router's series (--metrics-port), labelled with the current run.
+        self.router_metrics = router_metrics
+        self.run_label = ""
+
+    async def connect_events(self) -> None:
+        """Wait for every instance's event endpoints and set up the front end's routing."""
+        answers = [await i.reply("events") for i in self.instances]
+        endpoints = [a[1] for a in answers]
+        self.routing = FleetRouting(
+            self.config.fleet.routing,
+            len(self.instances),
+            endpoints if all(e is not None for e in endpoints) else None,
+            self.config.engine.effective_hash_block_size,
+        )
 
     def start(self) -> None:
         """Start every instance's process (they import and wait for ``start``)."""
@@ -196,11 +225,14 @@ class Fleet:
             loop.add_reader(parent_end.fileno(), instance.on_readable)
 
     async def stop(self) -> None:
-        """End every instance (``exit``, then SIGTERM, then SIGKILL) and join it."""
+        """End every instance (``exit``, then SIGTERM, then SIGKILL) and join it, then the
+        router's event feed."""
         for instance in self.instances:
             with contextlib.suppress(InstanceGone):
                 instance.send(("exit",))
         await asyncio.gather(*(self._end(i) for i in self.instances))
+        if self.routing is not None:
+            self.routing.stop()
 
     async def _end(self, instance: _Instance) -> None:
         process = instance.process
@@ -231,7 +263,15 @@ class Fleet:
     ) -> AsyncIterator[GenerateOutput]:
         """The router's ``GenerateFn``: serve the turn on its instance, stream its outputs."""
         req_id = session.request_id(t)
-        index = route(self._session_numbers[session.session_id], t, len(self.instances))
+        router = self.router
+        assert router is not None, "generate outside a run"
+        decision = router.route(req_id, session.session_id, prompt)
+        index = decision.instance
+        if self.router_metrics is not None:
+            self.router_metrics.observe(self.run_label, router.policy.name, decision)
+            feed = self.routing.feed_stats() if self.routing is not None else None
+            if feed is not None:
+                self.router_metrics.update_feed(self.run_label, router.policy.name, feed)
         self.routes[req_id] = index
         instance = self.instances[index]
         queue: asyncio.Queue[Message] = asyncio.Queue()
@@ -247,9 +287,12 @@ class Fleet:
                 if kind == "failed":
                     raise RuntimeError(f"engine {index}: request {req_id}: {message[2]}")
                 finished = kind == "done"
+                if kind == "first":
+                    router.on_first_token(req_id)
                 tokens = tuple(message[2])
                 yield GenerateOutput(req_id, () if finished else tokens, tokens, finished, None)
         finally:
+            router.on_finished(req_id)
             instance.streams.pop(req_id, None)
             if not finished and not instance.gone:
                 instance.send(("abort", req_id))
@@ -258,24 +301,38 @@ class Fleet:
         self,
         offload: bool,
         on_fs_start: Callable[[FsTierState], None] | None = None,
+        policy: str | None = None,
+        tag: str | None = None,
         reference: Mapping[BlockKey, bytes] | None = None,
-    ) -> tuple[list[RunResult], dict[BlockKey, bytes]]:
+    ) -> tuple[list[RunResult], RoutingFigures, dict[BlockKey, bytes]]:
         """One run of the fleet (every instance baseline, or every one offloading).
 
         Args:
-            offload: with offloading (else the baseline).
-            on_fs_start: called with the instances' fs state before the first request.
+            offload: every instance offloading (else the baseline).
+            on_fs_start: called with the fs directories' state before the first request.
+            policy: route by this policy instead of ``--routing`` (``--compare-routing``).
+            tag: run the offloaded tiers on fresh storage named by it (``--compare-routing``:
+                every policy starts from the same empty fs directories and redis namespace).
             reference: block digests every instance's oracle checks against (the baseline's):
                 a block one instance loads is checked against whichever instance computed it.
 
         Returns:
-            Each instance's result, with its share of the requests, outputs and timings; and
-            the digests of the blocks the instances computed, merged.
+            Each instance's result, with its share of the requests, outputs and timings; how
+            the run was routed; and the digests of the blocks the instances computed, merged.
         """
         config, workload = self.config, self.workload
         label = "offload" if offload else "baseline"
+        assert self.routing is not None, "connect_events first"
+        self.router = self.routing.new_router(policy)
+        self.routes = {}
+        self.run_label = label if policy is None else f"compare-{policy}"
         for instance in self.instances:
-            instance.send(("start", offload, dict(reference or {})))
+            tiers = (
+                None
+                if tag is None
+                else config.tiers.for_comparison(tag).for_instance(instance.index)
+            )
+            instance.send(("start", offload, tiers, dict(reference or {})))
             instance.tokens = {}
         ready = [await i.reply("ready") for i in self.instances]
         fs_root = None if config.tiers.fs is None else config.tiers.fs.root
@@ -308,10 +365,18 @@ class Fleet:
         for instance in self.instances:
             instance.send(("finish",))
         answers = [await i.reply("result") for i in self.instances]
+        self.batches_sent = [a[4] for a in answers]
+        # Off the event loop: it waits on the feed's thread (at once, unless a stream lags).
+        caught_up = await asyncio.get_running_loop().run_in_executor(
+            None, self.routing.catch_up, self.batches_sent
+        )
+        if not caught_up:
+            logger.warning("the router's event feed did not catch up with every instance")
+        figures = routing_figures(self.router, self.routing)
         wall_s = log.wall_s
         results: list[RunResult] = []
         digests: dict[BlockKey, bytes] = {}
-        for index, (_, result, _, _, theirs) in enumerate(answers):
+        for index, (_, result, _, _, _, theirs) in enumerate(answers):
             digests.update(theirs)
             mine = sorted(r for r, i in self.routes.items() if i == index and r in log.outputs)
             result.wall_s = wall_s
@@ -325,7 +390,7 @@ class Fleet:
             for index, (result, answer) in enumerate(zip(results, answers, strict=True)):
                 others = [s for j, s in enumerate(stored) if j != index]
                 result.cross_instance_tokens = cross_instance_tokens(answer[3], others)
-        return results, digests
+        return results, figures, digests
 
 
 def cross_instance_tokens(
@@ -470,11 +535,13 @@ async def serve_fleet(
     workload: Workload,
     on_fs_start: Callable[[FsTierState], None] | None = None,
     metrics: InstanceMetrics | None = None,
+    router_metrics: RouterPromMetrics | None = None,
 ) -> Report:
     """Serve ``workload`` on the fleet without, then with offloading; the report of both.
 
-    The instances are started once and serve both runs (each run builds fresh engines), and
-    are stopped before this returns or raises.
+    The instances are started once and serve every run (each run builds fresh engines), and
+    are stopped before this returns or raises. With ``--compare-routing`` the offloaded run is
+    served once more per policy, each on fresh storage (``TiersConfig.for_comparison``).
 
     Args:
         config: the invocation's settings.
@@ -482,12 +549,25 @@ async def serve_fleet(
         on_fs_start: called with the instances' fs directories' state (added up) once every
             instance scanned its own, before the offloaded run's first request.
         metrics: where the instances' metrics go (``--metrics-port``), if anywhere.
+        router_metrics: where the router's own series go (``--metrics-port``), if anywhere.
     """
-    fleet = Fleet(config, workload, metrics)
+    fleet = Fleet(config, workload, metrics, router_metrics)
+    policy_runs: list[PolicyRun] = []
     try:
         fleet.start()
-        baseline_parts, digests = await fleet.run(offload=False)
-        offload_parts, _ = await fleet.run(True, on_fs_start, reference=digests)
+        await fleet.connect_events()
+        baseline_parts, _, digests = await fleet.run(offload=False)
+        offload_parts, routing, _ = await fleet.run(True, on_fs_start, reference=digests)
+        if config.fleet.compare_routing:
+            for policy in ROUTING_POLICIES:
+                tag = f"{os.getpid()}-{policy}"
+                parts, figures, _ = await fleet.run(
+                    offload=True, policy=policy, tag=tag, reference=digests
+                )
+                for part in parts:
+                    part.samples = []
+                policy_runs.append(PolicyRun(figures, merge_results(policy, True, parts)))
+                _remove_comparison_storage(config, tag)
     finally:
         await fleet.stop()
     baseline = merge_results("baseline", False, baseline_parts)
@@ -497,13 +577,32 @@ async def serve_fleet(
         part.samples = []  # the merged run carries them (and the JSON would repeat them)
     baseline.check_accounting()
     offload.check_accounting()
+    # Each instance's offloaded outputs are checked against the baseline's outputs of the
+    # same requests (the baseline may have served them on another instance).
+    for b, o in zip(baseline_parts, offload_parts, strict=True):
+        b.outputs = {r: baseline.outputs[r] for r in o.outputs if r in baseline.outputs}
     instances = [
         InstanceResult(i, b, o)
         for i, (b, o) in enumerate(zip(baseline_parts, offload_parts, strict=True))
     ]
-    return Report(
-        settings=dict(config.settings), baseline=baseline, offload=offload, instances=instances
+    report = Report(
+        settings=dict(config.settings),
+        baseline=baseline,
+        offload=offload,
+        instances=instances,
+        routing=routing,
+        policy_runs=policy_runs,
     )
+    if config.events.enable_kv_cache_events:
+        report.kv_events = {"batches_sent": sum(fleet.batches_sent)}
+    return report
+
+
+def _remove_comparison_storage(config: RunConfig, tag: str) -> None:
+    # Only this invocation's fresh directories; the redis namespace's blocks expire.
+    fs = config.tiers.for_comparison(tag).fs
+    if fs is not None:
+        shutil.rmtree(fs.root, ignore_errors=True)
 
 
 __all__ = [
@@ -511,6 +610,5 @@ __all__ = [
     "InstanceGone",
     "cross_instance_tokens",
     "merge_results",
-    "route",
     "serve_fleet",
 ]

@@ -10,19 +10,25 @@ engine run as a single-engine command's, ``cli/engine_run.py``), so an instance 
 named after ``fleet_instance_id``), its own fs directory and GPU pool; the only thing it
 shares with the other instances is the redis server.
 
+Instance -> parent, first: ``("events", endpoints)``: the private ``InstanceEndpoints`` its KV
+event publisher bound for the front end's router (``fleet_events.py``), or None.
+
 Messages, parent -> instance (tuples, the first item names them):
-    ``("start", offload, reference)``: build the engine of a run (baseline or offloaded);
-        ``reference`` holds the block digests the oracle checks the run's blocks against (the
-        fleet's baseline's, every instance's merged; empty for the baseline itself); answered
-        with ``("ready", fs_files, fs_bytes)`` once the fs tier scanned its directory.
+    ``("start", offload, tiers, reference)``: build the engine of a run (baseline or
+        offloaded; ``tiers``: a ``TiersConfig`` replacing the instance's for this run, or None;
+        ``reference``: the block digests the oracle checks the run's blocks against, the fleet's
+        baseline's, every instance's merged, empty for the baseline itself); answered with
+        ``("ready", fs_files, fs_bytes)`` once the fs tier scanned its directory.
     ``("go", t0)``: the run starts at ``time.monotonic() == t0`` (one clock for the machine).
     ``("gen", request_id, prompt, max_tokens)``: serve a request; answered with
         ``("first", request_id, token_ids)`` at its first tokens and
         ``("done", request_id, output_token_ids, cumulative_tokens_by_source)``.
     ``("abort", request_id)``: the client gave up on a request.
     ``("finish",)``: every request was answered: wait for the transfers, shut the engine down
-        check what the oracle recorded, and answer ``("result", RunResult, stored_keys,
-        served_not_stored_here, digests)`` (``digests``: the blocks this run computed).
+        check what the oracle recorded, publish ``AllBlocksCleared`` and answer ``("result",
+        RunResult, stored_keys, served_not_stored_here, batches_sent, digests)``
+        (``batches_sent``: the publisher's count so far, so the router can wait until it applied
+        them all; ``digests``: the blocks this run computed).
     ``("exit",)``, or the pipe closing: shut down and end the process.
 Instance -> parent, besides the answers: ``("error", message)`` when the run failed, and with
 ``--metrics-port`` ``("metrics", families)`` (its recorder's metric families, every
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -45,10 +52,17 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vllm.entrypoints.cli.config import RunConfig
+from vllm.distributed.kv_event_publisher import ZmqEventPublisher
+from vllm.entrypoints.cli.config import RunConfig, TiersConfig
 from vllm.entrypoints.cli.engine_run import EngineRun, StepSampler
+from vllm.entrypoints.cli.fleet_events import (
+    announce_engine_end,
+    instance_publisher,
+    private_endpoints,
+)
 from vllm.entrypoints.cli.interrupt import Interrupted, run_interruptible
 from vllm.entrypoints.cli.metrics_server import SEND_INTERVAL_S, EngineMetrics
+from vllm.entrypoints.router.policies import KVAware
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.verification import BlockKey
 
@@ -68,6 +82,7 @@ class _Instance:
     """The instance's side of the pipe and its runs (everything on the process's event loop)."""
 
     def __init__(self, conn: Connection, config: RunConfig, index: int, fleet_pid: int) -> None:
+        self.publisher: ZmqEventPublisher | None = None
         self.conn = conn
         self.config = config
         self.index = index
@@ -98,24 +113,49 @@ class _Instance:
         return message
 
     async def main(self) -> None:
-        """Serve runs until the parent says ``exit`` (or goes away)."""
+        """Announce the event endpoints, then serve runs until the parent says ``exit`` (or
+        goes away); the publisher is shut down last."""
         loop = asyncio.get_running_loop()
         loop.add_reader(self.conn.fileno(), self.on_readable)
+        for_router = self.config.fleet.routing == KVAware.name or self.config.fleet.compare_routing
+        self.publisher = instance_publisher(self.config.events, self.index, for_router)
         try:
+            private = (
+                private_endpoints(self.publisher)
+                if self.publisher is not None and for_router
+                else None
+            )
+            self.send(("events", private))
             while True:
                 message = await self.next_message()
                 assert message[0] == "start", f"unexpected {message[0]!r} between runs"
-                await self.serve(offload=bool(message[1]), reference=message[2])
+                await self.serve(offload=bool(message[1]), tiers=message[2], reference=message[3])
         except _Exit:
             return
         finally:
             loop.remove_reader(self.conn.fileno())
+            if self.publisher is not None:
+                self.publisher.shutdown()
 
-    async def serve(self, offload: bool, reference: Mapping[BlockKey, bytes]) -> None:
-        """One run: build the engine, serve the parent's requests, answer the result."""
+    async def serve(
+        self,
+        offload: bool,
+        tiers: TiersConfig | None = None,
+        reference: Mapping[BlockKey, bytes] | None = None,
+    ) -> None:
+        """One run: build the engine, serve the parent's requests, answer the result.
+
+        Args:
+            offload: with the offloading connector (else the baseline).
+            tiers: this run's tiers instead of the instance's (``--compare-routing``).
+            reference: the digests the oracle checks this run's blocks against.
+        """
+        config = self.config if tiers is None else dataclasses.replace(self.config, tiers=tiers)
         instance_id = self.instance_id if offload else None
         requests: dict[str, asyncio.Task[None]] = {}
-        async with EngineRun(self.config, offload, instance_id, self.metrics) as run:
+        publisher = self.publisher
+        sink = None if publisher is None else publisher.publish
+        async with EngineRun(config, offload, instance_id, self.metrics, event_sink=sink) as run:
             sender = asyncio.ensure_future(self.send_metrics_every(SEND_INTERVAL_S))
             try:
                 fs = run.result.fs
@@ -148,7 +188,8 @@ class _Instance:
         self.send_metrics()
         run.result.num_requests = len(requests)
         origins = snapshot.engine_stats.served_not_stored_here or {}
-        self.send(("result", run.result, snapshot.stored_keys, origins, run.digests))
+        sent = 0 if publisher is None else await announce_engine_end(publisher)
+        self.send(("result", run.result, snapshot.stored_keys, origins, sent, run.digests))
 
     def send_metrics(self) -> None:
         """Send the recorder's families to the parent (with ``--metrics-port`` only)."""

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm.distributed.kv_events import check_endpoint
 from vllm.v1.kv_offload.sizes import SizeError
 from vllm.v1.kv_offload.sizes import parse_size as parse_size_value
 
@@ -111,3 +112,12 @@ def parse_secret_file(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is empty: name a file")
     return Path(text)
+
+
+def parse_zmq_endpoint(text: str) -> str:
+    """A ZeroMQ address for the KV event sockets (``tcp://HOST:PORT``, ``ipc://``, ``inproc://``)."""
+    try:
+        check_endpoint(text, "endpoint")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

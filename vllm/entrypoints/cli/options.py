@@ -34,8 +34,10 @@ from vllm.entrypoints.cli.option_values import (
     parse_redis_url,
     parse_secret_file,
     parse_size,
+    parse_zmq_endpoint,
 )
 from vllm.entrypoints.cli.workloads import WORKLOAD_DEFAULTS, WorkloadConfig, WorkloadKind
+from vllm.entrypoints.router.policies import ROUTING_POLICIES
 from vllm.model_executor.models.llama_config import DEFAULT_PRESET, PRESETS
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -353,8 +355,45 @@ def _fleet_options() -> tuple[_Option, ...]:
             "--engines",
             1,
             "engine instances, each in its own process with its own CPU tier, fs directory "
-            "under --fs-root and GPU pool; requests are routed round-robin per turn",
+            "under --fs-root and GPU pool; requests are routed by --routing",
             maximum=MAX_ENGINES,
+        ),
+    )
+
+
+def _events_options() -> tuple[_Option, ...]:
+    """KV events on ZeroMQ (vLLM's wire format) and how a fleet's front end routes."""
+    return (
+        _Option(
+            "--kv-events-endpoint",
+            "publish KV events on ZeroMQ here, in vLLM 0.33's format (docs/fleet.md): an "
+            "address with '*' is bound, any other connected to, as vLLM does; instance i of a "
+            "fleet uses the port + i",
+            type=parse_zmq_endpoint,
+            default_text=None,
+            metavar="tcp://HOST:PORT",
+        ),
+        _Option(
+            "--kv-events-replay-endpoint",
+            "bind the replay socket here (subscribers that missed batches ask it); instance i "
+            "uses the port + i",
+            type=parse_zmq_endpoint,
+            default_text=None,
+            metavar="tcp://HOST:PORT",
+        ),
+        _Option("--kv-events-topic", "topic frame of every event message", default=""),
+        _Option(
+            "--routing",
+            "how a fleet's front end routes requests: by the KV the instances announce "
+            "(kv-aware), per session, or round-robin per request",
+            choices=ROUTING_POLICIES,
+            default=None,
+            default_text="kv-aware when --engines > 1",
+        ),
+        _switch(
+            "--compare-routing",
+            "serve the offloaded run once per routing policy and compare them side by side "
+            "(a benchmark: the workload runs 1 + 3 times; needs --engines > 1)",
         ),
     )
 
@@ -395,6 +434,7 @@ _RUN_OPTION_GROUPS: tuple[tuple[str, Callable[[], tuple[_Option, ...]]], ...] = 
     ("CPU tier", _cpu_tier_options),
     ("fs tier", _fs_tier_options),
     ("redis tier and fleet", _fleet_options),
+    ("KV events and routing", _events_options),
     ("output", _output_options),
 )
 """The options of ``run``, one argparse group per concern, in ``--help`` order."""

@@ -24,10 +24,12 @@ import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TextIO
 
+from vllm.distributed.kv_event_publisher import ZmqEventPublisher
 from vllm.entrypoints.cli.clients import GenerateFn, serve_workload
 from vllm.entrypoints.cli.config import RunConfig
 from vllm.entrypoints.cli.engine_run import EngineRun
 from vllm.entrypoints.cli.fleet import serve_fleet
+from vllm.entrypoints.cli.fleet_events import announce_engine_end, instance_publisher
 from vllm.entrypoints.cli.interrupt import run_interruptible
 from vllm.entrypoints.cli.metrics_server import (
     EngineMetrics,
@@ -42,6 +44,7 @@ from vllm.entrypoints.cli.report.plot import write_plot
 from vllm.entrypoints.cli.report.text import PROG, render_body, render_fs_start, render_header
 from vllm.entrypoints.cli.report.verdict import judge_report
 from vllm.entrypoints.cli.workloads import Session, Workload, generate_workload
+from vllm.entrypoints.router.metrics import RouterPromMetrics
 from vllm.v1.engine.async_llm import AsyncLLM, GenerateOutput
 from vllm.v1.engine.verification import BlockKey
 
@@ -61,6 +64,7 @@ async def serve(
     offload: bool,
     on_fs_start: Callable[[FsTierState], None] | None = None,
     metrics: EngineMetrics | None = None,
+    publisher: ZmqEventPublisher | None = None,
     reference: Mapping[BlockKey, bytes] | None = None,
 ) -> tuple[RunResult, dict[BlockKey, bytes]]:
     """Serve ``workload`` on a fresh engine in this process; return what the run measured and
@@ -73,10 +77,13 @@ async def serve(
         on_fs_start: called with the fs tier's state once its start-up scan counted what is on
             disk, before the first request (the command prints it at once).
         metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
+        publisher: where the engine's KV events go (``--kv-events-endpoint``); it outlives the
+            run, which ends by announcing ``AllBlocksCleared``.
         reference: digests of blocks computed by another run (the baseline's), which the
             oracle checks this run's blocks against after its timed window.
     """
-    async with EngineRun(config, offload, metrics=metrics) as run:
+    sink = None if publisher is None else publisher.publish
+    async with EngineRun(config, offload, metrics=metrics, event_sink=sink) as run:
         if run.result.fs is not None and on_fs_start is not None:
             on_fs_start(run.result.fs)
         samples = run.sampler.samples
@@ -100,6 +107,8 @@ async def serve(
             on_start,
         )
         await run.finish(reference)
+    if publisher is not None:
+        await announce_engine_end(publisher)
     result = run.result
     result.num_requests = workload.num_requests
     result.wall_s = log.wall_s
@@ -122,15 +131,30 @@ async def _serve_both(
     out: TextIO,
     recorder: EngineMetrics | None,
     instance_metrics: InstanceMetrics | None,
+    router_metrics: RouterPromMetrics | None = None,
 ) -> Report:
     def on_fs_start(fs: FsTierState) -> None:
         _write(out, render_fs_start(fs))
 
     if config.fleet.enabled:
-        return await serve_fleet(config, workload, on_fs_start, instance_metrics)
-    baseline, digests = await serve(config, workload, offload=False, metrics=recorder)
-    offload, _ = await serve(config, workload, True, on_fs_start, recorder, digests)
-    return Report(settings=dict(config.settings), baseline=baseline, offload=offload)
+        return await serve_fleet(config, workload, on_fs_start, instance_metrics, router_metrics)
+    # One publisher for both runs: one sequence of batch numbers across them.
+    publisher = instance_publisher(config.events, 0, for_router=False)
+    try:
+        baseline, digests = await serve(
+            config, workload, False, metrics=recorder, publisher=publisher
+        )
+        offload, _ = await serve(config, workload, True, on_fs_start, recorder, publisher, digests)
+    finally:
+        if publisher is not None:
+            publisher.shutdown()
+    report = Report(settings=dict(config.settings), baseline=baseline, offload=offload)
+    if publisher is not None:
+        report.kv_events = {
+            "batches_sent": publisher.sent_batches,
+            "batches_dropped": publisher.dropped_batches,
+        }
+    return report
 
 
 def run_command(config: RunConfig) -> int:
@@ -153,6 +177,7 @@ def run_command(config: RunConfig) -> int:
     _write(out, render_header(config.settings, workload.num_requests))
     recorder: EngineMetrics | None = None
     instance_metrics: InstanceMetrics | None = None
+    router_metrics: RouterPromMetrics | None = None
     server: MetricsServer | None = None
     try:
         if output.metrics_port is not None:
@@ -160,12 +185,16 @@ def run_command(config: RunConfig) -> int:
             if config.fleet.enabled:
                 instance_metrics = InstanceMetrics()
                 server = MetricsServer(instance_metrics.registry(), output.metrics_port)
+                # The router's own series, in the same registry (docs/metrics.md).
+                router_metrics = RouterPromMetrics(server.registry)
             else:
                 recorder = EngineMetrics()
                 server = MetricsServer(recorder.registry, output.metrics_port)
         # SIGINT and SIGTERM (INTERRUPT_SIGNALS): a fleet's processes, shared regions and fs files
         # are cleaned up alike.
-        report = run_interruptible(_serve_both(config, workload, out, recorder, instance_metrics))
+        report = run_interruptible(
+            _serve_both(config, workload, out, recorder, instance_metrics, router_metrics)
+        )
     except (OSError, ValueError, RuntimeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 1

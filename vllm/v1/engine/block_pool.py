@@ -47,9 +47,13 @@ class BlockPool:
     Args:
         num_blocks: blocks in the group's KV tensors.
         enable_caching: keep freed full blocks in the prefix cache.
+        record_evictions: keep the hashes evicted from the prefix cache in ``evicted_hashes``
+            (drained by the owner, for ``BlockRemoved`` events).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, record_evictions: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -60,6 +64,7 @@ class BlockPool:
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.evicted_hashes: list[BlockHash] | None = [] if record_evictions else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,6 +104,8 @@ class BlockPool:
                 if cached is block:
                     del self._cached[block.block_hash]
                     self.num_evictions += 1
+                    if self.evicted_hashes is not None:
+                        self.evicted_hashes.append(block.block_hash)
                 block.block_hash = None
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
@@ -116,14 +123,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under ``block_hash`` (no-op if another block already is)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under ``block_hash``; False (no-op) if the block already is
+        registered or another block caches that hash."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay allocated)."""

@@ -30,8 +30,9 @@ The engine sets torch's intra-op threads when it starts (``EngineConfig.intra_op
 process-wide).
 
 The API is synchronous (``add_request`` / ``abort_request`` / ``step``) so that an asyncio front
-end can drive it from one task. KV events are published, one encoded ``KVEventBatch`` per drain,
-to ``event_sink``.
+end can drive it from one task. KV events (the GPU prefix cache's, then the connector's) are
+handed to ``event_sink``, one ``KVEventBatch`` per drain that found any (an ``EventPublisher``'s
+``publish`` is such a sink; it stamps the instance's ``data_parallel_rank``).
 
 Example::
 
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch, KVEventEncoder
+from vllm.distributed.kv_events import KVCacheEvent, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -137,21 +138,21 @@ class EngineCore(ClosingContextManager):
             connector that config selects the offloading spec, which builds both the
             scheduler-side manager and each rank's transfer handlers (an out-of-tree spec:
             ``spec_name`` + ``spec_module_path``).
-        event_sink: receives each published, msgpack-encoded ``KVEventBatch``.
+        event_sink: receives each ``KVEventBatch`` on the engine thread; must not block (e.g.
+            ``EventPublisher.publish``, which encodes and sends on its own thread).
     """
 
     def __init__(
         self,
         config: EngineConfig,
         *,
-        event_sink: Callable[[bytes], None] | None = None,
+        event_sink: Callable[[KVEventBatch], None] | None = None,
     ) -> None:
         self.config = config
         self.stats = EngineStats()
         self._hash_block_size = config.effective_hash_block_size
         self._block_hasher = get_request_block_hasher(self._hash_block_size)
         self._event_sink = event_sink
-        self._encoder = KVEventEncoder()
         self._step_index = 0
         self._closed = False
         # Receives the connector's stats of every step (engine thread), e.g. an exporter.
@@ -203,6 +204,7 @@ class EngineCore(ClosingContextManager):
             self._hash_block_size,
             config.enable_prefix_caching,
             config.sliding_windows,
+            enable_kv_cache_events=config.enable_kv_events,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -294,8 +296,7 @@ class EngineCore(ClosingContextManager):
                 self._emit_kv_connector_stats()
                 return results
             pending = scheduler.take_outputs()
-            if self.connector is not None:
-                scheduler.drain_events()
+            scheduler.drain_events()
             return pending
         scheduler.step_connector_seconds = 0.0
         scheduler.step_connector_cpu_seconds = 0.0
@@ -443,8 +444,7 @@ class EngineCore(ClosingContextManager):
     def _publish_events(self, events: list[KVCacheEvent]) -> None:
         self.stats.events_published += 1
         if self._event_sink is not None:
-            batch = KVEventBatch(ts=time.time(), events=list(events))  # type: ignore[arg-type]
-            self._event_sink(self._encoder.encode(batch))
+            self._event_sink(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
 
     def verify_kv(self, reference: Mapping[BlockKey, bytes] | None = None) -> VerificationResult:
         """Check every block the oracle recorded since the last call (between steps; off the

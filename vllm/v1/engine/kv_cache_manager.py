@@ -13,6 +13,11 @@ Sliding-window (SWA) groups (``sliding_windows[g]`` tokens): once a request comp
 its SWA blocks lying wholly below ``num_skipped_tokens(n, W)`` are freed and replaced by a null
 placeholder (id ``NULL_BLOCK_ID``), as in vLLM; a prefix hit at ``h`` tokens needs, in an SWA
 group, only the cached blocks of the window before ``h`` (the rest of its table is null).
+
+KV events (``enable_kv_cache_events``), as vLLM's block pool produces them (medium ``GPU``): a
+``BlockStored`` per group for the blocks one ``cache_blocks`` call registered (with their parent
+hash and tokens), a ``BlockRemoved`` for the hashes a step's allocations evicted, and
+``AllBlocksCleared`` on a prefix-cache reset; ``take_events`` drains them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.core.sched.output import GroupBlockIds
 from vllm.v1.engine.block_pool import BlockPool, KVCacheBlock
@@ -40,6 +52,7 @@ class KVCacheManager:
         enable_caching: prefix caching on or off.
         sliding_windows: per group, the window in tokens of a sliding-window group, or None for
             full attention; empty: every group has full attention.
+        enable_kv_cache_events: record the prefix cache's KV events (see the module docstring).
     """
 
     def __init__(
@@ -49,6 +62,7 @@ class KVCacheManager:
         hash_block_size: int,
         enable_caching: bool = True,
         sliding_windows: Sequence[int | None] = (),
+        enable_kv_cache_events: bool = False,
     ) -> None:
         for bs in block_sizes:
             if bs % hash_block_size:
@@ -62,7 +76,9 @@ class KVCacheManager:
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching
         self.alignment = math.lcm(*self.block_sizes)
-        self.pools = [BlockPool(num_blocks, enable_caching) for _ in self.block_sizes]
+        record = enable_caching and enable_kv_cache_events
+        self.pools = [BlockPool(num_blocks, enable_caching, record) for _ in self.block_sizes]
+        self._events: list[KVCacheEvent] | None = [] if record else None
         self._req_blocks: dict[str, GroupBlocks] = {}
         self._num_cached: dict[str, list[int]] = {}
 
@@ -183,6 +199,8 @@ class KVCacheManager:
             pool.touch(b for b in computed[g] if b is not null)
             blocks[g].extend(computed[g])
             new_blocks = pool.get_new_blocks(needs[g])
+            if pool.evicted_hashes:
+                self._record_evicted(g)
             blocks[g].extend(new_blocks)
             new_ids.append([b.block_id for b in new_blocks])
         self._req_blocks[req_id] = blocks
@@ -197,12 +215,65 @@ class KVCacheManager:
             return
         blocks = self._req_blocks[request.request_id]
         num_cached = self._num_cached[request.request_id]
+        events = self._events
         for g, (pool, bs) in enumerate(zip(self.pools, self.block_sizes, strict=True)):
             full = min(num_tokens // bs, len(blocks[g]))
+            stored: list[int] = []
             for j in range(num_cached[g], full):
-                if blocks[g][j] is not self._null:
-                    pool.cache_block(blocks[g][j], self._block_hash(request, g, j))
+                if blocks[g][j] is not self._null and pool.cache_block(
+                    blocks[g][j], self._block_hash(request, g, j)
+                ):
+                    stored.append(j)
             num_cached[g] = max(num_cached[g], full)
+            if events is not None and stored:
+                self._record_stored(events, request, g, stored)
+
+    def _record_stored(
+        self, events: list[KVCacheEvent], request: Request, group: int, indices: list[int]
+    ) -> None:
+        # One event per run of consecutive blocks: its parent is the block before the run.
+        bs = self.block_sizes[group]
+        tokens = request.all_token_ids
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            first, last = indices[start], indices[k - 1]
+            events.append(
+                BlockStored(
+                    block_hashes=[
+                        self._block_hash(request, group, j) for j in range(first, last + 1)
+                    ],
+                    parent_block_hash=(
+                        self._block_hash(request, group, first - 1) if first else None
+                    ),
+                    token_ids=list(tokens[first * bs : (last + 1) * bs]),
+                    block_size=bs,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=None,
+                    group_idx=group,
+                )
+            )
+            start = k
+
+    def _record_evicted(self, group: int) -> None:
+        # Recorded as they happen, so a batch orders a hash's removal and re-storing correctly.
+        evicted = self.pools[group].evicted_hashes
+        assert self._events is not None and evicted is not None
+        self._events.append(
+            BlockRemoved(block_hashes=list(evicted), medium=MEDIUM_GPU, group_idx=group)
+        )
+        evicted.clear()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's events since the last call, in order (empty when not recorded)."""
+        events = self._events
+        if not events:
+            return []
+        out = list(events)
+        events.clear()
+        return out
 
     def get_blocks(self, req_id: str) -> GroupBlocks:
         """The request's blocks per group (empty lists if it holds none)."""
@@ -265,8 +336,12 @@ class KVCacheManager:
         """Forget every cached block hash (allocated blocks stay with their requests)."""
         for pool in self.pools:
             pool.reset_prefix_cache()
+            if pool.evicted_hashes is not None:
+                pool.evicted_hashes.clear()
         for counts in self._num_cached.values():
             counts[:] = [0] * len(counts)
+        if self._events is not None:
+            self._events[:] = [AllBlocksCleared()]
 
     def usage(self) -> float:
         """Fraction of GPU blocks in use, over all groups."""

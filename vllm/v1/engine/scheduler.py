@@ -71,7 +71,8 @@ class Scheduler:
         stats: where to count.
         oracle: records the digests of loaded blocks (and, with ``VerifyMode.ALL``, of finishing
             requests' blocks) for the engine's check after the run (None: nothing recorded).
-        event_sink: receives the connector's KV events after each drain.
+        event_sink: receives the KV events of each drain that found any: the GPU prefix cache's
+            (``KVCacheManager.take_events``), then the connector's.
         max_model_len: a request stops (length-capped) once it holds this many tokens; default
             and upper bound: the tokens the GPU KV cache holds, so a request alone always fits.
         async_scheduling: ``schedule()`` may run before the previous step's output was applied
@@ -315,7 +316,7 @@ class Scheduler:
         self.finished_req_ids = set()
         if connector is not None:
             output.kv_connector_metadata = self._timed(connector.build_connector_meta, output)
-            self.drain_events()
+        self.drain_events()
         # The scheduled tokens count as computed from here on (as in vLLM).
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -455,8 +456,7 @@ class Scheduler:
                 out.finished = True
                 out.finish_reason = "length"
 
-        if connector is not None:
-            self.drain_events()
+        self.drain_events()
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -548,9 +548,11 @@ class Scheduler:
         self.stats.requests_finished += 1
 
     def drain_events(self) -> None:
-        """Drain the connector's KV events into the event sink (no other effect)."""
-        assert self.connector is not None
-        events = list(self._timed(self.connector.take_events))
+        """Drain the GPU prefix cache's and the connector's KV events into the event sink (no
+        other effect)."""
+        events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events.extend(self._timed(self.connector.take_events))
         if events and self.event_sink is not None:
             self.event_sink(events)
 

@@ -334,11 +334,17 @@ class PrepareStoreOutput:
 
 @dataclass(frozen=True)
 class OffloadingEvent:
-    """Keys stored in (``removed=False``) or removed from (``removed=True``) a medium."""
+    """Keys stored in (``removed=False``) or removed from (``removed=True``) a medium.
+
+    ``locality`` (vLLM's values) says who can read a ``STORAGE`` medium's copies: ``"LOCAL"``
+    (this instance only, e.g. the fs tier's directory) or ``"REMOTE"`` (every instance sharing
+    the store, e.g. the redis tier); None when the medium does not say (the CPU tier).
+    """
 
     keys: list[OffloadKey]
     medium: str
     removed: bool
+    locality: str | None = None
 
 
 @dataclass(frozen=True)

@@ -306,6 +306,43 @@ class InstanceResult:
 
 
 @dataclass
+class RoutingFigures:
+    """How a fleet's front end routed one run (``fleet_events.routing_figures``).
+
+    Attributes:
+        policy: the routing policy (``--routing``).
+        requests: requests routed to each instance.
+        expected_cached_tokens: kv-aware: per place (``GPU``, ``CPU``, ``LOCAL_STORAGE``,
+            ``SHARED_STORAGE``), the prompt tokens the router expected the chosen instances to
+            serve from there (its index's view; what they served is in the run's figures).
+        expected_computed_tokens: prompt tokens the router expected them to compute.
+        guard_exclusions: kv-aware: candidates the load-balance guard excluded.
+        events: kv-aware: per instance, the event feed's counters (``batches``, ``replayed``,
+            ``replay_requests``, ``lost``, ``mean_lag_ms``, ``max_lag_ms``); None otherwise.
+    """
+
+    policy: str
+    requests: list[int]
+    expected_cached_tokens: dict[str, int] = field(default_factory=dict)
+    expected_computed_tokens: int = 0
+    guard_exclusions: int = 0
+    events: dict[str, list[float]] | None = None
+
+
+@dataclass
+class PolicyRun:
+    """The offloaded run served under one routing policy (``--compare-routing``).
+
+    Attributes:
+        routing: how it was routed.
+        result: the fleet's figures (the instances' added up).
+    """
+
+    routing: RoutingFigures
+    result: RunResult
+
+
+@dataclass
 class Report:
     """Both runs of one invocation, with the settings that produced them.
 
@@ -318,12 +355,20 @@ class Report:
         baseline: the no-offload run.
         offload: the offloaded run.
         instances: the fleet's instances (empty with one engine in this process).
+        routing: how the fleet's offloaded run was routed (None with one engine).
+        policy_runs: ``--compare-routing``: the offloaded run under each policy, in
+            ``ROUTING_POLICIES`` order (empty otherwise).
+        kv_events: what the KV event publishers sent (``batches_sent``, ``batches_dropped``,
+            summed over the instances), None when no events were published.
     """
 
     settings: dict[str, Any]
     baseline: RunResult
     offload: RunResult
     instances: list[InstanceResult] = field(default_factory=list)
+    routing: RoutingFigures | None = None
+    policy_runs: list[PolicyRun] = field(default_factory=list)
+    kv_events: dict[str, int] | None = None
 
     @property
     def prefill_tokens_saved(self) -> int:

@@ -18,7 +18,9 @@ from vllm.entrypoints.cli.report.figures import (
     Distribution,
     FsTierState,
     InstanceResult,
+    PolicyRun,
     Report,
+    RoutingFigures,
     RunResult,
     StepSample,
     Tier,
@@ -34,9 +36,6 @@ from vllm.entrypoints.cli.report.verdict import (
 
 SCHEMA_VERSION = 1
 """Bumped whenever a JSON field is renamed or removed (adding fields keeps the version)."""
-
-ROUTER = "round-robin per turn"
-"""How a fleet's requests are routed (``fleet.route``), as the document names it."""
 
 
 def distribution_json(d: Distribution) -> dict[str, Any]:
@@ -167,10 +166,30 @@ def report_json(report: Report) -> dict[str, Any]:
         "fleet": (
             {
                 "engines": len(report.instances),
-                "router": ROUTER,
+                "router": report.routing.policy if report.routing else None,
+                "routing": routing_json(report.routing) if report.routing else None,
                 "instances": [instance_json(i) for i in report.instances],
+                "routing_comparison": [policy_run_json(p) for p in report.policy_runs] or None,
             }
             if report.instances
             else None
         ),
+        "kv_events": report.kv_events,
     }
+
+
+def routing_json(r: RoutingFigures) -> dict[str, Any]:
+    """The JSON object of how a run was routed (``policy`` and per-instance ``requests``)."""
+    return {
+        "policy": r.policy,
+        "requests": list(r.requests),
+        "expected_cached_tokens": dict(r.expected_cached_tokens),
+        "expected_computed_tokens": r.expected_computed_tokens,
+        "guard_exclusions": r.guard_exclusions,
+        "events": r.events,
+    }
+
+
+def policy_run_json(p: PolicyRun) -> dict[str, Any]:
+    """One policy's offloaded run of ``--compare-routing`` (its figures and its routing)."""
+    return {"routing": routing_json(p.routing), "run": run_json(p.result, samples=False)}

@@ -173,10 +173,14 @@ def render_header(
         )
     engines = s.get("engines", 1)
     if isinstance(engines, int) and engines > 1:
+        how = {
+            "kv-aware": "by where the instances' KV events say the prefix is (kv-aware)",
+            "session": "by session (a session stays on one instance)",
+            "round-robin": "round-robin per request (a session moves between instances)",
+        }.get(str(s.get("routing")), str(s.get("routing")))
         lines += _wrap(
             f"fleet: {engines} engine instances, one process each, each with its own GPU "
-            "pool, CPU tier and fs directory; requests routed round-robin per turn (a "
-            "session moves between instances)",
+            f"pool, CPU tier and fs directory; requests routed {how}",
             hanging=4,
         )
         if url is None:
@@ -383,6 +387,66 @@ def _instances(report: Report) -> Iterable[str]:
             judge(inst.baseline, inst.offload).status,
         )
     yield "    (another's: tokens served from KV another instance computed)"
+    yield from _routing(report)
+    yield from _routing_comparison(report)
+
+
+def _routing(report: Report) -> Iterable[str]:
+    r = report.routing
+    if r is None:
+        return
+    counts = ", ".join(f"{n:,}" for n in r.requests)
+    mean = sum(r.requests) / len(r.requests) if r.requests else 0.0
+    spread = f"; busiest {max(r.requests) / mean:.2f}x the mean" if mean else ""
+    yield f"  routing: {r.policy}; requests per instance: {counts}{spread}"
+    if r.events is not None:
+        lost = int(sum(r.events["lost"]))
+        replayed = int(sum(r.events["replayed"]))
+        lag = max(r.events["max_lag_ms"], default=0.0)
+        yield (
+            f"    KV events: {int(sum(r.events['batches'])):,} batches applied, {replayed:,} by "
+            f"replay, {lost:,} lost; max lag {lag:.1f} ms"
+        )
+
+
+def _routing_comparison(report: Report) -> Iterable[str]:
+    runs = report.policy_runs
+    if not runs:
+        return
+    yield ""
+    yield "  routing policies compared (offloaded run, each on fresh tiers)"
+    yield _row3("", *(p.routing.policy for p in runs))
+    results = [p.result for p in runs]
+    yield _row3("prefill tokens computed", *(f"{r.computed_tokens:,}" for r in results))
+    yield "  prompt tokens served"
+    tiers = [t for t in Tier if t is not Tier.REDIS or results[0].redis_url is not None]
+    for tier in tiers:
+        yield _row3(f"  from {_TIER_LABELS[tier]}", *(f"{r.served[tier]:,}" for r in results))
+    if results[0].redis_url is not None:
+        yield _row3(
+            "    computed by another",
+            *(f"{r.cross_instance_tokens or 0:,}" for r in results),
+        )
+        yield _row3(
+            "bytes from redis",
+            *(format_bytes(r.transfers[Direction.REDIS_TO_CPU].bytes) for r in results),
+        )
+    ttfts = [Distribution.of(r.ttft_ms) for r in results]
+    yield _row3("TTFT median", *(f"{d.median:.1f} ms" for d in ttfts))
+    yield _row3("TTFT p99", *(f"{d.p99:.1f} ms" for d in ttfts))
+    yield _row3(
+        "throughput",
+        *(f"{r.num_finished / r.wall_s:.2f} req/s" if r.wall_s else "-" for r in results),
+    )
+    yield _row3(
+        "requests per instance",
+        *("/".join(str(n) for n in p.routing.requests) for p in runs),
+    )
+
+
+def _row3(label: str, *cells: str) -> str:
+    # Three policies side by side within WIDTH: a narrower label and cells than _row's.
+    return f"  {label:<26}" + "".join(f" {c:>16}" for c in cells)
 
 
 def _verdict(report: Report) -> Iterable[str]:

@@ -136,7 +136,11 @@ def test_multi_turn_through_the_cpu_tier_is_bit_exact(
         stats = engine.stats
         assert stats.tokens_from_cpu > 0 and stats.blocks_loaded_verified > 0
         _assert_clean_end(engine)
-        groups = {e.group_idx for e in iter_events(collector) if isinstance(e, BlockStored)}
+        groups = {
+            e.group_idx
+            for e in iter_events(collector)
+            if isinstance(e, BlockStored) and e.medium == "CPU"
+        }
         assert groups == set(range(len(config.gpu_block_sizes)))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from vllm.distributed.kv_events import KVEventBatch, KVEventDecoder
+from vllm.distributed.kv_events import KVEventBatch, KVEventDecoder, KVEventEncoder
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
 )
@@ -377,13 +377,14 @@ def mark_forward(engine: EngineCore, log: TransferLog) -> None:
 
 
 class EventCollector:
-    """An event sink keeping the encoded batches; ``batches()`` decodes them."""
+    """An event sink keeping the batches as encoded on the wire; ``batches()`` decodes them."""
 
     def __init__(self) -> None:
         self.payloads: list[bytes] = []
+        self._encoder = KVEventEncoder()
 
-    def __call__(self, payload: bytes) -> None:
-        self.payloads.append(payload)
+    def __call__(self, batch: KVEventBatch) -> None:
+        self.payloads.append(self._encoder.encode(batch))
 
     def batches(self) -> list[KVEventBatch]:
         decoder = KVEventDecoder()

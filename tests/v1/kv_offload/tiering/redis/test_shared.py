@@ -49,3 +49,22 @@ def test_ttl_and_namespace_reach_the_server(
     reader = ReqContext("r")
     b.manager.on_new_request(reader)
     assert b.probe(keys, reader) == [False, False]
+
+
+def test_events_announce_stored_blocks_as_remote_storage(
+    tmp_path: Path, server: RedisServer, engines: list[Engine]
+) -> None:
+    a = Engine(tmp_path / "a", server.url, enable_events=True)
+    quiet = Engine(tmp_path / "q", server.url)
+    engines += [a, quiet]
+    keys = [key_of(i) for i in range(3)]
+    ctx = ReqContext("w")
+    for engine in (a, quiet):
+        engine.manager.on_new_request(ctx)
+        engine.store(keys, ctx)
+    events = list(a.tier.take_events())
+    assert [(sorted(e.keys), e.medium, e.removed, e.locality) for e in events] == [
+        (sorted(keys), "STORAGE", False, "REMOTE")
+    ]
+    assert list(a.tier.take_events()) == []  # drained
+    assert list(quiet.tier.take_events()) == []  # not recorded without enable_events

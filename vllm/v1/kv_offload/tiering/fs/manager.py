@@ -95,6 +95,8 @@ logger = init_logger(__name__)
 
 STORAGE_MEDIUM = "STORAGE"
 """Medium name of the filesystem tier in ``OffloadingEvent.medium``."""
+FS_LOCALITY = "LOCAL"
+"""``OffloadingEvent.locality`` of the filesystem tier: only this instance reads its directory."""
 
 
 class FileSystemSecondaryTier(AsyncLookupTier):
@@ -434,12 +436,16 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         while pending:
             key, key_present = pending.popleft()
             if keys and key_present != present:
-                events.append(OffloadingEvent(keys, STORAGE_MEDIUM, removed=not present))
+                events.append(
+                    OffloadingEvent(keys, STORAGE_MEDIUM, removed=not present, locality=FS_LOCALITY)
+                )
                 keys = []
             present = key_present
             keys.append(key)
         if keys:
-            events.append(OffloadingEvent(keys, STORAGE_MEDIUM, removed=not present))
+            events.append(
+                OffloadingEvent(keys, STORAGE_MEDIUM, removed=not present, locality=FS_LOCALITY)
+            )
         return events
 
     @override

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, TierStats
+from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext, TierStats
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, IntegrityKey
@@ -88,6 +88,12 @@ def key_prefix(namespace: str, integrity: IntegrityKey | None) -> bytes:
 
 STORE_BATCH_BYTES = 64 << 20
 """Most bytes of queued store jobs the I/O thread takes as one batch (``store_many``)."""
+
+
+REDIS_MEDIUM = "STORAGE"
+"""``OffloadingEvent.medium`` of the redis tier (vLLM's name for a secondary store)."""
+REDIS_LOCALITY = "REMOTE"
+"""``OffloadingEvent.locality`` of the redis tier: every instance sharing the server loads it."""
 
 
 class _RedisLookups(AsyncLookupManager):
@@ -132,6 +138,9 @@ class RedisSecondaryTier(AsyncLookupTier):
         max_inflight_bytes: bytes per round trip and of queued stores (default 256 MiB).
         integrity_key_env, integrity_key_file: where the fleet secret is (an environment
             variable's name, or a file readable by its owner only); default: no MAC.
+        enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``, locality
+            ``"REMOTE"``: every instance sharing the server can load them) for blocks this
+            tier stored; removals are not seen (the server evicts and expires keys by itself).
 
     Raises (construction):
         ValueError: an unknown or invalid config key, a primary view of the wrong shape, or
@@ -158,9 +167,14 @@ class RedisSecondaryTier(AsyncLookupTier):
         max_inflight_bytes: int | str = 256 << 20,
         integrity_key_env: str | None = None,
         integrity_key_file: str | None = None,
+        enable_events: bool = False,
         **tier_kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **tier_kwargs)
+        if not isinstance(enable_events, bool):
+            raise ValueError(f"redis tier: enable_events must be a bool, got {enable_events!r}")
+        # Scheduler thread only: events since the last take_events (None: not recorded).
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._config = config = RedisTierConfig.from_kwargs(
             url=url,
             url_env=url_env,
@@ -374,8 +388,21 @@ class RedisSecondaryTier(AsyncLookupTier):
                     self._counters.add(load_failed_blocks=len(job.keys))
                 else:
                     self._counters.add(store_failed_blocks=len(job.keys))
+            elif self._events is not None and not job.is_promotion:
+                self._events.append(
+                    OffloadingEvent(list(job.keys), REDIS_MEDIUM, False, REDIS_LOCALITY)
+                )
             results.append(JobResult(job.job_id, outcome.success))
         return results
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Blocks stored since the last call, one event per store job, in completion order."""
+        events = self._events
+        if not events:
+            return ()
+        self._events = []
+        return events
 
     @override
     def drain_jobs(self) -> None:

@@ -1,6 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The manager's ``OffloadingEvent`` s as KV-cache events (``BlockStored`` / ``BlockRemoved``)."""
+"""The manager's ``OffloadingEvent`` s as KV-cache events (``BlockStored`` / ``BlockRemoved``).
+
+Media and locality pass through as the tiers name them (vLLM's names: ``CPU``; ``STORAGE`` with
+``LOCAL`` for the fs tier, ``REMOTE`` for the redis tier). The offload tiers track keys, not
+tokens: a ``BlockStored`` carries no token ids and no parent hash.
+"""
 
 from __future__ import annotations
 
@@ -23,13 +28,18 @@ def to_kv_events(events: Iterable[OffloadingEvent], block_size: int) -> list[KVC
     """
     out: list[KVCacheEvent] = []
     for event in events:
-        by_group: dict[int, list[bytes]] = {}
+        by_group: dict[int, list[bytes | int]] = {}
         for key in event.keys:
             by_group.setdefault(get_offload_group_idx(key), []).append(get_offload_block_hash(key))
         for group_idx, hashes in by_group.items():
             if event.removed:
                 out.append(
-                    BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group_idx)
+                    BlockRemoved(
+                        block_hashes=hashes,
+                        medium=event.medium,
+                        group_idx=group_idx,
+                        locality=event.locality,
+                    )
                 )
             else:
                 out.append(
@@ -40,7 +50,9 @@ def to_kv_events(events: Iterable[OffloadingEvent], block_size: int) -> list[KVC
                         block_size=block_size,
                         lora_id=None,
                         medium=event.medium,
+                        lora_name=None,
                         group_idx=group_idx,
+                        locality=event.locality,
                     )
                 )
     return out
