@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
-from vllm.distributed.kv_events import KVEventBatch
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.report.figures import (
