@@ -59,8 +59,9 @@ TTFT_PARTS = ("slot", "lookup", "loading", "prefill")
 
 - ``slot``: from its arrival until the scheduler placed it (allocated its blocks), waiting for a
   place in the running batch or for free GPU blocks, minus ``lookup``;
-- ``lookup``: from the first step a tier lookup answered "not yet" for it until the step one
-  answered (0 when none deferred it);
+- ``lookup``: from the first step the connector answered "not yet" for it (a tier's lookup still
+  running, a block still being promoted into the CPU tier, or being loaded for another request)
+  until the step it answered (0 when it never deferred it);
 - ``loading``: from its placement until its connector load finished (0 without a load);
 - ``prefill``: from then until its first token was sampled (chunked prefill over several steps,
   the steps it shared with other requests, and any preemption before its first token).
@@ -74,8 +75,8 @@ class RequestTimes:
 
     Attributes:
         arrival: the request was created.
-        deferred: the first lookup that answered "not yet" (None: never deferred).
-        answered: the first lookup that answered after ``deferred``.
+        deferred: the first time the connector answered "not yet" (None: never).
+        answered: the first time it answered after ``deferred``.
         placed: its first placement.
         loaded: its connector load finished (None: no load).
     """

@@ -130,7 +130,9 @@ def test_ratios_and_no_benefit_reason_name_the_part_that_grew() -> None:
     report = _timed_runs(10.0, 18.0)
     reason = no_benefit_reason(report)
     assert reason is not None
-    assert reason.startswith("TTFT median 1.80x the baseline's: waiting on tier lookups took")
+    assert reason.startswith(
+        "TTFT median 1.80x the baseline's: waiting on the tiers (lookups, promotions"
+    )
     assert "more than the 6.0 ms of prefill per request that the tiers saved" in reason
     doc = report_json(report)["comparison"]
     assert doc["no_benefit_reason"] == reason and doc["ttft_median_ratio"] == 1.8

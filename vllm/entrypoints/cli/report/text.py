@@ -379,8 +379,8 @@ def _side_by_side(report: Report) -> Iterable[str]:
 
 _PART_LABELS = {
     "slot": "waiting for a slot",
-    "lookup": "waiting on a tier lookup",
-    "loading": "loading from the tiers",
+    "lookup": "waiting on the tiers",
+    "loading": "loading into the GPU",
     "prefill": "prefill, to the first token",
 }
 
@@ -400,8 +400,9 @@ def _ttft_parts(report: Report) -> Iterable[str]:
         "TTFT mean at the clients", f"{_mean(b.ttft_ms):.1f} ms", f"{_mean(o.ttft_ms):.1f} ms"
     )
     yield from _wrap(
-        "(parts measured by the engine from a request's arrival there; the clients' TTFT adds "
-        "the front end's hand-offs)",
+        "(parts measured by the engine from a request's arrival there; waiting on the tiers: "
+        "a lookup, or a promotion into the CPU tier, still running; loading: the CPU -> GPU "
+        "copy; the clients' TTFT adds the front end's hand-offs)",
         indent=4,
         hanging=1,
     )

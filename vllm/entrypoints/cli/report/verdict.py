@@ -207,8 +207,8 @@ def no_savings_reason(report: Report) -> str | None:
 
 _PART_WORDS = {
     "slot": "waiting for a slot",
-    "lookup": "waiting on tier lookups",
-    "loading": "loading from the tiers",
+    "lookup": "waiting on the tiers (lookups, promotions into the CPU tier)",
+    "loading": "loading into the GPU (CPU -> GPU copies)",
     "prefill": "prefill to the first token",
 }
 
