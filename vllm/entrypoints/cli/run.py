@@ -229,7 +229,7 @@ def run_command(config: RunConfig) -> int:
             else:
                 output.json_path.write_text(text)
         if output.plot_path is not None:
-            write_plot(output.plot_path, report.offload, report.baseline)
+            write_plot(output.plot_path, report.offload, report.baseline, report.settings)
     except OSError as e:
         sys.stderr.write(f"{PROG}: error: cannot write the report: {e}\n")
         return 1
