@@ -86,6 +86,10 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "wall_s",
         "verify_s",
         "engine_thread_cpu_s",
+        "cpu_s_by_component",
+        "verify_cpu_s",
+        "requests_per_s",
+        "prompt_tokens_per_s",
         "outputs_digest",
         "requests",
         "prompt_tokens",
@@ -97,6 +101,7 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "overhead_us_per_step",
         "worker_overhead_us_per_step",
         "ttft_ms",
+        "ttft_parts_ms",
         "latency_ms",
         "transfers",
         "verification",
@@ -116,6 +121,26 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
     assert all(0.0 <= v <= 1.0 for v in run["hit_rate"].values())
     for name in ("overhead_us_per_step", "worker_overhead_us_per_step", "ttft_ms", "latency_ms"):
         _check_dist(run[name])
+    # TTFT in parts: one sample per request that got a first token, each part >= 0, and the
+    # engine-measured sum within the clients' TTFT (which adds the front end's hand-offs).
+    parts = run["ttft_parts_ms"]
+    assert set(parts) == {"slot", "lookup", "loading", "prefill"}
+    for d in parts.values():
+        _check_dist(d)
+        assert d["count"] == run["requests"]["finished"] and d["mean"] >= 0
+    assert 0 < sum(d["mean"] for d in parts.values()) <= run["ttft_ms"]["mean"] * 1.01
+    if not offload:
+        assert parts["lookup"]["max"] == parts["loading"]["max"] == 0.0
+    # Throughput over the timed window; CPU per component, the engine thread's among them.
+    assert run["requests_per_s"] == pytest.approx(run["requests"]["finished"] / run["wall_s"])
+    assert run["prompt_tokens_per_s"] == pytest.approx(
+        run["prompt_tokens"]["total"] / run["wall_s"]
+    )
+    assert run["cpu_s_by_component"]["engine thread"] > 0
+    assert (
+        run["cpu_s_by_component"].get("fs tier threads", 0) > 0
+    ) is offload  # the baseline has no tier
+    assert run["verify_cpu_s"] >= 0
     assert set(run["transfers"]) == {
         "gpu_to_cpu",
         "cpu_to_gpu",
@@ -165,6 +190,13 @@ def test_run_end_to_end_report_json_and_plot(
     assert "[baseline]" not in text.err and "[offload]" not in text.err  # no bar off a terminal
     for line in (
         "baseline (no offload)",
+        "offload/base",
+        "throughput, requests/s",
+        "waiting on the tiers",
+        "loading into the GPU",
+        "CPU seconds (timed window)",
+        "KV-cache groups: standard (one full-attention group); scheduling: synchronous",
+        "load average",
         "served from CPU tier",
         "served from fs tier",
         "prefill tokens saved vs baseline",
@@ -179,6 +211,7 @@ def test_run_end_to_end_report_json_and_plot(
     assert set(doc) == {
         "schema_version",
         "settings",
+        "machine",
         "runs",
         "comparison",
         "verdict",
@@ -199,6 +232,18 @@ def test_run_end_to_end_report_json_and_plot(
     assert base["requests"]["finished"] == base["requests"]["submitted"]
     assert base["output_tokens"] == off["output_tokens"] == 3 * off["requests"]["finished"]
     assert doc["comparison"]["outputs_identical"] is True
+    cmp = doc["comparison"]
+    assert cmp["wall_time_ratio"] == pytest.approx(off["wall_s"] / base["wall_s"])
+    assert cmp["ttft_median_ratio"] == pytest.approx(
+        off["ttft_ms"]["median"] / base["ttft_ms"]["median"]
+    )
+    assert cmp["ttft_p99_ratio"] == pytest.approx(off["ttft_ms"]["p99"] / base["ttft_ms"]["p99"])
+    assert cmp["throughput_ratio"] == pytest.approx(off["requests_per_s"] / base["requests_per_s"])
+    # Told in words exactly when the run was no faster (the hash model: usually).
+    no_faster = cmp["ttft_median_ratio"] >= 1 or cmp["wall_time_ratio"] >= 1
+    assert (cmp["no_benefit_reason"] is not None) is no_faster
+    assert doc["machine"]["cpus"] == os.cpu_count()
+    assert doc["machine"]["load_average_start"] >= 0 and doc["machine"]["load_average_end"] >= 0
 
     # The baseline has no offload tiers; the offloaded run used both.
     assert base["prompt_tokens"]["cpu_tier"] == base["prompt_tokens"]["fs_tier"] == 0

@@ -11,6 +11,7 @@ import torch
 
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore, KVOutputAggregator
+from vllm.v1.engine.stats import RequestTimes
 from vllm.v1.outputs import KVConnectorOutput
 
 SMALL = dict(num_layers=1, num_kv_heads=2, head_size=8)
@@ -131,3 +132,28 @@ def test_async_scheduling_serves_what_sync_does_through_preemptions_and_aborts(
             del generated["r0-again"], generated["r5-again"]
             results[mode] = (out, generated)
     assert results[True] == results[False]
+
+
+def test_ttft_parts_add_up_and_show_a_load(tmp_path: Path) -> None:
+    # A first request computes its prompt; after the GPU prefix cache is dropped, a second one
+    # with the same prompt loads it from the CPU tier: its TTFT has a loading part.
+    extra = {"cpu_bytes_to_use": 1 << 20, "shared_region_dir": str(tmp_path)}
+    with EngineCore(EngineConfig(kv_connector_extra_config=extra, **SMALL)) as engine:
+        prompt = list(range(64))
+        engine.generate({"a": prompt}, 2)
+        engine.kv_cache_manager.reset_prefix_cache()
+        engine.generate({"b": prompt}, 2)
+        assert engine.stats.tokens_from_cpu > 0
+        (_, lookup_a, loading_a, prefill_a), (_, _, loading_b, prefill_b) = engine.stats.ttft_parts
+        assert lookup_a == loading_a == 0.0 and prefill_a > 0
+        assert loading_b > 0 and prefill_b > 0
+        assert all(part >= 0 for parts in engine.stats.ttft_parts for part in parts)
+
+
+def test_request_times_split_ttft_into_parts_that_add_up() -> None:
+    # Arrived at 1.0, deferred by a lookup at 1.5 until 2.0, placed at 2.25, loaded at 3.0,
+    # first token at 4.0.
+    times = RequestTimes(arrival=1.0, deferred=1.5, answered=2.0, placed=2.25, loaded=3.0)
+    assert times.parts(4.0) == (0.75, 0.5, 0.75, 1.0)
+    # Never deferred, no load: waiting for a slot, then prefill.
+    assert RequestTimes(arrival=1.0, placed=1.5).parts(2.0) == (0.5, 0.0, 0.0, 0.5)

@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """``vllm-kv-offload bench``: run the benchmarks of ``benchmarks/kv_offload/`` and sum them up.
 
+(``bench ttft`` is a mode of its own, in this process: ``bench_ttft.py``.)
+
 Each benchmark is a standalone script (``benchmarks/`` is not a package), so it runs in a child
 process with the current interpreter, in its quick mode unless ``--full`` is given (``--quick``
 when the script has it, else the reduced sizes of ``QUICK_FALLBACK_ARGS``). Its output is passed
@@ -142,7 +144,20 @@ class BenchOutcome:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the options of ``bench`` on ``parser``."""
+    """Declare the options of ``bench`` on ``parser``, and its ``ttft`` mode."""
+    from vllm.entrypoints.cli.bench_ttft import add_ttft_arguments
+
+    modes = parser.add_subparsers(dest="bench_mode", metavar="{ttft}")
+    ttft = modes.add_parser(
+        "ttft",
+        help="time to first token of one request by prompt length: recompute, CPU, fs, redis",
+        description=(
+            "Time to first token of one request alone, by prompt length, measured as a "
+            "recompute (cold), a CPU-tier hit, an fs-tier hit (files dropped from the page "
+            "cache) and, with --redis-url, a redis-tier hit."
+        ),
+    )
+    add_ttft_arguments(ttft)
     parser.add_argument(
         "--only",
         action="append",
@@ -281,6 +296,10 @@ def run_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
     Returns:
         0 if every benchmark that exists succeeded, 1 if one failed or none was found.
     """
+    if getattr(args, "bench_mode", None) == "ttft":
+        from vllm.entrypoints.cli.bench_ttft import run_ttft
+
+        return run_ttft(args)
     out = sys.stdout if out is None else out
     bench_dir = (args.bench_dir or default_bench_dir()).expanduser()
     names = list(dict.fromkeys(args.only)) if args.only else list(BENCHMARKS)

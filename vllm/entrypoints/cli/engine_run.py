@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.entrypoints.cli.config import FS_TIER_TYPE, REDIS_TIER_TYPE, RunConfig
 from vllm.entrypoints.cli.metrics_server import EngineMetrics
 from vllm.entrypoints.cli.report.figures import (
+    TTFT_PARTS,
     Direction,
     FsTierState,
     RunResult,
@@ -40,6 +41,7 @@ from vllm.entrypoints.cli.report.figures import (
     Tier,
     TransferFigures,
 )
+from vllm.entrypoints.cli.thread_cpu import ThreadCpuWindow
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig, default_instance_id
 from vllm.v1.engine.core import EngineCore
@@ -182,6 +184,13 @@ def _thread_cpu(engine: EngineCore) -> float:
     return time.thread_time()
 
 
+def _verify_timed(engine: EngineCore, reference: Mapping[BlockKey, bytes] | None) -> float:
+    # Engine thread, after the timed window: the checks, and the CPU time they took.
+    start = time.thread_time()
+    engine.verify_kv(reference)
+    return time.thread_time() - start
+
+
 def fs_usage_after_scan(engine: EngineCore) -> tuple[int, int]:
     # Engine thread, before the first request: (blocks, bytes) the fs tier found on disk.
     if not engine.wait_for_tiers_ready(SCAN_TIMEOUT_S):
@@ -249,6 +258,9 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
     result.blocks_checked = s.blocks_verified
     result.blocks_mismatched = s.verification_failures
     result.verify_s = s.verify_seconds
+    result.ttft_parts_ms = {
+        name: [parts[i] * 1e3 for parts in s.ttft_parts] for i, name in enumerate(TTFT_PARTS)
+    }
     result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
     c = snap.connector
     for name, direction in GPU_DIRECTIONS.items():
@@ -333,6 +345,7 @@ class EngineRun:
         self.sampler = StepSampler(t0=time.monotonic())
         self._metrics = metrics
         self._cpu_at_start = 0.0
+        self._threads = ThreadCpuWindow()
         self.digests: dict[BlockKey, bytes] = {}
         """Digests of every block the run computed (after ``finish``): another run's reference."""
         engine = EngineCore(engine_config(config, offload, instance_id), event_sink=event_sink)
@@ -364,8 +377,9 @@ class EngineRun:
         await self.llm.__aexit__(exc_type, exc, tb)
 
     async def start_window(self) -> None:
-        """The timed window starts: note the engine thread's CPU time."""
+        """The timed window starts: note the engine thread's CPU time, and every thread's."""
         self._cpu_at_start = await self.llm.call(_thread_cpu)
+        self._threads.start()
 
     async def finish(self, reference: Mapping[BlockKey, bytes] | None = None) -> EngineSnapshot:
         """After the last output (the end of the timed window): note the engine thread's CPU
@@ -378,7 +392,9 @@ class EngineRun:
             RuntimeError: transfers were still in flight ``IDLE_TIMEOUT_S`` after the last output.
         """
         cpu_at_end = await self.llm.call(_thread_cpu)
+        self._threads.stop()
         self.result.engine_thread_cpu_s = cpu_at_end - self._cpu_at_start
+        self.result.cpu_s_by_component = dict(self._threads.by_component)
         try:
             await asyncio.wait_for(self.llm.wait_until_idle(), IDLE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -386,7 +402,7 @@ class EngineRun:
                 f"{self.label} run: transfers still in flight {IDLE_TIMEOUT_S:.0f} s after the "
                 "last output"
             ) from None
-        await self.llm.call(lambda e: e.verify_kv(reference))
+        self.result.verify_cpu_s = await self.llm.call(lambda e: _verify_timed(e, reference))
         self.digests = await self.llm.call(lambda e: e.computed_block_digests())
         metrics = self._metrics
         if metrics is not None:

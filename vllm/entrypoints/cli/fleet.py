@@ -456,6 +456,7 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             "steps",
             "preemptions",
             "engine_thread_cpu_s",
+            "verify_cpu_s",
             "blocks_verified",
             "blocks_checked",
             "blocks_mismatched",
@@ -487,6 +488,12 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
         total.connector_thread_cpu_us += p.connector_thread_cpu_us
         total.worker_connector_thread_cpu_us += p.worker_connector_thread_cpu_us
         total.ttft_ms += p.ttft_ms
+        for name, values in p.ttft_parts_ms.items():
+            total.ttft_parts_ms.setdefault(name, []).extend(values)
+        for component, cpu_s in p.cpu_s_by_component.items():
+            total.cpu_s_by_component[component] = (
+                total.cpu_s_by_component.get(component, 0.0) + cpu_s
+            )
         total.latency_ms += p.latency_ms
         total.outputs.update(p.outputs)
         total.redis_url = total.redis_url or p.redis_url

@@ -20,6 +20,7 @@ with one line.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TextIO
@@ -118,6 +119,14 @@ async def serve(
     return result, run.digests
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average, or None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _write(stream: TextIO, lines: list[str]) -> None:
     # Flushed at once: the header must show before the run starts, and before stderr's progress.
     if lines:
@@ -174,7 +183,8 @@ def run_command(config: RunConfig) -> int:
     output = config.output
     out = sys.stderr if output.json_to_stdout else sys.stdout
     workload = generate_workload(config.workload)
-    _write(out, render_header(config.settings, workload.num_requests))
+    load_at_start = load_average()
+    _write(out, render_header(config.settings, workload.num_requests, load_average=load_at_start))
     recorder: EngineMetrics | None = None
     instance_metrics: InstanceMetrics | None = None
     router_metrics: RouterPromMetrics | None = None
@@ -201,6 +211,9 @@ def run_command(config: RunConfig) -> int:
     finally:
         if server is not None:
             server.close()
+    load_at_end = load_average()
+    if load_at_start is not None and load_at_end is not None:
+        report.load_average = (load_at_start, load_at_end)
     _write(out, list(render_body(report)))
     try:
         if output.json_path is not None:
@@ -216,7 +229,7 @@ def run_command(config: RunConfig) -> int:
             else:
                 output.json_path.write_text(text)
         if output.plot_path is not None:
-            write_plot(output.plot_path, report.offload, report.baseline)
+            write_plot(output.plot_path, report.offload, report.baseline, report.settings)
     except OSError as e:
         sys.stderr.write(f"{PROG}: error: cannot write the report: {e}\n")
         return 1

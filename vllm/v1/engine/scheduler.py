@@ -44,7 +44,7 @@ from vllm.v1.engine.load_accounting import (
     record_finished,
 )
 from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
-from vllm.v1.engine.stats import EngineStats
+from vllm.v1.engine.stats import EngineStats, RequestTimes
 from vllm.v1.engine.verification import KVOracle, VerifyMode
 from vllm.v1.request import Request, RequestStatus
 
@@ -120,6 +120,8 @@ class Scheduler:
         self._invalid_blocks: dict[int, set[int]] = {}
         # Blocks of a finished load that were promoted from a secondary tier, by request.
         self._promoted: dict[str, tuple[PromotedBlock, ...]] = {}
+        # Until its first token: when each request passed the points its TTFT is split at.
+        self._times: dict[str, RequestTimes] = {}
         # Scheduler-side connector time of the current step: wall, and this thread's CPU.
         self.step_connector_seconds = 0.0
         self.step_connector_cpu_seconds = 0.0
@@ -150,6 +152,7 @@ class Scheduler:
                 f"leaves no room below max_model_len={self.max_model_len}"
             )
         self.requests[request.request_id] = request
+        self._times[req_id] = RequestTimes(request.arrival_time)
         self.waiting.append(request)
         self.stats.requests_added += 1
 
@@ -370,8 +373,13 @@ class Scheduler:
         num_external, load_async = 0, False
         if connector is not None:
             ext, load_async = self._timed(connector.get_num_new_matched_tokens, request, num_local)
+            times = self._times.get(request.request_id)
             if ext is None:
+                if times is not None and times.deferred is None:
+                    times.deferred = time.monotonic()
                 return "skip"
+            if times is not None and times.deferred is not None and times.answered is None:
+                times.answered = time.monotonic()
             num_external = ext
         num_new = 0 if load_async else min(request.num_tokens - num_local - num_external, budget)
         new_blocks = kv.allocate_slots(
@@ -391,6 +399,9 @@ class Scheduler:
                 kv.get_block_ids(request.request_id),
                 num_external,
             )
+        times = self._times.get(request.request_id)
+        if times is not None and times.placed is None:
+            times.placed = time.monotonic()
         self.stats.placements += 1
         self.stats.prompt_tokens += request.num_tokens
         self.stats.tokens_from_gpu_cache += num_local
@@ -441,6 +452,9 @@ class Scheduler:
                 )
             request.append_output_token_ids(token)
             self.stats.output_tokens += 1
+            times = self._times.pop(req_id, None)
+            if times is not None:
+                self.stats.ttft_parts.append(times.parts(time.monotonic()))
             out = self._output(req_id)
             out.new_token_ids.append(token)
             if (
@@ -523,6 +537,9 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING
         self._loaded.add(req_id)
+        times = self._times.get(req_id)
+        if times is not None and times.loaded is None:
+            times.loaded = time.monotonic()
         self.stats.tokens_load_failed += end - valid_tokens
         served = max(num_computed - num_local, 0)
         from_secondary = account_promoted(self.stats, promoted, num_local, num_computed)
@@ -545,6 +562,7 @@ class Scheduler:
             self._pending_loads.pop(req_id, None)
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
+        self._times.pop(req_id, None)
         self.stats.requests_finished += 1
 
     def drain_events(self) -> None:

@@ -54,6 +54,51 @@ class StepRecord:
     bytes_moved: dict[str, int] = field(default_factory=dict)
 
 
+TTFT_PARTS = ("slot", "lookup", "loading", "prefill")
+"""The parts of a request's time to first token, in the order of ``EngineStats.ttft_parts``:
+
+- ``slot``: from its arrival until the scheduler placed it (allocated its blocks), waiting for a
+  place in the running batch or for free GPU blocks, minus ``lookup``;
+- ``lookup``: from the first step the connector answered "not yet" for it (a tier's lookup still
+  running, a block still being promoted into the CPU tier, or being loaded for another request)
+  until the step it answered (0 when it never deferred it);
+- ``loading``: from its placement until its connector load finished (0 without a load);
+- ``prefill``: from then until its first token was sampled (chunked prefill over several steps,
+  the steps it shared with other requests, and any preemption before its first token).
+"""
+
+
+@dataclass
+class RequestTimes:
+    """When a request passed each point before its first token (``time.monotonic()``), kept
+    by the scheduler until that token: a few clock reads per request.
+
+    Attributes:
+        arrival: the request was created.
+        deferred: the first time the connector answered "not yet" (None: never).
+        answered: the first time it answered after ``deferred``.
+        placed: its first placement.
+        loaded: its connector load finished (None: no load).
+    """
+
+    arrival: float
+    deferred: float | None = None
+    answered: float | None = None
+    placed: float | None = None
+    loaded: float | None = None
+
+    def parts(self, first_token: float) -> tuple[float, float, float, float]:
+        """The ``TTFT_PARTS`` in seconds, for a first token sampled at ``first_token``; they
+        add up to ``first_token - arrival``."""
+        placed = first_token if self.placed is None else self.placed
+        lookup = 0.0
+        if self.deferred is not None:
+            lookup = (placed if self.answered is None else self.answered) - self.deferred
+        loading = 0.0 if self.loaded is None else self.loaded - placed
+        prefill = first_token - (placed if self.loaded is None else self.loaded)
+        return (placed - self.arrival - lookup, lookup, loading, prefill)
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters of an engine (see the module docstring for the token accounting).
@@ -92,6 +137,9 @@ class EngineStats:
         connector_seconds, worker_connector_seconds: totals of the per-step figures of
             ``StepRecord``.
         step_records: one record per step (when enabled).
+        ttft_parts: per request, in the order their first tokens were sampled, its time to
+            first token in parts (``TTFT_PARTS``, seconds; measured on the engine thread, from
+            the request's arrival at the engine).
     """
 
     steps: int = 0
@@ -122,6 +170,7 @@ class EngineStats:
     connector_seconds: float = 0.0
     worker_connector_seconds: float = 0.0
     step_records: list[StepRecord] = field(default_factory=list)
+    ttft_parts: list[tuple[float, float, float, float]] = field(default_factory=list)
 
     @property
     def prompt_tokens_computed(self) -> int:

@@ -42,6 +42,9 @@ def huge_report() -> Report:
         run.output_tokens = run.steps = run.preemptions = 9_999_999_999
         run.ttft_ms = [123456.0, 999999.0]
         run.overhead_us = run.worker_overhead_us = [9_999_999.0]
+        run.ttft_parts_ms = {n: [99_999_999.0] for n in ("slot", "lookup", "loading", "prefill")}
+        run.engine_thread_cpu_s = run.verify_cpu_s = 99999.99
+        run.cpu_s_by_component = {"fs tier threads": 99999.99, "native threads (torch ...)": 1.0}
         run.wall_s = 99999.9
     for d in Direction:
         off.transfers[d] = TransferFigures(
@@ -79,4 +82,4 @@ def huge_report() -> Report:
         "fs_root": "/home/someone/.cache/vllm-kv-offload",
         "fs_max_bytes": 1023 * 2**40,
     }
-    return Report(settings=settings, baseline=base, offload=off)
+    return Report(settings=settings, baseline=base, offload=off, load_average=(999.99, 999.99))

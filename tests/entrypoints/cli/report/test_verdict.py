@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from vllm.entrypoints.cli.report.figures import Direction, Report, Tier, TransferFigures
 from vllm.entrypoints.cli.report.json_doc import report_json
-from vllm.entrypoints.cli.report.verdict import judge, judge_report, no_savings_reason
+from vllm.entrypoints.cli.report.verdict import (
+    benefit_ratios,
+    judge,
+    judge_report,
+    no_benefit_reason,
+    no_savings_reason,
+)
 
 from .sample_reports import small_runs
 from .test_text import render_text
@@ -103,3 +109,37 @@ def test_a_secondary_tier_that_failed_everything_fails_the_verdict() -> None:
     # Every load from the redis tier failed.
     off.transfers[Direction.REDIS_TO_CPU] = TransferFigures(blocks=0, failed_blocks=3)
     assert judge_report(report).reasons[0].startswith("the redis tier failed every load")
+
+
+def _timed_runs(base_ttft: float, off_ttft: float) -> Report:
+    base, off = small_runs()
+    base.ttft_ms, off.ttft_ms = [base_ttft] * 3, [off_ttft] * 3
+    base.ttft_parts_ms = {"slot": [1.0], "lookup": [0.0], "loading": [0.0], "prefill": [9.0]}
+    off.ttft_parts_ms = {"slot": [1.0], "lookup": [12.0], "loading": [2.0], "prefill": [3.0]}
+    return Report(settings={"model": "transformer"}, baseline=base, offload=off)
+
+
+def test_ratios_and_no_benefit_reason_name_the_part_that_grew() -> None:
+    # The offloaded run is faster (wall 1.0 s vs 2.0 s) and its TTFT lower: no reason given.
+    report = _timed_runs(10.0, 5.0)
+    ratios = benefit_ratios(report)
+    assert ratios["wall_time_ratio"] == 0.5 and ratios["ttft_median_ratio"] == 0.5
+    assert ratios["ttft_p99_ratio"] == 0.5 and ratios["throughput_ratio"] == 2.0
+    assert no_benefit_reason(report) is None
+    # Slower TTFT: the lookups grew most (12 ms against 0), more than the 6 ms prefill saved.
+    report = _timed_runs(10.0, 18.0)
+    reason = no_benefit_reason(report)
+    assert reason is not None
+    assert reason.startswith(
+        "TTFT median 1.80x the baseline's: waiting on the tiers (lookups, promotions"
+    )
+    assert "more than the 6.0 ms of prefill per request that the tiers saved" in reason
+    doc = report_json(report)["comparison"]
+    assert doc["no_benefit_reason"] == reason and doc["ttft_median_ratio"] == 1.8
+    flat = " ".join(line.strip() for line in render_text(report).splitlines())
+    assert f"offloading did not help: {reason}" in flat
+    # A busy machine is named; a run that saved no prefill says so instead of a part.
+    report.load_average = (9.0, 99.0)
+    assert "the machine was busy (load average up to 99.00" in (no_benefit_reason(report) or "")
+    report.offload.computed_tokens = report.baseline.computed_tokens
+    assert "computed no fewer prompt tokens" in (no_benefit_reason(report) or "")

@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.engine.stats import TTFT_PARTS
+
+__all__ = ["TTFT_PARTS"]  # the names of ``RunResult.ttft_parts_ms``, defined by the engine
+
 
 class Tier(str, enum.Enum):
     """Where a prompt token came from."""
@@ -65,6 +69,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def ratio(offload: float, baseline: float) -> float | None:
+    """``offload / baseline`` (the report's ratios), or None when the baseline's figure is 0."""
+    return offload / baseline if baseline else None
 
 
 @dataclass
@@ -192,11 +201,17 @@ class RunResult:
         connector_thread_cpu_us, worker_connector_thread_cpu_us: of the same steps, the CPU time
             of the thread that ran each side's hooks (``time.thread_time``), in microseconds:
             ``overhead_us`` minus time off the CPU (waiting for the GIL, descheduled).
-        ttft_ms: time to first token per request, in milliseconds.
+        ttft_ms: time to first token per request, in milliseconds (measured by the clients).
+        ttft_parts_ms: that time's parts per request, by ``TTFT_PARTS`` name (slot, lookup,
+            loading, prefill), in milliseconds, as the engine measured them from the request's
+            arrival at the engine (``vllm/v1/engine/stats.py`` defines each part).
         latency_ms: end-to-end time per request, in milliseconds.
         transfers: figures per direction (offload only).
         engine_thread_cpu_s: the engine thread's CPU time (``time.thread_time()``) over the timed
             window; the checks run after it (in a fleet: every instance's, added up).
+        cpu_s_by_component: CPU seconds each component's threads used over the timed window
+            (``cli/thread_cpu.py``: engine thread, tier threads, ...; in a fleet: added up).
+        verify_cpu_s: CPU seconds the checks took, after the timed window.
         verify_s: seconds the oracle's checks took after the timed window (in a fleet: the
             slowest instance's).
         verify_mode: ``--verify`` (``loaded``, ``all`` or ``none``).
@@ -238,12 +253,17 @@ class RunResult:
     connector_thread_cpu_us: list[float] = field(default_factory=list)
     worker_connector_thread_cpu_us: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
+    ttft_parts_ms: dict[str, list[float]] = field(
+        default_factory=lambda: {name: [] for name in TTFT_PARTS}
+    )
     latency_ms: list[float] = field(default_factory=list)
     transfers: dict[Direction, TransferFigures] = field(
         default_factory=lambda: {d: TransferFigures() for d in Direction}
     )
     engine_thread_cpu_s: float = 0.0
+    cpu_s_by_component: dict[str, float] = field(default_factory=dict)
     verify_s: float = 0.0
+    verify_cpu_s: float = 0.0
     verify_mode: str = "loaded"
     blocks_verified: int = 0
     blocks_checked: int = 0
@@ -276,6 +296,16 @@ class RunResult:
             f"{ {t.value: n for t, n in self.served.items()} } = {total} != prompt tokens "
             f"{self.prompt_tokens}"
         )
+
+    @property
+    def requests_per_s(self) -> float:
+        """Requests finished per second of the timed window (0.0 when not timed)."""
+        return self.num_finished / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        """Prompt tokens placed per second of the timed window (0.0 when not timed)."""
+        return self.prompt_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def hit_rate(self, tier: Tier) -> float:
         """Fraction of the prompt tokens that reached ``tier`` which it served."""
@@ -360,6 +390,8 @@ class Report:
             ``ROUTING_POLICIES`` order (empty otherwise).
         kv_events: what the KV event publishers sent (``batches_sent``, ``batches_dropped``,
             summed over the instances), None when no events were published.
+        load_average: the machine's 1-minute load average (``os.getloadavg``) before the
+            baseline started and after the offloaded run ended; None where unknown.
     """
 
     settings: dict[str, Any]
@@ -369,6 +401,7 @@ class Report:
     routing: RoutingFigures | None = None
     policy_runs: list[PolicyRun] = field(default_factory=list)
     kv_events: dict[str, int] | None = None
+    load_average: tuple[float, float] | None = None
 
     @property
     def prefill_tokens_saved(self) -> int:

@@ -11,9 +11,11 @@ the schema version, renaming or removing one bumps it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.entrypoints.cli.report.figures import (
+    TTFT_PARTS,
     Direction,
     Distribution,
     FsTierState,
@@ -28,9 +30,11 @@ from vllm.entrypoints.cli.report.figures import (
 )
 from vllm.entrypoints.cli.report.verdict import (
     Verdict,
+    benefit_ratios,
     compare_outputs,
     judge,
     judge_report,
+    no_benefit_reason,
     no_savings_reason,
 )
 
@@ -84,6 +88,10 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "verify_s": run.verify_s,
         "engine_thread_cpu_s": run.engine_thread_cpu_s,
+        "cpu_s_by_component": dict(run.cpu_s_by_component),
+        "verify_cpu_s": run.verify_cpu_s,
+        "requests_per_s": run.requests_per_s,
+        "prompt_tokens_per_s": run.prompt_tokens_per_s,
         "outputs_digest": run.outputs_digest,
         "requests": {"submitted": run.num_requests, "finished": run.num_finished},
         "prompt_tokens": {
@@ -99,6 +107,10 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         "overhead_us_per_step": distribution_json(Distribution.of(run.overhead_us)),
         "worker_overhead_us_per_step": distribution_json(Distribution.of(run.worker_overhead_us)),
         "ttft_ms": distribution_json(Distribution.of(run.ttft_ms)),
+        "ttft_parts_ms": {
+            name: distribution_json(Distribution.of(run.ttft_parts_ms.get(name, [])))
+            for name in TTFT_PARTS
+        },
         "latency_ms": distribution_json(Distribution.of(run.latency_ms)),
         "transfers": {d.value: transfer_json(run.transfers[d], run.wall_s) for d in Direction},
         "verification": {
@@ -155,12 +167,18 @@ def report_json(report: Report) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "settings": report.settings,
         "runs": {"baseline": run_json(b), "offload": run_json(o)},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_start": report.load_average[0] if report.load_average else None,
+            "load_average_end": report.load_average[1] if report.load_average else None,
+        },
         "comparison": {
             "prefill_tokens_saved": report.prefill_tokens_saved,
             "prefill_tokens_saved_fraction": report.prefill_tokens_saved_fraction,
-            "wall_time_ratio": o.wall_s / b.wall_s if b.wall_s else None,
+            **benefit_ratios(report),
             "outputs_identical": not compare_outputs(b.outputs, o.outputs),
             "no_savings_reason": no_savings_reason(report),
+            "no_benefit_reason": no_benefit_reason(report),
         },
         "verdict": verdict_json(judge_report(report)),
         "fleet": (

@@ -25,19 +25,23 @@ from typing import Any
 
 from vllm.entrypoints.cli.option_values import default_fs_root
 from vllm.entrypoints.cli.report.figures import (
+    TTFT_PARTS,
     Direction,
     Distribution,
     FsTierState,
     Report,
     RunResult,
     Tier,
+    ratio,
 )
 from vllm.entrypoints.cli.report.verdict import (
     compare_outputs,
     judge,
     judge_report,
+    no_benefit_reason,
     no_savings_reason,
 )
+from vllm.entrypoints.cli.thread_cpu import COMPONENTS, FRONT_END, NATIVE
 
 WIDTH = 80
 """Widest line of the report (a classic terminal)."""
@@ -124,10 +128,33 @@ def _model_line(s: Mapping[str, Any]) -> str:
     )
 
 
+def _engine_line(s: Mapping[str, Any]) -> str:
+    """The header's KV-cache groups, scheduling mode and checks."""
+    if s.get("model_stand_in") == "hybrid":
+        groups = (
+            f"hybrid (a full-attention group and a sliding-window group of "
+            f"{s.get('sliding_window')} tokens)"
+        )
+    else:
+        groups = "standard (one full-attention group)"
+    scheduling = "async (one step in flight)" if s.get("async_scheduling") else "synchronous"
+    return f"KV-cache groups: {groups}; scheduling: {scheduling}; --verify {s.get('verify')}"
+
+
+def _machine_line(load_average: float | None) -> str:
+    cpus = os.cpu_count()
+    load = "unknown" if load_average is None else f"{load_average:.2f}"
+    return f"machine: {cpus} CPUs, load average {load} at start (1 minute)"
+
+
 def render_header(
-    settings: Mapping[str, Any], num_requests: int, home: str | None = None
+    settings: Mapping[str, Any],
+    num_requests: int,
+    home: str | None = None,
+    load_average: float | None = None,
 ) -> list[str]:
-    """What runs: the workload, the model stand-in, the pools and where the fs tier lives."""
+    """What runs: the workload, the model, its groups and scheduling, the pools, where the fs
+    tier lives, and how busy the machine was before the baseline (``load_average``)."""
     s = settings
     lines = [f"{PROG} run"]
     lines += _wrap(
@@ -136,6 +163,8 @@ def render_header(
         f"device {s.get('device')}"
     )
     lines += _wrap(_model_line(s))
+    lines += _wrap(_engine_line(s))
+    lines += _wrap(_machine_line(load_average))
     lines.append(
         f"  GPU pool: {_count(s.get('gpu_blocks'))} blocks of {s.get('block_size')} tokens "
         f"({format_bytes(s.get('block_bytes', 0))} each)"
@@ -205,23 +234,23 @@ def render_fs_start(fs: FsTierState | None) -> list[str]:
 
 def render_report(report: Report, home: str | None = None) -> Iterator[str]:
     """The whole report: header, the fs tier's state at start, and the body."""
-    yield from render_header(report.settings, report.baseline.num_requests, home)
+    start = report.load_average[0] if report.load_average else None
+    yield from render_header(report.settings, report.baseline.num_requests, home, start)
     yield from render_fs_start(report.offload.fs)
     yield from render_body(report, home)
 
 
 def render_body(report: Report, home: str | None = None) -> Iterator[str]:
-    """The figures of both runs, the transfers, what is on disk, and the verdict."""
+    """What offloading bought (TTFT, throughput, prefill saved; why not, when it did not),
+    the figures of both runs, the transfers, what is on disk, and the verdict."""
+    yield ""
+    yield from _headline(report)
     yield ""
     yield from _side_by_side(report)
     yield ""
-    b = report.baseline
-    saved = report.prefill_tokens_saved
-    frac = saved / b.computed_tokens if b.computed_tokens else 0.0
-    yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
-    reason = no_savings_reason(report)
-    if reason is not None:
-        yield from _wrap(f"why: {reason}", indent=4)
+    yield from _ttft_parts(report)
+    yield ""
+    yield from _cpu(report)
     yield ""
     yield from _transfers(report.offload)
     yield from _disk(report, home)
@@ -230,13 +259,68 @@ def render_body(report: Report, home: str | None = None) -> Iterator[str]:
     yield from _verdict(report)
 
 
+# label, baseline, offload, ratio: 2 + 30 + 16 + 16 + 16 = 80 columns.
+_HEAD_COLUMNS = (30, 16, 16, 16)
+
+
+def _head_row(*cells: str) -> str:
+    label, *rest = cells
+    return f"  {label:<{_HEAD_COLUMNS[0]}}" + "".join(
+        f"{c:>{w}}" for c, w in zip(rest, _HEAD_COLUMNS[1:], strict=True)
+    )
+
+
+def _times(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _headline(report: Report) -> Iterable[str]:
+    """TTFT and throughput of both runs with their ratio, then the prefill tokens saved and,
+    when offloading did not help, why."""
+    b, o = report.baseline, report.offload
+    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
+    yield _head_row("", "baseline", "offload", "offload/base")
+    yield _head_row(
+        "TTFT median",
+        f"{bt.median:.1f} ms",
+        f"{ot.median:.1f} ms",
+        _times(ratio(ot.median, bt.median)),
+    )
+    yield _head_row(
+        "TTFT p99", f"{bt.p99:.1f} ms", f"{ot.p99:.1f} ms", _times(ratio(ot.p99, bt.p99))
+    )
+    yield _head_row(
+        "throughput, requests/s",
+        f"{b.requests_per_s:.2f}",
+        f"{o.requests_per_s:.2f}",
+        _times(ratio(o.requests_per_s, b.requests_per_s)),
+    )
+    yield _head_row(
+        "  prompt tokens/s",
+        f"{b.prompt_tokens_per_s:,.0f}",
+        f"{o.prompt_tokens_per_s:,.0f}",
+        _times(ratio(o.prompt_tokens_per_s, b.prompt_tokens_per_s)),
+    )
+    yield _head_row(
+        "wall time (timed window)",
+        f"{b.wall_s:.1f} s",
+        f"{o.wall_s:.1f} s",
+        _times(ratio(o.wall_s, b.wall_s)),
+    )
+    saved = report.prefill_tokens_saved
+    frac = saved / b.computed_tokens if b.computed_tokens else 0.0
+    yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
+    reason = no_savings_reason(report)
+    if reason is not None:
+        yield from _wrap(f"why: {reason}", indent=4)
+    no_benefit = no_benefit_reason(report)
+    if no_benefit is not None:
+        yield from _wrap(f"offloading did not help: {no_benefit}", indent=2, hanging=4)
+
+
 def _side_by_side(report: Report) -> Iterable[str]:
     b, o = report.baseline, report.offload
     yield _row("", "baseline (no offload)", "offload")
-    yield _row("wall time", f"{b.wall_s:.1f} s", f"{o.wall_s:.1f} s")
-    yield _row(
-        "  engine thread CPU", f"{b.engine_thread_cpu_s:.1f} s", f"{o.engine_thread_cpu_s:.1f} s"
-    )
     yield _row(
         "requests finished",
         f"{b.num_finished}/{b.num_requests}",
@@ -275,25 +359,98 @@ def _side_by_side(report: Report) -> Iterable[str]:
     yield _row("output tokens", f"{b.output_tokens:,}", f"{o.output_tokens:,}")
     yield _row("engine steps", f"{b.steps:,}", f"{o.steps:,}")
     yield _row("preemptions", f"{b.preemptions:,}", f"{o.preemptions:,}")
-    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
-    yield _row(
-        "TTFT median / p99",
-        f"{bt.median:.0f} / {bt.p99:.0f} ms",
-        f"{ot.median:.0f} / {ot.p99:.0f} ms",
+    yield ""
+    yield _row("per-step cost, offload run", "wall", "thread CPU")
+    for label, wall, cpu in (
+        ("connector + manager", o.overhead_us, o.connector_thread_cpu_us),
+        ("worker-side connector", o.worker_overhead_us, o.worker_connector_thread_cpu_us),
+    ):
+        wd, cd = Distribution.of(wall), Distribution.of(cpu)
+        yield _row(
+            f"  {label}", f"{wd.median:.0f} / {wd.p99:.0f} us", f"{cd.median:.0f} / {cd.p99:.0f} us"
+        )
+    yield from _wrap(
+        "(median / p99 over the steps that scheduled tokens; wall minus thread CPU is time off "
+        "the CPU: waiting for the GIL or descheduled)",
+        indent=4,
+        hanging=1,
     )
-    ov = Distribution.of(o.overhead_us)
-    wv = Distribution.of(o.worker_overhead_us)
-    yield _row("connector+manager per step", "-", f"{ov.median:.0f} / {ov.p99:.0f} us")
-    yield _row("  worker-side connector per step", "-", f"{wv.median:.0f} / {wv.p99:.0f} us")
-    cv = Distribution.of(o.connector_thread_cpu_us)
-    wcv = Distribution.of(o.worker_connector_thread_cpu_us)
-    yield _row("  of it thread CPU, connector", "-", f"{cv.median:.0f} / {cv.p99:.0f} us")
-    yield _row("  of it thread CPU, worker-side", "-", f"{wcv.median:.0f} / {wcv.p99:.0f} us")
-    yield "    (median / p99 over the steps that scheduled tokens)"
-    if report.settings.get("model") == "hash":
+
+
+_PART_LABELS = {
+    "slot": "waiting for a slot",
+    "lookup": "waiting on the tiers",
+    "loading": "loading into the GPU",
+    "prefill": "prefill, to the first token",
+}
+
+
+def _ttft_parts(report: Report) -> Iterable[str]:
+    """TTFT split into its parts (means, so that they add up), both runs."""
+    b, o = report.baseline, report.offload
+    yield _row("TTFT in parts (mean)", "baseline", "offload")
+    for name in TTFT_PARTS:
+        yield _row(
+            f"  {_PART_LABELS[name]}",
+            f"{_mean(b.ttft_parts_ms.get(name, [])):.1f} ms",
+            f"{_mean(o.ttft_parts_ms.get(name, [])):.1f} ms",
+        )
+    yield _row("  sum of the parts", f"{_parts_sum(b):.1f} ms", f"{_parts_sum(o):.1f} ms")
+    yield _row(
+        "TTFT mean at the clients", f"{_mean(b.ttft_ms):.1f} ms", f"{_mean(o.ttft_ms):.1f} ms"
+    )
+    yield from _wrap(
+        "(parts measured by the engine from a request's arrival there; waiting on the tiers: "
+        "a lookup, or a promotion into the CPU tier, still running; loading: the CPU -> GPU "
+        "copy; the clients' TTFT adds the front end's hand-offs)",
+        indent=4,
+        hanging=1,
+    )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _parts_sum(run: RunResult) -> float:
+    return sum(_mean(run.ttft_parts_ms.get(name, [])) for name in TTFT_PARTS)
+
+
+_COMPONENT_ORDER = {
+    name: i for i, name in enumerate([c for c, _ in COMPONENTS] + [FRONT_END, NATIVE])
+}
+
+
+def _cpu(report: Report) -> Iterable[str]:
+    """CPU seconds per component over the timed windows, and the checks after them."""
+    b, o = report.baseline, report.offload
+    yield _row("CPU seconds (timed window)", "baseline", "offload")
+    # The engine thread first (always), then the others as often as either run has them.
+    seen = {*b.cpu_s_by_component, *o.cpu_s_by_component} - {"engine thread"}
+    components = ["engine thread", *sorted(seen, key=lambda c: _COMPONENT_ORDER.get(c, 99))]
+    for component in components:
+        cells = [
+            f"{r.engine_thread_cpu_s:.2f} s"
+            if component == "engine thread"
+            else f"{r.cpu_s_by_component[component]:.2f} s"
+            if component in r.cpu_s_by_component
+            else "-"
+            for r in (b, o)
+        ]
+        yield _row(f"  {component}", *cells)
+    yield _row(
+        "  checks (after the window)",
+        f"{b.verify_cpu_s:.2f} s" if b.verify_mode != "none" else "-",
+        f"{o.verify_cpu_s:.2f} s" if o.verify_mode != "none" else "-",
+    )
+    if report.load_average is not None:
+        start, end = report.load_average
         yield from _wrap(
-            "(the hash stand-in computes almost for free: wall time and TTFT mostly measure "
-            "the offload path; prefill tokens saved is what carries over to a real model)",
+            f"(load average {start:.2f} at start, {end:.2f} at end, on {os.cpu_count()} CPUs: "
+            "above the CPU count, other processes competed for the cores and the wall times "
+            "above include their share)"
+            if max(start, end) > (os.cpu_count() or 1)
+            else f"(load average {start:.2f} at start, {end:.2f} at end, on {os.cpu_count()} CPUs)",
             indent=4,
             hanging=1,
         )

@@ -3,9 +3,11 @@
 """The report's judgement: did the offloaded run serve correctly, and why did it save nothing?
 
 Owns the verdict (``judge`` for one pair of runs, ``judge_report`` for an invocation, fleet
-instances included) and the plain-words explanation of a run that saved no prefill
-(``no_savings_reason``). Pure functions of the figures in ``figures.py``; the renderers
-(``text.py``, ``json_doc.py``) print what they return, so the text and the JSON never disagree.
+instances included) and the plain-words explanations of a run that saved no prefill
+(``no_savings_reason``) and of one that saved no time (``no_benefit_reason``, with the ratios
+it judges by: ``benefit_ratios``). Pure functions of the figures in ``figures.py``; the
+renderers (``text.py``, ``json_doc.py``) print what they return, so the text and the JSON never
+disagree.
 
 A new check: one ``if`` in ``judge`` that appends its reason (and clears ``served_correctly`` or
 ``storage_intact`` when it is about either); the text and the JSON show it with no other edit.
@@ -13,11 +15,20 @@ A new check: one ``if`` in ``judge`` that appends its reason (and clears ``serve
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.entrypoints.cli.report.figures import Direction, Report, RunResult, Tier
+from vllm.entrypoints.cli.report.figures import (
+    TTFT_PARTS,
+    Direction,
+    Distribution,
+    Report,
+    RunResult,
+    Tier,
+    ratio,
+)
 
 
 @dataclass(frozen=True)
@@ -192,3 +203,94 @@ def no_savings_reason(report: Report) -> str | None:
         f"served {b.served[Tier.GPU]:,} to this run's {o.served[Tier.GPU]:,} (the two runs "
         "interleave requests differently)"
     )
+
+
+_PART_WORDS = {
+    "slot": "waiting for a slot",
+    "lookup": "waiting on the tiers (lookups, promotions into the CPU tier)",
+    "loading": "loading into the GPU (CPU -> GPU copies)",
+    "prefill": "prefill to the first token",
+}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def benefit_ratios(report: Report) -> dict[str, float | None]:
+    """The offload run's figures over the baseline's: ``wall_time_ratio`` (timed windows),
+    ``ttft_median_ratio``, ``ttft_p99_ratio``, ``throughput_ratio`` (requests per second);
+    None where the baseline's figure is 0."""
+    b, o = report.baseline, report.offload
+    bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
+    return {
+        "wall_time_ratio": ratio(o.wall_s, b.wall_s),
+        "ttft_median_ratio": ratio(ot.median, bt.median),
+        "ttft_p99_ratio": ratio(ot.p99, bt.p99),
+        "throughput_ratio": ratio(o.requests_per_s, b.requests_per_s),
+    }
+
+
+def no_benefit_reason(report: Report) -> str | None:
+    """Why the offloaded run's TTFT median or wall time was no better than the baseline's, in
+    plain words naming the measured cause; None when both were better.
+
+    The cause is the part of TTFT (``TTFT_PARTS``, means per request) that grew most from the
+    baseline to the offloaded run, set against the prefill time it saved; a run that saved no
+    prefill says so, and a machine busier than its CPUs (load average) is named too.
+    """
+    ratios = benefit_ratios(report)
+    worse = [
+        f"{what} {r:.2f}x the baseline's"
+        for what, r in (
+            ("TTFT median", ratios["ttft_median_ratio"]),
+            ("wall time", ratios["wall_time_ratio"]),
+        )
+        if r is not None and r >= 1.0
+    ]
+    if not worse:
+        return None
+    b, o = report.baseline, report.offload
+    means = {
+        name: (_mean(b.ttft_parts_ms.get(name, ())), _mean(o.ttft_parts_ms.get(name, ())))
+        for name in TTFT_PARTS
+    }
+    grew, (base_ms, off_ms) = max(means.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    saved_ms = means["prefill"][0] - means["prefill"][1]
+    if report.prefill_tokens_saved <= 0:
+        cause = "it computed no fewer prompt tokens than the baseline (see why above)"
+    elif off_ms <= base_ms:
+        cause = (
+            "no part of TTFT the engine measured grew, so the time went outside the engine's "
+            "steps (the front end, or other processes on the machine)"
+        )
+    elif grew == "prefill":
+        cause = (
+            f"prefill to the first token took {off_ms:.1f} ms per request against the "
+            f"baseline's {base_ms:.1f} ms although {report.prefill_tokens_saved:,} fewer prompt "
+            f"tokens were computed: the offload run's steps were slower (its engine thread used "
+            f"{o.engine_thread_cpu_s:.1f} s of CPU against {b.engine_thread_cpu_s:.1f} s)"
+        )
+    else:
+        base_prefill, off_prefill = means["prefill"]
+        saved = (
+            f"more than the {saved_ms:.1f} ms of prefill per request that the tiers saved"
+            if saved_ms > 0
+            else f"and prefill to the first token was no shorter ({off_prefill:.1f} ms against "
+            f"{base_prefill:.1f} ms)"
+        )
+        cause = (
+            f"{_PART_WORDS[grew]} took {off_ms:.1f} ms per request on average against the "
+            f"baseline's {base_ms:.1f} ms, {saved}"
+        )
+    notes = []
+    if report.settings.get("model") == "hash":
+        notes.append(
+            "the hash stand-in computes almost for free, so saved prefill saves little time"
+        )
+    if report.load_average is not None:
+        cpus = os.cpu_count() or 1
+        load = max(report.load_average)
+        if load > cpus:
+            notes.append(f"the machine was busy (load average up to {load:.2f} on {cpus} CPUs)")
+    return f"{' and '.join(worse)}: {cause}" + "".join(f"; {n}" for n in notes)
