@@ -8,19 +8,22 @@ connector reports fewer matched tokens, which upstream's ``get_num_new_matched_t
 
 The estimates, all from this engine instance's own measurements (``docs/load_guard.md``):
 
-* **Compute**: a decayed least-squares line through the engine's steps, step wall time against
-  the tokens the step scheduled (``step_s = overhead + per_token * tokens``): a running estimate
-  by batch size. Computing a hit's ``H`` tokens costs ``per_token * H``: the extra time of the
-  steps that compute them.
+* **Compute**: a decayed least-squares line through the engine's steps that computed tokens,
+  step wall time against the tokens the step scheduled (``step_s = base + per_token * tokens``):
+  a running estimate by batch size. Computing a hit's ``H`` tokens costs ``per_token * H``: the
+  extra time of the steps that compute them.
 * **Load, per tier**: a decayed line through the tier's completed loads, their wait against
   their blocks (``wait_s = latency + per_block * blocks``). A load's wait is the time from the
   decision until the blocks are ready, less the step it runs in: that step's forward of the
   other requests runs whether or not this request loads. A hit in a secondary tier is loaded in
   two legs (promotion to the CPU tier, then CPU -> GPU): its estimate is the sum of both tiers'.
 * **The step it waits**: a loading request is served at the earliest one step later; the guard
-  charges that step's fixed cost (the compute line's ``overhead``) to every load.
+  charges every load that step's fixed cost, the decayed mean duration of the engine's steps
+  that computed nothing (the scheduling round trip alone; 0 until one was seen). The forward of
+  the other requests in that step is not charged: it runs either way. (The compute line's
+  intercept is no measure of it: decode steps of long contexts cost much for few tokens.)
 
-A part is loaded when ``load estimate + overhead < per_token * H``. Estimates start optimistic:
+A part is loaded when ``load estimate + step cost < per_token * H``. Estimates start optimistic:
 without a compute estimate, or without a sample of the tier, the answer is "load" (a cold start
 behaves as without the guard). A refused tier is probed again: every ``probe_every``-th refusal
 in a row of a tier is loaded anyway, so its estimate follows a tier that recovered.
@@ -38,6 +41,9 @@ CPU_TIER = "CPU"
 
 COMPUTE_DECAY = 0.98
 """Weight kept by the compute line's older steps at each new step (about 50 steps' memory)."""
+
+IDLE_STEP_DECAY = 0.9
+"""Weight kept by the mean of the steps that computed nothing at each new one."""
 
 LOAD_DECAY = 0.8
 """Weight kept by a tier's older loads at each new load (about 5 loads' memory)."""
@@ -163,6 +169,9 @@ class LoadGuard:
         self.stats: dict[str, TierGuardStats] = {}
         self._step_start: tuple[float, int] | None = None
         self._pending: list[PendingWait] = []
+        # Decayed sums of the durations of the steps that computed nothing (weight, seconds).
+        self._idle_w = 0.0
+        self._idle_s = 0.0
 
     # -----------------------------------------------------------------------------------------
     # Measurements
@@ -180,6 +189,9 @@ class LoadGuard:
             self._step_start = None
             if num_tokens > 0 and now > start:
                 self.compute.add(num_tokens, now - start)
+            elif num_tokens == 0:
+                self._idle_w = self._idle_w * IDLE_STEP_DECAY + 1.0
+                self._idle_s = self._idle_s * IDLE_STEP_DECAY + max(now - start, 0.0)
         for wait in self._pending:
             if wait.first_step_end is None:
                 wait.first_step_end = now
@@ -221,9 +233,9 @@ class LoadGuard:
     # -----------------------------------------------------------------------------------------
 
     def step_overhead_s(self) -> float:
-        """The fixed cost of a step (the compute line's intercept; 0 before any step)."""
-        p = self.compute.params()
-        return 0.0 if p is None else p[0]
+        """The fixed cost of a step: the decayed mean duration of the steps that computed
+        nothing (0 before the first one)."""
+        return self._idle_s / self._idle_w if self._idle_w > 0.0 else 0.0
 
     def compute_s(self, num_tokens: int) -> float | None:
         """Estimated seconds to compute ``num_tokens`` more tokens (None: no estimate yet)."""
@@ -273,10 +285,9 @@ class LoadGuard:
         ``load_guard.step_overhead_s`` and, per tier ``T``, ``load_guard.T.{decisions,
         skipped_hits,skipped_tokens,probes,latency_s,s_per_block}`` (estimates absent before
         their first sample)."""
-        out: dict[str, float | int] = {}
+        out: dict[str, float | int] = {"load_guard.step_overhead_s": self.step_overhead_s()}
         p = self.compute.params()
         if p is not None:
-            out["load_guard.step_overhead_s"] = p[0]
             out["load_guard.compute_s_per_token"] = p[1]
         for tier in sorted(self.stats.keys() | self.loads.keys()):
             prefix = f"load_guard.{tier}."
