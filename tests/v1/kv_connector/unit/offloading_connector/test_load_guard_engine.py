@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from typing_extensions import override
 
 from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, random_tokens
