@@ -22,6 +22,9 @@ from typing import Any
 from typing_extensions import override
 
 from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, random_tokens
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_offload.tiering.base import JobResult, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
@@ -95,24 +98,29 @@ def _ttfts(engine: EngineCore, prompts: list[list[int]], tag: str) -> list[float
     return ttfts
 
 
-def _serve(tmp_path: Path, offload: bool, guard: bool = True) -> tuple[float, dict[str, Any]]:
-    """The TTFT median of the second pass, and the connector's stats."""
+def _serve(
+    tmp_path: Path, offload: bool, guard: bool = True
+) -> tuple[float, dict[str, Any], OffloadingConnectorStats]:
+    """The TTFT median of the second pass, the connector's stats and its metrics (every step's,
+    aggregated)."""
     tmp_path.mkdir()
+    metrics = OffloadingConnectorStats()
     rng = random.Random(7)
     prompts = [random_tokens(rng, PROMPT_TOKENS) for _ in range(NUM_PROMPTS)]
     with EngineCore(_config(tmp_path, offload, guard)) as engine:
+        engine.kv_connector_stats_sink = metrics.aggregate  # type: ignore[assignment]
         _ttfts(engine, prompts, "store")
         while engine.has_pending_work():  # the cascades to the slow tier
             engine.step()
         engine.reset_prefix_cache()
         median = statistics.median(_ttfts(engine, prompts, "hit"))
-        return median, dict(engine.connector_stats())
+        return median, dict(engine.connector_stats()), metrics
 
 
 def test_guard_recomputes_what_a_slow_tier_would_load(tmp_path: Path) -> None:
-    baseline, _ = _serve(tmp_path / "base", offload=False)
-    guarded, stats = _serve(tmp_path / "guard", offload=True)
-    unguarded, off_stats = _serve(tmp_path / "off", offload=True, guard=False)
+    baseline, _, _ = _serve(tmp_path / "base", offload=False)
+    guarded, stats, metrics = _serve(tmp_path / "guard", offload=True)
+    unguarded, off_stats, off_metrics = _serve(tmp_path / "off", offload=True, guard=False)
     prefix = f"load_guard.{SLOW_TIER}."
     # The first hit waited (optimistic start), the others were computed.
     assert stats[prefix + "decisions"] == NUM_PROMPTS
@@ -120,6 +128,16 @@ def test_guard_recomputes_what_a_slow_tier_would_load(tmp_path: Path) -> None:
     assert stats[prefix + "skipped_tokens"] == (NUM_PROMPTS - 1) * PROMPT_TOKENS
     assert stats[prefix + "latency_s"] + stats[prefix + "s_per_block"] * 16 >= DELAY_S / 2
     assert not any(k.startswith("load_guard.") for k in off_stats)
+    # The same figures as metrics, under the tier's label.
+    label = (f"1:{SLOW_TIER}",)
+    assert metrics.get("vllm:kv_offload_load_guard_skipped_hits", label) == NUM_PROMPTS - 1
+    assert (
+        metrics.get("vllm:kv_offload_load_guard_skipped_tokens", label)
+        == stats[prefix + "skipped_tokens"]
+    )
+    assert metrics.get("vllm:kv_offload_load_guard_load_seconds_per_block", label) > 0
+    assert metrics.get("vllm:kv_offload_load_guard_compute_seconds_per_token") > 0
+    assert off_metrics.get("vllm:kv_offload_load_guard_skipped_hits", label) is None
     # "No higher than the baseline's", within the noise of a shared machine: far below the
     # slow tier's wait, which every unguarded request pays.
     assert guarded <= 1.5 * baseline + 0.02, (guarded, baseline)

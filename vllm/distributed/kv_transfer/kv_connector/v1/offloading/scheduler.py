@@ -142,8 +142,12 @@ class OffloadingConnectorScheduler(EngineCallChecks):
 
         self._jobs = TransferJobTable(self.num_workers)
         self._metrics = OffloadingSchedulerMetrics()
-        # Turns the counters above, the manager's and the tiers' into per-step stats.
-        self.stats_collector = SchedulerStatsCollector(spec, self.manager, self._metrics)
+        # Loads only when they beat recompute (None: the config turned the guard off).
+        self.load_guard: LoadGuard | None = LoadGuard() if spec.config.load_guard else None
+        # Turns the counters above, the manager's, the tiers' and the guard's into per-step stats.
+        self.stats_collector = SchedulerStatsCollector(
+            spec, self.manager, self._metrics, self.load_guard
+        )
         self._request_states: dict[ReqId, RequestOffloadState] = {}
         # Running requests whose latest prepare_store found no room: offered again at the next
         # step even when not scheduled in it (under async scheduling a request's last step is
@@ -160,8 +164,6 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         # with every block stored, so only reports that need it turn it on, e.g. a fleet run
         # telling cross-instance reuse from an instance's own).
         self.stored_keys: set[OffloadKey] | None = None
-        # Loads only when they beat recompute (None: the config turned the guard off).
-        self.load_guard: LoadGuard | None = LoadGuard() if spec.config.load_guard else None
         # The guard's measurement of each load job in flight (CPU -> GPU), by job id.
         self._load_waits: dict[JobId, PendingWait] = {}
 
