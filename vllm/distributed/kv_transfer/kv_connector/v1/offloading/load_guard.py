@@ -14,8 +14,9 @@ The estimates, all from this engine instance's own measurements (``docs/load_gua
   extra time of the steps that compute them.
 * **Load, per tier**: a decayed line through the tier's completed loads, their wait against
   their blocks (``wait_s = latency + per_block * blocks``). A load's wait is the time from the
-  decision until the blocks are ready, less the step it runs in: that step's forward of the
-  other requests runs whether or not this request loads. A hit in a secondary tier is loaded in
+  decision until the blocks are ready (the load job reported; a promotion reported by its tier),
+  less the step it runs in: that step's forward of the other requests runs whether or not this
+  request loads. A hit in a secondary tier is loaded in
   two legs (promotion to the CPU tier, then CPU -> GPU): its estimate is the sum of both tiers'.
 * **The step it waits**: a loading request is served at the earliest one step later; the guard
   charges every load that step's fixed cost, the decayed mean duration of the engine's steps
@@ -56,10 +57,10 @@ class DecayedLineFit:
     """An exponentially decayed least-squares fit of ``y = intercept + slope * x``.
 
     Each ``add`` multiplies the weight of every earlier sample by ``decay``. Both parameters are
-    kept non-negative (a cost is never negative): when the unconstrained fit has a negative
-    intercept the line goes through the origin, when it has a negative slope it is flat. While
-    all samples share one ``x`` (no slope can be told apart), the line goes through the origin
-    and the weighted mean: ``y`` is taken as proportional to ``x``.
+    kept non-negative (a cost is never negative), and the slope positive once any ``y`` is: when
+    the unconstrained fit has a negative intercept, or a slope that is not positive, the line
+    goes through the origin (the least-squares ``y = slope * x``). While all samples share one
+    ``x`` (no slope can be told apart), the same: ``y`` is taken as proportional to ``x``.
 
     Args:
         decay: the weight kept by older samples at each new one, in (0, 1].
@@ -97,9 +98,9 @@ class DecayedLineFit:
             return 0.0, (self._y / self._x if self._x > 0 else 0.0)
         slope = (self._xy / w - mean_x * mean_y) / var_x
         intercept = mean_y - slope * mean_x
-        if slope < 0.0:
-            return max(mean_y, 0.0), 0.0
-        if intercept < 0.0:
+        if slope <= 0.0 or intercept < 0.0:
+            # Through the origin: a cost that grows with size (a flat or falling line would
+            # make large jobs look free, e.g. the compute of a hit).
             return 0.0, (self._xy / self._xx if self._xx > 0 else 0.0)
         return intercept, slope
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult, PromotedBlock
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import GroupLayout, LookupFn
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.load_guard import PendingWait
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.transfer_jobs import (
     GPUBlockRef,
     TransferJobStatus,
@@ -69,8 +68,6 @@ class RequestOffloadState:
         guard_decided: the tiers whose part of the hit the load guard already let the request
             load since its lookups began to wait (a deferred lookup is repeated every step; the
             decision is made once).
-        guard_waits: the promotions the request waits for since the guard let it, measured
-            until the lookup that finds them readable.
     """
 
     req: Request
@@ -87,7 +84,6 @@ class RequestOffloadState:
     transfer_jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
     guard_decided: set[str] = field(default_factory=set)
-    guard_waits: list[PendingWait] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         num_groups = len(self.layout.gpu_block_sizes)

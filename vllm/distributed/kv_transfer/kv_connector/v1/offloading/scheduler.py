@@ -166,6 +166,10 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         self.stored_keys: set[OffloadKey] | None = None
         # The guard's measurement of each load job in flight (CPU -> GPU), by job id.
         self._load_waits: dict[JobId, PendingWait] = {}
+        # The guard's measurement of each promotion a request waits for since the guard let
+        # it, with its keys: it ends when no key is being promoted any more (the tier reported
+        # it), whether or not the request was looked up again (it may wait for a slot).
+        self._promotion_waits: list[tuple[PendingWait, tuple[OffloadKey, ...]]] = []
 
     # -----------------------------------------------------------------------------------------
     # Helpers
@@ -209,15 +213,8 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         """
         state = self._get_or_create_state(request)
         result = self._match(state, num_computed_tokens)
-        if result[0] is not None and (state.guard_waits or state.guard_decided):
-            # The wait is over (a lookup that is not deferred ends it): the promotions the
-            # request waited for are ready, or it gave up on them (e.g. a reset).
-            assert self.load_guard is not None
-            now = time.perf_counter()
-            for wait in state.guard_waits:
-                self.load_guard.end_wait(wait, now, success=result[0] > 0)
-            state.guard_waits.clear()
-            state.guard_decided.clear()
+        if result[0] is not None and state.guard_decided:
+            state.guard_decided.clear()  # the wait is over: the next one is decided anew
         return result
 
     def _match(
@@ -326,16 +323,17 @@ class OffloadingConnectorScheduler(EngineCallChecks):
                 break
             if where in state.guard_decided:
                 continue
-            num_keys = len(self.layout.load_keys(state.offload_keys, first, last))
+            run_keys = tuple(self.layout.load_keys(state.offload_keys, first, last))
             num_tokens = last * block_size - max(first * block_size, num_computed)
             legs = (CPU_TIER,) if where == CPU_TIER else (where, CPU_TIER)
-            if not guard.admit(where, legs, num_keys, num_tokens):
+            if not guard.admit(where, legs, len(run_keys), num_tokens):
                 cut = first
                 break
             # A secondary tier's part includes its CPU -> GPU leg: decided with it.
             state.guard_decided.update(legs)
             if where != CPU_TIER:
-                state.guard_waits.append(guard.start_wait(where, num_keys, time.perf_counter()))
+                wait = guard.start_wait(where, len(run_keys), time.perf_counter())
+                self._promotion_waits.append((wait, run_keys))
         if cut == end:
             return end, deferred
         # The refused part is computed: its promotions (queued by the lookup) still bring the
@@ -539,10 +537,25 @@ class OffloadingConnectorScheduler(EngineCallChecks):
 
         self._metrics.timed_schedule_end(self.manager.on_schedule_end)
         if self.load_guard is not None:
-            self.load_guard.on_step_start(
-                time.perf_counter(), scheduler_output.total_num_scheduled_tokens
-            )
+            now = time.perf_counter()
+            if self._promotion_waits:
+                self._end_promotion_waits(now)
+            self.load_guard.on_step_start(now, scheduler_output.total_num_scheduled_tokens)
         return metadata
+
+    def _end_promotion_waits(self, now: float) -> None:
+        """End the guard's waits whose promotions the tiers reported (the step's poll of the
+        tiers is done: ``on_schedule_end`` ran)."""
+        guard = self.load_guard
+        assert guard is not None
+        source = self.manager.promotion_source
+        pending = []
+        for wait, keys in self._promotion_waits:
+            if any(source(key) is not None for key in keys):
+                pending.append((wait, keys))
+            else:
+                guard.end_wait(wait, now)
+        self._promotion_waits = pending
 
     def on_step_end(self) -> None:
         """The engine step whose metadata was built last ended (the engine's ``observe_step``
@@ -630,11 +643,6 @@ class OffloadingConnectorScheduler(EngineCallChecks):
             self.manager.on_request_finished(ctx)
             return False, None
         state.finished = True
-        if state.guard_waits:
-            assert self.load_guard is not None
-            for wait in state.guard_waits:  # gave up waiting: no sample
-                self.load_guard.end_wait(wait, time.perf_counter(), success=False)
-            state.guard_waits.clear()
         self._jobs.fence(state.transfer_jobs)
         self.manager.on_request_finished(state.req_context)
         if not state.transfer_jobs:
@@ -667,9 +675,9 @@ class OffloadingConnectorScheduler(EngineCallChecks):
             state.next_stored_block_idx = 0
             state.transfer_jobs.clear()
             state.promoted_keys.clear()
-            state.guard_waits.clear()
             state.guard_decided.clear()
         self._load_waits.clear()
+        self._promotion_waits.clear()
         if self.load_guard is not None:
             self.load_guard.reset()
         self._metrics.cache_resets += 1
