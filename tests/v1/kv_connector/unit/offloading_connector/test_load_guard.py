@@ -150,6 +150,19 @@ def test_expensive_decode_steps_are_not_charged_to_loads() -> None:
     assert guard.admit(CPU_TIER, (CPU_TIER,), 1, 16)
 
 
+def test_one_late_load_is_no_evidence_two_in_a_row_are() -> None:
+    guard = _guard_with_compute(per_token_s=1e-3)  # 48 tokens: 48 ms
+    for _ in range(5):
+        guard.observe_load(CPU_TIER, 3, 0.0)
+    guard.observe_load(CPU_TIER, 3, 0.2)  # reported a step late, once
+    assert guard.admit(CPU_TIER, (CPU_TIER,), 3, 48)
+    guard.observe_load(CPU_TIER, 3, 0.2)  # and again: the tier is slow now
+    assert not guard.admit(CPU_TIER, (CPU_TIER,), 3, 48)
+    for _ in range(4):
+        guard.observe_load(CPU_TIER, 3, 0.0)
+    assert guard.admit(CPU_TIER, (CPU_TIER,), 3, 48)
+
+
 def test_refused_tier_is_probed_every_eighth_time() -> None:
     guard = _guard_with_compute(per_token_s=1e-3)
     guard.observe_load(CPU_TIER, 1, 0.0)

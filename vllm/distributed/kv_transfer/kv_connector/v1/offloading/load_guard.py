@@ -12,8 +12,9 @@ The estimates, all from this engine instance's own measurements (``docs/load_gua
   step wall time against the tokens the step scheduled (``step_s = base + per_token * tokens``):
   a running estimate by batch size. Computing a hit's ``H`` tokens costs ``per_token * H``: the
   extra time of the steps that compute them.
-* **Load, per tier**: a decayed line through the tier's completed loads, their wait against
-  their blocks (``wait_s = latency + per_block * blocks``). A load's wait is the time from the
+* **Load, per tier**: a decayed line through the tier's completed loads (each the median of the
+  tier's last three, so a single late one is no evidence), their wait against their blocks
+  (``wait_s = latency + per_block * blocks``). A load's wait is the time from the
   decision until the blocks are ready (the load job reported; a promotion reported by its tier),
   less the step it runs in: that step's forward of the other requests runs whether or not this
   request loads. A hit in a secondary tier is loaded in
@@ -35,6 +36,7 @@ pending waits touched by ``observe_step_end`` are the loads in flight).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 CPU_TIER = "CPU"
@@ -46,8 +48,14 @@ COMPUTE_DECAY = 0.98
 IDLE_STEP_DECAY = 0.9
 """Weight kept by the mean of the steps that computed nothing at each new one."""
 
-LOAD_DECAY = 0.8
-"""Weight kept by a tier's older loads at each new load (about 5 loads' memory)."""
+LOAD_DECAY = 0.5
+"""Weight kept by a tier's older (filtered) loads at each new load (about 2 loads' memory:
+the median filter below already keeps single outliers out)."""
+
+LOAD_FILTER = 3
+"""A tier's line is fed the median of its last this many loads (by wait; of an even number,
+the lower): one load reported a step late does not make a healthy tier look slow, two in a
+row do."""
 
 PROBE_EVERY = 8
 """Every this many refusals in a row of one tier, the next hit in it is loaded anyway."""
@@ -167,6 +175,8 @@ class LoadGuard:
         self._load_decay = load_decay
         self.compute = DecayedLineFit(compute_decay)
         self.loads: dict[str, DecayedLineFit] = {}
+        # Per tier, its last LOAD_FILTER loads as (blocks, seconds), oldest first.
+        self._recent: dict[str, deque[tuple[int, float]]] = {}
         self.stats: dict[str, TierGuardStats] = {}
         self._step_start: tuple[float, int] | None = None
         self._pending: list[PendingWait] = []
@@ -217,11 +227,16 @@ class LoadGuard:
 
     def observe_load(self, tier: str, num_blocks: int, seconds: float) -> None:
         """One completed load of ``num_blocks`` from ``tier`` that made its request wait
-        ``seconds`` beyond the step it ran in."""
-        fit = self.loads.get(tier)
-        if fit is None:
-            fit = self.loads[tier] = DecayedLineFit(self._load_decay)
-        fit.add(num_blocks, seconds)
+        ``seconds`` beyond the step it ran in; the median of the tier's last ``LOAD_FILTER``
+        loads goes into its line."""
+        recent = self._recent.get(tier)
+        if recent is None:
+            recent = self._recent[tier] = deque(maxlen=LOAD_FILTER)
+            self.loads[tier] = DecayedLineFit(self._load_decay)
+        recent.append((num_blocks, seconds))
+        ordered = sorted(recent, key=lambda sample: sample[1])
+        blocks, wait = ordered[(len(ordered) - 1) // 2]
+        self.loads[tier].add(blocks, wait)
 
     def reset(self) -> None:
         """Forget the waits in flight (``reset_cache``: their completions are ignored). The
