@@ -14,11 +14,11 @@ The estimates, all from this engine instance's own measurements (``docs/load_gua
   extra time of the steps that compute them.
 * **Load, per tier**: a decayed line through the tier's completed loads (each the median of the
   tier's last three, so a single late one is no evidence), their wait against their blocks
-  (``wait_s = latency + per_block * blocks``). A load's wait is the time from the
-  decision until the blocks are ready (the load job reported; a promotion reported by its tier),
-  less the step it runs in: that step's forward of the other requests runs whether or not this
-  request loads. A hit in a secondary tier is loaded in
-  two legs (promotion to the CPU tier, then CPU -> GPU): its estimate is the sum of both tiers'.
+  (``wait_s = latency + per_block * blocks``). A load's wait is the time from the decision
+  until the blocks are ready (the load job reported; a promotion reported by its tier), less
+  the step it runs in: that step's forward of the other requests runs whether or not this
+  request loads. A hit in a secondary tier is loaded in two legs (promotion to the CPU tier,
+  then CPU -> GPU): its estimate is the sum of both tiers'.
 * **The step it waits**: a loading request is served at the earliest one step later; the guard
   charges every load that step's fixed cost, the decayed mean duration of the engine's steps
   that computed nothing (the scheduling round trip alone; 0 until one was seen). The forward of
@@ -30,8 +30,8 @@ without a compute estimate, or without a sample of the tier, the answer is "load
 behaves as without the guard). A refused tier is probed again: every ``probe_every``-th refusal
 in a row of a tier is loaded anyway, so its estimate follows a tier that recovered.
 
-Threading: scheduler thread only, like the connector that owns it. Every call is O(1) (the
-pending waits touched by ``observe_step_end`` are the loads in flight).
+Threading: scheduler thread only, like the connector that owns it. Every call is O(1) but
+``on_step_end`` and ``end_wait``, which are O(the loads being waited for).
 """
 
 from __future__ import annotations
