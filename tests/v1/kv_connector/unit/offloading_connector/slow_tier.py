@@ -24,6 +24,7 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, r
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
+from vllm.model_executor.models.llama_config import get_preset
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_offload.tiering.base import JobResult, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
@@ -119,12 +120,16 @@ def serve_two_passes(
         "secondary_tiers": [{"type": SLOW_TIER, "load_delay_s": delay_s}],
         "load_guard": guard,
     }
+    p = get_preset(preset)
     config = make_config(
         tmp_path,
         cpu_blocks=4 * num_prompts * prompt_tokens // 16 if offload else None,
         extra=extra,
         model="transformer",
         model_preset=preset,
+        num_layers=p.num_layers,
+        num_kv_heads=p.num_kv_heads,
+        head_size=p.head_dim,
         num_gpu_blocks=2 * prompt_tokens // 16 + 8,
         max_num_batched_tokens=max(512, prompt_tokens),
     )
