@@ -108,16 +108,18 @@ def serve_two_passes(
     delay_s: float = 0.25,
     preset: str = "tiny",
     seed: int = 7,
+    secondary_tiers: list[dict[str, Any]] | None = None,
 ) -> TwoPassResult:
     """Store ``num_prompts`` prompts, reset, serve them again one at a time (see the module
-    docstring); ``offload=False`` runs the baseline (no connector)."""
+    docstring); ``offload=False`` runs the baseline (no connector). ``secondary_tiers``
+    replaces the ``SlowTier`` of ``delay_s`` (e.g. a redis tier behind a slow link)."""
     tmp_path.mkdir(parents=True)
     metrics = OffloadingConnectorStats()
     rng = random.Random(seed)
     prompts = [random_tokens(rng, prompt_tokens) for _ in range(num_prompts)]
     extra = {
         "spec_name": "TieringOffloadingSpec",
-        "secondary_tiers": [{"type": SLOW_TIER, "load_delay_s": delay_s}],
+        "secondary_tiers": secondary_tiers or [{"type": SLOW_TIER, "load_delay_s": delay_s}],
         "load_guard": guard,
     }
     p = get_preset(preset)
