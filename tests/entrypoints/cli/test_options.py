@@ -273,6 +273,7 @@ _RUN_DEFAULTS: dict[str, object] = {
     "fs_root": None,
     "fs_max_bytes": 2**30,
     "no_fs": False,
+    "no_load_guard": False,
     "fs_clear": False,
     "fs_read_threads": 2,
     "fs_write_threads": 2,

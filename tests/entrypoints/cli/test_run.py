@@ -109,9 +109,11 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "redis_url",
         "redis_down",
         "cross_instance_tokens",
+        "load_guard",
         "samples",
     } | ({"connector_thread_cpu_us", "worker_connector_thread_cpu_us"} if offload else set())
     assert run["offload"] is offload
+    assert run["load_guard"] is None  # never on for the hash model nor without offloading
     assert run["engine_thread_cpu_s"] > 0 and run["verify_s"] >= 0
     assert len(run["outputs_digest"]) == 64 and run["verification"]["mode"] == "loaded"
     tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier", "redis_tier"}
@@ -505,6 +507,24 @@ def test_the_transformer_serves_offloaded_prefixes_checked_after_the_window(
     assert off["verification"]["blocks_mismatched"] == 0
     assert base["outputs_digest"] == off["outputs_digest"]
     assert base["verify_s"] >= 0 and off["engine_thread_cpu_s"] > 0
+    # The load guard is on with the transformer: its decisions and estimates per tier.
+    assert doc["settings"]["load_guard"] is True and base["load_guard"] is None
+    guard = off["load_guard"]
+    assert guard["enabled"] is True and guard["compute_s_per_token"] > 0
+    assert set(guard["tiers"]) <= {"cpu_tier", "fs_tier", "redis_tier"} and guard["tiers"]
+    for tier in guard["tiers"].values():
+        assert 0 <= tier["guard_skipped_hits"] <= tier["guard_decisions"]
+        assert tier["guard_skipped_tokens"] >= tier["guard_skipped_hits"]
+    assert "load guard: prefill" in text
+
+
+def test_no_load_guard_loads_every_hit(tmp_path: Path) -> None:
+    out = tmp_path / "unguarded.json"
+    argv = [*_transformer_argv(), "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    assert main([*argv, "--no-load-guard"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["load_guard"] is False
+    assert doc["runs"]["offload"]["load_guard"] is None
 
 
 def test_verify_none_checks_nothing_and_never_passes(

@@ -54,7 +54,11 @@ def _serve(config: EngineConfig) -> tuple[dict[str, list[int]], dict[Any, bytes]
 
 def _config(tmp_path: Path, cpu_blocks: int | None = None, **kw: Any) -> EngineConfig:
     kw.setdefault("num_gpu_blocks", 40)
-    return make_config(tmp_path, cpu_blocks=cpu_blocks, model="transformer", **kw)
+    # Every hit loaded: these tests are about what loads bring (the tiny preset's prefill is
+    # so cheap that the load guard would compute most hits; its own tests are elsewhere).
+    return make_config(
+        tmp_path, cpu_blocks=cpu_blocks, model="transformer", extra={"load_guard": False}, **kw
+    )
 
 
 @pytest.fixture(autouse=True)

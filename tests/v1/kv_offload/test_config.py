@@ -32,6 +32,7 @@ ALL_KEYS = (
     "store_threshold",
     "max_tracker_size",
     "copy_dma_min_chunk_bytes",
+    "load_guard",
 )
 
 
@@ -64,6 +65,7 @@ def test_defaults() -> None:
         store_threshold=0,
         max_tracker_size=64_000,
         copy_dma_min_chunk_bytes=(1 << 20, 1 << 20),
+        load_guard=True,
     )
     assert OffloadingConfig.allowed_keys() == ALL_KEYS
     assert parse_offloading_config({"cpu_bytes_to_use": 4096}) == cfg
@@ -253,6 +255,11 @@ def test_shared_region_dir_invalid(value: Any) -> None:
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "30"])
 def test_join_timeout_invalid(value: Any) -> None:
     _bad("shared_region_join_timeout_s", value, "a finite number of seconds > 0")
+
+
+@pytest.mark.parametrize("value", [1, "false", None])
+def test_load_guard_invalid(value: Any) -> None:
+    _bad("load_guard", value, "true or false")
 
 
 @pytest.mark.parametrize("value", [1, 0, "true", None])

@@ -147,6 +147,8 @@ class TiersConfig:
         block_size: tokens per offloaded block (a multiple of the GPU block size).
         fs: the fs tier; None runs without one.
         redis: the redis tier (after the fs tier); None runs without one.
+        load_guard: False turns the load guard off (``load_guard: false``); True leaves the
+            key to its default (on, but off for the hash stand-in).
     """
 
     cpu_bytes: int
@@ -154,6 +156,7 @@ class TiersConfig:
     block_size: int
     fs: FsTierOptions | None = None
     redis: RedisTierOptions | None = None
+    load_guard: bool = True
 
     def connector_config(self) -> dict[str, Any]:
         """The offloading connector's ``kv_connector_extra_config`` (``docs/configuration.md``)."""
@@ -162,6 +165,8 @@ class TiersConfig:
             "eviction_policy": self.eviction_policy,
             "block_size": self.block_size,
         }
+        if not self.load_guard:
+            cfg["load_guard"] = False
         if self.fs is None and self.redis is None:
             cfg["spec_name"] = "CPUOffloadingSpec"
             return cfg
@@ -372,6 +377,7 @@ def _tiers_config(args: argparse.Namespace) -> TiersConfig:
         block_size=offload_block_size,
         fs=fs,
         redis=_redis_options(args),
+        load_guard=not args.no_load_guard,
     )
 
 
@@ -611,6 +617,8 @@ def _settings(
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "cpu_bytes": tiers.cpu_bytes,
         "eviction_policy": tiers.eviction_policy,
+        # Whether the offloaded run's connector guards its loads (never with the hash model).
+        "load_guard": tiers.load_guard and engine.model.value == "transformer",
         "fs_root": None if tiers.fs is None else str(tiers.fs.root),
         "fs_max_bytes": None if tiers.fs is None else tiers.fs.max_bytes,
         "redis_url": None if tiers.redis is None else tiers.redis.shown_url(),

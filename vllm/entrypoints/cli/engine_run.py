@@ -263,6 +263,8 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
     }
     result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
     c = snap.connector
+    guard = {k.removeprefix("load_guard."): v for k, v in c.items() if k.startswith("load_guard.")}
+    result.load_guard = guard or None  # the guard always reports its step cost when on
     for name, direction in GPU_DIRECTIONS.items():
         blocks_key = "store_blocks" if direction is Direction.GPU_TO_CPU else "load_blocks"
         failed_key = f"failed_{blocks_key}"

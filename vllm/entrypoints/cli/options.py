@@ -285,6 +285,11 @@ def _cpu_tier_options() -> tuple[_Option, ...]:
             "serves too",
         ),
         _choice("--eviction-policy", EVICTION_POLICIES, "lru", "the CPU tier's cache policy"),
+        _switch(
+            "--no-load-guard",
+            "load every hit, even where loading it is estimated slower than computing it "
+            "(docs/load_guard.md; the guard is always off with --model hash)",
+        ),
     )
 
 

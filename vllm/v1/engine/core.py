@@ -65,6 +65,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.kv_cache_manager import KVCacheManager
+from vllm.v1.engine.model_runner import ModelKind
 from vllm.v1.engine.scheduler import ModelRunnerOutput, RequestOutput, Scheduler
 from vllm.v1.engine.stats import EngineStats, StepRecord
 from vllm.v1.engine.verification import BlockKey, KVOracle, VerificationResult, VerifyMode
@@ -85,6 +86,26 @@ def freeze_gc_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def _connector_extra_config(config: EngineConfig) -> Mapping[str, Any]:
+    """The connector's ``kv_connector_extra_config``, with the load guard off by default for
+    the hash stand-in.
+
+    The stand-in computes almost nothing (its prefill is free by design, for fast tests), so
+    the guard would find every load slower than recomputing and skip the hits the tests and
+    ``run --model hash`` are about. A config that sets ``load_guard`` is passed unchanged.
+    """
+    extra = config.kv_connector_extra_config
+    assert extra is not None
+    if (
+        config.model is ModelKind.HASH
+        and config.kv_connector == "OffloadingConnector"
+        and config.kv_connector_module_path is None
+        and "load_guard" not in extra
+    ):
+        return {**extra, "load_guard": False}
+    return extra
 
 
 class KVOutputAggregator:
@@ -174,7 +195,7 @@ class EngineCore(ClosingContextManager):
                 self.kv_transfer_config = KVTransferConfig(
                     kv_connector=config.kv_connector,
                     kv_connector_module_path=config.kv_connector_module_path,
-                    kv_connector_extra_config=config.kv_connector_extra_config,
+                    kv_connector_extra_config=_connector_extra_config(config),
                     hash_block_size=self._hash_block_size,
                     enable_kv_events=config.enable_kv_events,
                     record_block_origins=config.record_block_origins,

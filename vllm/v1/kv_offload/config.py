@@ -300,6 +300,8 @@ class OffloadingConfig:
             contiguous chunk has at least this many bytes take the batched DMA path, smaller
             ones the SM-copy kernel (``vllm.kv_copy.method_choice``; default 1 MiB each way, the
             H200 crossover). Given as one size or ``{"store": size, "load": size}``.
+        load_guard: load a hit only when loading it is estimated faster than computing it
+            (``offloading/load_guard.py``, ``docs/load_guard.md``); False loads every hit.
     """
 
     # fmt: off
@@ -315,6 +317,7 @@ class OffloadingConfig:
     store_threshold: int = field(default=0, metadata=_key(_parse_non_negative_int, _NON_NEGATIVE_INT))  # noqa: E501
     max_tracker_size: int = field(default=DEFAULT_MAX_TRACKER_SIZE, metadata=_key(_parse_positive_int, _POSITIVE_INT))  # noqa: E501
     copy_dma_min_chunk_bytes: tuple[int, int] = field(default=(DEFAULT_DMA_MIN_CHUNK_BYTES, DEFAULT_DMA_MIN_CHUNK_BYTES), metadata=_key(_parse_dma_threshold, _DMA_THRESHOLD))  # noqa: E501
+    load_guard: bool = field(default=True, metadata=_key(_parse_bool, _BOOL))
     # fmt: on
 
     def __post_init__(self) -> None:

@@ -234,6 +234,9 @@ class RunResult:
             outside a fleet.
         outputs: output token ids per request id, to compare runs.
         samples: one sample per engine step, for the plot.
+        load_guard: the load guard's figures (the connector's ``load_guard.*`` statistics,
+            without the prefix: ``compute_s_per_token``, ``<tier>.skipped_tokens``, ...; see
+            ``LoadGuard.summary``); None when the guard was off (or no offloading).
     """
 
     label: str
@@ -277,6 +280,7 @@ class RunResult:
     cross_instance_tokens: int | None = None
     outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     samples: list[StepSample] = field(default_factory=list)
+    load_guard: dict[str, float | int] | None = None
 
     @property
     def outputs_digest(self) -> str:

@@ -80,6 +80,43 @@ def fs_json(fs: FsTierState) -> dict[str, Any]:
     }
 
 
+# The load guard's tier names (``load_guard.CPU_TIER``, the secondary tiers' types) in the
+# report's tier keys.
+_GUARD_TIERS = {"CPU": Tier.CPU, "fs": Tier.FS, "redis": Tier.REDIS}
+
+
+def load_guard_json(run: RunResult) -> dict[str, Any] | None:
+    """The JSON object of the load guard's figures in a run (None: the guard was off).
+
+    ``tiers`` has an entry per tier the guard decided on or measured, under the report's tier
+    keys (``cpu_tier``, ``fs_tier``, ``redis_tier``); the estimates are absent before their
+    first sample.
+    """
+    g = run.load_guard
+    if g is None:
+        return None
+    tiers: dict[str, dict[str, Any]] = {}
+    for name, tier in _GUARD_TIERS.items():
+        if f"{name}.decisions" not in g and f"{name}.s_per_block" not in g:
+            continue
+        entry: dict[str, Any] = {
+            "guard_decisions": g.get(f"{name}.decisions", 0),
+            "guard_skipped_hits": g.get(f"{name}.skipped_hits", 0),
+            "guard_skipped_tokens": g.get(f"{name}.skipped_tokens", 0),
+            "guard_probes": g.get(f"{name}.probes", 0),
+        }
+        if f"{name}.s_per_block" in g:
+            entry["load_latency_s"] = g[f"{name}.latency_s"]
+            entry["load_s_per_block"] = g[f"{name}.s_per_block"]
+        tiers[tier.value] = entry
+    return {
+        "enabled": True,
+        "compute_s_per_token": g.get("compute_s_per_token"),
+        "step_overhead_s": g.get("step_overhead_s"),
+        "tiers": tiers,
+    }
+
+
 def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
     """The JSON object of one run (without ``samples`` when False: a fleet instance's)."""
     doc: dict[str, Any] = {
@@ -126,6 +163,7 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         "redis_url": run.redis_url,
         "redis_down": run.redis_down,
         "cross_instance_tokens": run.cross_instance_tokens,
+        "load_guard": load_guard_json(run),
     }
     if run.offload:
         for key, values in (

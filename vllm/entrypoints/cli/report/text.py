@@ -34,6 +34,7 @@ from vllm.entrypoints.cli.report.figures import (
     Tier,
     ratio,
 )
+from vllm.entrypoints.cli.report.json_doc import load_guard_json
 from vllm.entrypoints.cli.report.verdict import (
     compare_outputs,
     judge,
@@ -498,6 +499,33 @@ def _transfers(o: RunResult) -> Iterable[str]:
     yield "    (throughput: while transferring; average: over the run's wall time)"
     for note in notes:
         yield from _wrap(f"({note})", indent=4, hanging=1)
+    yield from _load_guard(o)
+
+
+def _load_guard(o: RunResult) -> Iterable[str]:
+    """The load guard's decisions per tier and the estimates behind them (docs/load_guard.md)."""
+    g = load_guard_json(o)
+    if g is None:
+        return
+    per_token = g["compute_s_per_token"]
+    compute = "not measured" if per_token is None else f"{per_token * 1e6:,.1f} us/token"
+    step = g["step_overhead_s"] or 0.0
+    yield from _wrap(
+        f"load guard: prefill {compute}, a step's fixed cost {step * 1e3:,.2f} ms", indent=2
+    )
+    for tier, t in g["tiers"].items():
+        estimate = (
+            f"load {t['load_latency_s'] * 1e3:,.2f} ms + {t['load_s_per_block'] * 1e3:,.3f} "
+            "ms/block beyond its step"
+            if "load_s_per_block" in t
+            else "load not measured"
+        )
+        yield from _wrap(
+            f"{tier.replace('_', ' ')}: {t['guard_skipped_hits']:,} of "
+            f"{t['guard_decisions']:,} hits computed instead of loaded "
+            f"({t['guard_skipped_tokens']:,} tokens), {t['guard_probes']:,} probes; {estimate}",
+            indent=4,
+        )
 
 
 def _disk(report: Report, home: str | None) -> Iterable[str]:

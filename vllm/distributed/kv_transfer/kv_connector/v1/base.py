@@ -368,7 +368,8 @@ class KVConnectorBase_V1(ABC):
 
     def observe_step(self, wall_seconds: float, cpu_seconds: float) -> None:  # noqa: B027
         """The time the engine spent in this half's hooks during one step (wall, and the
-        engine thread's CPU), for the connector's statistics. Default: ignored."""
+        engine thread's CPU), for the connector's statistics; called once at the end of every
+        step that scheduled, so it also marks the step's end. Default: ignored."""
 
     def get_stats(self) -> dict[str, int | float]:
         """Cumulative counters of the connector (and what it drives), for reports; no side

@@ -445,6 +445,56 @@ CATALOG: tuple[MetricDef, ...] = (
         buckets=STEP_BUCKETS,
         source="engine",
     ),
+    # The load guard (offloading/load_guard.py; absent when the guard is off).
+    _m(
+        "kv_offload_load_guard_skipped_hits",
+        _C,
+        _TIER,
+        "hits",
+        "Hits in the tier the load guard computed instead of loading (loading was slower).",
+    ),
+    _m(
+        "kv_offload_load_guard_skipped_tokens",
+        _C,
+        _TIER,
+        "tokens",
+        "Tokens of those hits: recomputed because loading them was estimated slower.",
+    ),
+    _m(
+        "kv_offload_load_guard_probes",
+        _C,
+        _TIER,
+        "hits",
+        "Hits the load guard loaded although it estimated loading slower (re-probes).",
+    ),
+    _m(
+        "kv_offload_load_guard_load_latency_seconds",
+        _G,
+        _TIER,
+        "seconds",
+        "The load guard's estimate of a load's fixed wait in the tier, beyond its step.",
+    ),
+    _m(
+        "kv_offload_load_guard_load_seconds_per_block",
+        _G,
+        _TIER,
+        "seconds",
+        "The load guard's estimate of a load's wait per block in the tier, beyond its step.",
+    ),
+    _m(
+        "kv_offload_load_guard_compute_seconds_per_token",
+        _G,
+        (),
+        "seconds",
+        "The load guard's estimate of the engine's prefill time per token.",
+    ),
+    _m(
+        "kv_offload_load_guard_step_seconds",
+        _G,
+        (),
+        "seconds",
+        "The load guard's estimate of a step's fixed cost, charged to every load.",
+    ),
     # Tokens, per tier (engine-level: the report's figures).
     _m(
         "prefix_cache_queries",

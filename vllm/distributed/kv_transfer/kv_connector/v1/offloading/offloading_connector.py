@@ -210,8 +210,10 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     @override
     def observe_step(self, wall_seconds: float, cpu_seconds: float) -> None:
-        """Record the time the engine spent in this (scheduler-side) connector during a step."""
+        """Record the time the engine spent in this (scheduler-side) connector during a step;
+        the step ended (the load guard's compute sample)."""
         self.connector_scheduler.stats_collector.observe_step(wall_seconds, cpu_seconds)
+        self.connector_scheduler.on_step_end()
 
     @override
     def get_stats(self) -> dict[str, int | float]:

@@ -65,6 +65,9 @@ class RequestOffloadState:
             ``lookup_fn`` for the notes without a tier.
         transfer_jobs: ids of the request's jobs in flight.
         finished: ``request_finished`` was called.
+        guard_decided: the tiers whose part of the hit the load guard already let the request
+            load since its lookups began to wait (a deferred lookup is repeated every step; the
+            decision is made once).
     """
 
     req: Request
@@ -80,6 +83,7 @@ class RequestOffloadState:
     promoted_keys: dict[OffloadKey, str | None] = field(default_factory=dict)
     transfer_jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
+    guard_decided: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         num_groups = len(self.layout.gpu_block_sizes)

@@ -36,6 +36,7 @@ books raise before any change: each public method runs its check from ``engine_c
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,7 +55,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.engine_checks impor
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
+    LookupFn,
     lookup_hit_end,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.load_guard import (
+    CPU_TIER,
+    LoadGuard,
+    PendingWait,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -135,8 +142,12 @@ class OffloadingConnectorScheduler(EngineCallChecks):
 
         self._jobs = TransferJobTable(self.num_workers)
         self._metrics = OffloadingSchedulerMetrics()
-        # Turns the counters above, the manager's and the tiers' into per-step stats.
-        self.stats_collector = SchedulerStatsCollector(spec, self.manager, self._metrics)
+        # Loads only when they beat recompute (None: the config turned the guard off).
+        self.load_guard: LoadGuard | None = LoadGuard() if spec.config.load_guard else None
+        # Turns the counters above, the manager's, the tiers' and the guard's into per-step stats.
+        self.stats_collector = SchedulerStatsCollector(
+            spec, self.manager, self._metrics, self.load_guard
+        )
         self._request_states: dict[ReqId, RequestOffloadState] = {}
         # Running requests whose latest prepare_store found no room: offered again at the next
         # step even when not scheduled in it (under async scheduling a request's last step is
@@ -153,6 +164,12 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         # with every block stored, so only reports that need it turn it on, e.g. a fleet run
         # telling cross-instance reuse from an instance's own).
         self.stored_keys: set[OffloadKey] | None = None
+        # The guard's measurement of each load job in flight (CPU -> GPU), by job id.
+        self._load_waits: dict[JobId, PendingWait] = {}
+        # The guard's measurement of each promotion a request waits for since the guard let
+        # it, with its keys: it ends when no key is being promoted any more (the tier reported
+        # it), whether or not the request was looked up again (it may wait for a slot).
+        self._promotion_waits: list[tuple[PendingWait, tuple[OffloadKey, ...]]] = []
 
     # -----------------------------------------------------------------------------------------
     # Helpers
@@ -191,13 +208,23 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         Returns:
             ``(n, True)``: ``n`` tokens are loadable, asynchronously. ``(0, False)``: nothing to
             load. ``(None, False)``: ask again next step (a block is not readable yet, or is
-            being loaded for another request).
+            being loaded for another request). With the load guard, ``n`` may be less than the
+            hit: the part the guard found slower to load than to compute is left out.
         """
         state = self._get_or_create_state(request)
+        result = self._match(state, num_computed_tokens)
+        if result[0] is not None and state.guard_decided:
+            state.guard_decided.clear()  # the wait is over: the next one is decided anew
+        return result
+
+    def _match(
+        self, state: RequestOffloadState, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens`` for the request of ``state``."""
         state.num_locally_computed_tokens = num_computed_tokens
         state.next_stored_block_idx = 0
         state.expect_fresh_alloc = True
-        self._deferred_store_reqs.discard(request.request_id)  # a restart offers all blocks anew
+        self._deferred_store_reqs.discard(state.req.request_id)  # a restart offers all anew
         block_size = self.offloaded_block_size
         num_blocks = state.extend_offload_keys()
         if num_blocks * block_size - num_computed_tokens < block_size:
@@ -220,7 +247,15 @@ class OffloadingConnectorScheduler(EngineCallChecks):
 
         start = num_computed_tokens // block_size
         lookup = state.lookup_fn(self.manager, self._jobs.is_being_stored)
-        end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
+        if self.load_guard is None:
+            end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
+        else:
+            results: dict[OffloadKey, bool | None] = {}
+            end, deferred = lookup_hit_end(
+                layout, _recording(lookup, results), state.offload_keys, start, num_blocks
+            )
+            if end > start:
+                end, deferred = self._guard_hit(state, results, start, end, deferred)
         limit = end - start
         if deferred:
             self._metrics.deferred_lookups += 1
@@ -235,6 +270,79 @@ class OffloadingConnectorScheduler(EngineCallChecks):
             self._metrics.deferred_lookups += 1
             return None, False
         return num_hit_tokens, True
+
+    def _hit_runs(
+        self,
+        state: RequestOffloadState,
+        results: dict[OffloadKey, bool | None],
+        start: int,
+        end: int,
+    ) -> list[tuple[str | None, int, int]]:
+        """The hit ``[start, end)`` as runs ``(tier, first, end)`` of offloaded blocks by where
+        they are: ``CPU_TIER`` (readable), a secondary tier's type (being promoted from it), or
+        None (not readable, no tier known: a tier's answer on its way, or a store of ours)."""
+        runs: list[tuple[str | None, int, int]] = []
+        promoted = state.promoted_keys
+        for i in range(start, end):
+            where: str | None = CPU_TIER
+            for keys in state.offload_keys:
+                key = keys[i]
+                if key in results and results[key] is None:
+                    where = promoted.get(key)
+                    break
+            if runs and runs[-1][0] == where:
+                runs[-1] = (where, runs[-1][1], i + 1)
+            else:
+                runs.append((where, i, i + 1))
+        return runs
+
+    def _guard_hit(
+        self,
+        state: RequestOffloadState,
+        results: dict[OffloadKey, bool | None],
+        start: int,
+        end: int,
+        deferred: bool,
+    ) -> tuple[int, bool]:
+        """The part of the hit ``[start, end)`` the load guard lets the request load, and
+        whether that part must still be waited for.
+
+        Each tier's part is decided once per wait (``state.guard_decided``), in order: the
+        first part refused ends the hit there (a hit is a prefix: what follows it is computed
+        too). A part whose tier is not known yet is not decided: the lookup waits for the
+        tier's answer, as without the guard.
+        """
+        guard = self.load_guard
+        assert guard is not None
+        block_size = self.offloaded_block_size
+        num_computed = state.num_locally_computed_tokens
+        runs = self._hit_runs(state, results, start, end)
+        cut = end
+        for where, first, last in runs:
+            if where is None:
+                break
+            if where in state.guard_decided:
+                continue
+            run_keys = tuple(self.layout.load_keys(state.offload_keys, first, last))
+            num_tokens = last * block_size - max(first * block_size, num_computed)
+            legs = (CPU_TIER,) if where == CPU_TIER else (where, CPU_TIER)
+            if not guard.admit(where, legs, len(run_keys), num_tokens):
+                cut = first
+                break
+            # A secondary tier's part includes its CPU -> GPU leg: decided with it.
+            state.guard_decided.update(legs)
+            if where != CPU_TIER:
+                wait = guard.start_wait(where, len(run_keys), time.perf_counter())
+                self._promotion_waits.append((wait, run_keys))
+        if cut == end:
+            return end, deferred
+        # The refused part is computed: its promotions (queued by the lookup) still bring the
+        # blocks to the CPU tier for later requests, but this one does not wait for them.
+        for keys in state.offload_keys:
+            for key in keys[cut:end]:
+                state.promoted_keys.pop(key, None)
+        still_deferred = any(where != CPU_TIER for where, first, _ in runs if first < cut)
+        return cut, still_deferred
 
     # -----------------------------------------------------------------------------------------
     # Allocation
@@ -290,6 +398,10 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         state.transfer_jobs.add(job_id)
         self._metrics.load_jobs += 1
         self._metrics.load_blocks += len(keys)
+        if self.load_guard is not None:
+            self._load_waits[job_id] = self.load_guard.start_wait(
+                CPU_TIER, len(keys), time.perf_counter()
+            )
 
         policy = state.offloading_context.policy
         remote_decode = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
@@ -424,7 +536,33 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         self._current_batch_allocated_blocks = []
 
         self._metrics.timed_schedule_end(self.manager.on_schedule_end)
+        if self.load_guard is not None:
+            now = time.perf_counter()
+            if self._promotion_waits:
+                self._end_promotion_waits(now)
+            self.load_guard.on_step_start(now, scheduler_output.total_num_scheduled_tokens)
         return metadata
+
+    def _end_promotion_waits(self, now: float) -> None:
+        """End the guard's waits whose promotions the tiers reported (the step's poll of the
+        tiers is done: ``on_schedule_end`` ran)."""
+        guard = self.load_guard
+        assert guard is not None
+        source = self.manager.promotion_source
+        pending = []
+        for wait, keys in self._promotion_waits:
+            if any(source(key) is not None for key in keys):
+                pending.append((wait, keys))
+            else:
+                guard.end_wait(wait, now)
+        self._promotion_waits = pending
+
+    def on_step_end(self) -> None:
+        """The engine step whose metadata was built last ended (the engine's ``observe_step``
+        hook): the load guard's compute sample. Engines that never call it leave the guard
+        without a compute estimate, so it loads every hit."""
+        if self.load_guard is not None:
+            self.load_guard.on_step_end(time.perf_counter())
 
     # -----------------------------------------------------------------------------------------
     # Completions
@@ -461,6 +599,10 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         else:
             self.manager.complete_load(job.keys, state.req_context)
             self._load_results.append(state.finish_load(job, self.stored_keys))
+            wait = self._load_waits.pop(job.job_id, None)
+            if wait is not None:
+                assert self.load_guard is not None
+                self.load_guard.end_wait(wait, time.perf_counter(), job.success)
             if not job.success:
                 metrics.failed_load_jobs += 1
                 metrics.failed_load_blocks += num_keys
@@ -533,6 +675,11 @@ class OffloadingConnectorScheduler(EngineCallChecks):
             state.next_stored_block_idx = 0
             state.transfer_jobs.clear()
             state.promoted_keys.clear()
+            state.guard_decided.clear()
+        self._load_waits.clear()
+        self._promotion_waits.clear()
+        if self.load_guard is not None:
+            self.load_guard.reset()
         self._metrics.cache_resets += 1
 
     def has_pending_work(self) -> bool:
@@ -549,7 +696,10 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         ``transfer.<SRC>_to_<DST>.{jobs,bytes,seconds}``, summed over worker ranks (a job run by
         two ranks counts twice; bytes are the total moved).
         """
-        return self._metrics.as_dict(len(self._jobs), self.manager.get_stats())
+        stats = self._metrics.as_dict(len(self._jobs), self.manager.get_stats())
+        if self.load_guard is not None:
+            stats.update(self.load_guard.summary())
+        return stats
 
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """Stats since the last call, the workers' included (see ``stats_collector``)."""
@@ -566,3 +716,13 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         the old one's.
         """
         return req_id in self._request_states
+
+
+def _recording(lookup: LookupFn, results: dict[OffloadKey, bool | None]) -> LookupFn:
+    """``lookup``, keeping each key's answer in ``results`` (for the load guard)."""
+
+    def lookup_key(key: OffloadKey) -> bool | None:
+        result = results[key] = lookup(key)
+        return result
+
+    return lookup_key

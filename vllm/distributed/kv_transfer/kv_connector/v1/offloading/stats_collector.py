@@ -21,13 +21,14 @@ import time
 from typing_extensions import override
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.load_guard import CPU_TIER, LoadGuard
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     MAX_PENDING_SAMPLES,
     OffloadingConnectorStats,
     OffloadingSchedulerMetrics,
 )
 from vllm.v1.kv_offload.base import OffloadingManager
-from vllm.v1.kv_offload.metrics import PRIMARY_TIER_LABEL, MetricsRecorder
+from vllm.v1.kv_offload.metrics import PRIMARY_TIER_LABEL, MetricsRecorder, tier_label
 from vllm.v1.kv_offload.spec import OffloadingSpec
 
 _GPU_TO_CPU = ("GPU_to_CPU",)
@@ -55,6 +56,7 @@ class SchedulerStatsCollector:
         manager: the connector's manager: its ``get_stats()`` keys feed the CPU tier's metrics,
             and its ``report_metrics`` anything more (a tiering manager: every secondary tier).
         metrics: the connector's cumulative counters.
+        load_guard: the connector's load guard (None: off); its decisions and estimates.
     """
 
     def __init__(
@@ -62,9 +64,16 @@ class SchedulerStatsCollector:
         spec: OffloadingSpec,
         manager: OffloadingManager,
         metrics: OffloadingSchedulerMetrics,
+        load_guard: LoadGuard | None = None,
     ) -> None:
         self._manager = manager
         self._metrics = metrics
+        self._load_guard = load_guard
+        # The guard's tier names (CPU_TIER, secondary tier types) -> the metrics' tier labels;
+        # a type that several tiers share takes the first one's.
+        self._guard_labels: dict[str, tuple[str, ...]] = {CPU_TIER: _PRIMARY}
+        for i, tier in enumerate(getattr(manager, "secondary_tiers", ())):
+            self._guard_labels.setdefault(tier.tier_type, (tier_label(i, tier.tier_type),))
         self._row_bytes: int = spec.row_bytes
         self._pending = OffloadingConnectorStats()
         self._worker_stats: list[OffloadingConnectorStats] = []
@@ -164,8 +173,36 @@ class SchedulerStatsCollector:
         stats.observe_many("vllm:kv_offload_lookup_sync_delay_seconds", samples)
         stats.set_gauge("vllm:kv_offload_jobs_in_flight", jobs_in_flight)
         self._collect_primary(stats)
+        if self._load_guard is not None:
+            self._collect_load_guard(stats, self._load_guard)
         self._manager.report_metrics(_Recorder(self, stats))
         return None if stats.is_empty() else stats
+
+    def _collect_load_guard(self, stats: OffloadingConnectorStats, guard: LoadGuard) -> None:
+        """The load guard's decisions per tier, and its estimates (gauges, where measured)."""
+        stats.set_gauge("vllm:kv_offload_load_guard_step_seconds", guard.step_overhead_s())
+        per_token = guard.compute_s(1)
+        if per_token is not None:
+            stats.set_gauge("vllm:kv_offload_load_guard_compute_seconds_per_token", per_token)
+        for tier, tier_stats in guard.stats.items():
+            labels = self._guard_labels.get(tier, (tier,))
+            self._count(
+                stats, "vllm:kv_offload_load_guard_skipped_hits", labels, tier_stats.skipped_hits
+            )
+            self._count(
+                stats,
+                "vllm:kv_offload_load_guard_skipped_tokens",
+                labels,
+                tier_stats.skipped_tokens,
+            )
+            self._count(stats, "vllm:kv_offload_load_guard_probes", labels, tier_stats.probes)
+        for tier, fit in guard.loads.items():
+            params = fit.params()
+            if params is None:
+                continue
+            labels = self._guard_labels.get(tier, (tier,))
+            stats.set_gauge("vllm:kv_offload_load_guard_load_latency_seconds", params[0], labels)
+            stats.set_gauge("vllm:kv_offload_load_guard_load_seconds_per_block", params[1], labels)
 
     def _collect_primary(self, stats: OffloadingConnectorStats) -> None:
         """The CPU (primary) tier, from the manager's ``get_stats()`` keys, where present."""

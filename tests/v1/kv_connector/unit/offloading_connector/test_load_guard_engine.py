@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""The load guard in a real engine (the transformer's smallest preset) with a slow tier.
+
+Every hit of the second pass of ``slow_tier.serve_two_passes`` is in ``SlowTier``, whose loads
+take ``DELAY_S``, far longer than recomputing the prompt. With the guard the first request waits
+(the estimates start optimistic) and the others are computed: the TTFT median is the baseline's.
+Without it every request waits.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from tests.v1.kv_connector.unit.offloading_connector.slow_tier import (
+    SLOW_TIER,
+    serve_two_passes,
+)
+
+# Imported so that the conftest runs this module in both scheduling modes (serve_two_passes
+# builds its engines with it).
+from tests.v1.kv_connector.unit.offloading_connector.utils import make_config  # noqa: F401
+
+DELAY_S = 0.25
+NUM_PROMPTS = 6
+PROMPT_TOKENS = 256
+
+
+def test_guard_recomputes_what_a_slow_tier_would_load(tmp_path: Path) -> None:
+    kw = dict(num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, delay_s=DELAY_S)
+    baseline = serve_two_passes(tmp_path / "base", offload=False, **kw)  # type: ignore[arg-type]
+    guarded = serve_two_passes(tmp_path / "guard", offload=True, **kw)  # type: ignore[arg-type]
+    unguarded = serve_two_passes(
+        tmp_path / "off",
+        offload=True,
+        guard=False,
+        **kw,  # type: ignore[arg-type]
+    )
+    stats, metrics = guarded.stats, guarded.metrics
+    prefix = f"load_guard.{SLOW_TIER}."
+    # The first hit waited (optimistic start), the others were computed.
+    assert stats[prefix + "decisions"] == NUM_PROMPTS
+    assert stats[prefix + "skipped_hits"] == NUM_PROMPTS - 1
+    assert stats[prefix + "skipped_tokens"] == (NUM_PROMPTS - 1) * PROMPT_TOKENS
+    assert stats[prefix + "latency_s"] + stats[prefix + "s_per_block"] * 16 >= DELAY_S / 2
+    assert not any(k.startswith("load_guard.") for k in unguarded.stats)
+    # The same figures as metrics, under the tier's label.
+    label = (f"1:{SLOW_TIER}",)
+    assert metrics.get("vllm:kv_offload_load_guard_skipped_hits", label) == NUM_PROMPTS - 1
+    assert (
+        metrics.get("vllm:kv_offload_load_guard_skipped_tokens", label)
+        == stats[prefix + "skipped_tokens"]
+    )
+    assert metrics.get("vllm:kv_offload_load_guard_load_seconds_per_block", label) > 0
+    assert metrics.get("vllm:kv_offload_load_guard_compute_seconds_per_token") > 0
+    assert unguarded.metrics.get("vllm:kv_offload_load_guard_skipped_hits", label) is None
+    # "No higher than the baseline's", within the noise of a shared machine: far below the
+    # slow tier's wait, which every unguarded request pays.
+    base_median = statistics.median(baseline.ttfts_s)
+    guarded_median = statistics.median(guarded.ttfts_s)
+    unguarded_median = statistics.median(unguarded.ttfts_s)
+    assert guarded_median <= 1.5 * base_median + 0.02, (guarded_median, base_median)
+    assert unguarded_median >= base_median + DELAY_S / 2, (unguarded_median, base_median)
+    assert unguarded_median > guarded_median + DELAY_S / 2
