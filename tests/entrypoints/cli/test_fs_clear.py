@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm.entrypoints.cli.fs_clear import clear_fs_root
 from vllm.entrypoints.cli.main import main
 
 from .test_run import run_tiny
@@ -41,3 +42,14 @@ def test_fs_clear_deletes_only_what_the_tier_wrote(
     assert "removed 0 run directories (0 B)" in capsys.readouterr().out
     code, doc = run_tiny(tmp_path, "r2")
     assert doc["runs"]["offload"]["fs_tier"]["warm_start"] is False
+
+
+def test_fs_clear_counts_each_block_file_once(tmp_path: Path) -> None:
+    # A block file has a second name (its slot's hard link): the bytes freed are the files', not
+    # twice them. Beyond the block files only the small metadata files (config.json, writers/).
+    code, doc = run_tiny(tmp_path, "r1")
+    assert code == 0
+    written = doc["runs"]["offload"]["fs_tier"]["bytes_at_end"]
+    runs, removed = clear_fs_root(tmp_path / "fs")
+    assert runs == 1
+    assert written <= removed < written + 64 * 1024

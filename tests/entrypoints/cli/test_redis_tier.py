@@ -195,7 +195,9 @@ def test_a_fleet_never_prints_the_password_while_its_server_dies_and_comes_back(
 ) -> None:
     out = tmp_path / "report.json"
     stderr_path = tmp_path / "stderr.txt"
-    args = workload_args(clients=2, sessions=40, think_time=0.01, timeout=300)
+    # Think time long enough that the offloaded run outlasts the outage (with 0.01 s it ended
+    # in under a second, inside the outage, and its tiers rightly reported a dead server).
+    args = workload_args(clients=2, sessions=40, think_time=0.2, timeout=300)
     args += ["--no-progress", "-v", "--engines", "2", "--json", str(out)]
     args += ["--redis-url", f"redis://:{PASSWORD}@127.0.0.1:{locked.port}"]
     with stderr_path.open("w") as stderr:
@@ -229,6 +231,7 @@ def test_a_fleet_never_prints_the_password_while_its_server_dies_and_comes_back(
     assert proc.returncode == 0, printed[-4000:]
     assert PASSWORD not in printed
     assert "redis://:***@127.0.0.1" in printed, "the output names the server, masked"
+    assert "server answers again" in printed, "the outage ended while the run went on"
     # -v: the instances logged, their redis tiers too (start-up, and the outage).
     instance_lines = [line for line in printed.splitlines() if line.startswith("engine ")]
     assert any("redis tier" in line for line in instance_lines), instance_lines[:20]

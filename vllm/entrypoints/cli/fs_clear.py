@@ -80,12 +80,19 @@ def _clear_runs(root: Path) -> tuple[int, int]:
 
 
 def _tree_bytes(path: Path) -> int:
+    """The bytes of the files under ``path``, each file once: a block file also has a hard link
+    in ``slots/`` (the capacity index's), which frees no byte of its own."""
+    seen: set[tuple[int, int]] = set()
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
+                st = os.lstat(os.path.join(dirpath, name))
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
     return total

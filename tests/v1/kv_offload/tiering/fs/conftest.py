@@ -164,13 +164,15 @@ def share(*tiers: FileSystemSecondaryTier) -> None:
         assert not tier.sole_writer
 
 
-def register_dead_writer(tier: FileSystemSecondaryTier) -> Path:
+def register_dead_writer(tier: FileSystemSecondaryTier, *, create: bool = True) -> Path:
     """What a crashed instance on this host leaves in ``writers/``: its presence file, naming a
-    process that no longer exists (the layout of ``docs/fs_tier.md``)."""
+    process that no longer exists (the layout of ``docs/fs_tier.md``). ``create=False`` only
+    names it, for a test that lays out the writer's other leftovers first."""
     proc = subprocess.Popen(["true"])
     proc.wait()
     path = Path(tier.rank_dir) / "writers" / f"{HOST_TAG}.{proc.pid}.0badc0de"
-    path.touch()
+    if create:
+        path.touch()
     return path
 
 

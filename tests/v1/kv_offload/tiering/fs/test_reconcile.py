@@ -245,7 +245,7 @@ def test_a_crashed_writers_claim_is_freed(make_tier: TierFactory, primary: Prima
     tier = make_tier(max_bytes=4 * FILE_SIZE, **FAST)
     assert store(tier, primary, [key_of(1)], [0])
     leaf = Path(block_file(tier, key_of(1))).parent
-    presence = register_dead_writer(tier)
+    presence = register_dead_writer(tier, create=False)
     pid = presence.name.split(".")[1]
     tmp = leaf / f".{'ab' * 32}.{HOST_TAG}.{pid}.0badc0de.12345678.tmp"
     free = min({0, 1, 2, 3} - {_slot_number(p) for p in _slot_names(tier)})
@@ -258,7 +258,10 @@ def test_a_crashed_writers_claim_is_freed(make_tier: TierFactory, primary: Prima
     os.link(staging, tmp)
     staging.unlink()
     # The dead writer's presence file sends the reconcile through the directory: the pass
-    # removes its temporary file and frees the slot that file claimed.
+    # removes its temporary file and frees the slot that file claimed. Created last, as a
+    # writer's leftovers are all there before anyone sees it gone (created first, a pass could
+    # run between it and the files, forget the writer, and never walk the directory again).
+    presence.touch()
     assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert not tmp.exists() and len(_slot_names(tier)) == 1, _inodes(tier)
     assert _disk_bytes(tier) == FILE_SIZE
