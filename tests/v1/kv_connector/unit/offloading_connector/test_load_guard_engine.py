@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.v1.kv_connector.unit.offloading_connector.slow_tier import (
     SLOW_TIER,
-    serve_two_passes,
+    serve_three_ways,
 )
 
 # Also makes the conftest run this module in both scheduling modes (serve_two_passes builds its
@@ -29,14 +29,8 @@ PROMPT_TOKENS = 256
 
 
 def test_guard_recomputes_what_a_slow_tier_would_load(tmp_path: Path) -> None:
-    kw = dict(num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, delay_s=DELAY_S)
-    baseline = serve_two_passes(tmp_path / "base", offload=False, **kw)  # type: ignore[arg-type]
-    guarded = serve_two_passes(tmp_path / "guard", offload=True, **kw)  # type: ignore[arg-type]
-    unguarded = serve_two_passes(
-        tmp_path / "off",
-        offload=True,
-        guard=False,
-        **kw,  # type: ignore[arg-type]
+    baseline, guarded, unguarded = serve_three_ways(
+        tmp_path, num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, delay_s=DELAY_S
     )
     stats, metrics = guarded.stats, guarded.metrics
     prefix = f"load_guard.{SLOW_TIER}."
