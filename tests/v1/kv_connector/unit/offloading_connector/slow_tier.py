@@ -145,3 +145,15 @@ def serve_two_passes(
         ttfts = _ttfts(engine, prompts, "hit")
         wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         return TwoPassResult(ttfts, dict(engine.connector_stats()), metrics, wall, cpu)
+
+
+def serve_three_ways(
+    tmp_path: Path, **kwargs: Any
+) -> tuple[TwoPassResult, TwoPassResult, TwoPassResult]:
+    """``serve_two_passes`` as the baseline, with the load guard and without it (in that order),
+    each in its own directory under ``tmp_path``; ``kwargs`` go to every run."""
+    return (
+        serve_two_passes(tmp_path / "base", offload=False, **kwargs),
+        serve_two_passes(tmp_path / "guard", offload=True, **kwargs),
+        serve_two_passes(tmp_path / "off", offload=True, guard=False, **kwargs),
+    )

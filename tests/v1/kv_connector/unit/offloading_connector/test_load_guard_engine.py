@@ -15,12 +15,13 @@ from pathlib import Path
 
 from tests.v1.kv_connector.unit.offloading_connector.slow_tier import (
     SLOW_TIER,
-    serve_two_passes,
+    serve_three_ways,
 )
 
-# Imported so that the conftest runs this module in both scheduling modes (serve_two_passes
-# builds its engines with it).
-from tests.v1.kv_connector.unit.offloading_connector.utils import make_config  # noqa: F401
+# Also makes the conftest run this module in both scheduling modes (serve_two_passes builds its
+# engines with it too).
+from tests.v1.kv_connector.unit.offloading_connector.utils import make_config
+from vllm.v1.engine.core import EngineCore
 
 DELAY_S = 0.25
 NUM_PROMPTS = 6
@@ -28,14 +29,8 @@ PROMPT_TOKENS = 256
 
 
 def test_guard_recomputes_what_a_slow_tier_would_load(tmp_path: Path) -> None:
-    kw = dict(num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, delay_s=DELAY_S)
-    baseline = serve_two_passes(tmp_path / "base", offload=False, **kw)  # type: ignore[arg-type]
-    guarded = serve_two_passes(tmp_path / "guard", offload=True, **kw)  # type: ignore[arg-type]
-    unguarded = serve_two_passes(
-        tmp_path / "off",
-        offload=True,
-        guard=False,
-        **kw,  # type: ignore[arg-type]
+    baseline, guarded, unguarded = serve_three_ways(
+        tmp_path, num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, delay_s=DELAY_S
     )
     stats, metrics = guarded.stats, guarded.metrics
     prefix = f"load_guard.{SLOW_TIER}."
@@ -63,3 +58,15 @@ def test_guard_recomputes_what_a_slow_tier_would_load(tmp_path: Path) -> None:
     assert guarded_median <= 1.5 * base_median + 0.02, (guarded_median, base_median)
     assert unguarded_median >= base_median + DELAY_S / 2, (unguarded_median, base_median)
     assert unguarded_median > guarded_median + DELAY_S / 2
+
+
+def test_the_hash_stand_in_runs_without_the_guard_unless_asked(tmp_path: Path) -> None:
+    """The stand-in's prefill is free: the engine turns the guard off unless the config sets
+    ``load_guard`` (then it is what the config says)."""
+    for extra, expected in (({}, False), ({"load_guard": True}, True)):
+        with EngineCore(make_config(tmp_path, extra=extra)) as engine:
+            assert engine.connector is not None
+            scheduler = engine.connector.connector_scheduler  # type: ignore[attr-defined]
+            assert (scheduler.load_guard is not None) is expected
+            stats = engine.connector_stats()
+            assert any(k.startswith("load_guard.") for k in stats) is expected

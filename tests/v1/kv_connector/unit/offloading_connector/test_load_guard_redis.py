@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.v1.kv_connector.unit.offloading_connector.slow_tier import serve_two_passes
+from tests.v1.kv_connector.unit.offloading_connector.slow_tier import serve_three_ways
 from tests.v1.kv_connector.unit.offloading_connector.throttled_proxy import ThrottledProxy
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
 
@@ -41,14 +41,8 @@ def test_guard_recomputes_what_redis_behind_a_slow_link_would_load(
     tmp_path: Path, slow_redis: str
 ) -> None:
     tiers = [{"type": "redis", "url": slow_redis, "timeout_s": 10.0}]
-    kw = dict(num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, secondary_tiers=tiers)
-    baseline = serve_two_passes(tmp_path / "base", offload=False, **kw)  # type: ignore[arg-type]
-    guarded = serve_two_passes(tmp_path / "guard", offload=True, **kw)  # type: ignore[arg-type]
-    unguarded = serve_two_passes(
-        tmp_path / "off",
-        offload=True,
-        guard=False,
-        **kw,  # type: ignore[arg-type]
+    baseline, guarded, unguarded = serve_three_ways(
+        tmp_path, num_prompts=NUM_PROMPTS, prompt_tokens=PROMPT_TOKENS, secondary_tiers=tiers
     )
     stats = guarded.stats
     assert stats["load_guard.redis.decisions"] == NUM_PROMPTS

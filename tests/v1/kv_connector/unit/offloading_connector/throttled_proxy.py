@@ -79,6 +79,8 @@ class ThrottledProxy:
         with self._lock:
             self._stopped = True
             sockets, threads = list(self._sockets), list(self._threads)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
         self._listener.close()
         for s in sockets:
             with contextlib.suppress(OSError):
