@@ -52,11 +52,8 @@ from vllm.entrypoints.cli.config import (
     resolve_device,
 )
 from vllm.entrypoints.cli.option_values import int_at_least, parse_output_file, parse_redis_url
-from vllm.logger import init_logger
 from vllm.model_executor.models.llama_config import DEFAULT_PRESET, PRESETS
 from vllm.v1.engine.stats import TTFT_PARTS
-
-logger = init_logger(__name__)
 
 MODES = ("recompute", "cpu", "fs", "redis")
 """Where a measured request's KV comes from (see the module docstring)."""
