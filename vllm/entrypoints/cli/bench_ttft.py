@@ -38,6 +38,7 @@ import random
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,11 +53,8 @@ from vllm.entrypoints.cli.config import (
     resolve_device,
 )
 from vllm.entrypoints.cli.option_values import int_at_least, parse_output_file, parse_redis_url
-from vllm.logger import init_logger
 from vllm.model_executor.models.llama_config import DEFAULT_PRESET, PRESETS
 from vllm.v1.engine.stats import TTFT_PARTS
-
-logger = init_logger(__name__)
 
 MODES = ("recompute", "cpu", "fs", "redis")
 """Where a measured request's KV comes from (see the module docstring)."""
@@ -194,15 +192,15 @@ class PageCacheDrops:
     def describe(self) -> str:
         """One line for the report."""
         if self.error is not None:
-            return f"fs hits: block files NOT dropped from the page cache ({self.error})"
+            return f"fs hits: the fs tier's files NOT dropped from the page cache ({self.error})"
         if self.failed:
             return (
                 f"fs hits: posix_fadvise(DONTNEED) failed on {self.failed:,} of {self.files:,} "
-                "block files (those may have been read from the page cache)"
+                "files of the fs tier (those may have been read from the page cache)"
             )
         return (
-            f"fs hits: {self.files:,} block files dropped from the page cache before each "
-            "(posix_fadvise DONTNEED; clean pages only, which fsynced files are)"
+            f"fs hits: the fs tier's {self.files:,} files dropped from the page cache before "
+            "each (posix_fadvise DONTNEED; it drops clean pages, and the tier fsyncs its files)"
         )
 
 
@@ -529,14 +527,21 @@ def run_ttft(args: argparse.Namespace) -> int:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvo-bench-ttft-")))
         try:
             bench = _Bench(args, root.expanduser())
-            out.write("\n".join(_header(bench)) + "\n")
+            header = [
+                wrapped
+                for line in _header(bench)
+                for wrapped in textwrap.wrap(line, 80, subsequent_indent="    ")
+            ]
+            out.write("\n".join(header) + "\n")
             out.flush()
             bench.run(out)
         except (OSError, ValueError, RuntimeError) as e:
             sys.stderr.write(f"vllm-kv-offload bench ttft: error: {e}\n")
             return 1
     lines = list(render_table(bench))
-    lines.append(f"  {bench.drops.describe()}")
+    lines += textwrap.wrap(
+        bench.drops.describe(), 80, initial_indent="  ", subsequent_indent="    "
+    )
     out.write("\n".join(lines) + "\n")
     out.flush()
     rows = [

@@ -281,33 +281,16 @@ def _headline(report: Report) -> Iterable[str]:
     b, o = report.baseline, report.offload
     bt, ot = Distribution.of(b.ttft_ms), Distribution.of(o.ttft_ms)
     yield _head_row("", "baseline", "offload", "offload/base")
-    yield _head_row(
-        "TTFT median",
-        f"{bt.median:.1f} ms",
-        f"{ot.median:.1f} ms",
-        _times(ratio(ot.median, bt.median)),
-    )
-    yield _head_row(
-        "TTFT p99", f"{bt.p99:.1f} ms", f"{ot.p99:.1f} ms", _times(ratio(ot.p99, bt.p99))
-    )
-    yield _head_row(
-        "throughput, requests/s",
-        f"{b.requests_per_s:.2f}",
-        f"{o.requests_per_s:.2f}",
-        _times(ratio(o.requests_per_s, b.requests_per_s)),
-    )
-    yield _head_row(
-        "  prompt tokens/s",
-        f"{b.prompt_tokens_per_s:,.0f}",
-        f"{o.prompt_tokens_per_s:,.0f}",
-        _times(ratio(o.prompt_tokens_per_s, b.prompt_tokens_per_s)),
-    )
-    yield _head_row(
-        "wall time (timed window)",
-        f"{b.wall_s:.1f} s",
-        f"{o.wall_s:.1f} s",
-        _times(ratio(o.wall_s, b.wall_s)),
-    )
+    # label, the baseline's figure, the offload run's, and how to show one.
+    figures: list[tuple[str, float, float, str]] = [
+        ("TTFT median", bt.median, ot.median, "{:.1f} ms"),
+        ("TTFT p99", bt.p99, ot.p99, "{:.1f} ms"),
+        ("throughput, requests/s", b.requests_per_s, o.requests_per_s, "{:.2f}"),
+        ("  prompt tokens/s", b.prompt_tokens_per_s, o.prompt_tokens_per_s, "{:,.0f}"),
+        ("wall time (timed window)", b.wall_s, o.wall_s, "{:.1f} s"),
+    ]
+    for label, base, off, shown in figures:
+        yield _head_row(label, shown.format(base), shown.format(off), _times(ratio(off, base)))
     saved = report.prefill_tokens_saved
     frac = saved / b.computed_tokens if b.computed_tokens else 0.0
     yield f"  prefill tokens saved vs baseline: {saved:,} ({_pct(frac)} of the baseline's)"
