@@ -33,7 +33,7 @@ their owners give them: ``async_llm.py``, the tiers' managers, ``host_copy.py``)
 
 FRONT_END = "front end and clients"
 """Every other Python thread (the event loop's, which runs the workload's clients)."""
-NATIVE = "native threads (torch intra-op, ...)"
+NATIVE = "native threads (torch etc.)"
 """What the process used on threads Python does not know."""
 
 
