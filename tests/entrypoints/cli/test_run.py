@@ -111,7 +111,16 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "cross_instance_tokens",
         "load_guard",
         "samples",
-    } | ({"connector_thread_cpu_us", "worker_connector_thread_cpu_us"} if offload else set())
+    } | (
+        {
+            "connector_thread_cpu_us",
+            "worker_connector_thread_cpu_us",
+            "lookup_deferred_requests",
+            "lookup_deferred_requests_by_tier",
+        }
+        if offload
+        else set()
+    )
     assert run["offload"] is offload
     assert run["load_guard"] is None  # never on for the hash model nor without offloading
     assert run["engine_thread_cpu_s"] > 0 and run["verify_s"] >= 0
@@ -297,6 +306,10 @@ def test_run_end_to_end_report_json_and_plot(
         assert set(off[key]) == {"median", "p99"} and 0 < off[key]["median"] <= off[key]["p99"]
     # Thread CPU is part of the wall time it was measured in.
     assert off["connector_thread_cpu_us"]["median"] <= off["overhead_us_per_step"]["median"] * 1.01
+    # Requests a lookup deferred: the connector's count includes every one a tier deferred.
+    by_tier = off["lookup_deferred_requests_by_tier"]
+    assert set(by_tier) == {"fs"}
+    assert by_tier["fs"] <= off["lookup_deferred_requests"] <= off["requests"]["submitted"]
     assert doc["verdict"] == {
         "status": "PASS",
         "verified": True,

@@ -263,6 +263,7 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
     }
     result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
     c = snap.connector
+    result.lookup_deferred_requests = int(c.get("deferred_lookup_requests", 0))
     guard = {k.removeprefix("load_guard."): v for k, v in c.items() if k.startswith("load_guard.")}
     result.load_guard = guard or None  # the guard always reports its step cost when on
     for name, direction in GPU_DIRECTIONS.items():
@@ -280,6 +281,7 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
             continue
         tc = tier.counters
         timed = "store_busy_us" in tc  # the redis tier does not time its I/O
+        result.lookup_deferred_requests_by_tier[tier_type] = tc.get("lookup_deferred_requests", 0)
         result.transfers[store] = TransferFigures(
             blocks=tc.get(stored_counter, 0),
             bytes=tc.get(stored_counter, 0) * tier.block_bytes,

@@ -487,6 +487,10 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
         total.worker_overhead_us += p.worker_overhead_us
         total.connector_thread_cpu_us += p.connector_thread_cpu_us
         total.worker_connector_thread_cpu_us += p.worker_connector_thread_cpu_us
+        total.lookup_deferred_requests += p.lookup_deferred_requests
+        for tier_type, n in p.lookup_deferred_requests_by_tier.items():
+            by_tier = total.lookup_deferred_requests_by_tier
+            by_tier[tier_type] = by_tier.get(tier_type, 0) + n
         total.ttft_ms += p.ttft_ms
         for name, values in p.ttft_parts_ms.items():
             total.ttft_parts_ms.setdefault(name, []).extend(values)

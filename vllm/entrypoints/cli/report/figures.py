@@ -201,6 +201,10 @@ class RunResult:
         connector_thread_cpu_us, worker_connector_thread_cpu_us: of the same steps, the CPU time
             of the thread that ran each side's hooks (``time.thread_time``), in microseconds:
             ``overhead_us`` minus time off the CPU (waiting for the GIL, descheduled).
+        lookup_deferred_requests: requests whose lookup answered "ask again next step" at least
+            once (the connector's count; offload only), delaying them one step or more.
+        lookup_deferred_requests_by_tier: of those, the requests each secondary tier deferred
+            (by tier type; a request two tiers deferred counts in both).
         ttft_ms: time to first token per request, in milliseconds (measured by the clients).
         ttft_parts_ms: that time's parts per request, by ``TTFT_PARTS`` name (slot, lookup,
             loading, prefill), in milliseconds, as the engine measured them from the request's
@@ -255,6 +259,8 @@ class RunResult:
     worker_overhead_us: list[float] = field(default_factory=list)
     connector_thread_cpu_us: list[float] = field(default_factory=list)
     worker_connector_thread_cpu_us: list[float] = field(default_factory=list)
+    lookup_deferred_requests: int = 0
+    lookup_deferred_requests_by_tier: dict[str, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     ttft_parts_ms: dict[str, list[float]] = field(
         default_factory=lambda: {name: [] for name in TTFT_PARTS}

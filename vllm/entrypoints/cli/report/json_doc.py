@@ -172,6 +172,8 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
         ):
             d = Distribution.of(values)
             doc[key] = {"median": d.median, "p99": d.p99}
+        doc["lookup_deferred_requests"] = run.lookup_deferred_requests
+        doc["lookup_deferred_requests_by_tier"] = dict(run.lookup_deferred_requests_by_tier)
     if samples:
         doc["samples"] = [sample_json(s) for s in run.samples]
     return doc

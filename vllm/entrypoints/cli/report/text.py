@@ -380,13 +380,15 @@ def _ttft_parts(report: Report) -> Iterable[str]:
             f"{_mean(o.ttft_parts_ms.get(name, [])):.1f} ms",
         )
     yield _row("  sum of the parts", f"{_parts_sum(b):.1f} ms", f"{_parts_sum(o):.1f} ms")
+    yield _row("requests a lookup deferred", "-", f"{o.lookup_deferred_requests:,}")
     yield _row(
         "TTFT mean at the clients", f"{_mean(b.ttft_ms):.1f} ms", f"{_mean(o.ttft_ms):.1f} ms"
     )
     yield from _wrap(
         "(parts measured by the engine from a request's arrival there; waiting on the tiers: "
-        "a lookup, or a promotion into the CPU tier, still running; loading: the CPU -> GPU "
-        "copy; the clients' TTFT adds the front end's hand-offs)",
+        "a lookup, or a promotion into the CPU tier, still running; a deferred request waited "
+        "one step or more for one; loading: the CPU -> GPU copy; the clients' TTFT adds the "
+        "front end's hand-offs)",
         indent=4,
         hanging=1,
     )

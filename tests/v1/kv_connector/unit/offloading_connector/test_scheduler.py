@@ -253,6 +253,9 @@ def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
         engine.run_until_done()
         stats = engine.stats
         assert sched.get_stats()["load_jobs"] == 1
+        # b's lookup was deferred every step a's load ran (3 polls): one request, counted once.
+        assert sched.get_stats()["deferred_lookups"] >= 2
+        assert sched.get_stats()["deferred_lookup_requests"] == 1
         assert stats.tokens_from_cpu == 96
         assert stats.tokens_from_gpu_cache == 96  # b reused a's loaded blocks
         assert stats.verification_failures == 0

@@ -49,6 +49,7 @@ _COUNTER_NAMES = (
     "failed_store_blocks",
     "flushed_jobs",
     "deferred_lookups",
+    "deferred_lookup_requests",
     "deferred_stores",
     "stale_completions",
     "cache_resets",
@@ -71,6 +72,7 @@ class OffloadingSchedulerMetrics:
         flushed_jobs: jobs the workers were told to finish before a forward pass (counted once
             per step that flushes them).
         deferred_lookups: lookups answered "ask again next step".
+        deferred_lookup_requests: requests with at least one such lookup (each counted once).
         deferred_stores: ``prepare_store`` calls that found no room (offered again next step).
         stale_completions: reports of jobs issued before a ``reset_cache`` (ignored).
         cache_resets: ``reset_cache`` calls.
@@ -95,6 +97,7 @@ class OffloadingSchedulerMetrics:
     failed_store_blocks: int = 0
     flushed_jobs: int = 0
     deferred_lookups: int = 0
+    deferred_lookup_requests: int = 0
     deferred_stores: int = 0
     stale_completions: int = 0
     cache_resets: int = 0

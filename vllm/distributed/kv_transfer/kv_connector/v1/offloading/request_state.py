@@ -68,6 +68,8 @@ class RequestOffloadState:
         guard_decided: the tiers whose part of the hit the load guard already let the request
             load since its lookups began to wait (a deferred lookup is repeated every step; the
             decision is made once).
+        lookup_deferred: a lookup of this request answered "ask again next step" at least once
+            (counted once per request: ``deferred_lookup_requests``).
     """
 
     req: Request
@@ -84,6 +86,7 @@ class RequestOffloadState:
     transfer_jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
     guard_decided: set[str] = field(default_factory=set)
+    lookup_deferred: bool = False
 
     def __post_init__(self) -> None:
         num_groups = len(self.layout.gpu_block_sizes)

@@ -258,7 +258,7 @@ class OffloadingConnectorScheduler(EngineCallChecks):
                 end, deferred = self._guard_hit(state, results, start, end, deferred)
         limit = end - start
         if deferred:
-            self._metrics.deferred_lookups += 1
+            self._count_deferral(state)
             return None, False
         if limit == 0:
             return 0, False
@@ -267,9 +267,17 @@ class OffloadingConnectorScheduler(EngineCallChecks):
             return 0, False
         if self._jobs.any_being_loaded(self.layout.load_keys(state.offload_keys, start, end)):
             # A second request hitting keys being loaded waits for that load to finish.
-            self._metrics.deferred_lookups += 1
+            self._count_deferral(state)
             return None, False
         return num_hit_tokens, True
+
+    def _count_deferral(self, state: RequestOffloadState) -> None:
+        """A lookup of ``state``'s request answers "ask again next step": count the lookup,
+        and the request the first time."""
+        self._metrics.deferred_lookups += 1
+        if not state.lookup_deferred:
+            state.lookup_deferred = True
+            self._metrics.deferred_lookup_requests += 1
 
     def _hit_runs(
         self,
