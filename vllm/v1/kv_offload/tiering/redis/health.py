@@ -124,9 +124,10 @@ class CircuitBreaker:
                 return
             self.is_open = False
             self.cause = None
-            self.closed.set()
             down_s = time.monotonic() - self._opened_at
-        logger.warning("redis tier %s: server answers again after %.1f s", self.name, down_s)
+            # Logged before ``closed`` is set, so a waiter of ``closed`` finds the line written.
+            logger.warning("redis tier %s: server answers again after %.1f s", self.name, down_s)
+            self.closed.set()
 
 
 class PermissionGates:
