@@ -18,6 +18,8 @@ Usage::
 
     PYTHONPATH=. python benchmarks/kv_offload/bench_model.py            # ~1 min on 2 cores
     PYTHONPATH=. python benchmarks/kv_offload/bench_model.py --presets small medium
+    PYTHONPATH=. python benchmarks/kv_offload/bench_model.py --presets small \
+        --mixed-lengths 300 2600
 """
 
 from __future__ import annotations
@@ -80,17 +82,18 @@ def _prefill(runner: ModelRunner, tokens: list[int], chunk: int) -> Callable[[],
 
 
 def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> Callable[[], None]:
-    per = -(-(len(prompts[0]) + steps) // BLOCK_SIZE)
+    per = -(-(max(len(p) for p in prompts) + steps) // BLOCK_SIZE)
     tables = [[list(range(i * per, (i + 1) * per))] for i in range(len(prompts))]
     seqs = [list(p) for p in prompts]
-    n = len(prompts[0])
     for i, p in enumerate(seqs):  # the prompts' KV, outside the timing
-        runner.execute([ScheduledSeq(f"d{i}", p, 0, n, tables[i], False)])
+        runner.execute([ScheduledSeq(f"d{i}", p, 0, len(p), tables[i], False)])
 
     def run() -> None:
         for s in range(steps):
             batch = [
-                ScheduledSeq(f"d{i}", p + [1] * (s + 1), n + s, n + s + 1, tables[i], True)
+                ScheduledSeq(
+                    f"d{i}", p + [1] * (s + 1), len(p) + s, len(p) + s + 1, tables[i], True
+                )
                 for i, p in enumerate(seqs)
             ]
             runner.execute(batch)
@@ -105,16 +108,30 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="tokens per prefill step")
     parser.add_argument("--batch", type=int, default=8, help="sequences decoding together")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed")
+    parser.add_argument(
+        "--mixed-lengths",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="decode sequences of seeded lengths in [LO, HI] instead of --prompt each (the "
+        "default workload's contexts run from a few hundred to about 2,600 tokens)",
+    )
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     rng = random.Random(0)
     tokens = [rng.randrange(1, VOCAB) for _ in range(args.prompt)]
-    prompts = [[rng.randrange(1, VOCAB) for _ in range(args.prompt)] for _ in range(args.batch)]
-    num_blocks = (args.batch + 1) * -(-(args.prompt + args.steps) // BLOCK_SIZE)
+    lengths = [
+        args.prompt if args.mixed_lengths is None else rng.randint(*args.mixed_lengths)
+        for _ in range(args.batch)
+    ]
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in lengths]
+    longest = max(args.prompt, *lengths)
+    num_blocks = (args.batch + 1) * -(-(longest + args.steps) // BLOCK_SIZE)
     before = torch.get_num_threads()
     print(
         f"prefill: {args.prompt} tokens in chunks of {args.chunk}; decode: {args.batch} "
-        f"sequences at {args.prompt} tokens, {args.steps} steps; medians of {args.reps}\n"
+        f"sequences at {lengths} tokens, {args.steps} steps; medians of {args.reps}\n"
     )
     print(
         "| model | threads | prefill tok/s (wall) | prefill tok/s (thread CPU) "

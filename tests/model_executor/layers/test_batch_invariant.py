@@ -15,6 +15,7 @@ from vllm.model_executor.layers.batch_invariant import (
     MAX_REDUCTION,
     TILE_ROWS,
     linear,
+    linear_by_columns,
     pad_rows,
     rms_norm,
     silu_and_mul,
@@ -45,6 +46,22 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(k: int, threads: int) 
     for rows in (TILE_ROWS, 3 * TILE_ROWS):
         assert torch.equal(linear(x[:rows], w), together[:rows])
     assert torch.equal(together, _one_tile_at_a_time(x, w))
+
+
+@pytest.mark.parametrize("k", [64, 3 * MAX_REDUCTION + 7])
+def test_a_product_by_columns_does_not_depend_on_the_other_rows(k: int, threads: int) -> None:
+    # The LM head's shape: a fixed table of many rows, the step's few rows as its columns.
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(3 * TILE_ROWS, k, generator=gen)
+    table = torch.randn(1000, k, generator=gen)
+    together = linear_by_columns(x, table)
+    torch.testing.assert_close(together, x @ table.t(), rtol=1e-4, atol=1e-4)
+    for rows in (TILE_ROWS, 2 * TILE_ROWS):
+        assert torch.equal(linear_by_columns(x[:rows], table), together[:rows])
+    alone = torch.cat(
+        [linear_by_columns(pad_rows(x[i : i + 1]), table)[:1] for i in range(x.shape[0])]
+    )
+    assert torch.equal(alone, together)
 
 
 def test_linear_refuses_a_partial_tile() -> None:

@@ -96,6 +96,13 @@ def _reference_logits(
     return norm(x, model.final_norm) @ model.embed.double().t()
 
 
+def _hidden(runner: TransformerModelRunner, seq: ScheduledSeq) -> torch.Tensor:
+    """The model's hidden states for one scheduled sequence, over the runner's KV cache."""
+    # private: the runner's per-layer views of its KV cache; execute() returns sampled tokens
+    # only, and these tests compare logits.
+    return runner.model.forward(runner.build_batch([seq]), runner._planes, runner.sliding_windows)
+
+
 def _prefill_logits(
     runner: TransformerModelRunner, tokens: list[int], chunks: Sequence[int]
 ) -> torch.Tensor:
@@ -104,9 +111,7 @@ def _prefill_logits(
     start, hidden = 0, torch.empty(0)
     for end in chunks:
         seq = ScheduledSeq("r", tokens, start, end, table, end == len(tokens))
-        hidden = runner.model.forward(
-            runner.build_batch([seq]), runner._planes, runner.sliding_windows
-        )
+        hidden = _hidden(runner, seq)
         start = end
     return runner.model.compute_logits(hidden)[0]
 
@@ -135,8 +140,7 @@ def test_one_changed_kv_byte_changes_the_logits() -> None:
     # block 11) of layer 0 flipped.
     runner.kv_caches[0].tensors[0][1, 11, 4].view(torch.int16)[0, 0] ^= 1
     seq = ScheduledSeq("r", tokens, 59, 60, [list(range(10, 50))], True)
-    batch = runner.build_batch([seq])
-    hidden = runner.model.forward(batch, runner._planes, runner.sliding_windows)
+    hidden = _hidden(runner, seq)
     assert not torch.equal(runner.model.compute_logits(hidden)[0], logits)
 
 

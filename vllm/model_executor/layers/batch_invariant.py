@@ -12,6 +12,10 @@ operations below, each used under a rule that keeps a row's result independent o
   ``pad_rows``). Measured on this project's CPUs (torch 2.13, float32, 1 and 2 intra-op threads):
   with a multiple of 16 rows, every element of ``A @ B`` equals the same element computed in a
   16-row tile, for any number of rows and columns; a 1-row product differs.
+* **Fixed rows, narrow columns.** A product whose rows are the same in every call (the LM head's
+  vocabulary, ``linear_by_columns``) may take the step's rows as its columns: measured, each
+  column of such a product equals the same column of a wider one (from 2 columns on), and with
+  the step's rows as the narrow side the weight is streamed once (1.45x faster for 16 rows).
 * **Bounded reductions.** A matmul's reduction dimension is at most ``MAX_REDUCTION``: ``linear``
   splits a longer one into chunks summed in chunk order. Measured: from 1,024 reduction elements
   on, a 16-row product with 2 threads splits the reduction between the threads and differs from
@@ -65,6 +69,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for lo in range(MAX_REDUCTION, k, MAX_REDUCTION):
         out = out + x[:, lo : lo + MAX_REDUCTION] @ weight[lo : lo + MAX_REDUCTION]
     return out
+
+
+def linear_by_columns(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``x @ table.T`` as ``(table @ x.T).T``, the reduction chunked as in ``linear``.
+
+    Args:
+        x: ``[M, K]`` with ``M`` a multiple of ``TILE_ROWS`` (the product's columns: at least 2).
+        table: ``[N, K]``, the same in every call (its rows are the product's rows).
+
+    Returns:
+        ``[M, N]`` (a transposed view); row ``i`` depends on ``x[i]`` and ``table`` only.
+    """
+    assert x.shape[0] % TILE_ROWS == 0, f"{x.shape[0]} rows is not a whole number of tiles"
+    k = table.shape[1]
+    out = table[:, :MAX_REDUCTION] @ x[:, :MAX_REDUCTION].t()
+    for lo in range(MAX_REDUCTION, k, MAX_REDUCTION):
+        out = out + table[:, lo : lo + MAX_REDUCTION] @ x[:, lo : lo + MAX_REDUCTION].t()
+    return out.t()
 
 
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -14,23 +14,35 @@ indices, masks, the reduction tree) is computed once per KV-cache group and step
 
 Batch invariance (see ``batch_invariant``): keys are cut into *chunks* of ``key_chunk_size(bs)``
 tokens on a grid fixed at position 0. The scores of a query row against a chunk are products of
-a 16-row multiple by a 16-column multiple with a ``head_dim`` reduction; the row maximum over all
-its keys is exact; a chunk's ``exp``-weighted values *and* its weight sum come out of one matmul
-with a chunk-long reduction (the values carry a column of ones). The chunks' partial sums are then
-added in a fixed tree over *absolute* chunk indices (a chunk outside a sequence's range is an
-exact ``-0.0`` leaf). So a row's output is a function of its query, its keys and values and its
+a 16-row multiple (the keys) by the query columns with a ``head_dim`` reduction; the row maximum
+over all its keys is exact; a chunk's ``exp``-weighted values and its weight sum come out of
+matmuls whose rows are the ``head_dim`` value elements and 16 rows of a one then zeros (appended
+to the values in one product for long sequences, a second product for short ones), with a
+chunk-long reduction. The chunks' partial sums
+are then added in a fixed tree over *absolute* chunk indices (a chunk outside a sequence's range is
+an exact ``-0.0`` leaf). So a row's output is a function of its query, its keys and values and its
 position alone, whatever else the step computes: batched with other sequences, in a prefill chunk
 of any length, or with its prefix loaded from a tier.
 
+Cost: per layer and step the gathered K and V are read from the cache once (``index_select`` of
+whole blocks) and widened to float32 once. For decodes and short chunks (few query columns per
+key: the products are bound by reading the keys and values) the copy keeps the cache's own
+token-major order and each KV head's products read it in place as a strided matrix (BLAS takes
+the row stride), with no transposed copy. A long sequence's pieces share one copy laid out for
+their products (heads outermost, values transposed with the weight-sum rows appended), which
+pays off over their many query columns.
+
 Keys a row must not see (later positions, outside the window, past a sequence's end, freed
 blocks) get weight exactly 0; the values of keys past a sequence's end or in freed blocks are
-zeroed first, so stale bytes of a block's previous owner (possibly not even finite) cannot turn
-``0 * value`` into NaN.
+zeroed first (in the gathered copy, as runs of keys), so stale bytes of a block's previous owner
+(possibly not even finite) cannot turn ``0 * value`` into NaN.
 
 Shapes: queries ``[N, heads, head_dim]`` float32 rows of the step (each sequence's rows
-contiguous); the result has the same shape. Sequences of up to ``TILE_ROWS`` new tokens (decodes,
-short chunks) are computed together, in groups of similar length; longer ones one at a time, in
-pieces of ``QUERY_PIECE`` rows that share one gather of the sequence's keys.
+contiguous); the result has the same shape. Sequences of up to ``TILE_ROWS`` new tokens are
+computed together (decodes in one batch, short chunks in another): their key chunks are gathered
+one after another, each sequence's own chunks only, and the products are batched over the chunks,
+so no sequence is padded to the longest. Longer ones are computed one at a time, in pieces of
+``QUERY_PIECE`` rows that share one gather of the sequence's keys.
 
 Threading: none of its own; tensors stay on the planes' device (CPU or CUDA).
 """
@@ -49,8 +61,9 @@ MIN_KEY_CHUNK = 128
 """Tokens per key chunk at least; a chunk is a whole number of blocks and of 16 tokens
 (``key_chunk_size``)."""
 SUM_ROWS = 16
-"""Rows appended to the (transposed) values: the first holds ones (it yields the weight sum), the
-rest zeros (so the matmul's row count stays a multiple of 16)."""
+"""Rows that yield a chunk's weight sum: the first holds ones, the rest zeros (so a product's row
+count stays a multiple of 16); appended to the transposed values of a long sequence, the left
+operand of their own product for short ones."""
 QUERY_PIECE = 128
 """Rows of a long sequence computed together (the rows of a piece share its keys)."""
 MIN_QUERY_COLUMNS = 2
@@ -145,9 +158,29 @@ class _Batch:
 
     num_seqs: int
     num_chunks: int  # key chunks gathered per sequence
-    blocks: torch.Tensor  # [S, num_chunks * blocks per chunk] block ids to gather
-    absent: torch.Tensor  # [S, keys] keys past the end or in freed blocks (values zeroed)
+    blocks: torch.Tensor  # [S * num_chunks * blocks per chunk] block ids to gather
+    # (seq, first key, end key) of gathered keys past the end or in freed blocks: their values
+    # are zeroed in the gathered copy
+    zeroed: Sequence[tuple[int, int, int]]
     pieces: Sequence[_Piece]
+
+
+@dataclass(frozen=True)
+class _ChunkBatch:
+    """Short sequences whose key chunks are gathered one after another, each sequence's own
+    chunks only (none padded to the longest), and whose products are batched over the chunks."""
+
+    num_seqs: int
+    rows: int  # query rows per sequence (shorter ones padded)
+    slots: int  # leaves of each sequence's reduction tree (a power of two)
+    blocks: torch.Tensor  # [C * blocks per chunk] block ids to gather
+    zeroed: Sequence[tuple[int, int]]  # [first, end) of gathered keys whose values are zeroed
+    chunk_seq: torch.Tensor  # [C] the sequence of each gathered chunk
+    leaf: torch.Tensor  # [C] its leaf in the flattened trees, seq * slots + chunk % slots
+    hidden: torch.Tensor  # [C, 1, chunk, rows * group]: weight exactly 0
+    query_index: torch.Tensor  # [S * rows] rows of the step's queries (padding: a real row)
+    out_rows: torch.Tensor  # [n] rows of the step written back
+    out_from: torch.Tensor  # [n] their index in the batch's [S * rows] results
 
 
 @dataclass(frozen=True)
@@ -157,7 +190,8 @@ class AttentionMetadata:
     Build it with ``AttentionMetadata.build``.
     """
 
-    batches: Sequence[_Batch]
+    short_batches: Sequence[_ChunkBatch]  # sequences of up to TILE_ROWS new tokens
+    batches: Sequence[_Batch]  # each longer sequence, in pieces
     block_size: int
     chunk: int
     group: int  # query heads per KV head
@@ -188,23 +222,18 @@ class AttentionMetadata:
         chunk = key_chunk_size(block_size)
         min_rows = -(-MIN_QUERY_COLUMNS // group)
         batches = []
-        # Short sequences (decodes) are gathered together, in groups of similar length: every
-        # sequence of a group is padded to the group's longest (a row's result is the same in
-        # any group).
-        short = sorted(
-            (s for s in seqs if s.num_rows <= TILE_ROWS),
-            key=lambda s: _num_chunks(s, chunk, sliding_window),
-        )
-        while short:
-            limit = 2 * _num_chunks(short[0], chunk, sliding_window)
-            n = 1
-            while n < len(short) and _num_chunks(short[n], chunk, sliding_window) <= limit:
-                n += 1
-            members, short = short[:n], short[n:]
-            rows = max(min_rows, *(s.num_rows for s in members))
-            batches.append(
-                _plan(members, [(members, rows)], block_size, chunk, sliding_window, group, device)
-            )
+        # Short sequences are gathered chunk by chunk, each only as far as its own keys reach
+        # (a row's result is the same in any such batch): decodes together, short chunks
+        # together (their rows are padded to the longest, so a decode is not padded to 16).
+        decodes = [s for s in seqs if s.num_rows == 1]
+        chunks = [s for s in seqs if 1 < s.num_rows <= TILE_ROWS]
+        short_batches: list[_ChunkBatch] = []
+        for members in (decodes, chunks):
+            if members:
+                rows = max(min_rows, *(s.num_rows for s in members))
+                short_batches.append(
+                    _plan_chunks(members, rows, block_size, chunk, sliding_window, group, device)
+                )
         for s in seqs:
             if s.num_rows <= TILE_ROWS:
                 continue
@@ -218,12 +247,7 @@ class AttentionMetadata:
                     ([AttentionSeq(s.row_start + lo, start, start + n, s.block_table)], n)
                 )
             batches.append(_plan([s], pieces, block_size, chunk, sliding_window, group, device))
-        return cls(batches, block_size, chunk, group, num_heads)
-
-
-def _num_chunks(seq: AttentionSeq, chunk: int, window: int | None) -> int:
-    lo, hi = _chunks(seq, chunk, window)
-    return hi - lo
+        return cls(short_batches, batches, block_size, chunk, group, num_heads)
 
 
 def _chunks(seq: AttentionSeq, chunk: int, window: int | None) -> tuple[int, int]:
@@ -250,22 +274,104 @@ def _plan(
     per_chunk = chunk // bs
     nblk = num_chunks * per_chunk
     table = torch.full((num_seqs, nblk), -1, dtype=torch.int64)
+    zeroed: list[tuple[int, int, int]] = []
     for i, s in enumerate(seqs):
         ids = list(s.block_table[c0[i] * per_chunk : -(-s.end // bs)])
         if ids:
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        # Runs of freed blocks, then everything from the sequence's end on.
+        j = 0
+        while j < len(ids):
+            if ids[j] >= 0:
+                j += 1
+                continue
+            run = j
+            while j < len(ids) and ids[j] < 0:
+                j += 1
+            zeroed.append((i, run * bs, j * bs))
+        past = s.end - c0[i] * chunk
+        if past < nblk * bs:
+            zeroed.append((i, past, nblk * bs))
     kpos = torch.tensor(c0, dtype=torch.int64).unsqueeze(1) * chunk + torch.arange(nblk * bs)
     ends = torch.tensor([s.end for s in seqs], dtype=torch.int64).unsqueeze(1)
     absent = (kpos >= ends) | (table.repeat_interleave(bs, dim=1) < 0)
     return _Batch(
         num_seqs=num_seqs,
         num_chunks=num_chunks,
-        blocks=table.clamp(min=0).to(device),
-        absent=absent.to(device),
+        blocks=table.clamp(min=0).reshape(-1).to(device),
+        zeroed=zeroed,
         pieces=[
             _plan_piece(p, rows, c0, kpos, absent, chunk, window, group, device)
             for p, rows in pieces
         ],
+    )
+
+
+def _plan_chunks(
+    seqs: Sequence[AttentionSeq],
+    rows: int,
+    bs: int,
+    chunk: int,
+    window: int | None,
+    group: int,
+    device: torch.device,
+) -> _ChunkBatch:
+    """Gather plan of short ``seqs`` (at most ``rows`` new tokens each), chunk by chunk."""
+    per_chunk = chunk // bs
+    spans = [_chunks(s, chunk, window) for s in seqs]
+    level = 0  # the aligned tree node holding every sequence's chunks, as in _plan_piece
+    for lo, hi in spans:
+        while lo >> level != (hi - 1) >> level:
+            level += 1
+    slots = 1 << level
+    ids: list[int] = []
+    chunk_seq: list[int] = []
+    chunk_abs: list[int] = []
+    zeroed: list[tuple[int, int]] = []
+    for i, (s, (lo, hi)) in enumerate(zip(seqs, spans, strict=True)):
+        first = len(chunk_abs) * chunk  # gathered key index of the sequence's first key
+        table = list(s.block_table[lo * per_chunk : -(-s.end // bs)])
+        table += [-1] * ((hi - lo) * per_chunk - len(table))
+        ids += table
+        chunk_seq += [i] * (hi - lo)
+        chunk_abs += range(lo, hi)
+        for j, block in enumerate(table):
+            if block < 0:  # a freed block, or one past the sequence's end
+                zeroed.append((first + j * bs, first + (j + 1) * bs))
+        past = s.end - lo * chunk  # keys past the end, in the last block
+        if past % bs:
+            zeroed.append((first + past, first + -(-past // bs) * bs))
+    seq_of = torch.tensor(chunk_seq, dtype=torch.int64)
+    kpos = torch.tensor(chunk_abs, dtype=torch.int64).unsqueeze(1) * chunk + torch.arange(chunk)
+    ends = torch.tensor([s.end for s in seqs], dtype=torch.int64)[seq_of].unsqueeze(1)
+    table_t = torch.tensor(ids, dtype=torch.int64)
+    absent = (kpos >= ends) | (table_t.view(-1, per_chunk).repeat_interleave(bs, dim=1) < 0)
+    # Query positions per row; padding rows repeat the first row's (their output is dropped).
+    starts = torch.tensor([s.start for s in seqs], dtype=torch.int64).unsqueeze(1)
+    num_new = torch.tensor([s.num_rows for s in seqs], dtype=torch.int64).unsqueeze(1)
+    real = torch.arange(rows) < num_new
+    qpos = torch.where(real, starts + torch.arange(rows), starts)[seq_of]  # [C, rows]
+    hidden = kpos.unsqueeze(2) > qpos.unsqueeze(1)  # [C, chunk, rows]
+    if window is not None:
+        hidden |= kpos.unsqueeze(2) <= qpos.unsqueeze(1) - window
+    hidden |= absent.unsqueeze(2)
+    hidden = hidden.repeat_interleave(group, dim=2).unsqueeze(1)
+    row_start = torch.tensor([s.row_start for s in seqs], dtype=torch.int64).unsqueeze(1)
+    query_index = torch.where(real, row_start + torch.arange(rows), row_start).reshape(-1)
+    flat_real = real.reshape(-1)
+    leaf = seq_of * slots + torch.tensor(chunk_abs, dtype=torch.int64) % slots
+    return _ChunkBatch(
+        num_seqs=len(seqs),
+        rows=rows,
+        slots=slots,
+        blocks=table_t.clamp(min=0).to(device),
+        zeroed=zeroed,
+        chunk_seq=seq_of.to(device),
+        leaf=leaf.to(device),
+        hidden=hidden.to(device),
+        query_index=query_index.to(device),
+        out_rows=query_index[flat_real].to(device),
+        out_from=torch.nonzero(flat_real).flatten().to(device),
     )
 
 
@@ -329,14 +435,14 @@ def _plan_piece(
     )
 
 
-_SUM_ROWS: dict[torch.device, torch.Tensor] = {}
+_SUM_ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _sum_rows(device: torch.device) -> torch.Tensor:
-    """``[SUM_ROWS, 1]``: a one, then zeros (the rows appended to the values)."""
-    rows = _SUM_ROWS.get(device)
+def _sum_rows(device: torch.device, chunk: int) -> torch.Tensor:
+    """``[SUM_ROWS, chunk]``: a row of ones, then zeros (the weight sum's left operand)."""
+    rows = _SUM_ROWS.get((device, chunk))
     if rows is None:
-        rows = _SUM_ROWS[device] = torch.zeros(SUM_ROWS, 1, device=device)
+        rows = _SUM_ROWS[(device, chunk)] = torch.zeros(SUM_ROWS, chunk, device=device)
         rows[0] = 1.0
     return rows
 
@@ -355,9 +461,60 @@ def paged_attention(
         ``[N, heads, head_dim]`` float32; rows outside every sequence are zero.
     """
     out = torch.zeros_like(query)
+    for short in metadata.short_batches:
+        _attend_chunks(query, out, planes, metadata, short)
     for batch in metadata.batches:
         _attend(query, out, planes, metadata, batch)
     return out
+
+
+def _attend_chunks(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    planes: KVPlanes,
+    meta: AttentionMetadata,
+    b: _ChunkBatch,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = num_heads // meta.group
+    s, chunk, m = b.num_seqs, meta.chunk, b.rows * meta.group
+    # Keys and values [C, chunk, Hkv, D], float32, in the cache's token-major order.
+    shape = (-1, chunk, kv_heads, head_dim)
+    k = planes.key.index_select(0, b.blocks).view(shape).to(torch.float32)
+    v = planes.value.index_select(0, b.blocks).view(shape).to(torch.float32)
+    flat = v.view(-1, kv_heads, head_dim)
+    for lo, hi in b.zeroed:
+        flat[lo:hi] = 0
+    # Queries [S, Hkv, D, m], then each chunk's sequence's [C, Hkv, D, m].
+    q = query[b.query_index] * (1.0 / math.sqrt(head_dim))
+    q = q.view(s, b.rows, kv_heads, meta.group, head_dim).permute(0, 2, 4, 1, 3)
+    q = q.reshape(s, kv_heads, head_dim, m).index_select(0, b.chunk_seq)
+    # Scores [C, Hkv, chunk, m]: per KV head a chunk's keys (a strided view) are the matmul's
+    # rows, its sequence's query rows the columns. The row maximum over all of a sequence's
+    # chunks (exact in any order), then weights exactly 0 where hidden.
+    scores = torch.stack([torch.matmul(k[:, :, h], q[:, h]) for h in range(kv_heads)], dim=1)
+    scores = scores.masked_fill_(b.hidden, -math.inf)
+    chunk_max = scores.amax(dim=2)  # [C, Hkv, m]
+    row_max = chunk_max.new_full((s, kv_heads, m), -math.inf)
+    row_max.scatter_reduce_(0, b.chunk_seq.view(-1, 1, 1).expand_as(chunk_max), chunk_max, "amax")
+    weights = scores.sub_(row_max.index_select(0, b.chunk_seq).unsqueeze(2)).exp_()
+    # Per chunk [C, Hkv, D + 1, m]: the weighted values and in row D the weight sum, as in
+    # _attend_piece; then each sequence's chunks at their leaves of its tree.
+    sum_rows = _sum_rows(query.device, chunk)
+    heads = []
+    for h in range(kv_heads):
+        w = weights[:, h]  # [C, chunk, m]
+        sums = torch.matmul(sum_rows, w)[:, :1]  # [C, 1, m]
+        heads.append(torch.cat([torch.matmul(v[:, :, h].transpose(1, 2), w), sums], dim=1))
+    partial = torch.stack(heads, dim=1)
+    tree = partial.new_full((s * b.slots, kv_heads, head_dim + 1, m), -0.0)
+    tree.index_copy_(0, b.leaf, partial)
+    total = tree_sum(tree.view(s, b.slots, kv_heads, head_dim + 1, m), 1)  # [S, Hkv, D + 1, m]
+    attended = total[:, :, :head_dim] / total[:, :, head_dim:]
+    # [S, Hkv, D, rows, group] -> [S * rows, heads, D]
+    attended = attended.view(s, kv_heads, head_dim, b.rows, meta.group).permute(0, 3, 1, 4, 2)
+    attended = attended.reshape(s * b.rows, num_heads, head_dim)
+    out[b.out_rows] = attended[b.out_from]
 
 
 def _attend(
@@ -371,10 +528,12 @@ def _attend(
     kv_heads = num_heads // meta.group
     s, chunk, nch = b.num_seqs, meta.chunk, b.num_chunks
     # Keys [S, Hkv, chunks * chunk, D] and values, transposed, with the weight-sum rows
-    # [S, Hkv, chunks, D + SUM_ROWS, chunk], float32.
-    keys = planes.key[b.blocks].view(s, nch, chunk, kv_heads, head_dim)
-    values = planes.value[b.blocks].view(s, nch * chunk, kv_heads, head_dim)
-    values[b.absent] = 0
+    # [S, Hkv, chunks, D + SUM_ROWS, chunk], float32: every piece of a long sequence reads
+    # them, so they are laid out once for one product per piece and head group.
+    keys = planes.key.index_select(0, b.blocks).view(s, nch, chunk, kv_heads, head_dim)
+    values = planes.value.index_select(0, b.blocks).view(s, nch * chunk, kv_heads, head_dim)
+    for i, lo, hi in b.zeroed:
+        values[i, lo:hi] = 0
     k = torch.empty(s, kv_heads, nch * chunk, head_dim, dtype=torch.float32, device=query.device)
     k.view(s, kv_heads, nch, chunk, head_dim).copy_(keys.permute(0, 3, 1, 2, 4))
     v = torch.empty(
@@ -383,7 +542,9 @@ def _attend(
     v[:, :, :, :head_dim].copy_(
         values.view(s, nch, chunk, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
     )
-    v[:, :, :, head_dim:].copy_(_sum_rows(query.device).expand(s, kv_heads, nch, SUM_ROWS, chunk))
+    v[:, :, :, head_dim:].copy_(
+        _sum_rows(query.device, chunk).expand(s, kv_heads, nch, SUM_ROWS, chunk)
+    )
     for piece in b.pieces:
         lo, n = piece.first_chunk, piece.num_chunks
         _attend_piece(

@@ -36,6 +36,7 @@ import torch
 
 from vllm.model_executor.layers.batch_invariant import (
     linear,
+    linear_by_columns,
     pad_rows,
     rms_norm,
     silu_and_mul,
@@ -157,7 +158,6 @@ class LlamaForCausalLM:
             for _ in range(config.num_layers * num_groups)
         ]
         self.final_norm = norm()
-        self.lm_head = self.embed.t()  # tied: [d, vocab]
         self.rotary = RotaryEmbedding(hd, config.rope_theta, self.device)
 
     @property
@@ -225,7 +225,9 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` of final hidden states ``[n, hidden_size]``."""
         h = rms_norm(pad_rows(hidden), self.final_norm, self.config.rms_norm_eps)
-        return linear(h, self.lm_head)[: hidden.shape[0]]
+        # The vocabulary's rows are the product's rows (``linear_by_columns``): the tied
+        # embedding is streamed once per step, the few sampled rows are its columns.
+        return linear_by_columns(h, self.embed)[: hidden.shape[0]]
 
     @staticmethod
     def sample(logits: torch.Tensor) -> list[int]:
