@@ -348,6 +348,50 @@ def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) ->
     ]
     assert decisions == kv["fleet"]["routing"]["requests"]  # type: ignore[index]
     assert metrics['vllm:router_event_lost{instance="0",policy="kv-aware"}'] == 0
+    # The hash stand-in runs without the load guard: no instance measured its costs, and the
+    # router scored both with the defaults.
+    assert kv["fleet"]["routing"]["measured_costs"] == [None, None]  # type: ignore[index]
+
+
+def test_kv_aware_routing_scores_the_instances_with_the_costs_they_measured(
+    tmp_path: Path,
+) -> None:
+    # The transformer (its smallest preset) turns the load guard on: each instance estimates
+    # what a prompt token costs it to compute and a block to load, and reports it with every
+    # answer; the router scores the instance with those figures from then on.
+    args = workload_args(clients=2, sessions=8, think_time=0.001, timeout=300)
+    args[args.index("hash")] = "transformer"
+    for flag in ("--num-layers", "--head-size"):  # the preset's geometry instead
+        i = args.index(flag)
+        del args[i : i + 2]
+    out = tmp_path / "fleet.json"
+    code = main(
+        [
+            *args,
+            "--model-preset",
+            "tiny",
+            "--no-progress",
+            "--fs-root",
+            str(tmp_path / "fs"),
+            "--engines",
+            "2",
+            "--routing",
+            "kv-aware",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["verdict"]["status"] == "PASS"
+    measured = doc["fleet"]["routing"]["measured_costs"]
+    assert len(measured) == 2
+    reported = [m for m in measured if m is not None]
+    assert reported, measured
+    for m in reported:
+        assert m["compute_us_per_token"] > 0
+        assert m["load_cost"]["GPU"] == 0.0
+        assert set(m["load_cost"]) == {"GPU", "CPU", "LOCAL_STORAGE", "SHARED_STORAGE"}
 
 
 def test_a_fleet_serves_metrics_per_instance_and_logs_each_instance_with_v(

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 import zmq
 
+from tests.distributed.kv_event_helpers import block_stored
 from tests.entrypoints.cli.workload_args import workload_args
-from vllm.distributed.kv_events import BlockStored, KVEventBatch, KVEventsConfig
+from vllm.distributed.kv_events import KVEventBatch, KVEventsConfig
 from vllm.entrypoints.cli.fleet_events import (
     FleetRouting,
     instance_publisher,
@@ -29,16 +30,7 @@ TINY_RUN = workload_args(clients=2, sessions=4, think_time=0.001, timeout=300)
 
 def _stored(n: int) -> KVEventBatch:
     hashes = prompt_block_hashes(PROMPT, get_request_block_hasher(16))[:n]
-    event = BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium="CPU",
-        lora_name=None,
-    )
-    return KVEventBatch(ts=0.0, events=[event])
+    return KVEventBatch(ts=0.0, events=[block_stored(hashes)])
 
 
 def test_no_publisher_without_a_consumer() -> None:

@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+from tests.distributed.kv_event_helpers import block_stored
 from vllm.distributed.kv_event_publisher import ZmqEventPublisher
-from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
 from vllm.entrypoints.router.event_feed import EventFeed
 from vllm.entrypoints.router.prefix_index import Place
 from vllm.entrypoints.router.router import prompt_block_hashes
@@ -17,17 +18,7 @@ HASHES = prompt_block_hashes(list(range(64)), get_request_block_hasher(16))
 
 
 def _stored(medium: str, n: int, locality: str | None = None) -> KVEventBatch:
-    event = BlockStored(
-        block_hashes=list(HASHES[:n]),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        locality=locality,
-    )
-    return KVEventBatch(ts=0.0, events=[event])
+    return KVEventBatch(ts=0.0, events=[block_stored(HASHES[:n], medium, locality)])
 
 
 def test_the_feed_indexes_every_instance_and_recovers_what_it_missed() -> None:

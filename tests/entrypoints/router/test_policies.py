@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from vllm.entrypoints.router.measured_costs import MeasuredCosts
 from vllm.entrypoints.router.policies import (
     InstanceLoad,
     KVAware,
@@ -105,6 +106,34 @@ def test_costs_from_throughputs() -> None:
     assert costs.load_cost[Place.GPU] == 0.0
     with pytest.raises(ValueError, match="positive"):
         RoutingCosts.from_throughputs(0, 1, {})
+
+
+def test_costs_from_seconds_per_token() -> None:
+    costs = RoutingCosts.from_seconds(2e-4, {Place.LOCAL_STORAGE: 1e-5, Place.CPU: 0.0})
+    assert costs.load_cost[Place.LOCAL_STORAGE] == pytest.approx(0.05)
+    assert costs.load_cost[Place.CPU] == 0.0
+    assert costs.load_cost[Place.SHARED_STORAGE] == RoutingCosts().load_cost[Place.SHARED_STORAGE]
+    with pytest.raises(ValueError, match="positive"):
+        RoutingCosts.from_seconds(0.0, {})
+    with pytest.raises(ValueError, match=">= 0"):
+        RoutingCosts.from_seconds(1e-4, {Place.CPU: -1.0})
+
+
+def test_kv_aware_scores_each_instance_with_what_it_measured() -> None:
+    # Both instances hold the prompt's first 64 tokens on local storage; instance 0 is queued
+    # a little deeper. With the defaults, loading is cheap on both, so the queue decides.
+    policy = KVAware(2, _matcher([[0, 0, 64, 0], [0, 0, 64, 0]]), 16)
+    router = Router(policy)
+    router.loads[0].queued_tokens = 8
+    assert router.route("r0", "s0", [1] * 100).instance == 1
+    router.on_finished("r0")
+    # Instance 1 measured its disk: loading a token costs it 2 tokens' compute, dearer than
+    # computing the prefix; instance 0 keeps the defaults.
+    router.on_measured_costs(1, MeasuredCosts(1e-4, {Place.LOCAL_STORAGE: 2e-4}))
+    assert router.stats.measured == [None, MeasuredCosts(1e-4, {Place.LOCAL_STORAGE: 2e-4})]
+    d = router.route("r1", "s1", [1] * 100)
+    assert d.instance == 0
+    assert d.costs == (36 + 64 * 0.15 + 0.25 * 8, 36 + 64 * 2.0)
 
 
 def test_unknown_policy_and_kv_aware_without_an_index() -> None:

@@ -289,6 +289,8 @@ class Fleet:
                 finished = kind == "done"
                 if kind == "first":
                     router.on_first_token(req_id)
+                elif finished and message[4] is not None:
+                    router.on_measured_costs(index, message[4])
                 tokens = tuple(message[2])
                 yield GenerateOutput(req_id, () if finished else tokens, tokens, finished, None)
         finally:
@@ -482,12 +484,18 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
                 skipped_blocks=a.skipped_blocks + b.skipped_blocks,
                 jobs=None if a.jobs is None and b.jobs is None else (a.jobs or 0) + (b.jobs or 0),
                 failed_jobs=a.failed_jobs + b.failed_jobs,
+                served_bytes=(
+                    None
+                    if a.served_bytes is None and b.served_bytes is None
+                    else (a.served_bytes or 0) + (b.served_bytes or 0)
+                ),
             )
         total.overhead_us += p.overhead_us
         total.worker_overhead_us += p.worker_overhead_us
         total.connector_thread_cpu_us += p.connector_thread_cpu_us
         total.worker_connector_thread_cpu_us += p.worker_connector_thread_cpu_us
         total.lookup_deferred_requests += p.lookup_deferred_requests
+        total.transfer_wait_requests += p.transfer_wait_requests
         for tier_type, n in p.lookup_deferred_requests_by_tier.items():
             by_tier = total.lookup_deferred_requests_by_tier
             by_tier[tier_type] = by_tier.get(tier_type, 0) + n

@@ -23,6 +23,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -35,6 +36,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.entrypoints.cli.report.figures import RoutingFigures
 from vllm.entrypoints.router.event_feed import EventFeed, FeedStats
+from vllm.entrypoints.router.measured_costs import MeasuredCosts
 from vllm.entrypoints.router.policies import KVAware, RoutingCosts, make_policy
 from vllm.entrypoints.router.router import Router
 
@@ -157,6 +159,14 @@ class FleetRouting:
             self.feed.stop()
 
 
+def _costs_json(measured: MeasuredCosts) -> dict[str, Any]:
+    costs = measured.costs()
+    return {
+        "compute_us_per_token": measured.compute_s_per_token * 1e6,
+        "load_cost": {place.name: cost for place, cost in costs.load_cost.items()},
+    }
+
+
 def routing_figures(router: Router, routing: FleetRouting) -> RoutingFigures:
     """How ``router`` routed its run (the feed's counters are the invocation's so far)."""
     stats = router.stats
@@ -180,5 +190,6 @@ def routing_figures(router: Router, routing: FleetRouting) -> RoutingFigures:
         expected_cached_tokens=dict(stats.expected_cached_tokens),
         expected_computed_tokens=stats.expected_computed_tokens,
         guard_exclusions=stats.guard_exclusions,
+        measured_costs=[None if m is None else _costs_json(m) for m in stats.measured],
         events=events,
     )

@@ -22,7 +22,9 @@ Messages, parent -> instance (tuples, the first item names them):
     ``("go", t0)``: the run starts at ``time.monotonic() == t0`` (one clock for the machine).
     ``("gen", request_id, prompt, max_tokens)``: serve a request; answered with
         ``("first", request_id, token_ids)`` at its first tokens and
-        ``("done", request_id, output_token_ids, cumulative_tokens_by_source)``.
+        ``("done", request_id, output_token_ids, cumulative_tokens_by_source, measured)``
+        (``measured``: the ``MeasuredCosts`` its connector's load guard published last, or
+        None; the router scores the instance with them).
     ``("abort", request_id)``: the client gave up on a request.
     ``("finish",)``: every request was answered: wait for the transfers, shut the engine down
         check what the oracle recorded, publish ``AllBlocksCleared`` and answer ``("result",
@@ -226,9 +228,10 @@ class _Instance:
             # The client waits for this request: tell it why it will not come.
             self.send(("failed", req_id, f"{type(e).__name__}: {e}"))
             return
-        # The engine thread appends samples: the last one is a snapshot of the counters.
+        # The engine thread appends samples: the last one is a snapshot of the counters. The
+        # costs the instance measured of itself go with it (the router scores it with them).
         tokens = dict(sampler.samples[-1].tokens) if sampler.samples else {}
-        self.send(("done", req_id, output, tokens))
+        self.send(("done", req_id, output, tokens, sampler.measured_costs))
 
 
 def instance_main(conn: Connection, config: RunConfig, index: int, fleet_pid: int) -> int:

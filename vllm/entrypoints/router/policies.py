@@ -16,8 +16,10 @@
   counts for every instance; the GPU cache also holds the blocks of the requests in flight
   there, ``InstanceLoad.blocks``, which no event may have announced yet), ``computed_i`` the
   rest of the prompt, ``load_cost_p`` the cost of loading one token from ``p`` in units of
-  computing one (``RoutingCosts``), and ``queued_i`` the tokens instance ``i`` still has to
-  prefill for requests already routed to it and not yet answered (the router's own count).
+  computing one (``RoutingCosts``; per instance, from what it measured of itself once it
+  has: ``measured_costs.MeasuredCosts``, ``KVAware.set_costs``), and ``queued_i`` the tokens
+  instance ``i`` still has to prefill for requests already routed to it and not yet answered
+  (the router's own count).
   A **load-balance guard** keeps every instance within its share: an instance that would then
   hold more than ``(1 + slack)`` times its fair share of the requests routed so far (this one
   included), plus one request, is not a candidate (``KVAware.cap``); ties go to the lower index.
@@ -144,11 +146,31 @@ class RoutingCosts:
         ``1 / prefill_tokens_per_s``; places not given keep the defaults."""
         if prefill_tokens_per_s <= 0 or bytes_per_token <= 0:
             raise ValueError("throughputs and bytes per token must be positive")
-        costs = dict(cls().load_cost)
         for place, bps in load_bytes_per_s.items():
             if bps <= 0:
                 raise ValueError(f"load throughput of {place.name} must be positive, got {bps}")
-            costs[place] = prefill_tokens_per_s * bytes_per_token / bps
+        return cls.from_seconds(
+            1 / prefill_tokens_per_s,
+            {place: bytes_per_token / bps for place, bps in load_bytes_per_s.items()},
+        )
+
+    @classmethod
+    def from_seconds(
+        cls, compute_s_per_token: float, load_s_per_token: Mapping[Place, float]
+    ) -> RoutingCosts:
+        """Costs from times per token: ``load_cost_p = load_s_per_token[p] /
+        compute_s_per_token``; places not given keep the defaults, the GPU costs 0.
+
+        Raises:
+            ValueError: a time that is not positive (a load may take 0 s).
+        """
+        if compute_s_per_token <= 0:
+            raise ValueError(f"compute time per token must be positive, got {compute_s_per_token}")
+        costs = dict(cls().load_cost)
+        for place, seconds in load_s_per_token.items():
+            if seconds < 0:
+                raise ValueError(f"load time of {place.name} must be >= 0, got {seconds}")
+            costs[place] = seconds / compute_s_per_token
         costs[Place.GPU] = 0.0
         return cls(costs, cls.queue_weight)
 
@@ -220,7 +242,7 @@ class KVAware(RoutingPolicy):
         match: the prefix lookup (``EventFeed.match``: the index fed by the instances' events),
             given each instance's ``InstanceLoad.blocks`` as blocks on its GPU.
         hash_block_size: tokens per hashed piece of ``RouteRequest.block_hashes``.
-        costs: load cost per place.
+        costs: load cost per place, for every instance until ``set_costs`` gives it its own.
         slack: the guard's slack (>= 0, see ``cap``).
     """
 
@@ -240,12 +262,17 @@ class KVAware(RoutingPolicy):
         self._match = match
         self.hash_block_size = hash_block_size
         self.costs = costs or RoutingCosts()
+        self.instance_costs: list[RoutingCosts] = [self.costs] * num_instances
         self.slack = slack
 
     @property
     @override
     def needs_hashes(self) -> bool:
         return True
+
+    def set_costs(self, instance: int, costs: RoutingCosts) -> None:
+        """Score ``instance`` with ``costs`` from now on (what it measured of itself)."""
+        self.instance_costs[instance] = costs
 
     def cap(self, loads: Sequence[InstanceLoad]) -> float:
         """The most requests an instance may hold after taking this one: ``(1 + slack)`` times
@@ -260,7 +287,6 @@ class KVAware(RoutingPolicy):
             request.block_hashes, self.hash_block_size, [load.blocks for load in loads]
         )
         cap = self.cap(loads)
-        load_cost = self.costs.load_cost
         costs: list[float | None] = []
         best: int | None = None
         best_cost = 0.0
@@ -268,9 +294,10 @@ class KVAware(RoutingPolicy):
             if load.routed + 1 > cap:
                 costs.append(None)
                 continue
+            own = self.instance_costs[i]
             cached = min(m.cached, request.prompt_len)
-            cost = request.prompt_len - cached + self.costs.queue_weight * load.queued_tokens
-            cost += sum(n * load_cost[Place(p)] for p, n in enumerate(m.tokens) if n)
+            cost = request.prompt_len - cached + own.queue_weight * load.queued_tokens
+            cost += sum(n * own.load_cost[Place(p)] for p, n in enumerate(m.tokens) if n)
             costs.append(cost)
             if best is None or cost < best_cost:
                 best, best_cost = i, cost

@@ -6,7 +6,9 @@ It hashes a prompt the way the instances do (chained prefix hashes of ``hash_blo
 pieces, ``vllm.v1.core.kv_cache_utils``) when the policy needs them, asks the policy, and keeps
 per instance what it routed there, what is still waiting for a first token and the prompt
 blocks of what is still in flight (``InstanceLoad``); nothing it uses comes from inside an
-instance but the events the instances publish (through the policy's ``EventFeed``).
+instance but the events the instances publish (through the policy's ``EventFeed``) and the
+costs they measured of themselves (``on_measured_costs``: their load guards' estimates, which
+they publish as metrics).
 ``RouterStats`` are what the report and the metrics show.
 
 Threading: the front end's event loop only.
@@ -19,7 +21,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from vllm.distributed.kv_events import ExternalBlockHash
-from vllm.entrypoints.router.policies import Decision, InstanceLoad, RouteRequest, RoutingPolicy
+from vllm.entrypoints.router.measured_costs import MeasuredCosts
+from vllm.entrypoints.router.policies import (
+    Decision,
+    InstanceLoad,
+    KVAware,
+    RouteRequest,
+    RoutingPolicy,
+)
 from vllm.entrypoints.router.prefix_index import Place
 from vllm.v1.core.kv_cache_utils import BlockHash, BlockHasher, get_request_block_hasher
 from vllm.v1.request import Request
@@ -38,6 +47,8 @@ class RouterStats:
         chosen_cost_sum: kv-aware: the chosen instances' costs added up.
         guard_exclusions: kv-aware: candidates the load-balance guard excluded.
         last_costs: kv-aware: the last decision's cost per instance (None: excluded).
+        measured: per instance, the last costs it reported measuring (None: none yet; the
+            policy's defaults score it).
     """
 
     policy: str
@@ -49,6 +60,7 @@ class RouterStats:
     chosen_cost_sum: float = 0.0
     guard_exclusions: int = 0
     last_costs: tuple[float | None, ...] = ()
+    measured: list[MeasuredCosts | None] = field(default_factory=list)
 
 
 def prompt_block_hashes(prompt: list[int], hasher: BlockHasher) -> list[BlockHash]:
@@ -81,7 +93,7 @@ class Router:
         self._prompt_hasher = prompt_hasher
         n = policy.num_instances
         self.loads = [InstanceLoad() for _ in range(n)]
-        self.stats = RouterStats(policy=policy.name, decisions=[0] * n)
+        self.stats = RouterStats(policy=policy.name, decisions=[0] * n, measured=[None] * n)
         # request id -> (instance, tokens counted in its queue until the first token).
         self._open: dict[str, tuple[int, int]] = {}
         # request id -> its prompt's hashes counted in its instance's InstanceLoad.blocks.
@@ -114,6 +126,13 @@ class Router:
             stats.guard_exclusions += sum(1 for c in decision.costs if c is None)
             stats.last_costs = decision.costs
         return decision
+
+    def on_measured_costs(self, instance: int, measured: MeasuredCosts) -> None:
+        """``instance`` reported what it measured of its own costs: kv-aware scores it with
+        them from now on."""
+        self.stats.measured[instance] = measured
+        if isinstance(self.policy, KVAware):
+            self.policy.set_costs(instance, measured.costs())
 
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is over: its tokens leave its instance's queue."""
