@@ -9,8 +9,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from typing_extensions import override
-
 from vllm.v1.core.kv_cache_utils import BlockHash, BlockHasher
 
 
@@ -120,7 +118,6 @@ class Request:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
 
-    @override
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

@@ -13,13 +13,12 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.subprocesses import run_python
 from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.main import build_parser, main
 from vllm.entrypoints.cli.workloads import generate_workload
@@ -117,6 +116,7 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
             "worker_connector_thread_cpu_us",
             "lookup_deferred_requests",
             "lookup_deferred_requests_by_tier",
+            "transfer_wait_requests",
         }
         if offload
         else set()
@@ -169,6 +169,7 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
             "skipped_blocks",
             "jobs",
             "failed_jobs",
+            "served_bytes",
             "throughput_bytes_per_s",
             "average_bytes_per_s",
         }
@@ -310,6 +311,7 @@ def test_run_end_to_end_report_json_and_plot(
     by_tier = off["lookup_deferred_requests_by_tier"]
     assert set(by_tier) == {"fs"}
     assert by_tier["fs"] <= off["lookup_deferred_requests"] <= off["requests"]["submitted"]
+    assert 0 <= off["transfer_wait_requests"] <= off["requests"]["submitted"]
     assert doc["verdict"] == {
         "status": "PASS",
         "verified": True,
@@ -419,14 +421,7 @@ def test_a_run_that_exceeds_its_timeout_fails_cleanly(
 
 def test_module_runs_as_a_script(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", *TINY_MIX],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    proc = run_python("-m", "vllm.entrypoints.cli.main", *TINY_MIX, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "verdict: PASS" in proc.stdout
     # The default fs root is under the user's cache dir.
@@ -559,8 +554,9 @@ def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
 ) -> None:
     out = tmp_path / "hybrid.json"
     argv = [*TINY, "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
-    # Hybrid blocks hold two groups: twice the CPU tier keeps the CPU / fs split of TINY.
-    argv += ["--model-stand-in", "hybrid", "--sliding-window", "24", "--cpu-bytes", "256KiB"]
+    # Rows are sized per group (a key is one group's block), so TINY's CPU tier holds as many
+    # rows as with one group, and the CPU / fs split is TINY's.
+    argv += ["--model-stand-in", "hybrid", "--sliding-window", "24"]
     assert main([*argv, *mode]) == 0
     assert "verdict: PASS" in capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -571,3 +567,24 @@ def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
     assert off["verification"]["blocks_mismatched"] == 0
     assert off["prompt_tokens"]["cpu_tier"] + off["prompt_tokens"]["fs_tier"] > 0
     assert doc["comparison"]["outputs_identical"] is True
+    promoted = off["transfers"]["fs_to_cpu"]
+    assert (promoted["served_bytes"] > 0) == (off["prompt_tokens"]["fs_tier"] > 0)
+    assert off["transfers"]["gpu_to_cpu"]["served_bytes"] is None
+
+
+def test_hybrid_promotions_read_little_more_than_the_loads_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A row holds one group's block (per-group rows), and only keys a hit loads are promoted:
+    # what the fs tier reads into the CPU tier is about what loads then use of it, plus each
+    # block file's 4 KiB header. Head size 64 makes TINY's rows 16 KiB (the header a quarter
+    # of one); four times the CPU bytes keep its 32 rows.
+    out = tmp_path / "hybrid.json"
+    argv = [*TINY, "--head-size", "64", "--cpu-bytes", "512KiB", "--sliding-window", "32"]
+    argv += ["--model-stand-in", "hybrid", "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
+    assert main(argv) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    off = json.loads(out.read_text())["runs"]["offload"]
+    promoted = off["transfers"]["fs_to_cpu"]
+    assert off["prompt_tokens"]["fs_tier"] > 0 and promoted["served_bytes"] > 0
+    assert promoted["bytes"] <= 1.5 * promoted["served_bytes"]

@@ -64,6 +64,26 @@ def test_sliding_window_blocks_out_of_the_window_are_freed_as_the_request_advanc
     assert kv.pools[0].num_free_blocks == kv.pools[1].num_free_blocks == 16
 
 
+def _evict(kv: KVCacheManager, request: Request, group: int, index: int) -> None:
+    """Evict the cached block ``index`` of ``request``'s group ``group`` from the prefix cache.
+
+    The pool evicts free blocks in its free-queue order only: every other free block is held,
+    so taking one free block takes that one, and then all of them are given back (as uncached
+    free blocks, at the queue's tail).
+    """
+    pool = kv.pools[group]
+    per_block = kv.block_sizes[group] // kv.hash_block_size
+    block_hash = request.block_hashes[(index + 1) * per_block - 1]
+    target = pool.get_cached_block(block_hash)
+    assert target is not None and target.ref_cnt == 0, "not a free cached block"
+    others = [b for b in pool.blocks if b.ref_cnt == 0 and b is not target]
+    pool.touch(others)
+    taken = pool.get_new_blocks(1)
+    assert taken == [target]
+    pool.free_blocks([*taken, *others])
+    assert pool.get_cached_block(block_hash) is None
+
+
 def test_a_sliding_window_prefix_hit_needs_only_the_window_before_it() -> None:
     kv = KVCacheManager(16, (8, 8), hash_block_size=8, sliding_windows=(None, 12))
     a = _request("a", list(range(48)))
@@ -72,17 +92,13 @@ def test_a_sliding_window_prefix_hit_needs_only_the_window_before_it() -> None:
     # Evict the SWA group's first cached blocks: a hit at 40 tokens still needs only blocks
     # 3 and 4 (tokens 24..39; computing from 40 reads 29..40).
     for j in range(3):
-        block = kv._cached_block(a, 1, j)
-        kv.pools[1]._cached.pop(block.block_hash)  # type: ignore[arg-type]
-        block.block_hash = None
+        _evict(kv, a, 1, j)
     blocks, tokens = kv.get_computed_blocks(_request("b", list(range(48))))
     assert tokens == 40
     assert [b.block_id for b in blocks[0]] == [0, 1, 2, 3, 4]
     assert [b.block_id for b in blocks[1]] == [-1, -1, -1, 3, 4]
     # Evicting a block of that window moves the hit back to where a window is cached.
-    block = kv._cached_block(a, 1, 3)
-    kv.pools[1]._cached.pop(block.block_hash)  # type: ignore[arg-type]
-    block.block_hash = None
+    _evict(kv, a, 1, 3)
     _, tokens = kv.get_computed_blocks(_request("c", list(range(48))))
     assert tokens == 0  # a hit at 32 needs block 3 (24..31); at 24 block 2; ... all evicted
 

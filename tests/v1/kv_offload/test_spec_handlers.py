@@ -9,6 +9,7 @@ handlers the way the connector does (shut down, then ``close``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec, open_shared_region
 from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, RowLayout, WorkerHandlers
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker, TransferSpec
@@ -235,3 +236,85 @@ def test_the_spec_gives_its_handlers_the_configured_copy_path_choice(tmp_path: P
             assert policies == [expected, expected]
         finally:
             _release(_register(handlers), handlers)
+
+
+def _hybrid_run(group_bytes: tuple[int, ...]) -> KVCacheRunInfo:
+    return KVCacheRunInfo(
+        model_name="m",
+        dtype="float16",
+        kv_layout="kv_first",
+        num_layers=4,
+        num_kv_heads=2,
+        head_size=64,
+        gpu_block_sizes=(16, 8),
+        gpu_kv_bytes_per_block=sum(group_bytes) or 3072,
+        tensor_parallel_size=2,
+        group_kv_bytes_per_block=group_bytes,
+    )
+
+
+def test_group_block_bytes_are_a_keys_bytes_on_every_worker(tmp_path: Path) -> None:
+    config = OffloadingConfig(cpu_bytes_to_use=1 << 20, block_size=16)
+    spec = CPUOffloadingSpec(config, _hybrid_run((2048, 1024)))
+    # Group 1's GPU blocks hold 8 tokens: two of them per offloaded block.
+    assert spec.group_block_bytes == (2048 * 2, 1024 * 2 * 2)
+    # Not known per group: every group counts a whole block id's bytes (the old sizing).
+    spec = CPUOffloadingSpec(config, _hybrid_run(()))
+    assert spec.group_block_bytes == (3072 * 2, 3072 * 2 * 2)
+    with pytest.raises(ValueError, match="group_kv_bytes_per_block"):
+        dataclasses.replace(_hybrid_run((2048, 1024)), group_kv_bytes_per_block=(2048, 1000))
+
+
+def test_rows_are_sized_per_group_when_the_groups_bytes_are_known() -> None:
+    config = OffloadingConfig(cpu_bytes_to_use=1 << 20, block_size=16)
+    spec = CPUOffloadingSpec(config, _hybrid_run((2048, 1024)))
+    # A row holds one key: the largest group's block (group 0: 2048; group 1: 2 x 1024).
+    assert spec.row_layout is RowLayout.PER_GROUP
+    assert spec.worker_page_bytes == 2048
+    assert spec.row_bytes == 2 * 2048  # two workers, page-aligned already
+    # Not known per group (groups may share tensors): every group's bytes, as before.
+    spec = CPUOffloadingSpec(config, _hybrid_run(()))
+    assert spec.row_layout is RowLayout.SHARED
+    assert spec.worker_page_bytes == 3072 * 2
+    # One group: the layout and sizes of before, whatever the run says per group.
+    one = dataclasses.replace(
+        _hybrid_run(()), gpu_block_sizes=(16,), group_kv_bytes_per_block=(3072,)
+    )
+    spec = CPUOffloadingSpec(config, one)
+    assert spec.row_layout is RowLayout.SHARED and spec.worker_page_bytes == 3072
+
+
+def test_hybrid_ranks_store_each_groups_block_at_the_start_of_their_slot(tmp_path: Path) -> None:
+    """The engine's hybrid run, two ranks: a key of either group fills the start of each rank's
+    slot of its row with that group's pages, and nothing else of the region."""
+    run, caches = _run_and_caches(
+        _engine_config(tensor_parallel_size=2, gpu_block_sizes=(16, 16), sliding_windows=(None, 32))
+    )
+    spec = _spec(TieringOffloadingSpec, run, tmp_path)
+    assert spec.row_layout is RowLayout.PER_GROUP
+    assert spec.worker_page_bytes == run.group_kv_bytes_per_block[0]
+    manager = spec.get_manager()
+    try:
+        rows_view = np.asarray(manager.primary_tier.get_kv_memoryview())
+        built = [spec.get_handlers(rank_caches, rank) for rank, rank_caches in enumerate(caches)]
+        workers = [_register(h) for h in built]
+        expected = np.zeros_like(rows_view)
+        for rank, (worker, rank_caches) in enumerate(zip(workers, caches, strict=True)):
+            _fill_random(rank_caches, [3, 5], seed=20 + rank)
+            slot = rank * spec.worker_page_bytes
+            # Group 0's GPU block 3 into row 6, group 1's GPU block 5 into row 2.
+            for job_id, (g, gpu_block, row) in enumerate(((0, 3, 6), (1, 5, 2)), start=1):
+                counts = [1 if h == g else 0 for h in range(2)]
+                spec_g = GPULoadStoreSpec([gpu_block], counts, [0, 0])
+                _run_job(worker, job_id, TransferSpec(spec_g, CPULoadStoreSpec([row])))
+                gpu_pages = _pages(rank_caches, [gpu_block])
+                refs = rank_caches.group_data_refs[g]
+                pages = np.concatenate([gpu_pages[r.tensor_idx][0] for r in refs])
+                assert len(pages) == spec.worker_page_bytes
+                expected[row, slot : slot + len(pages)] = pages.view(np.uint8)
+        np.testing.assert_array_equal(rows_view, expected)
+        for worker, handlers in zip(workers, built, strict=True):
+            _release(worker, handlers)
+        del rows_view
+    finally:
+        manager.shutdown()

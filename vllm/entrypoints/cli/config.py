@@ -353,6 +353,14 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     return 2 * layers * kv_heads * head_size * DTYPE_BYTES[args.dtype] * groups
 
 
+def _row_bytes_per_token(args: argparse.Namespace) -> int:
+    # A CPU row holds one key, of one group, and the engine gives its bytes per group, so rows
+    # are sized per group (``RowLayout.PER_GROUP``): the hybrid stand-in's two groups have the
+    # same geometry, so a row is one group's bytes.
+    layers, kv_heads, head_size = _geometry(args)
+    return 2 * layers * kv_heads * head_size * DTYPE_BYTES[args.dtype]
+
+
 def _tiers_config(args: argparse.Namespace) -> TiersConfig:
     offload_block_size = args.offload_block_size or args.block_size
     if offload_block_size % args.block_size:
@@ -462,7 +470,7 @@ def _machine_problems(
 ) -> list[str]:
     """What the machine would refuse later (paths, free space, formats), in option order."""
     page = os.sysconf("SC_PAGE_SIZE")
-    row_bytes = -(-tiers.block_size * _kv_bytes_per_token(args) // page) * page
+    row_bytes = -(-tiers.block_size * _row_bytes_per_token(args) // page) * page
     problems: list[str | None] = []
     if tiers.cpu_bytes < row_bytes:
         problems.append(

@@ -42,6 +42,7 @@ from vllm.entrypoints.cli.report.figures import (
     TransferFigures,
 )
 from vllm.entrypoints.cli.thread_cpu import ThreadCpuWindow
+from vllm.entrypoints.router.measured_costs import MeasuredCosts
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig, default_instance_id
 from vllm.v1.engine.core import EngineCore
@@ -129,9 +130,14 @@ class StepSampler:
         worker_overhead_us: worker-side connector time per busy step (microseconds).
         thread_cpu_us, worker_thread_cpu_us: the same steps' thread CPU time of the two sides
             (microseconds).
+        tokens_per_block: tokens of an offloaded block (0: costs are not read).
+        measured_costs: the last costs the connector's load guard published (None: none yet,
+            or no guard); a fleet instance reports them to the router.
     """
 
     t0: float
+    tokens_per_block: int = 0
+    measured_costs: MeasuredCosts | None = None
     samples: list[StepSample] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     worker_overhead_us: list[float] = field(default_factory=list)
@@ -151,6 +157,12 @@ class StepSampler:
         # this step (from the tiers' counters): the tiers are not asked a second time.
         kv = engine.step_kv_connector_stats
         if isinstance(kv, OffloadingConnectorStats):
+            if self.tokens_per_block:
+                measured = MeasuredCosts.from_connector_stats(
+                    kv, self.tokens_per_block, (REDIS_TIER_TYPE,)
+                )
+                if measured is not None:
+                    self.measured_costs = measured
             for tier_type, store, promote, _, _, _ in SECONDARY_TIERS:
                 for direction, transfer in (
                     (store, f"CPU_to_{tier_type}"),
@@ -264,6 +276,7 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
     result.failed_loads = int(snap.connector.get("failed_load_blocks", 0))
     c = snap.connector
     result.lookup_deferred_requests = int(c.get("deferred_lookup_requests", 0))
+    result.transfer_wait_requests = int(c.get("transfer_wait_requests", 0))
     guard = {k.removeprefix("load_guard."): v for k, v in c.items() if k.startswith("load_guard.")}
     result.load_guard = guard or None  # the guard always reports its step cost when on
     for name, direction in GPU_DIRECTIONS.items():
@@ -298,6 +311,7 @@ def fill_result(result: RunResult, snap: EngineSnapshot) -> None:
             failed_blocks=sum(tc.get(name, 0) for name in load_failed),
             jobs=tc.get("load_jobs"),
             failed_jobs=tc.get("load_jobs_failed", 0),
+            served_bytes=s.bytes_from_tier.get(tier_type, 0),
         )
         result.corrupt_blocks_detected += sum(tc.get(name, 0) for name in CORRUPT_COUNTERS)
         if (
@@ -346,7 +360,7 @@ class EngineRun:
             self.result.redis_url = tiers.redis.shown_url()
         if offload and tiers.fs is not None:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
-        self.sampler = StepSampler(t0=time.monotonic())
+        self.sampler = StepSampler(t0=time.monotonic(), tokens_per_block=tiers.block_size)
         self._metrics = metrics
         self._cpu_at_start = 0.0
         self._threads = ThreadCpuWindow()

@@ -69,8 +69,8 @@ class Progress(ClosingContextManager):
         enabled: False writes nothing.
         tty: draw a tqdm bar (True) or print lines (False); None asks ``stream.isatty()``.
         line_interval_s: seconds between two lines when not drawing a bar.
-        ncols: the bar's width; None follows the terminal, less ``ECHO_MARGIN`` (tests fix it).
-        clock: the time source (tests replace it).
+        ncols: the bar's width; None follows the terminal, less ``ECHO_MARGIN``.
+        clock: the time source (seconds, monotonic).
     """
 
     def __init__(

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm.utils.field_checks import check_at_least
+
 TokenIds = tuple[int, ...]
 
 
@@ -91,25 +93,25 @@ class WorkloadConfig:
             raise ValueError(f"kind must be a WorkloadKind, got {self.kind!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        for name in (
-            "num_clients",
-            "num_sessions",
-            "turns_per_session",
-            "turn_tokens",
-            "output_tokens",
-            "system_prompt_tokens",
-            "num_system_prompts",
-            "document_tokens",
-            "num_documents",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(
+            self,
+            (
+                "num_clients",
+                "num_sessions",
+                "turns_per_session",
+                "turn_tokens",
+                "output_tokens",
+                "system_prompt_tokens",
+                "num_system_prompts",
+                "document_tokens",
+                "num_documents",
+            ),
+        )
         for name in ("think_time_s", "arrival_interval_s"):
             value = getattr(self, name)
             if not (value >= 0 and np.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
+        check_at_least(self, ("vocab_size",), 2)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from typing_extensions import override
-
 from vllm.v1.core.kv_cache_utils import BlockHash
 
 
@@ -36,7 +34,6 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
 
-    @override
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt})"
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from vllm.model_executor.models.llama_config import LlamaConfig, get_preset
+from vllm.utils.field_checks import check_at_least
 from vllm.v1.engine.model import KVLayout
 from vllm.v1.engine.model_runner import ModelKind
 from vllm.v1.engine.verification import VerifyMode
@@ -132,22 +133,22 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):
             raise ValueError(f"gpu_block_sizes must be positive, got {self.gpu_block_sizes}")
-        for name in (
-            "num_gpu_blocks",
-            "num_layers",
-            "num_kv_heads",
-            "head_size",
-            "tensor_parallel_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "vocab_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(
+            self,
+            (
+                "num_gpu_blocks",
+                "num_layers",
+                "num_kv_heads",
+                "head_size",
+                "tensor_parallel_size",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "vocab_size",
+            ),
+        )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.intra_op_threads < 0:
-            raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        check_at_least(self, ("intra_op_threads",), 0)
         object.__setattr__(self, "model", ModelKind(self.model))
         object.__setattr__(self, "verify", VerifyMode(self.verify))
         if self.model is ModelKind.TRANSFORMER:

@@ -248,7 +248,8 @@ class EngineCore(ClosingContextManager):
     def run_info(self) -> KVCacheRunInfo:
         """The facts of this run that define an offloaded block's bytes."""
         c = self.config
-        kv_bytes = sum(c.num_layers * c.gpu_page_bytes(g) for g in range(c.num_groups))
+        group_bytes = tuple(c.num_layers * c.gpu_page_bytes(g) for g in range(c.num_groups))
+        kv_bytes = sum(group_bytes)
         return KVCacheRunInfo(
             model_name=c.model_name,
             dtype=c.dtype,
@@ -261,6 +262,7 @@ class EngineCore(ClosingContextManager):
             tensor_parallel_size=c.tensor_parallel_size,
             instance_id=c.instance_id,
             sliding_windows=c.sliding_windows,
+            group_kv_bytes_per_block=group_bytes,
         )
 
     # -----------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from vllm.v1.engine.load_accounting import (
     record_finished,
 )
 from vllm.v1.engine.outputs import ModelRunnerOutput, RequestOutput
-from vllm.v1.engine.stats import EngineStats, RequestTimes
+from vllm.v1.engine.stats import SECONDARY, EngineStats, RequestTimes
 from vllm.v1.engine.verification import KVOracle, VerifyMode
 from vllm.v1.request import Request, RequestStatus
 
@@ -483,6 +483,10 @@ class Scheduler:
         assert self.connector is not None
         for result in self._timed(self.connector.take_load_results):
             self._promoted[result.req_id] = result.promoted_blocks
+            by_tier = self.stats.bytes_from_tier
+            for tier, n in result.promoted_bytes.items():
+                name = tier or SECONDARY
+                by_tier[name] = by_tier.get(name, 0) + n
             self.stats.load_jobs_finished += 1
             if not result.success:
                 self.stats.load_jobs_failed += 1

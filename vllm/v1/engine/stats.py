@@ -117,6 +117,9 @@ class EngineStats:
             blocks were promoted from (``SECONDARY`` when the manager did not name it).
         blocks_verified_by_tier: of ``blocks_loaded_verified``, GPU blocks of promoted offloaded
             blocks, by the tier they were promoted from.
+        bytes_from_tier: bytes that successful loads read of keys promoted from a secondary
+            tier, by the tier's type name (``SECONDARY`` when not named): what the tier served,
+            to set against the bytes it promoted (``LoadResult.promoted_bytes``).
         served_not_stored_here: when the engine tracks block origins
             (``EngineConfig.record_block_origins``), promoted tokens served per (tier, key) of
             blocks this engine had not stored itself before loading them: KV computed elsewhere
@@ -155,6 +158,7 @@ class EngineStats:
     tokens_from_secondary: int = 0
     tokens_from_tier: dict[str, int] = field(default_factory=dict)
     blocks_verified_by_tier: dict[str, int] = field(default_factory=dict)
+    bytes_from_tier: dict[str, int] = field(default_factory=dict)
     served_not_stored_here: dict[tuple[str, OffloadKey], int] | None = None
     tokens_load_failed: int = 0
     tokens_computed: int = 0

@@ -161,6 +161,19 @@ def check_offload_key(method: str, key: object, req_context: ReqContext) -> None
         )
 
 
+# The ``OffloadingManager`` methods that read or change blocks: every manager's ``shutdown()``
+# refuses them (``refuse_after_shutdown``), with the methods of its own that do.
+BLOCK_METHODS = (
+    "lookup",
+    "probe",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+)
+
+
 def refuse_after_shutdown(manager: object, methods: Iterable[str]) -> None:
     """Make each of ``methods`` of ``manager`` raise ``RuntimeError`` from now on.
 
@@ -175,6 +188,16 @@ def refuse_after_shutdown(manager: object, methods: Iterable[str]) -> None:
             raise RuntimeError(f"{owner}.{_method}: the manager is shut down")
 
         setattr(manager, method, refuse)
+
+
+def drain_events(events: list[OffloadingEvent] | None) -> Iterable[OffloadingEvent]:
+    """What ``events`` holds, in order, leaving it empty: a ``take_events`` over a list of
+    recorded events (``None``: events are not recorded, so there are none)."""
+    if not events:
+        return ()
+    taken = events.copy()
+    events.clear()
+    return taken
 
 
 class OffloadKeyStateError(ValueError):
@@ -258,7 +281,6 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     def __init__(self, block_ids: Sequence[int] | npt.ArrayLike) -> None:
         self.block_ids: BlockIds = _as_block_ids(block_ids, "block_ids")
 
-    @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()})"
 
@@ -304,7 +326,6 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
     def medium() -> str:
         return "GPU"
 
-    @override
     def __repr__(self) -> str:
         return (
             f"GPULoadStoreSpec(block_ids={self.block_ids.tolist()}, "
@@ -415,6 +436,27 @@ class OffloadingManager(ABC):
             TypeError: ``key`` is not an ``OffloadKey``.
             RuntimeError: the manager is shut down.
         """
+
+    def probe(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """``lookup``'s answer for ``key``, without starting a promotion (not in upstream vLLM).
+
+        A manager with slower tiers promotes a block found only in one of them when ``lookup``
+        asks for it. A connector that loads only part of what it looks up (a sliding-window
+        group needs only the window before the hit's end) probes first, then calls ``lookup``
+        for the keys it will load, so that only those are promoted. A ``lookup`` of a key this
+        step probed answers as if the probe had not happened (counted once, same tier).
+
+        Returns:
+            True if readable now; None if not readable yet, including a block a slower tier
+            holds (``lookup`` would promote it); False if absent.
+
+        Raises:
+            TypeError: ``key`` is not an ``OffloadKey``.
+            RuntimeError: the manager is shut down.
+
+        Default: ``lookup(key, req_context)`` (a manager without slower tiers starts nothing).
+        """
+        return self.lookup(key, req_context)
 
     @abstractmethod
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:

@@ -12,6 +12,7 @@ between them never names a medium.
 
 from __future__ import annotations
 
+import enum
 import math
 import mmap
 from abc import ABC, abstractmethod
@@ -51,6 +52,12 @@ class KVCacheRunInfo:
         instance_id: unique id of this engine instance (names its shared host region).
         sliding_windows: per group, the window in tokens of a sliding-window attention group or
             None for full attention; empty: every group has full attention.
+        group_kv_bytes_per_block: per group, the bytes one GPU block id of that group occupies
+            on ONE worker (its layers' KV tensors); they add up to ``gpu_kv_bytes_per_block``,
+            so giving them says that no two groups share a KV tensor, and a spec of several
+            groups then sizes its rows per group (``RowLayout.PER_GROUP``). Empty: not known
+            per group (every group counts ``gpu_kv_bytes_per_block``; rows hold every group's
+            tensors, ``RowLayout.SHARED``).
     """
 
     model_name: str
@@ -65,6 +72,7 @@ class KVCacheRunInfo:
     pipeline_parallel_size: int = 1
     instance_id: str = "default"
     sliding_windows: tuple[int | None, ...] = ()
+    group_kv_bytes_per_block: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gpu_block_sizes or any(b <= 0 for b in self.gpu_block_sizes):
@@ -79,11 +87,48 @@ class KVCacheRunInfo:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        group_bytes = self.group_kv_bytes_per_block
+        if group_bytes and (
+            len(group_bytes) != len(self.gpu_block_sizes)
+            or min(group_bytes) <= 0
+            or sum(group_bytes) != self.gpu_kv_bytes_per_block
+        ):
+            raise ValueError(
+                f"group_kv_bytes_per_block={group_bytes} needs one positive entry per group "
+                f"({len(self.gpu_block_sizes)}) adding up to gpu_kv_bytes_per_block="
+                f"{self.gpu_kv_bytes_per_block}"
+            )
+
+    def group_bytes_per_block(self, group: int) -> int:
+        """Bytes one GPU block id of ``group`` occupies on one worker (all of a block id's bytes
+        when not known per group)."""
+        if self.group_kv_bytes_per_block:
+            return self.group_kv_bytes_per_block[group]
+        return self.gpu_kv_bytes_per_block
 
     @property
     def world_size(self) -> int:
         """Workers that each hold a slice of every block."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class RowLayout(str, enum.Enum):
+    """How a primary-tier row lays out a worker's slot (``OffloadingSpec.row_layout``).
+
+    A key belongs to one KV-cache group and takes one row, so a row only ever holds one group's
+    block; the layouts differ in where each group's bytes sit in the slot.
+    """
+
+    SHARED = "shared"
+    """Every canonical tensor of every group has its own byte range of the slot, one after
+    another (what a key of any group could touch): the slot is the sum of all groups' pages.
+    The layout of single-group runs, and of multi-group runs whose groups may share tensors
+    (``KVCacheRunInfo.group_kv_bytes_per_block`` unknown)."""
+
+    PER_GROUP = "per_group"
+    """Each group's tensors are laid out from the start of the slot, so the groups' views alias
+    one another: the slot is the largest group's page, not the sum. Multi-group runs whose
+    groups use disjoint tensors (``group_kv_bytes_per_block`` known)."""
 
 
 HandlerRegistration = tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]
@@ -128,7 +173,13 @@ class OffloadingSpec(ABC):
         offloaded_block_size: tokens per offloaded block: ``config.block_size`` if given (a
             multiple of every group's GPU block size), else the lcm of the GPU block sizes.
         block_size_factors: ``offloaded_block_size // gpu_block_size[g]`` per group.
-        worker_page_bytes: bytes of one offloaded block on one worker.
+        group_block_bytes: per group, the bytes of one offloaded block of that group (one key)
+            on every worker together: what a load of the key moves.
+        row_layout: where each group's bytes sit in a row (``RowLayout``): ``PER_GROUP`` for
+            a run of several groups whose bytes per block are known per group, else ``SHARED``.
+        worker_page_bytes: bytes of one worker's slot of a row: with ``SHARED`` rows, every
+            group's page (``gpu_kv_bytes_per_block`` times the largest factor); with
+            ``PER_GROUP`` rows, the largest of the groups' ``group_bytes_per_block(g) * k_g``.
         row_bytes: bytes of one primary-tier row (every worker's slice, padded to the page size).
         num_primary_blocks: rows that fit in ``config.cpu_bytes_to_use``.
     """
@@ -157,7 +208,21 @@ class OffloadingSpec(ABC):
                 )
             self.offloaded_block_size = config.block_size
         self.block_size_factors = tuple(self.offloaded_block_size // b for b in run.gpu_block_sizes)
-        self.worker_page_bytes = run.gpu_kv_bytes_per_block * max(self.block_size_factors)
+        self.group_block_bytes = tuple(
+            run.group_bytes_per_block(g) * f * run.world_size
+            for g, f in enumerate(self.block_size_factors)
+        )
+        # A row holds one key, i.e. one group's block: when the groups' tensors are known to be
+        # disjoint, sizing the row for the largest group rather than for all of them together
+        # gives the primary tier (and every secondary tier's payload) that many more blocks.
+        if len(run.gpu_block_sizes) > 1 and run.group_kv_bytes_per_block:
+            self.row_layout = RowLayout.PER_GROUP
+            self.worker_page_bytes = max(
+                run.group_bytes_per_block(g) * f for g, f in enumerate(self.block_size_factors)
+            )
+        else:
+            self.row_layout = RowLayout.SHARED
+            self.worker_page_bytes = run.gpu_kv_bytes_per_block * max(self.block_size_factors)
         self.row_bytes = round_up(
             self.worker_page_bytes * run.world_size, self.BLOCK_SIZE_ALIGNMENT
         )
@@ -214,8 +279,9 @@ class OffloadingSpec(ABC):
         """Block until every secondary tier finished its start-up work (e.g. indexing what is
         already stored), so that ``get_tier_stats`` reports it.
 
-        Not for the step path: for reports and tests, before the first request. Scheduler side,
-        after ``get_manager``.
+        Not for the step path: the CLI's runs (``engine_run``, ``bench_ttft``) call it, through
+        the engine and the connector, before their first request. Scheduler side, after
+        ``get_manager``.
 
         Args:
             timeout_s: the longest wait, over all tiers; None waits without bound.

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.cpu.request_ledger import RequestLedger
 
 
 def _ledger(manager: CPUOffloadingManager) -> RequestLedger:
-    # The ledger is the manager's own: no public way to list another request's pins exists,
+    # private: the ledger is the manager's own: no public way to list another request's pins exists,
     # on purpose (a caller may only release what it holds).
     return manager._ledger
 
@@ -46,13 +46,13 @@ def owners(manager: CPUOffloadingManager) -> set[str]:
 
 def pending_events(manager: CPUOffloadingManager) -> list[OffloadingEvent]:
     """The events ``take_events`` would return, without draining them."""
-    # take_events drains; a test comparing states before and after a call must not.
+    # private: take_events drains; a test comparing states before and after a call must not.
     return list(manager._events or ())
 
 
 def free_rows(manager: CPUOffloadingManager) -> list[int]:
     """The recycled rows, in the order the allocator takes them (from the end)."""
-    # The order decides which row the next store gets; only the allocator needs it.
+    # private: the order decides which row the next store gets; only the allocator needs it.
     return list(manager._free_list)
 
 
@@ -66,15 +66,14 @@ def check_invariants(manager: CPUOffloadingManager) -> None:
     """
     policy = manager.policy
     ledger = _ledger(manager)
-    # The bump pointer and the row status pool are the allocator's alone.
-    num_allocated: int = manager._num_allocated
+    # private: the row status pool is the allocator's alone.
     rows: list[Any] = manager._rows
     free_list = free_rows(manager)
-    assert num_allocated - len(free_list) == len(policy), (
-        f"slot accounting broken: {num_allocated} allocated - {len(free_list)} free-listed "
-        f"!= {len(policy)} resident"
+    # Slot accounting: the rows handed out, less the free-listed ones, are the resident blocks.
+    assert manager.num_free_blocks + len(policy) == manager.num_blocks, (
+        f"slot accounting broken: {manager.num_free_blocks} free + {len(policy)} resident "
+        f"!= {manager.num_blocks} rows"
     )
-    assert manager.num_free_blocks + len(policy) == manager.num_blocks
     assert len(set(free_list)) == len(free_list), "a row is free-listed twice"
     pins: dict[OffloadKey, int] = {}
     for req_id, calls in ledger.loads.items():

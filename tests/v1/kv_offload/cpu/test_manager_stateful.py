@@ -244,15 +244,6 @@ class CPUManagerMachine(RefusalMachine):
 
     # -- misbehaving callers ------------------------------------------------------------------
 
-    @rule(keys=key_lists, ctx=reqs, success=st.booleans())
-    def complete_store_stray(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
-        """Any keys, any request: absent, ready, pinned, other requests' or legitimate ones."""
-        self._complete_store(keys, ctx, success)
-
-    @rule(keys=key_lists, ctx=reqs)
-    def complete_load_stray(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
-        self._complete_load(keys, ctx)
-
     @rule(keys=key_lists.filter(bool), ctx=reqs)
     def prepare_load_any(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         """Keys that may be absent or being written."""

@@ -100,27 +100,47 @@ def make_spec(tmp_path: Path, num_blocks: int = NUM_PRIMARY_BLOCKS) -> TieringOf
     )
 
 
-def make_primary(
-    tmp_path: Path, num_blocks: int = NUM_PRIMARY_BLOCKS, enable_events: bool = False
-) -> CPUPrimaryTierOffloadingManager:
-    region = SharedOffloadRegion(
+def make_region(tmp_path: Path, num_blocks: int = NUM_PRIMARY_BLOCKS) -> SharedOffloadRegion:
+    return SharedOffloadRegion(
         f"tiering-test-{tmp_path.name}",
         num_blocks,
         WORKER_PAGE_BYTES,
         directory=tmp_path,
         prefault=False,
     )
+
+
+def make_primary(
+    tmp_path: Path,
+    num_blocks: int = NUM_PRIMARY_BLOCKS,
+    enable_events: bool = False,
+    region: SharedOffloadRegion | None = None,
+) -> CPUPrimaryTierOffloadingManager:
+    """A primary tier over ``region`` (by default a new one of ``num_blocks`` rows)."""
+    if region is None:
+        region = make_region(tmp_path, num_blocks)
     return CPUPrimaryTierOffloadingManager(num_blocks, region, enable_events=enable_events)
 
 
 class RecordingTier(ExampleSecondaryTierManager):
-    """The example tier, logging every manager-facing call into a shared list."""
+    """The example tier, logging every manager-facing call into a shared list.
+
+    Attributes:
+        raise_in_submit: ``submit_*`` raise ``OSError`` (a tier that cannot start a job).
+        request_level: new requests are answered ``REQUEST_LEVEL`` (as the example tier built
+            with ``request_level=True`` answers them).
+        lost: keys the tier has lost: it no longer finds them, and a load of one fails.
+        extra_reports: reports added to the next poll's (a broken tier's).
+    """
 
     def __init__(self, *args: Any, log: list[tuple[Any, ...]], name: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log = log
         self.name = name
         self.raise_in_submit = False
+        self.request_level = False
+        self.lost: set[OffloadKey] = set()
+        self.extra_reports: list[JobResult] = []
 
     def calls(self, method: str) -> list[tuple[Any, ...]]:
         return [entry[2:] for entry in self.log if entry[:2] == (self.name, method)]
@@ -128,6 +148,8 @@ class RecordingTier(ExampleSecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         self.log.append((self.name, "lookup", key))
+        if key in self.lost:
+            return False
         return super().lookup(key, req_context)
 
     @override
@@ -142,11 +164,16 @@ class RecordingTier(ExampleSecondaryTierManager):
         self.log.append((self.name, "submit_load", tuple(job.keys), job.req_context))
         if self.raise_in_submit:
             raise OSError("injected submit_load failure")
+        if self.lost.intersection(job.keys):
+            self.extra_reports.append(JobResult(job.job_id, False))
+            return
         super().submit_load(job)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = list(super().get_finished_jobs())
+        finished += self.extra_reports
+        self.extra_reports = []
         self.log.append((self.name, "get_finished_jobs", tuple(r.job_id for r in finished)))
         return finished
 
@@ -158,6 +185,8 @@ class RecordingTier(ExampleSecondaryTierManager):
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self.log.append((self.name, "on_new_request", req_context))
+        if self.request_level:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return super().on_new_request(req_context)
 
     @override
@@ -190,8 +219,14 @@ class RecordingTier(ExampleSecondaryTierManager):
 class MinimalTier(SecondaryTierManager):
     """Implements only the abstract primitives: every optional hook is the base default."""
 
-    def __init__(self, spec: TieringOffloadingSpec, view: memoryview) -> None:
-        super().__init__(spec, view, "minimal")
+    def __init__(
+        self,
+        offloading_spec: TieringOffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str = "minimal",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **kwargs)
         self.blocks: set[OffloadKey] = set()
         self.finished: list[JobResult] = []
 
@@ -227,7 +262,8 @@ class TestTieringOffloadingManager:
     def manager_setup(self, tmp_path: Path) -> Iterable[None]:
         self.tmp_path = tmp_path
         self.spec = make_spec(tmp_path)
-        self.primary = make_primary(tmp_path, enable_events=True)
+        self.region = make_region(tmp_path)  # the primary owns it (and releases it)
+        self.primary = make_primary(tmp_path, enable_events=True, region=self.region)
         self.view = self.primary.get_kv_memoryview()
         self.rows = np.asarray(self.view)
         self.log: list[tuple[Any, ...]] = []
@@ -375,6 +411,45 @@ class TestTieringOffloadingManager:
         assert count_hits(self.manager, keys) == 3
         self._assert_rows_hold(keys)
 
+    def test_probe_promotes_nothing_and_a_lookup_in_the_step_promotes_once(self) -> None:
+        keys = to_keys([1, 2, 3])
+        self._store_in_tiers_only(keys)
+        hits_before = list(self.manager.tiering_stats.hits)
+        assert [self.manager.probe(k, _CTX) for k in keys] == [None, None, None]
+        assert [self.manager.probe(k, _CTX) for k in keys] == [None, None, None]  # no change
+        assert count_hits(self.primary, keys) == 0  # no row reserved
+        lookups = len(self.tiers[0].calls("lookup"))
+        # Only the middle key is looked up: it is promoted from the tier the probe found,
+        # which is not asked again (nor counted again).
+        assert self.manager.lookup(keys[1], _CTX) is None
+        assert len(self.tiers[0].calls("lookup")) == lookups
+        assert self.manager.tiering_stats.hits[0] == hits_before[0] + 3
+        self._simulate_on_schedule_end()
+        assert self.tiers[0].calls("submit_load") == [((keys[1],), _CTX)]
+        self._simulate_on_schedule_end()
+        assert [self.manager.probe(k, _CTX) for k in keys] == [None, True, None]
+        self._assert_rows_hold([keys[1]])
+
+    def test_a_probe_is_forgotten_when_the_step_ends(self) -> None:
+        keys = to_keys([1])
+        self._store_in_tiers_only(keys)
+        assert self.manager.probe(keys[0], _CTX) is None
+        self._simulate_on_schedule_end()
+        lookups = len(self.tiers[0].calls("lookup"))
+        # A later step's lookup asks the tiers afresh.
+        assert self.manager.lookup(keys[0], _CTX) is None
+        assert len(self.tiers[0].calls("lookup")) == lookups + 1
+        self._simulate_on_schedule_end()
+        assert self.tiers[0].calls("submit_load") == [(tuple(keys), _CTX)]
+
+    def test_probe_of_an_absent_key_is_false_and_of_a_resident_one_true(self) -> None:
+        keys = to_keys([1, 2])
+        self._store(keys[:1])
+        assert self.manager.probe(keys[0], _CTX) is True
+        assert self.manager.probe(keys[1], _CTX) is False
+        with pytest.raises(TypeError):
+            self.manager.probe("not a key", _CTX)  # type: ignore[arg-type]
+
     def test_lookup_batches_submit_load_per_request(self) -> None:
         keys = to_keys([1, 2, 3, 4])
         self._store_in_tiers_only(keys)
@@ -433,7 +508,7 @@ class TestTieringOffloadingManager:
         free_before = self.primary.num_free_blocks
         # Tier 0 loses the block after answering the lookup: its load fails.
         assert self.manager.lookup(keys[0], _CTX) is None
-        self.tiers[0]._blocks.pop(keys[0])
+        self.tiers[0].lost.add(keys[0])
         self._simulate_on_schedule_end()
         self._simulate_on_schedule_end()
         assert self.primary.policy.get(keys[0]) is None, "failed promotion left its row"
@@ -506,7 +581,7 @@ class TestTieringOffloadingManager:
         self.manager.on_request_finished(ctx)
         assert [e[0] for e in self.log if e[1] == "on_request_finished"] == ["tier0", "tier1"]
 
-        self.tiers[1]._request_level = True
+        self.tiers[1].request_level = True
         ctx2 = ReqContext(req_id="r2")
         assert self.manager.on_new_request(ctx2).policy is OffloadPolicy.REQUEST_LEVEL
         assert request_level_tiers(self.manager) == {"r2": (1,)}
@@ -520,7 +595,7 @@ class TestTieringOffloadingManager:
         self._simulate_on_schedule_end()
         self._simulate_on_schedule_end()
         self.log.clear()
-        self.tiers[1]._request_level = True
+        self.tiers[1].request_level = True
         ctx = ReqContext(req_id="rl")
         self.manager.on_new_request(ctx)
         new = to_keys([3])
@@ -540,7 +615,7 @@ class TestTieringOffloadingManager:
     def test_request_level_membership_survives_reset_cache(self) -> None:
         # Issue #17 part 3: a running request stays request-level across a reset; only
         # finished requests lose their membership.
-        self.tiers[1]._request_level = True
+        self.tiers[1].request_level = True
         ctx = ReqContext(req_id="rl")
         assert self.manager.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
         finished_ctx = ReqContext(req_id="done")
@@ -807,13 +882,13 @@ class TestTieringOffloadingManager:
         assert self.manager.lookup(keys[0], _CTX) is None  # and it can be promoted again
 
     def test_unknown_job_report_is_an_error(self) -> None:
-        self.tiers[0]._finished.append(JobResult(job_id=12345, success=True))
+        self.tiers[0].extra_reports.append(JobResult(job_id=12345, success=True))
         with pytest.raises(SecondaryTierReportError, match=r"#0 \(example\).*unknown job 12345"):
             self.manager.on_schedule_end()
 
     def test_shutdown_order(self) -> None:
         # The primary owns its region and lends only the rows (get_kv_memoryview).
-        region_path = self.primary._mmap_region.path
+        region_path = self.region.path
         assert Path(region_path).exists()
         del self.rows  # the test's own array over the view
         self.manager.shutdown()
@@ -821,7 +896,7 @@ class TestTieringOffloadingManager:
             ("tier0", "shutdown"),
             ("tier1", "shutdown"),
         ]
-        assert self.primary._mmap_region.closed
+        assert self.region.closed
         assert not Path(region_path).exists()
         with pytest.raises(RuntimeError):
             self.primary.get_kv_memoryview()

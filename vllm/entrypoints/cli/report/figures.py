@@ -117,6 +117,10 @@ class TransferFigures:
         jobs: jobs the tier reported in this direction (its ``store_jobs`` / ``load_jobs``);
             None when the tier does not count them.
         failed_jobs: those of them that failed.
+        served_bytes: promotions (tier -> CPU) only: the bytes CPU -> GPU loads then read of the
+            blocks promoted from the tier (each key's KV-cache group's bytes, as the load moves
+            them), counted per load that used them; None for the other directions. Against
+            ``bytes``, it says how much of what was read from the tier was used.
     """
 
     blocks: int = 0
@@ -126,6 +130,7 @@ class TransferFigures:
     skipped_blocks: int = 0
     jobs: int | None = None
     failed_jobs: int = 0
+    served_bytes: int | None = None
 
     def throughput(self) -> float | None:
         """Bytes per second while transferring, or None when the busy time is unknown."""
@@ -202,7 +207,11 @@ class RunResult:
             of the thread that ran each side's hooks (``time.thread_time``), in microseconds:
             ``overhead_us`` minus time off the CPU (waiting for the GIL, descheduled).
         lookup_deferred_requests: requests whose lookup answered "ask again next step" at least
-            once (the connector's count; offload only), delaying them one step or more.
+            once because a tier could not answer yet whether it holds a block (the connector's
+            count; offload only), delaying them one step or more.
+        transfer_wait_requests: requests whose lookup answered so because their blocks were
+            being moved (promoted from a secondary tier, stored, or loaded for another request):
+            waiting for the bytes, part of loading them (offload only).
         lookup_deferred_requests_by_tier: of those, the requests each secondary tier deferred
             (by tier type; a request two tiers deferred counts in both).
         ttft_ms: time to first token per request, in milliseconds (measured by the clients).
@@ -260,6 +269,7 @@ class RunResult:
     connector_thread_cpu_us: list[float] = field(default_factory=list)
     worker_connector_thread_cpu_us: list[float] = field(default_factory=list)
     lookup_deferred_requests: int = 0
+    transfer_wait_requests: int = 0
     lookup_deferred_requests_by_tier: dict[str, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     ttft_parts_ms: dict[str, list[float]] = field(
@@ -357,6 +367,10 @@ class RoutingFigures:
             serve from there (its index's view; what they served is in the run's figures).
         expected_computed_tokens: prompt tokens the router expected them to compute.
         guard_exclusions: kv-aware: candidates the load-balance guard excluded.
+        measured_costs: per instance, the costs it last reported measuring (its load guard's
+            estimates), as the router scored them: ``compute_us_per_token`` and ``load_cost``
+            per place in units of computing a token; None where it reported none (kv-aware
+            then scores it with the defaults).
         events: kv-aware: per instance, the event feed's counters (``batches``, ``replayed``,
             ``replay_requests``, ``lost``, ``mean_lag_ms``, ``max_lag_ms``); None otherwise.
     """
@@ -366,6 +380,7 @@ class RoutingFigures:
     expected_cached_tokens: dict[str, int] = field(default_factory=dict)
     expected_computed_tokens: int = 0
     guard_exclusions: int = 0
+    measured_costs: list[dict[str, Any] | None] = field(default_factory=list)
     events: dict[str, list[float]] | None = None
 
 

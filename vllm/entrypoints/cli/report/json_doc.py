@@ -57,6 +57,7 @@ def transfer_json(t: TransferFigures, wall_s: float) -> dict[str, Any]:
         "skipped_blocks": t.skipped_blocks,
         "jobs": t.jobs,
         "failed_jobs": t.failed_jobs,
+        "served_bytes": t.served_bytes,
         "throughput_bytes_per_s": t.throughput(),
         "average_bytes_per_s": t.bytes / wall_s if wall_s > 0 else 0.0,
     }
@@ -173,6 +174,7 @@ def run_json(run: RunResult, samples: bool = True) -> dict[str, Any]:
             d = Distribution.of(values)
             doc[key] = {"median": d.median, "p99": d.p99}
         doc["lookup_deferred_requests"] = run.lookup_deferred_requests
+        doc["transfer_wait_requests"] = run.transfer_wait_requests
         doc["lookup_deferred_requests_by_tier"] = dict(run.lookup_deferred_requests_by_tier)
     if samples:
         doc["samples"] = [sample_json(s) for s in run.samples]
@@ -244,6 +246,7 @@ def routing_json(r: RoutingFigures) -> dict[str, Any]:
         "expected_cached_tokens": dict(r.expected_cached_tokens),
         "expected_computed_tokens": r.expected_computed_tokens,
         "guard_exclusions": r.guard_exclusions,
+        "measured_costs": list(r.measured_costs),
         "events": r.events,
     }
 

@@ -381,14 +381,15 @@ def _ttft_parts(report: Report) -> Iterable[str]:
         )
     yield _row("  sum of the parts", f"{_parts_sum(b):.1f} ms", f"{_parts_sum(o):.1f} ms")
     yield _row("requests a lookup deferred", "-", f"{o.lookup_deferred_requests:,}")
+    yield _row("requests waiting on a transfer", "-", f"{o.transfer_wait_requests:,}")
     yield _row(
         "TTFT mean at the clients", f"{_mean(b.ttft_ms):.1f} ms", f"{_mean(o.ttft_ms):.1f} ms"
     )
     yield from _wrap(
         "(parts measured by the engine from a request's arrival there; waiting on the tiers: "
         "a lookup, or a promotion into the CPU tier, still running; a deferred request waited "
-        "one step or more for one; loading: the CPU -> GPU copy; the clients' TTFT adds the "
-        "front end's hand-offs)",
+        "one step or more for a lookup, a waiting one for its blocks to move; loading: the "
+        "CPU -> GPU copy; the clients' TTFT adds the front end's hand-offs)",
         indent=4,
         hanging=1,
     )
@@ -479,6 +480,12 @@ def _transfers(o: RunResult) -> Iterable[str]:
         extra = [f"{t.failed_blocks:,} failed"] if t.failed_blocks else []
         if t.skipped_blocks:
             extra.append(f"{t.skipped_blocks:,} already there")
+        if t.served_bytes is not None and t.bytes:
+            # What was read from the tier against what loads used of it (issue 26's target).
+            extra.append(
+                f"{format_bytes(t.served_bytes)} of it read by loads, "
+                f"{t.bytes / max(t.served_bytes, 1):.2f}x promoted per byte used"
+            )
         if extra:
             notes.append(f"{d.label}: {', '.join(extra)}")
     yield "    (throughput: while transferring; average: over the run's wall time)"

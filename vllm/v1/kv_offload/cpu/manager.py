@@ -12,6 +12,7 @@ from typing import Any, cast
 from typing_extensions import override
 
 from vllm.v1.kv_offload.base import (
+    BLOCK_METHODS,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -20,6 +21,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     check_offload_key,
     check_offload_keys,
+    drain_events,
     refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
@@ -31,12 +33,7 @@ from vllm.v1.kv_offload.cpu.reuse_filter import DEFAULT_MAX_TRACKER_SIZE, StoreR
 _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
 # The methods a shut-down manager refuses (``shutdown``): every one that reads or changes blocks.
 _REFUSED_AFTER_SHUTDOWN = (
-    "lookup",
-    "prepare_load",
-    "touch",
-    "complete_load",
-    "prepare_store",
-    "complete_store",
+    *BLOCK_METHODS,
     "finish_store",
     "reserve_row",
     "on_new_request",
@@ -366,11 +363,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
-        events = self._events
-        if not events:
-            return ()
-        self._events = []
-        return events
+        return drain_events(self._events)
 
     @override
     def reset_cache(self) -> None:

@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.transfer.gpu_worker import CpuGpuOffloadingHandlers
 from vllm.v1.kv_offload.mediums import CPULoadStoreSpec
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
+from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, RowLayout, WorkerHandlers
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 
 
@@ -74,7 +74,8 @@ def cpu_worker_handlers(
     """Worker ``rank``'s GPU <-> CPU handlers over its slot of every row of the shared region.
 
     Joins (or creates, if it comes first) the region with ``open_shared_region``, takes one view
-    per canonical tensor from the rank's slot, and registers ``GPU -> CPU`` (stores) and
+    per canonical tensor from the rank's slot (laid out as ``spec.row_layout`` says), and
+    registers ``GPU -> CPU`` (stores) and
     ``CPU -> GPU`` (loads). The returned ``close`` shuts the handlers down (again, which is a no-op
     for handlers already shut down; it also unpins the memory) and then cleans this rank's mapping
     of the region up.
@@ -87,14 +88,19 @@ def cpu_worker_handlers(
 
     Raises:
         As ``open_shared_region`` and ``CpuGpuOffloadingHandlers`` (e.g. ``ValueError`` when the
-        caches' pages do not fit ``spec.worker_page_bytes``); the region is cleaned up first.
+        caches' pages do not fit ``spec.worker_page_bytes``, or per-group rows over caches whose
+        groups share a tensor); the region is cleaned up first.
     """
     region = open_shared_region(spec, rank)
     try:
         store_threshold, load_threshold = spec.config.copy_dma_min_chunk_bytes
         policy = ops.CopyMethodPolicy(store_threshold, load_threshold)
         cpu_gpu = CpuGpuOffloadingHandlers(
-            kv_caches, spec.block_size_factors, region=region, copy_method=policy
+            kv_caches,
+            spec.block_size_factors,
+            region=region,
+            copy_method=policy,
+            per_group_rows=spec.row_layout is RowLayout.PER_GROUP,
         )
     except BaseException:
         region.cleanup()

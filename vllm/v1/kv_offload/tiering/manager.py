@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
+    BLOCK_METHODS,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -71,12 +72,7 @@ logger = init_logger(__name__)
 # The methods a shut-down manager refuses (``shutdown``): every one that reads or changes
 # blocks, requests or the step.
 _REFUSED_AFTER_SHUTDOWN = (
-    "lookup",
-    "prepare_load",
-    "touch",
-    "complete_load",
-    "prepare_store",
-    "complete_store",
+    *BLOCK_METHODS,
     "on_new_request",
     "on_request_finished",
     "on_schedule_end",
@@ -170,6 +166,10 @@ class TieringOffloadingManager(OffloadingManager):
         self._cascade_owners = tuple(cascade_owner(i) for i in range(len(self._tiers)))
         # The step's queued promotions and the keys being promoted.
         self._promotions = PromotionQueue(len(self._tiers))
+        # Keys ``probe`` found only in a tier during this step -> that tier's index; a lookup
+        # in the same step promotes from it. Cleared when the step ends: a tier's answer is
+        # only as fresh as the step that asked.
+        self._probed: dict[OffloadKey, int] = {}
         self._processed_jobs_this_step = False
         # req_id -> indices of the tiers that asked for REQUEST_LEVEL offloading.
         self._request_level_tiers: dict[str, tuple[int, ...]] = {}
@@ -316,7 +316,8 @@ class TieringOffloadingManager(OffloadingManager):
         promotion queued (its primary row reserved now, the load submitted at step end) and the
         answer is None. If the primary cannot make room the answer is False (recompute rather
         than retry forever). A tier answering None makes the overall answer None unless a later
-        tier starts a promotion.
+        tier starts a promotion. A key ``probe`` found in a tier in this step is promoted from
+        that tier without asking again.
         """
         # The common case (the step's poll done, a primary hit) costs no call below this one:
         # a probe of the primary policy's lookup table. The primary's hit/miss counters are
@@ -334,10 +335,38 @@ class TieringOffloadingManager(OffloadingManager):
                 return None  # being written (a GPU store or a promotion in flight)
             self._lookup_hits += 1
             return True
-        return self._lookup_in_tiers(key, req_context)
+        if self._probed:
+            tier_idx = self._probed.pop(key, None)
+            if tier_idx is not None:
+                # Probed this step and found in that tier (counted then): promote it now.
+                return None if self._initiate_promotion(tier_idx, key, req_context) else False
+        return self._lookup_in_tiers(key, req_context, promote=True)
 
-    def _lookup_in_tiers(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """``lookup`` after a primary miss: ask the tiers in order (see ``lookup``)."""
+    @override
+    def probe(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """``lookup`` without the promotion: a key only a tier holds answers None, and the tier
+        is remembered until the step ends, so that a ``lookup`` of it in this step promotes it
+        from that tier without asking the tiers (or counting the lookup) again."""
+        if key.__class__ is not bytes:
+            check_offload_key("probe", key, req_context)
+        if not self._processed_jobs_this_step:
+            self._maybe_process_finished_jobs()
+        block = self._primary_lookup_get(key)
+        if block.__class__ is not BlockStatus:
+            block = self._primary_policy_lookup(key)
+        if block is not None:
+            if block.ref_cnt < 0:
+                return None
+            self._lookup_hits += 1
+            return True
+        if key in self._probed:
+            return None  # probed before in this step: found in a tier, counted then
+        return self._lookup_in_tiers(key, req_context, promote=False)
+
+    def _lookup_in_tiers(
+        self, key: OffloadKey, req_context: ReqContext, promote: bool
+    ) -> bool | None:
+        """``lookup`` (``promote``) or ``probe`` after a primary miss: ask the tiers in order."""
         self._lookup_misses += 1
         any_pending = False
         for tier_idx, tier in enumerate(self._tiers):
@@ -346,6 +375,9 @@ class TieringOffloadingManager(OffloadingManager):
                 # Only hits are counted here: how many lookups reached each tier follows from
                 # the primary's misses and the faster tiers' hits (TieringStats.report).
                 self._tiering_stats.hits[tier_idx] += 1
+                if not promote:
+                    self._probed[key] = tier_idx
+                    return None
                 return None if self._initiate_promotion(tier_idx, key, req_context) else False
             if tier_result is None:
                 any_pending = True
@@ -494,6 +526,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._maybe_process_finished_jobs()
         finally:
             self._processed_jobs_this_step = False
+            self._probed.clear()
             self._flush_pending_promotions()
             for tier in self._tiers:
                 tier.on_schedule_end()
@@ -539,6 +572,7 @@ class TieringOffloadingManager(OffloadingManager):
             )
         # Never submitted: no I/O touches their reserved rows, which the primary reset frees.
         self._promotions.clear()
+        self._probed.clear()
         req_states, self._req_state = self._req_state, {}
         for req_id, state in req_states.items():
             if state.finished_req_context is not None:

@@ -12,14 +12,19 @@ from typing import Any
 from typing_extensions import override
 
 from tests.v1.kv_offload.cpu.manager_state import load_pins
+from tests.v1.kv_offload.utils import make_run_info
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.request_state import (
+    RequestOffloadState,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.transfer_jobs import TransferJobTable
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec, WorkerHandlers
+from vllm.v1.kv_offload.spec import OffloadingSpec, WorkerHandlers
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 from vllm.v1.request import Request
 
@@ -30,16 +35,7 @@ class ScriptedSpec(OffloadingSpec):
     def __init__(
         self, manager: OffloadingManager, block_sizes: tuple[int, ...], block_size: int | None
     ) -> None:
-        run = KVCacheRunInfo(
-            model_name="m",
-            dtype="float16",
-            kv_layout="per_layer",
-            num_layers=1,
-            num_kv_heads=1,
-            head_size=8,
-            gpu_block_sizes=block_sizes,
-            gpu_kv_bytes_per_block=4096,
-        )
+        run = make_run_info(4096, gpu_block_sizes=block_sizes)
         super().__init__(OffloadingConfig(cpu_bytes_to_use=1 << 20, block_size=block_size), run)
         self.manager = manager
 
@@ -96,6 +92,18 @@ def offload_all(manager: CountingManager, keys: list[OffloadKey]) -> None:
     manager.complete_store(output.keys_to_store, ctx)
 
 
+def request_states(sched: OffloadingConnectorScheduler) -> dict[str, RequestOffloadState]:
+    """The connector's state of each request it tracks, by request id."""
+    # private: the connector's books; the engine asks only tracks_request(req_id).
+    return sched._request_states
+
+
+def job_table(sched: OffloadingConnectorScheduler) -> TransferJobTable:
+    """The connector's table of the transfer jobs in flight."""
+    # private: the job table is the connector's; callers see only get_stats()'s counts.
+    return sched._jobs
+
+
 def snapshot(sched: OffloadingConnectorScheduler, manager: CountingManager) -> Any:
     """The connector's books and the manager's state.
 
@@ -111,15 +119,16 @@ def snapshot(sched: OffloadingConnectorScheduler, manager: CountingManager) -> A
             s.next_stored_block_idx,
             s.num_locally_computed_tokens,
         )
-        for req_id, s in sched._request_states.items()
+        for req_id, s in request_states(sched).items()
     }
+    # private: the step's books (its load jobs and allocated blocks) have no public view.
     return (
         states,
         sorted(sched._current_batch_load_jobs),
         list(sched._current_batch_allocated_blocks),
-        len(sched._jobs),
+        len(job_table(sched)),
         sorted((k, b.block_id, b.ref_cnt) for k, b in manager.policy.items()),
-        {r: load_pins(manager, r) for r in sched._request_states},
+        {r: load_pins(manager, r) for r in request_states(sched)},
         manager.schedule_ends,
         list(manager.finished),
     )

@@ -31,21 +31,29 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.request import Request
 
+_BLOCKS = ([1, 2, 3, 4],)
 
-def _looked_up(sched: OffloadingConnectorScheduler, manager: CountingManager) -> Request:
-    """A request of 3 full blocks, all offloaded; looked up (48 tokens to load)."""
+
+def _looked_up(
+    loaded: int | None = None,
+) -> tuple[OffloadingConnectorScheduler, CountingManager, Request]:
+    """A scheduler half and a request of 3 full blocks, all offloaded; looked up (48 tokens to
+    load) and, given ``loaded``, allocated GPU blocks 1-4 with ``loaded`` tokens to load."""
+    sched, manager = setup_scheduler()
     request = make_request(49)
     offload_all(manager, offload_keys(request))
     assert sched.get_num_new_matched_tokens(request, 0) == (48, True)
-    return request
+    if loaded is not None:
+        sched.update_state_after_alloc(request, _BLOCKS, loaded)
+    return sched, manager, request
 
 
 def _refused(
     sched: OffloadingConnectorScheduler,
     manager: CountingManager,
-    error: type[Exception],
     match: str,
     call: Any,
+    error: type[Exception] = ValueError,
 ) -> None:
     before = snapshot(sched, manager)
     with pytest.raises(error, match=match) as info:
@@ -62,66 +70,34 @@ def test_alloc_of_a_request_never_looked_up() -> None:
     _refused(
         sched,
         manager,
-        ValueError,
         r"update_state_after_alloc: request 'r49' was never looked up",
         lambda: sched.update_state_after_alloc(make_request(49), ([1, 2, 3, 4],), 0),
     )
 
 
-def test_alloc_with_the_wrong_number_of_groups() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
+@pytest.mark.parametrize(
+    "loaded, blocks, num_tokens, match",
+    [
+        (None, ([1], [2]), 48, r"'r49' has 2 block groups, expected 1"),
+        (0, _BLOCKS, 48, r"'r49': a load of 48 tokens without a lookup"),
+        (None, _BLOCKS, 40, r"'r49': load ends at token 40, not on an offloaded block"),
+        (None, ([1, 2],), 48, r"'r49': load ends at token 48, beyond its 2 GPU blocks"),
+        (None, ([1, 2, 3, 4, 5],), 64, r"'r49': load ends at token 64, beyond its 3 offloaded"),
+        (48, ([1, 9, 3, 4, 5],), 0, r"'r49': group 0 blocks changed without a restart"),
+        (48, ([1, 2],), 0, r"'r49': group 0 blocks changed"),
+    ],
+)
+def test_an_allocation_that_contradicts_the_books(
+    loaded: int | None, blocks: tuple[list[int], ...], num_tokens: int, match: str
+) -> None:
+    """A request of 3 offloaded blocks, looked up, maybe allocated once (``loaded``: the tokens
+    that allocation loads), then allocated again in a way its books refuse."""
+    sched, manager, request = _looked_up(loaded)
     _refused(
         sched,
         manager,
-        ValueError,
-        r"'r49' has 2 block groups, expected 1",
-        lambda: sched.update_state_after_alloc(request, ([1], [2]), 48),
-    )
-
-
-def test_a_load_without_a_lookup() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)  # no load this time
-    _refused(
-        sched,
-        manager,
-        ValueError,
-        r"'r49': a load of 48 tokens without a lookup",
-        lambda: sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48),
-    )
-
-
-def test_a_load_off_a_block_boundary() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    _refused(
-        sched,
-        manager,
-        ValueError,
-        r"'r49': load ends at token 40, not on an offloaded block",
-        lambda: sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 40),
-    )
-
-
-def test_blocks_changed_without_a_restart() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
-    _refused(
-        sched,
-        manager,
-        ValueError,
-        r"'r49': group 0 blocks changed without a restart",
-        lambda: sched.update_state_after_alloc(request, ([1, 9, 3, 4, 5],), 0),
-    )
-    _refused(
-        sched,
-        manager,
-        ValueError,
-        r"'r49': group 0 blocks changed",
-        lambda: sched.update_state_after_alloc(request, ([1, 2],), 0),
+        match,
+        lambda: sched.update_state_after_alloc(request, blocks, num_tokens),
     )
 
 
@@ -134,7 +110,6 @@ def test_a_load_the_manager_refuses_leaves_the_books_unchanged() -> None:
     _refused(
         sched,
         manager,
-        ValueError,
         r"prepare_load: key .* of request 'r65' is not offloaded",
         lambda: sched.update_state_after_alloc(request, ([1, 2, 3, 4, 5],), 64),
     )
@@ -142,15 +117,13 @@ def test_a_load_the_manager_refuses_leaves_the_books_unchanged() -> None:
 
 
 def test_two_requests_may_not_load_the_same_blocks_at_once() -> None:
-    sched, manager = setup_scheduler()
-    first = _looked_up(sched, manager)
+    sched, manager, first = _looked_up()
     second = Request("twin", list(range(49)), 1, block_hasher=get_request_block_hasher(16))
     assert sched.get_num_new_matched_tokens(second, 0) == (48, True)
     sched.update_state_after_alloc(first, ([1, 2, 3, 4],), 48)
     _refused(
         sched,
         manager,
-        ValueError,
         r"'twin' loads blocks that another request's load job",
         lambda: sched.update_state_after_alloc(second, ([5, 6, 7, 8],), 48),
     )
@@ -194,26 +167,21 @@ def _new(req_id: str, blocks: list[int]) -> NewRequestData:
     ],
 )
 def test_a_scheduler_output_that_contradicts_the_books(output: Any, match: str) -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
+    sched, manager, _ = _looked_up(loaded=48)
     sched.build_connector_meta(SchedulerOutput())  # the load job is now in flight
-    _refused(sched, manager, ValueError, match, lambda: sched.build_connector_meta(output()))
+    _refused(sched, manager, match, lambda: sched.build_connector_meta(output()))
 
 
 # -- request_finished, reset_cache --------------------------------------------------------------
 
 
 def test_request_finished_twice() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
+    sched, manager, request = _looked_up(loaded=48)
     sched.build_connector_meta(SchedulerOutput())
     assert sched.request_finished(request) == (False, None)  # its load keeps the state alive
     _refused(
         sched,
         manager,
-        ValueError,
         r"request_finished: request 'r49' finished twice",
         lambda: sched.request_finished(request),
     )
@@ -221,39 +189,18 @@ def test_request_finished_twice() -> None:
 
 
 def test_reset_cache_in_the_middle_of_a_step() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 48)
+    sched, manager, request = _looked_up(loaded=48)
     _refused(
         sched,
         manager,
-        RuntimeError,
         r"reset_cache: called in the middle of a step",
         sched.reset_cache,
+        RuntimeError,
     )
     assert manager.lookup(offload_keys(request)[0], ReqContext("x")) is True  # not reset
 
 
 # -- found by test_engine_checks_fuzz ----------------------------------------------------------
-
-
-def test_a_load_past_the_allocated_or_keyed_blocks() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    _refused(
-        sched,
-        manager,
-        ValueError,
-        r"'r49': load ends at token 48, beyond its 2 GPU blocks",
-        lambda: sched.update_state_after_alloc(request, ([1, 2],), 48),
-    )
-    _refused(
-        sched,
-        manager,
-        ValueError,
-        r"'r49': load ends at token 64, beyond its 3 offloaded",
-        lambda: sched.update_state_after_alloc(request, ([1, 2, 3, 4, 5],), 64),
-    )
 
 
 def _running(cached: list[str], preempted: set[str] | None = None) -> SchedulerOutput:
@@ -265,12 +212,10 @@ def _running(cached: list[str], preempted: set[str] | None = None) -> SchedulerO
 
 
 def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
+    sched, manager, request = _looked_up()
     _refused(
         sched,
         manager,
-        ValueError,
         r"'r49' is scheduled without update_state_after_alloc",
         lambda: sched.build_connector_meta(_running(["r49"])),
     )
@@ -278,14 +223,12 @@ def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
     _refused(
         sched,
         manager,
-        ValueError,
         r"scheduled twice in one step",
         lambda: sched.build_connector_meta(_running(["r49", "r49"])),
     )
     _refused(
         sched,
         manager,
-        ValueError,
         r"\['r49'\] are both scheduled and preempted",
         lambda: sched.build_connector_meta(_running(["r49"], {"r49"})),
     )
@@ -308,14 +251,12 @@ def test_a_step_scheduling_tokens_beyond_the_requests_blocks() -> None:
     _refused(
         sched,
         manager,
-        ValueError,
         r"'r49' is scheduled to compute up to token 17 but holds 0 GPU blocks of group 0",
         lambda: sched.build_connector_meta(step),
     )
     _refused(
         sched,
         manager,
-        ValueError,
         r"'r49' is scheduled to compute up to token 49 but holds 2 GPU blocks",
         lambda: sched.build_connector_meta(
             SchedulerOutput(
@@ -339,7 +280,6 @@ def test_a_new_request_scheduled_beyond_its_blocks() -> None:
     _refused(
         sched,
         manager,
-        ValueError,
         r"'r49' is scheduled to compute up to token 32 but holds 1 GPU blocks",
         lambda: sched.build_connector_meta(
             SchedulerOutput(scheduled_new_reqs=[_new("r49", [1])], num_scheduled_tokens={"r49": 32})
@@ -348,13 +288,10 @@ def test_a_new_request_scheduled_beyond_its_blocks() -> None:
 
 
 def test_running_requests_described_inconsistently() -> None:
-    sched, manager = setup_scheduler()
-    request = _looked_up(sched, manager)
-    sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)
+    sched, manager, _ = _looked_up(loaded=0)
     _refused(
         sched,
         manager,
-        ValueError,
         r"running request 'r49' has new blocks for 2 groups, expected 1",
         lambda: sched.build_connector_meta(
             SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [([5], [6])], [48]))
@@ -363,7 +300,6 @@ def test_running_requests_described_inconsistently() -> None:
     _refused(
         sched,
         manager,
-        ValueError,
         r"the running requests' lists differ in length \(1 ids, 0 block lists",
         lambda: sched.build_connector_meta(
             SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [], [48]))

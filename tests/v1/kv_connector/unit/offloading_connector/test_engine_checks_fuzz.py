@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
+    job_table,
     offload_all,
     offload_keys,
+    request_states,
     setup_scheduler,
     snapshot,
 )
@@ -166,10 +168,10 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def pins_are_the_load_jobs_in_flight(self) -> None:
         check_invariants(self.manager)
-        sched = self.sched
+        jobs = job_table(self.sched)
         # The load jobs in flight are the connector's books: no public view of them.
-        for req_id, state in sched._request_states.items():
-            loads = [sched._jobs[j] for j in state.transfer_jobs if not sched._jobs[j].is_store]
+        for req_id, state in request_states(self.sched).items():
+            loads = [jobs[j] for j in state.transfer_jobs if not jobs[j].is_store]
             expected: dict[bytes, int] = {}
             for job in loads:
                 for key in job.keys:

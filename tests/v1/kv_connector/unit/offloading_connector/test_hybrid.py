@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
+    job_table,
+    request_states,
+)
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
     EngineCore,
     baseline,
@@ -29,6 +33,7 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
     lookup_hit_end,
+    promoting_hit_end,
     window_scan,
 )
 from vllm.v1.kv_cache_interface import NULL_BLOCK_ID
@@ -191,14 +196,15 @@ def test_swa_blocks_freed_while_a_store_reads_them_are_fenced(
             # Negative control: fence stores only when their request finishes (as for
             # full-attention blocks), not from their creation. The fence is internal to the job
             # table: replacing it is the only way to run the connector without it.
-            real = sched._jobs.fence
+            jobs, states = job_table(sched), request_states(sched)
+            real = jobs.fence
 
             def late_fence(job_ids: Any) -> None:
                 ids = list(job_ids)
-                if all(sched._request_states[sched._jobs[j].req_id].finished for j in ids):
+                if all(states[jobs[j].req_id].finished for j in ids):
                     real(ids)
 
-            sched._jobs.fence = late_fence  # type: ignore[method-assign]
+            jobs.fence = late_fence  # type: ignore[method-assign]
         rng = random.Random(7)
         prompts = {f"p{i}": random_tokens(rng, 160) for i in range(4)}
         engine.generate(prompts, 4)
@@ -284,6 +290,65 @@ def test_lookup_converges_over_two_windows_and_a_full_group() -> None:
     answers[keys[0][5]] = False  # the wide window at 7 is broken -> 5 -> narrow at 5: held
     end, _ = lookup_hit_end(layout, _scripted(answers, []), keys, 0, 10)
     assert end == 5
+
+
+class _Tiered:
+    """A scripted manager: ``resident`` keys are readable, ``in_tier`` keys are held by a slower
+    tier (a lookup promotes them; a probe does not), ``refused`` keys cannot be promoted."""
+
+    def __init__(
+        self, resident: set[bytes], in_tier: set[bytes], refused: frozenset[bytes] = frozenset()
+    ) -> None:
+        self.resident, self.in_tier, self.refused = resident, in_tier, refused
+        self.promoted: list[bytes] = []
+
+    def probe(self, key: bytes) -> bool | None:
+        if key in self.resident:
+            return True
+        return None if key in self.in_tier else False
+
+    def lookup(self, key: bytes) -> bool | None:
+        if key in self.in_tier and key not in self.refused:
+            self.promoted.append(key)
+        if key in self.refused:
+            return False
+        return self.probe(key)
+
+
+def test_promoting_hit_end_promotes_only_the_keys_the_hit_loads() -> None:
+    layout = GroupLayout((16, 16), 16, (None, 32))  # SWA window: 2 blocks
+    full, swa = _keys(0, 8), _keys(1, 8)
+    # Everything in the slow tier except SWA block 6, so the SWA run ending at 8 breaks at 6:
+    # the hit ends at 6 and loads full 0..5 and SWA 4..5.
+    manager = _Tiered(set(), {*full, *swa} - {swa[6]})
+    end, deferred = promoting_hit_end(layout, manager.probe, manager.lookup, [full, swa], 0, 8)
+    assert (end, deferred) == (6, True)
+    assert manager.promoted == [*full[:6], *swa[4:6]]
+    assert manager.promoted == layout.load_keys([full, swa], 0, 6)
+    # A plain lookup scan would have promoted SWA block 7 and full blocks 6 and 7 too.
+    plain = _Tiered(set(), {*full, *swa} - {swa[6]})
+    assert lookup_hit_end(layout, plain.lookup, [full, swa], 0, 8) == (6, True)
+    assert set(plain.promoted) - set(manager.promoted) == {full[6], full[7], swa[7]}
+
+
+def test_promoting_hit_end_skips_resident_keys_and_rescans_after_a_refusal() -> None:
+    layout = GroupLayout((16, 16), 16, (None, 16))  # SWA window: 1 block
+    full, swa = _keys(0, 6), _keys(1, 6)
+    resident = {*full[:2], swa[1]}
+    # Full block 4 cannot be promoted (no room): the hit is found again, ending at 4.
+    manager = _Tiered(resident, {*full[2:], *swa[2:]}, refused=frozenset({full[4]}))
+    end, deferred = promoting_hit_end(layout, manager.probe, manager.lookup, [full, swa], 0, 6)
+    assert (end, deferred) == (4, True)
+    # Resident keys are not looked up; the first pass promoted full 2..3 before the refusal,
+    # the second pass the new window's SWA block 3 only.
+    assert manager.promoted == [full[2], full[3], swa[3]]
+    # Everything resident: nothing is promoted, nothing deferred.
+    manager = _Tiered({*full, *swa}, set())
+    assert promoting_hit_end(layout, manager.probe, manager.lookup, [full, swa], 0, 6) == (
+        6,
+        False,
+    )
+    assert manager.promoted == []
 
 
 def test_a_pending_full_attention_key_beyond_the_hit_does_not_defer() -> None:

@@ -20,6 +20,7 @@ from typing_extensions import override
 from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
     ScriptedSpec,
     make_request,
+    request_states,
 )
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
     TransferLog,
@@ -253,9 +254,12 @@ def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
         engine.run_until_done()
         stats = engine.stats
         assert sched.get_stats()["load_jobs"] == 1
-        # b's lookup was deferred every step a's load ran (3 polls): one request, counted once.
+        # b's lookup was deferred every step a's load ran (3 polls): one request, counted once,
+        # as waiting for a transfer (its blocks were found; they were being moved), not as a
+        # lookup no tier could answer.
         assert sched.get_stats()["deferred_lookups"] >= 2
-        assert sched.get_stats()["deferred_lookup_requests"] == 1
+        assert sched.get_stats()["transfer_wait_requests"] == 1
+        assert sched.get_stats()["deferred_lookup_requests"] == 0
         assert stats.tokens_from_cpu == 96
         assert stats.tokens_from_gpu_cache == 96  # b reused a's loaded blocks
         assert stats.verification_failures == 0
@@ -640,6 +644,24 @@ def test_lookups_scan_the_prefix_up_to_the_first_miss(
     assert manager.lookups == keys[:num_lookups]
 
 
+@pytest.mark.parametrize("promoting", [False, True], ids=["tier-not-answered", "promotion"])
+def test_a_deferred_lookup_counts_as_a_lookup_or_as_a_transfer_wait(promoting: bool) -> None:
+    """A "not yet" for a key no tier has answered for is a deferred lookup; for a key being
+    promoted (``promotion_source`` names the tier) the request waits for a transfer."""
+    sched, manager = _scheduler()
+    if promoting:
+        manager.promotion_source = lambda key: "fs"  # type: ignore[method-assign]
+    request = make_request(16 * 2 + 1)
+    keys = [make_offload_key(h, 0) for h in request.block_hashes]
+    manager.results = {keys[0]: True, keys[1]: None}
+    for _ in range(2):  # deferred twice: the request counts once
+        assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    stats = sched.get_stats()
+    assert stats["deferred_lookups"] == 2
+    assert stats["deferred_lookup_requests"] == (0 if promoting else 1)
+    assert stats["transfer_wait_requests"] == (1 if promoting else 0)
+
+
 def test_get_num_new_matched_tokens() -> None:
     sched, manager = _scheduler()
     request = make_request(100)  # 6 full blocks
@@ -673,7 +695,7 @@ def test_a_key_noted_without_a_tier_is_forgotten_once_readable_or_absent() -> No
     sources[k1] = "redis"
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
     # The notes are the state of a lookup that has not loaded yet: no public view of them.
-    promoted = sched._request_states[request.request_id].promoted_keys
+    promoted = request_states(sched)[request.request_id].promoted_keys
     assert promoted == {k0: None, k1: "redis", k2: None}
     # The next step: k0 and k1 are readable, k2 absent; only k1 came from a named tier.
     manager.results = {k0: True, k1: True, k2: False}

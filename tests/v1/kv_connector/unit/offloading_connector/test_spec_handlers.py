@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import ast
 import random
-import subprocess
-import sys
 from collections.abc import Collection
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 from typing_extensions import override
 
 import vllm.distributed.kv_transfer.kv_connector.v1.offloading as connector_pkg
+from tests.subprocesses import run_python
 from tests.v1.kv_connector.unit.offloading_connector.utils import make_config, random_tokens
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.offloading_connector import (
     OffloadingConnector,
@@ -74,13 +73,9 @@ for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
     importlib.import_module(info.name)
 print("\\n".join(sorted(sys.modules)))
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parents[5],
-    ).stdout.split()
+    proc = run_python("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split()
     assert f"{connector_pkg.__name__}.worker" in out  # the check saw the package
     assert [m for m in out if _is_concrete(m)] == []
 

@@ -358,22 +358,22 @@ def capture_metadata(engine: EngineCore) -> list[OffloadingConnectorMetadata]:
 
 
 def mark_forward(engine: EngineCore, log: TransferLog) -> None:
-    """Log ``("forward", rank, "", step)`` when each rank's forward pass starts.
+    """Log ``("forward", rank, "", step)`` when each rank's forward pass starts: its model
+    runner's ``execute``, which the worker calls between ``start_load_kv`` and ``wait_for_save``.
 
     ``step`` counts scheduled steps (``engine.stats.steps``, which a step increments after its
     forward passes), so it indexes ``capture_metadata``'s list in both scheduling modes: a
     ``step()`` call that only applies the step in flight schedules nothing.
     """
-    # The forward pass is internal to the worker (no hook reports it): wrapping it is the only
-    # way to see when it starts.
     for worker in engine.workers:
-        original = worker._forward
+        runner = worker.runner
+        original = runner.execute
 
-        def forward(so: SchedulerOutput, _orig: Any = original, _rank: int = worker.rank) -> Any:
+        def execute(seqs: Any, _orig: Any = original, _rank: int = worker.rank) -> Any:
             log.entries.append(("forward", _rank, "", engine.stats.steps))
-            return _orig(so)
+            return _orig(seqs)
 
-        worker._forward = forward  # type: ignore[method-assign]
+        runner.execute = execute  # type: ignore[method-assign]
 
 
 class EventCollector:

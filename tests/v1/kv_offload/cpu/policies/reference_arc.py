@@ -216,22 +216,18 @@ class ReferenceARCCachePolicy(CachePolicy):
                 return None
 
         blocks = self._blocks
-        b1 = self._b1
-        b2 = self._b2
-        for key, block in t1_victims:
-            assert block.ref_cnt == 0, (
-                f"evict: key {key.hex()} is in T1's evictable index with ref_cnt={block.ref_cnt}"
-            )
-            del t1_evictable[key]
-            del blocks[key]
-            b1[key] = None
-        for key, block in t2_victims:
-            assert block.ref_cnt == 0, (
-                f"evict: key {key.hex()} is in T2's evictable index with ref_cnt={block.ref_cnt}"
-            )
-            del t2_evictable[key]
-            del blocks[key]
-            b2[key] = None
+        for name, taken, evictable, ghosts in (
+            ("T1", t1_victims, t1_evictable, self._b1),
+            ("T2", t2_victims, t2_evictable, self._b2),
+        ):
+            for key, block in taken:
+                assert block.ref_cnt == 0, (
+                    f"evict: key {key.hex()} is in {name}'s evictable index "
+                    f"with ref_cnt={block.ref_cnt}"
+                )
+                del evictable[key]
+                del blocks[key]
+                ghosts[key] = None
         return victims
 
     @override

@@ -36,13 +36,15 @@ key_lists = st.lists(st.sampled_from(UNIVERSE), max_size=6)
 
 class ARCDifferentialMachine(RuleBasedStateMachine):
     capacity: ClassVar[int] = 4
-    compact_slack: ClassVar[int] = 0
+    compact_slack: ClassVar[int | None] = 0  # None: ARC's own
 
     def __init__(self) -> None:
         super().__init__()
         self.fast = ARCCachePolicy(self.capacity)
-        # A tuning constant, not configuration: only this test varies it (compactions often).
-        self.fast._COMPACT_SLACK = self.compact_slack
+        if self.compact_slack is not None:
+            # private: a tuning constant, not configuration: only this test varies it
+            # (compactions often).
+            self.fast._COMPACT_SLACK = self.compact_slack
         self.ref = ReferenceARCCachePolicy(self.capacity)
         self.next_block_id = 0
 
@@ -176,7 +178,7 @@ TestARCDifferentialEagerCompaction.settings = _SETTINGS
 
 
 class _DefaultSlack(ARCDifferentialMachine):
-    compact_slack = ARCCachePolicy._COMPACT_SLACK
+    compact_slack = None
     capacity = 3
 
 

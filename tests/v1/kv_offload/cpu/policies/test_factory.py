@@ -90,7 +90,7 @@ NOT_A_CLASS = 42
 @pytest.fixture(autouse=True)
 def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Give each test its own copy of the registry so registrations do not leak."""
-    # The registry has no unregister: the test registers into a copy it throws away.
+    # private: the registry has no unregister: the test registers into a copy it throws away.
     monkeypatch.setattr(factory, "_CACHE_POLICIES", dict(factory._CACHE_POLICIES))
 
 

@@ -5,6 +5,7 @@ the policies' lists (``arc_lists``, ``lru_order``)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
@@ -98,7 +99,8 @@ def arc_lists(policy: Any) -> ARCLists:
             t2_num_pinned=0,
             t1_order=[],
         )
-    # The lists are ARC's private layout (one dict for resident blocks and ghosts, lazy FIFOs).
+    # private: the lists are ARC's own layout (one dict for resident blocks and ghosts, lazy
+    # FIFOs); no caller of a policy needs them.
     entries = policy._entries
     t2_order = list(policy._t2)
     t2_parked = set(policy._t2_parked)
@@ -117,6 +119,11 @@ def arc_lists(policy: Any) -> ARCLists:
 
 
 def lru_order(policy: LRUCachePolicy) -> tuple[list[OffloadKey], list[OffloadKey]]:
-    """LRU's evictable keys in eviction order, and its other keys sorted (a snapshot)."""
-    # The two indexes are LRU's private layout; no caller of a policy needs the order itself.
-    return list(policy._evictable), sorted(policy._non_evictable)
+    """LRU's evictable keys in eviction order, and its other keys sorted (a snapshot).
+
+    The order is what ``evict`` answers, asked of a copy so that ``policy`` is left as it was.
+    """
+    victims = copy.deepcopy(policy).evict(policy.num_evictable, ())
+    assert victims is not None, "LRU could not evict its evictable blocks"
+    others = sorted(key for key, block in policy.items() if block.ref_cnt != 0)
+    return [key for key, _ in victims], others

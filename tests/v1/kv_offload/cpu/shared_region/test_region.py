@@ -119,6 +119,26 @@ def test_slot_overflow_on_first_view(tmp_path: Path) -> None:
             worker.create_next_worker_view(0)
 
 
+def test_worker_views_at_an_offset_alias_one_row_offset(tmp_path: Path) -> None:
+    # Per-group rows: each group's views start at offset 0 of the worker's slot.
+    with _region(tmp_path, rank=1) as worker:
+        group0 = worker.create_worker_view(0, 600)
+        group1 = [worker.create_worker_view(0, 300), worker.create_worker_view(300, 700)]
+        assert group0.storage_offset() == group1[0].storage_offset() == 1000
+        assert group1[1].storage_offset() == 1300
+        assert all(v.stride() == (worker.row_bytes, 1) for v in (group0, *group1))
+        group1[0][2].fill_(5)
+        assert (group0[2, :300] == 5).all() and not group0[[0, 1, 3]].any()
+        # The cursor of create_next_worker_view is not moved by them.
+        assert worker.create_next_worker_view(1000).storage_offset() == 1000
+        with pytest.raises(ValueError, match=r"at offset 301 overruns worker 1's slot"):
+            worker.create_worker_view(301, 700)
+        with pytest.raises(ValueError, match="slot_offset must be an integer >= 0"):
+            worker.create_worker_view(-1, 8)
+    with _region(tmp_path) as scheduler, pytest.raises(RuntimeError, match="rank is None"):
+        scheduler.create_worker_view(0, 8)
+
+
 def test_scheduler_has_no_worker_views(tmp_path: Path) -> None:
     with (
         _region(tmp_path) as scheduler,
@@ -390,8 +410,11 @@ def _plant(
         m.setattr(region_publish, "current_identity", lambda: creator)
         region = _region(tmp_path, **kwargs)
     assert region.is_creator
-    region._owner_pid = -1  # as if SIGKILLed: the mapping goes, the file stays
-    region.cleanup()
+    # As if SIGKILLed, the mapping goes and the file stays: only the creating process unlinks
+    # at cleanup, and this cleanup runs as another process would (a forked child).
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: -1)
+        region.cleanup()
     assert os.path.exists(region.path)
     return region.path
 
@@ -599,14 +622,13 @@ class _MadviseFails:
         raise OSError(errno.EFAULT, "Bad address")
 
 
-def test_prefault_other_madvise_errors_raise(tmp_path: Path) -> None:
-    with _region(tmp_path, prefault=False) as region:
-        mm: Any = _MadviseFails()
-        with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
-            # The populate step alone (the region prefaults at creation, and then only once).
-            region_prefault._madvise_populate(
-                mm, region._geometry, 0, region.row_bytes, region.path, str(tmp_path)
-            )
+@pytest.mark.skipif(region_prefault.MADV_POPULATE_WRITE is None, reason="no MADV_POPULATE_WRITE")
+@pytest.mark.parametrize("rank", [None, 1])
+def test_prefault_other_madvise_errors_raise(tmp_path: Path, rank: int | None) -> None:
+    geometry = region_trailer.RegionGeometry.compute(4, 1000, 3, True, PAGE)
+    mm: Any = _MadviseFails()
+    with pytest.raises(OSError, match=r"could not pre-fault shared region .*full\?"):
+        region_prefault.prefault(mm, geometry, rank, PAGE, "region.mmap", str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------

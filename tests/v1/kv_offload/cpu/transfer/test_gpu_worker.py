@@ -115,6 +115,7 @@ class Setup:
         num_cpu_blocks: int = 16,
         region: SharedOffloadRegion | None = None,
         seed: int = 0,
+        per_group_rows: bool = False,
     ) -> None:
         self.layout, self.config, self.path = layout, config, path
         gen = torch.Generator().manual_seed(seed)
@@ -160,11 +161,11 @@ class Setup:
                 ),
                 host_kv.group_data_refs,
             )
-        kmax = max(config.factors)
         self.region = region
         if region is None:
-            pages = sum(t.page_size_bytes for t in self.kv.tensors) * kmax
-            self.row_bytes = pages + 48  # padding after the worker's slot, checked untouched
+            offsets, pages = _view_layout(self.kv, config.factors, per_group_rows)
+            self.row_bytes = max(o + p for o, p in zip(offsets, pages, strict=True)) + 48
+            # (+ 48: padding after the worker's slot, checked untouched.)
             # A private mapping: page-aligned, so the handlers can pin it on the CUDA paths.
             self.cpu_mem = torch.frombuffer(
                 mmap.mmap(-1, num_cpu_blocks * self.row_bytes), dtype=torch.int8
@@ -172,18 +173,16 @@ class Setup:
             self.cpu_mem.copy_(
                 torch.randint(-128, 128, self.cpu_mem.shape, dtype=torch.int8, generator=gen)
             )
-            views, off = [], 0
-            for t in self.kv.tensors:
-                page = t.page_size_bytes * kmax
-                views.append(
-                    torch.as_strided(self.cpu_mem, (num_cpu_blocks, page), (self.row_bytes, 1), off)
-                )
-                off += page
+            views = [
+                torch.as_strided(self.cpu_mem, (num_cpu_blocks, page), (self.row_bytes, 1), off)
+                for off, page in zip(offsets, pages, strict=True)
+            ]
             self.handlers = CpuGpuOffloadingHandlers(
                 self.kv,
                 config.factors,
                 cpu_views=views,
                 copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
+                per_group_rows=per_group_rows,
             )
         else:
             self.row_bytes = region.row_bytes
@@ -196,6 +195,7 @@ class Setup:
                 config.factors,
                 region=region,
                 copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
+                per_group_rows=per_group_rows,
             )
         self.cpu_base = self.cpu_mem.data_ptr()
         self.worker = OffloadingWorker()
@@ -261,6 +261,25 @@ class Setup:
         self.handlers.shutdown()
         if self.dev is not None:
             self.dev.close()
+
+
+def _view_layout(
+    kv: CanonicalKVCaches, factors: Sequence[int], per_group_rows: bool
+) -> tuple[list[int], list[int]]:
+    """``(offsets, pages)`` of each canonical tensor's CPU view in a row, written out from the
+    documented layouts: shared rows put every tensor's ``P_t * K`` bytes one after another;
+    per-group rows start each group at offset 0, its tensors' ``P_t * k_g`` bytes in turn."""
+    if not per_group_rows:
+        pages = [t.page_size_bytes * max(factors) for t in kv.tensors]
+        return [sum(pages[:i]) for i in range(len(pages))], pages
+    offsets, pages = [0] * len(kv.tensors), [0] * len(kv.tensors)
+    for g, refs in enumerate(kv.group_data_refs):
+        off = 0
+        for ref in refs:
+            pages[ref.tensor_idx] = kv.tensors[ref.tensor_idx].page_size_bytes * factors[g]
+            offsets[ref.tensor_idx] = off
+            off += pages[ref.tensor_idx]
+    return offsets, pages
 
 
 def _specs(
@@ -615,8 +634,7 @@ def test_cuda_copy_failure_is_reported_in_order(setups: list[Setup]) -> None:
     assert LIB is not None
     s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[0], "kernel")
     setups.append(s)
-    # Host registration is the handlers' own resource; nothing public reports it.
-    [ptr] = s.handlers._registered
+    ptr = s.cpu_base  # the handlers pinned the one mapping the CPU views share
     first = s.submit(TransferSpec(GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([1])))
     s.worker.wait({first})
     LIB.host_unregister(DEV, ptr)
@@ -721,6 +739,160 @@ def test_groups_sharing_tensors_cannot_write_one_block_twice(setups: list[Setup]
     assert s.worker.transfer_async(s.job_id, load) is False
     assert [r.success for r in s.worker.get_finished()] == [False, False]
     assert np.array_equal(s.cpu_bytes(), c0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-group rows: every group's views from offset 0 of a row (RowLayout.PER_GROUP)
+# ---------------------------------------------------------------------------------------------
+
+DISJOINT = [c for c in CONFIGS if c.layer_groups is not None and c.unpadded is None]
+
+
+def _group_extent(kv: CanonicalKVCaches, factors: Sequence[int], g: int) -> int:
+    """Bytes of a row group ``g``'s views cover with per-group rows (from offset 0)."""
+    return sum(kv.tensors[r.tensor_idx].page_size_bytes for r in kv.group_data_refs[g]) * factors[g]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("config", DISJOINT, ids=[c.name for c in DISJOINT])
+@pytest.mark.parametrize("layout", PER_LAYER_LAYOUTS, ids=[x.value for x in PER_LAYER_LAYOUTS])
+def test_per_group_rows_alias_one_offset_and_round_trip_through_a_region(
+    layout: KVCacheLayout, config: Config, path: str, tmp_path: Path, setups: list[Setup]
+) -> None:
+    # The engine's path for a hybrid run: the spec sizes a worker's slot for the largest group
+    # (OffloadingSpec.worker_page_bytes with RowLayout.PER_GROUP), and each group's views start
+    # at the slot's offset 0.
+    probe = Setup(layout, config, "torch")
+    extents = [_group_extent(probe.kv, config.factors, g) for g in range(len(config.factors))]
+    probe.close()
+    region = SharedOffloadRegion(
+        "kvo-test-per-group", 16, max(extents), num_workers=1, rank=0, directory=tmp_path
+    )
+    try:
+        # The slot is the largest group's, not every group's (the row is then page-rounded).
+        assert region.worker_page_bytes == max(extents) < sum(extents)
+        s = Setup(layout, config, path, region=region, per_group_rows=True)
+        setups.append(s)
+        views = s.handlers.cpu_views
+        for g, refs in enumerate(s.kv.group_data_refs):
+            offsets = [views[r.tensor_idx].data_ptr() - s.cpu_base for r in refs]
+            # Each group from offset 0, its tensors one after another, within its extent.
+            assert offsets[0] == 0
+            assert offsets == sorted(offsets)
+            last = views[refs[-1].tensor_idx]
+            assert offsets[-1] + last.shape[1] == extents[g]
+            assert all(views[r.tensor_idx].stride(0) == region.row_bytes for r in refs)
+        # The reference applies the documented rule over the whole mapping, so bytes of a row
+        # outside its own group's views (another group's, the padding, other rows) must stay.
+        _check_round_trip(s)
+    finally:
+        for made in setups:
+            made.close()
+        setups.clear()
+        region.cleanup()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_key_of_one_group_touches_only_its_groups_bytes_of_its_row(
+    path: str, setups: list[Setup]
+) -> None:
+    config = CONFIGS[4]  # two disjoint groups, k = (1, 2), group 1's rows the longer
+    s = Setup(KVCacheLayout.KV_FIRST, config, path, per_group_rows=True)
+    setups.append(s)
+    extents = [_group_extent(s.kv, config.factors, g) for g in range(2)]
+    assert extents[0] < extents[1]
+    gpu = s.gpu_bytes()
+    for g, row, gpu_ids in ((1, 5, [7, 8]), (0, 6, [9])):
+        before = s.cpu_bytes().reshape(16, s.row_bytes)
+        counts = [len(gpu_ids) if h == g else 0 for h in range(2)]
+        spec = TransferSpec(GPULoadStoreSpec(gpu_ids, counts, [0, 0]), CPULoadStoreSpec([row]))
+        [res] = s.finish([s.submit(spec)])
+        assert res.success
+        after = s.cpu_bytes().reshape(16, s.row_bytes)
+        changed_rows = np.flatnonzero((after != before).any(axis=1))
+        assert changed_rows.tolist() == [row]
+        changed = np.flatnonzero(after[row] != before[row])
+        assert changed.max() < extents[g]  # only group g's bytes, from the row's start
+        # Group g's views of that row now hold the GPU blocks' pages.
+        for ref in s.kv.group_data_refs[g]:
+            t, view = s.kv.tensors[ref.tensor_idx], s.handlers.cpu_views[ref.tensor_idx]
+            for j, gpu_id in enumerate(gpu_ids):
+                got = view[row, j * t.page_size_bytes : (j + 1) * t.page_size_bytes].numpy()
+                at = t.ptr - s.gpu_base + gpu_id * t.row_stride_bytes
+                assert np.array_equal(got, gpu[at : at + t.page_size_bytes])
+
+
+def test_per_group_rows_refuse_a_tensor_that_two_groups_use() -> None:
+    s = Setup(KVCacheLayout.BLOCKS_FIRST, CONFIGS[3], "torch")  # both groups on every tensor
+    try:
+        with pytest.raises(ValueError, match="per-group rows need every canonical tensor"):
+            CpuGpuOffloadingHandlers(s.kv, CONFIGS[3].factors, 4, per_group_rows=True)
+    finally:
+        s.close()
+
+
+def test_per_group_rows_never_store_two_groups_into_one_row(setups: list[Setup]) -> None:
+    config = CONFIGS[2]  # two disjoint groups, k = (1, 2)
+    aliased = Setup(KVCacheLayout.BLOCKS_FIRST, config, "torch", per_group_rows=True)
+    setups.append(aliased)
+    c0 = aliased.cpu_bytes()
+    # Group 0's block and group 1's block both into CPU row 3: with aliased views their bytes
+    # overlap whatever the sub-blocks, so the job is refused and nothing is written.
+    both = TransferSpec(GPULoadStoreSpec([1, 2, 3], [1, 2], [0, 0]), CPULoadStoreSpec([3, 3]))
+    aliased.job_id += 1
+    assert aliased.worker.transfer_async(aliased.job_id, both) is False
+    assert [r.success for r in aliased.worker.get_finished()] == [False]
+    assert np.array_equal(aliased.cpu_bytes(), c0)
+    # Other rows per group are fine, and so is one row read into both groups (a load writes
+    # GPU blocks, of disjoint tensors).
+    apart = TransferSpec(GPULoadStoreSpec([1, 2, 3], [1, 2], [0, 0]), CPULoadStoreSpec([3, 4]))
+    [res] = aliased.finish([aliased.submit(apart)])
+    assert res.success
+    load = TransferSpec(CPULoadStoreSpec([3, 3]), GPULoadStoreSpec([5, 6, 7], [1, 2], [0, 0]))
+    [res] = aliased.finish([aliased.submit(load)])
+    assert res.success
+    # With shared rows the same groups' bytes of a row are disjoint: the job is valid there.
+    shared = Setup(KVCacheLayout.BLOCKS_FIRST, config, "torch")
+    setups.append(shared)
+    [res] = shared.finish([shared.submit(both)])
+    assert res.success
+
+
+def test_cpu_views_of_different_groups_may_alias_within_one_row() -> None:
+    two = build_canonical_kv_caches(
+        [
+            torch.zeros(_layer_shape(KVCacheLayout.BLOCKS_FIRST), dtype=torch.float16)
+            for _ in range(2)
+        ],
+        KVCacheLayout.BLOCKS_FIRST,
+        [[0], [1]],
+    )
+    page = two.tensors[0].page_size_bytes
+    mem = torch.zeros(4 * 2 * page, dtype=torch.int8)
+
+    def view(stride: int, offset: int) -> torch.Tensor:
+        return torch.as_strided(mem, (4, page), (stride, 1), offset)
+
+    h = CpuGpuOffloadingHandlers(two, 1, cpu_views=[view(page, 0), view(page, 0)])
+    h.shutdown()
+    h = CpuGpuOffloadingHandlers(two, 1, cpu_views=[view(2 * page, 0), view(2 * page, page // 2)])
+    h.shutdown()
+    # Row c of the second view would reach into row c + 1 of the first.
+    with pytest.raises(ValueError, match="CPU views 0 and 1 overlap"):
+        CpuGpuOffloadingHandlers(two, 1, cpu_views=[view(page, 0), view(page, page // 2)])
+    # Different row strides: rows of one alias several rows of the other.
+    with pytest.raises(ValueError, match="CPU views 0 and 1 overlap"):
+        CpuGpuOffloadingHandlers(two, 1, cpu_views=[view(page, 0), view(2 * page, 0)])
+    # Tensors of one group never alias (the same key's pages).
+    one_group = build_canonical_kv_caches(
+        [
+            torch.zeros(_layer_shape(KVCacheLayout.BLOCKS_FIRST), dtype=torch.float16)
+            for _ in range(2)
+        ],
+        KVCacheLayout.BLOCKS_FIRST,
+    )
+    with pytest.raises(ValueError, match="CPU views 0 and 1 overlap"):
+        CpuGpuOffloadingHandlers(one_group, 1, cpu_views=[view(page, 0), view(page, 0)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_cuda_kv_caches_register_with_their_device() -> None:
             assert h.uses_cuda and h.device == device.index
             # Each job's path is chosen by its chunk size (no fixed method).
             assert h.copy_method is None and h.copy_policy == ops.CopyMethodPolicy()
-        # Host registration is the handlers' own resource; nothing public reports it.
+        # private: host registration is the handlers' own resource; nothing public reports it.
         assert handlers._registered, "the CPU views were not pinned"
     finally:
         handlers.shutdown()
@@ -124,7 +124,7 @@ def test_round_trip_through_handlers_is_bit_exact(
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            # torch's only way to keep a stream busy for a set time on the GPU.
+            # private: torch's only way to keep a stream busy for a set time on the GPU.
             torch.cuda._sleep(SLOW_WRITE_CYCLES)
             written = []
             for t in layers:

@@ -442,7 +442,6 @@ class ARCCachePolicy(CachePolicy):
             [(key, entry) for key, entry in self._entries.items() if type(entry) is BlockStatus]
         )
 
-    @override
     def __len__(self) -> int:
         return self._num_resident
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping
 
-from typing_extensions import override
-
 from vllm.v1.kv_offload.base import OffloadKey
 
 
@@ -49,7 +47,6 @@ class BlockStatus:
         """Whether the block's store completed, i.e. it is readable (``ref_cnt >= 0``)."""
         return self.ref_cnt >= 0
 
-    @override
     def __repr__(self) -> str:
         return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
 
@@ -194,7 +191,7 @@ class CachePolicy(ABC):
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Iterate over every resident ``(key, block)`` pair, in no particular order.
 
-        O(cache size): for ``reset_cache``, tests and debugging only, never on a hot path.
+        O(cache size): for ``reset_cache`` (the manager's), never on a hot path.
         """
 
     @abstractmethod

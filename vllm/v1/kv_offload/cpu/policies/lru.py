@@ -144,7 +144,6 @@ class LRUCachePolicy(CachePolicy):
     def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         return iter([*self._non_evictable.items(), *self._evictable.items()])
 
-    @override
     def __len__(self) -> int:
         return len(self._evictable) + len(self._non_evictable)
 

@@ -18,7 +18,8 @@ Layout (``M = num_workers``, ``S = worker_page_bytes``, ``A = BLOCK_SIZE_ALIGNME
     (join marks and trailer; see ``trailer``).
 
 Within a worker's slot, the per-block pages of the worker's KV tensors follow one another in the
-order of ``create_next_worker_view`` calls.
+order of ``create_next_worker_view`` calls, or sit where ``create_worker_view`` puts them (per-group
+rows: each KV-cache group's pages from offset 0, aliasing the other groups').
 
 This module holds the region itself (mapping, rows, slots, views, teardown); the rest of the
 package (``vllm.v1.kv_offload.cpu.shared_region``) holds the geometry and trailer (``trailer``),
@@ -248,32 +249,56 @@ class SharedOffloadRegion(ClosingContextManager):
 
         Layout: ``int8`` tensor of shape ``(num_blocks, tensor_page_bytes)``, stride
         ``(row_bytes, 1)`` and storage offset ``rank * worker_page_bytes + o``, where ``o`` is
-        the sum of the ``tensor_page_bytes`` of earlier calls. ``int8`` makes strides and offsets
-        byte counts, so callers need no dtype arithmetic. Only this worker may write these bytes.
+        the sum of the ``tensor_page_bytes`` of earlier calls (``create_worker_view`` calls do
+        not move it). ``int8`` makes strides and offsets byte counts, so callers need no dtype
+        arithmetic. Only this worker may write these bytes.
 
         Raises:
             ValueError: ``tensor_page_bytes`` is not > 0, or the view would overrun the slot.
             RuntimeError: called on the scheduler side (``rank is None``) or after ``cleanup()``.
         """
+        view = self.create_worker_view(self._worker_offset, tensor_page_bytes)
+        self._worker_offset += int(view.shape[1])
+        return view
+
+    def create_worker_view(self, slot_offset: int, tensor_page_bytes: int) -> torch.Tensor:
+        """Return the per-block page view at byte ``slot_offset`` of this worker's slot.
+
+        For layouts whose views alias one another (``RowLayout.PER_GROUP``: every KV-cache
+        group's tensors start at offset 0 of the slot, since a row holds one group's block);
+        which views may alias is the caller's to decide, this only keeps each view inside the
+        slot.
+
+        Layout: ``int8`` tensor of shape ``(num_blocks, tensor_page_bytes)``, stride
+        ``(row_bytes, 1)`` and storage offset ``rank * worker_page_bytes + slot_offset``. Only
+        this worker may write these bytes.
+
+        Raises:
+            ValueError: ``slot_offset`` is negative, ``tensor_page_bytes`` is not > 0, or the
+                view would overrun the slot.
+            RuntimeError: called on the scheduler side (``rank is None``) or after ``cleanup()``.
+        """
         self._require_open()
         if self._rank is None:
-            raise RuntimeError("create_next_worker_view needs a worker region (rank is None)")
+            raise RuntimeError("worker views need a worker region (rank is None)")
         tensor_page_bytes = _positive_int("tensor_page_bytes", tensor_page_bytes)
-        end = self._worker_offset + tensor_page_bytes
+        if isinstance(slot_offset, bool) or operator.index(slot_offset) < 0:
+            raise ValueError(f"slot_offset must be an integer >= 0, got {slot_offset!r}")
+        slot_offset = operator.index(slot_offset)
+        end = slot_offset + tensor_page_bytes
         if end > self._worker_page_bytes:
             raise ValueError(
-                f"tensor_page_bytes={tensor_page_bytes} at offset {self._worker_offset} overruns "
+                f"tensor_page_bytes={tensor_page_bytes} at offset {slot_offset} overruns "
                 f"worker {self._rank}'s slot of {self._worker_page_bytes} bytes "
-                f"({self._worker_page_bytes - self._worker_offset} bytes left)"
+                f"({max(self._worker_page_bytes - slot_offset, 0)} bytes left)"
             )
         assert self._base is not None
         view = torch.as_strided(
             self._base,
             (self._num_blocks, tensor_page_bytes),
             (self._row_bytes, 1),
-            self._rank * self._worker_page_bytes + self._worker_offset,
+            self._rank * self._worker_page_bytes + slot_offset,
         )
-        self._worker_offset = end
         self._views.append(view)
         return view
 
@@ -407,7 +432,6 @@ class SharedOffloadRegion(ClosingContextManager):
         except Exception:
             pass
 
-    @override
     def __repr__(self) -> str:
         return (
             f"SharedOffloadRegion(path={self._path!r}, num_blocks={self._num_blocks}, "

@@ -345,7 +345,6 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._free_events.clear()
         self._compute_event = None
 
-    @override
     def __repr__(self) -> str:
         path = (
             f"cuda:{self._device}/{self._policy.describe()}" if self._lib is not None else "torch"

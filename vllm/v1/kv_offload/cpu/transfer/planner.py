@@ -10,6 +10,11 @@ offloaded block is only partly needed). GPU block ``m`` of the group (0-based) p
 sub-block ``(s_g + m) % k_g`` of the group's CPU block ``(s_g + m) // k_g``. Every layer (canonical
 tensor) of the group moves in the same job.
 
+A job writes each destination once: no GPU block twice (groups sharing a GPU tensor checked
+together), no CPU sub-block twice, and no CPU row for two groups whose CPU bytes can overlap
+(groups sharing a tensor, or whose views alias as per-group rows do): a row holds one key, so
+one group's block.
+
 Memory on both sides is described in ``vllm.v1.kv_offload.cpu.gpu_worker`` (CPU views) and
 ``vllm.v1.kv_offload.worker.canonical`` (GPU pages); the resulting regions follow
 ``vllm.kv_copy.regions``.
@@ -56,7 +61,7 @@ class JobPlanner:
     Args:
         kv_caches: the worker's canonical GPU KV caches.
         cpu_views: one CPU view per canonical tensor (see ``gpu_worker``); the planner reads their
-            addresses and row strides only.
+            addresses, row strides and row lengths only.
         factors: block-size factor ``k_g`` per group.
         num_cpu_blocks: CPU rows.
         store: True for GPU -> CPU jobs, False for CPU -> GPU.
@@ -105,8 +110,10 @@ class JobPlanner:
             self._num_gpu_blocks.append(
                 min(kv_caches.tensors[r.tensor_idx].num_blocks for r in refs)
             )
-        # Groups sharing a tensor can write the same bytes: their destinations are checked for
-        # collisions together (connected components of "shares a tensor").
+        # Groups that can write the same bytes have their destinations checked for collisions
+        # together (connected components). Loads write GPU pages: groups that share a tensor.
+        # Stores write CPU rows: groups that share a tensor, and groups whose CPU views alias
+        # (per-group rows: every group's views start at the same offset of a row).
         parent = list(range(kv_caches.num_groups))
 
         def find(x: int) -> int:
@@ -120,7 +127,21 @@ class JobPlanner:
             for ref in refs:
                 other = first_user.setdefault(ref.tensor_idx, g)
                 parent[find(g)] = find(other)
+        if store:
+            spans: list[tuple[int, int, int, int]] = []  # (row 0's start, its end, stride, group)
+            for g, refs in enumerate(kv_caches.group_data_refs):
+                for ref in refs:
+                    view = cpu_views[ref.tensor_idx]
+                    start = view.data_ptr()
+                    spans.append((start, start + int(view.shape[1]), int(view.stride(0)), g))
+            for i, (s0, e0, st0, g0) in enumerate(spans):
+                for s1, e1, st1, g1 in spans[i + 1 :]:
+                    # ``_check_cpu_views`` admits overlap only of views with one row stride
+                    # inside one row, so row 0's byte ranges tell whether any rows alias.
+                    if g0 != g1 and st0 == st1 and s0 < e1 and s1 < e0:
+                        parent[find(g0)] = find(g1)
         self._cluster = [find(g) for g in range(kv_caches.num_groups)]
+        self._shared_clusters = {c for c in self._cluster if self._cluster.count(c) > 1}
 
     def plan(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> TransferPlan:
         """The ``copy_blocks`` call of one job (see the module docstring for the pairing).
@@ -140,6 +161,7 @@ class JobPlanner:
         cpu_parts: list[npt.NDArray[np.int64]] = []
         region_parts: list[ops.RegionArray] = []
         dst_keys: dict[int, list[npt.NDArray[np.int64]]] = {}
+        group_rows: dict[int, list[npt.NDArray[np.int64]]] = {}
         gpu_off = cpu_off = pairs = num_bytes = 0
         for g, n in enumerate(gpu_spec.group_sizes):
             if n == 0:
@@ -175,8 +197,16 @@ class JobPlanner:
             template["pair_count"] = n
             region_parts.append(template)
             # Destination slots in a group-independent numbering, to catch two groups of one
-            # cluster writing the same page.
-            key = gpu_g if not self._store else (sub // k) * self._max_factor + sub % k
+            # cluster writing the same page. A store's are CPU rows: a row is one key's, of one
+            # group, so two groups of a cluster storing into one row collide whatever their
+            # sub-blocks (with aliased views their bytes overlap); within a group, its
+            # sub-blocks must differ.
+            if self._store:
+                key = (sub // k) * self._max_factor + sub % k
+                if self._cluster[g] in self._shared_clusters:
+                    group_rows.setdefault(self._cluster[g], []).append(np.unique(cpu_g))
+            else:
+                key = gpu_g
             dst_keys.setdefault(self._cluster[g], []).append(key)
             num_bytes += n * self._group_bytes[g]
             pairs += n
@@ -196,6 +226,16 @@ class JobPlanner:
                     else [f"GPU block {d}" for d in dup]
                 )
                 raise ValueError(f"the job writes more than once to: {', '.join(where)}")
+        for rows_per_group in group_rows.values():
+            if len(rows_per_group) < 2:
+                continue
+            flat = np.concatenate(rows_per_group)
+            uniq, counts = np.unique(flat, return_counts=True)
+            if len(uniq) != len(flat):
+                rows = ", ".join(str(int(r)) for r in uniq[counts > 1][:4])
+                raise ValueError(
+                    f"the job stores more than one group's block into CPU row(s) {rows}"
+                )
         if not region_parts:
             empty = np.zeros(0, dtype=np.int64)
             return TransferPlan(np.zeros(0, dtype=ops.REGION_DTYPE), empty, empty, 0)

@@ -15,6 +15,11 @@ one key per group. What each group needs differs:
   already), sorted by window size descending, repeating until the hit end stops moving.
 * **Loads.** Only the window's blocks of an SWA group are loaded (``load_start``); the engine
   frees the rest of the SWA group's blocks anyway.
+* **Promotions.** A manager promotes a block found only in a slower tier when ``lookup`` asks
+  for it, but the scans above ask for more keys than the hit loads (an SWA run broken before it
+  reached ``window_blocks``, full-attention keys past an end an SWA group lowered).
+  ``promoting_hit_end`` therefore scans with ``probe`` (no promotion) and looks up only the keys
+  the hit loads.
 * **Stores.** Every SWA block still on the GPU is stored: a hit ending at any of the next
   ``window_blocks`` block boundaries needs it, and hits happen at every boundary a later prompt
   shares. SWA blocks the engine already freed (``NULL_BLOCK_ID`` in the block table, mirrored by
@@ -234,3 +239,47 @@ def lookup_hit_end(
             end, swa_deferred[g] = window_scan(lookup, keys[g], start, end, window)
     deferred = any(i < end for i in first_deferred) or (end > start and any(swa_deferred.values()))
     return end, deferred
+
+
+def promoting_hit_end(
+    layout: GroupLayout,
+    probe: LookupFn,
+    lookup: LookupFn,
+    keys: Sequence[Sequence[OffloadKey]],
+    start: int,
+    end: int,
+) -> tuple[int, bool]:
+    """``lookup_hit_end``, promoting only the keys the hit loads.
+
+    The hit is found with ``probe`` (``OffloadingManager.probe``: a key only a slower tier
+    holds answers None and is not promoted); then ``lookup`` is called for the keys of
+    ``GroupLayout.load_keys`` that the probe answered None, which promotes those. A lookup that
+    answers False (no room in the faster tier) makes that key a miss, and the hit is found
+    again with it; the keys looked up before it stay promoted (rare: the faster tier is full of
+    pinned blocks). Each key is probed and looked up at most once per call.
+
+    Returns:
+        ``(hit_end, deferred)`` as ``lookup_hit_end``.
+    """
+    answers: dict[OffloadKey, bool | None] = {}
+
+    def probe_once(key: OffloadKey) -> bool | None:
+        if key in answers:
+            return answers[key]
+        result = answers[key] = probe(key)
+        return result
+
+    looked_up: set[OffloadKey] = set()
+    while True:
+        hit_end, deferred = lookup_hit_end(layout, probe_once, keys, start, end)
+        refused = False
+        for key in layout.load_keys(keys, start, hit_end):
+            if answers.get(key) is None and key not in looked_up:
+                looked_up.add(key)
+                result = answers[key] = lookup(key)
+                if result is False:
+                    # The hit ends earlier now: promote nothing more before finding it again.
+                    refused = True
+                    break
+        if not refused:
+            return hit_end, deferred

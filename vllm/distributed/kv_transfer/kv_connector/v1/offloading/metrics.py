@@ -50,6 +50,7 @@ _COUNTER_NAMES = (
     "flushed_jobs",
     "deferred_lookups",
     "deferred_lookup_requests",
+    "transfer_wait_requests",
     "deferred_stores",
     "stale_completions",
     "cache_resets",
@@ -72,7 +73,12 @@ class OffloadingSchedulerMetrics:
         flushed_jobs: jobs the workers were told to finish before a forward pass (counted once
             per step that flushes them).
         deferred_lookups: lookups answered "ask again next step".
-        deferred_lookup_requests: requests with at least one such lookup (each counted once).
+        deferred_lookup_requests: requests with at least one such lookup because a tier could
+            not answer yet whether it holds a key (each counted once).
+        transfer_wait_requests: requests with at least one such lookup because its blocks were
+            being moved: promoted from a secondary tier, stored from the GPU or loaded by
+            another request (each counted once). Their bytes are on their way: the wait is part
+            of loading them, not of finding them.
         deferred_stores: ``prepare_store`` calls that found no room (offered again next step).
         stale_completions: reports of jobs issued before a ``reset_cache`` (ignored).
         cache_resets: ``reset_cache`` calls.
@@ -98,6 +104,7 @@ class OffloadingSchedulerMetrics:
     flushed_jobs: int = 0
     deferred_lookups: int = 0
     deferred_lookup_requests: int = 0
+    transfer_wait_requests: int = 0
     deferred_stores: int = 0
     stale_completions: int = 0
     cache_resets: int = 0
@@ -180,8 +187,8 @@ def record_worker_transfer(
 MAX_PENDING_SAMPLES = 100_000
 """Most samples a producer keeps for one histogram until they are collected.
 
-The engine collects every step, so this only bounds the memory of a connector that is driven
-without collecting its stats (tests, benchmarks); samples beyond it are dropped."""
+The engine collects every step, so this only bounds the memory of a connector whose stats
+nobody collects; samples beyond it are dropped."""
 
 _TYPES = "types"
 _DATA = "data"
@@ -257,6 +264,10 @@ class OffloadingConnectorStats(KVConnectorStats):
         """The value of ``name`` for ``labels`` (None if never recorded)."""
         slot = self.data[_DATA].get(name)
         return None if slot is None else slot.get(labels)
+
+    def labelled(self, name: str) -> dict[tuple[str, ...], Any]:
+        """The value of ``name`` for each of its label tuples (empty if never recorded)."""
+        return dict(self.data[_DATA].get(name, {}))
 
     def types(self) -> dict[str, MetricType]:
         """Each recorded metric's type."""

@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    get_offload_group_idx,
     make_offload_key,
 )
 from vllm.v1.request import Request
@@ -69,7 +70,12 @@ class RequestOffloadState:
             load since its lookups began to wait (a deferred lookup is repeated every step; the
             decision is made once).
         lookup_deferred: a lookup of this request answered "ask again next step" at least once
-            (counted once per request: ``deferred_lookup_requests``).
+            because a tier could not answer yet (counted once per request:
+            ``deferred_lookup_requests``).
+        transfer_waited: a lookup answered so at least once because the blocks were being
+            moved (counted once per request: ``transfer_wait_requests``).
+        waiting_on_lookup: the last lookup pass met a key no tier could answer for yet (set by
+            ``lookup_fn``'s lookups, read when the pass is deferred).
     """
 
     req: Request
@@ -87,6 +93,8 @@ class RequestOffloadState:
     finished: bool = False
     guard_decided: set[str] = field(default_factory=set)
     lookup_deferred: bool = False
+    transfer_waited: bool = False
+    waiting_on_lookup: bool = False
 
     def __post_init__(self) -> None:
         num_groups = len(self.layout.gpu_block_sizes)
@@ -185,10 +193,29 @@ class RequestOffloadState:
         if tier is not None or key not in self.promoted_keys:
             self.promoted_keys[key] = tier
 
+    def probe_fn(self, manager: OffloadingManager) -> LookupFn:
+        """``manager.probe`` for this request (``groups.promoting_hit_end``).
+
+        A probe starts no promotion, so a None notes nothing (the lookup that follows for a
+        key the hit loads does); a True or False drops a note without a tier, as ``lookup_fn``.
+        """
+        ctx = self.req_context
+        probe = manager.probe
+        promoted = self.promoted_keys
+
+        def probe_key(key: OffloadKey) -> bool | None:
+            result = probe(key, ctx)
+            if result is not None and promoted and key in promoted and promoted[key] is None:
+                del promoted[key]
+            return result
+
+        return probe_key
+
     def lookup_fn(
         self, manager: OffloadingManager, is_being_stored: Callable[[OffloadKey], bool]
     ) -> LookupFn:
-        """``manager.lookup`` for this request, noting the keys found being promoted.
+        """``manager.lookup`` for this request, noting the keys found being promoted, and whether
+        a key's answer is still due from a tier (``waiting_on_lookup``, reset here for the pass).
 
         A key whose lookup answers "not readable yet" while no store job writes it
         (``is_being_stored``) is noted with ``manager.promotion_source``. A note without a tier
@@ -204,19 +231,26 @@ class RequestOffloadState:
         promoted = self.promoted_keys
         note_promoted = self.note_promoted
 
+        self.waiting_on_lookup = False
+
         def lookup_key(key: OffloadKey) -> bool | None:
             result = lookup(key, ctx)
-            if result is None:
-                if not is_being_stored(key):
-                    note_promoted(key, promotion_source(key))
-            elif promoted and key in promoted and promoted[key] is None:
+            if result is None and not is_being_stored(key):
+                tier = promotion_source(key)
+                note_promoted(key, tier)
+                if tier is None:  # no promotion (yet): a tier's answer is on its way
+                    self.waiting_on_lookup = True
+            elif result is not None and promoted and key in promoted and promoted[key] is None:
                 del promoted[key]
             return result
 
         return lookup_key
 
     def finish_load(
-        self, job: TransferJobStatus, stored_keys: set[OffloadKey] | None = None
+        self,
+        job: TransferJobStatus,
+        stored_keys: set[OffloadKey] | None = None,
+        group_block_bytes: Sequence[int] = (),
     ) -> LoadResult:
         """The outcome of the request's load ``job``, every worker having reported it.
 
@@ -226,6 +260,8 @@ class RequestOffloadState:
         Args:
             job: the finished load job.
             stored_keys: the keys this connector stored so far, when it tracks them.
+            group_block_bytes: per group, the bytes a load of one key moves
+                (``OffloadingSpec.group_block_bytes``); empty: ``promoted_bytes`` is not counted.
         """
         block_size = self.layout.offloaded_block_size
         start_tok, end_tok = job.token_range
@@ -244,6 +280,13 @@ class RequestOffloadState:
             promoted_tokens += hi - lo
             stored_here = None if stored_keys is None else key in stored_keys
             blocks.append(PromotedBlock(lo, hi, promoted[key], key, stored_here))
+        promoted_bytes: dict[str | None, int] = {}
+        if promoted and group_block_bytes and job.success:
+            for key in job.keys:
+                if key in promoted:
+                    tier = promoted[key]
+                    n = group_block_bytes[get_offload_group_idx(key)]
+                    promoted_bytes[tier] = promoted_bytes.get(tier, 0) + n
         promoted.clear()
         return LoadResult(
             job.req_id,
@@ -252,4 +295,5 @@ class RequestOffloadState:
             promoted_tokens,
             job.success,
             tuple(blocks),
+            promoted_bytes,
         )

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
     LookupFn,
     lookup_hit_end,
+    promoting_hit_end,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.load_guard import (
     CPU_TIER,
@@ -247,18 +248,25 @@ class OffloadingConnectorScheduler(EngineCallChecks):
 
         start = num_computed_tokens // block_size
         lookup = state.lookup_fn(self.manager, self._jobs.is_being_stored)
-        if self.load_guard is None:
+        # With sliding-window groups the scans ask for more keys than the hit loads: probe
+        # first and promote only what is loaded (groups.promoting_hit_end).
+        probe = state.probe_fn(self.manager) if layout.has_sliding_window else None
+        results: dict[OffloadKey, bool | None] | None = None
+        if self.load_guard is not None:
+            results = {}
+            lookup = _recording(lookup, results)
+            probe = None if probe is None else _recording(probe, results)
+        if probe is None:
             end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
         else:
-            results: dict[OffloadKey, bool | None] = {}
-            end, deferred = lookup_hit_end(
-                layout, _recording(lookup, results), state.offload_keys, start, num_blocks
+            end, deferred = promoting_hit_end(
+                layout, probe, lookup, state.offload_keys, start, num_blocks
             )
-            if end > start:
-                end, deferred = self._guard_hit(state, results, start, end, deferred)
+        if results is not None and end > start:
+            end, deferred = self._guard_hit(state, results, start, end, deferred)
         limit = end - start
         if deferred:
-            self._count_deferral(state)
+            self._count_deferral(state, state.waiting_on_lookup)
             return None, False
         if limit == 0:
             return 0, False
@@ -267,17 +275,25 @@ class OffloadingConnectorScheduler(EngineCallChecks):
             return 0, False
         if self._jobs.any_being_loaded(self.layout.load_keys(state.offload_keys, start, end)):
             # A second request hitting keys being loaded waits for that load to finish.
-            self._count_deferral(state)
+            self._count_deferral(state, on_lookup=False)
             return None, False
         return num_hit_tokens, True
 
-    def _count_deferral(self, state: RequestOffloadState) -> None:
+    def _count_deferral(self, state: RequestOffloadState, on_lookup: bool) -> None:
         """A lookup of ``state``'s request answers "ask again next step": count the lookup,
-        and the request the first time."""
-        self._metrics.deferred_lookups += 1
-        if not state.lookup_deferred:
+        and the request the first time for each reason: a tier could not answer yet
+        (``on_lookup``), or the blocks were being moved (a promotion, a store or another
+        request's load: part of loading them). With sliding-window groups a probe's "not yet"
+        cannot tell the two apart (a slower tier holding a block answers so too); such a pass
+        counts as waiting for a transfer unless one of its lookups met an unanswered tier."""
+        m = self._metrics
+        m.deferred_lookups += 1
+        if on_lookup and not state.lookup_deferred:
             state.lookup_deferred = True
-            self._metrics.deferred_lookup_requests += 1
+            m.deferred_lookup_requests += 1
+        elif not on_lookup and not state.transfer_waited:
+            state.transfer_waited = True
+            m.transfer_wait_requests += 1
 
     def _hit_runs(
         self,
@@ -606,7 +622,9 @@ class OffloadingConnectorScheduler(EngineCallChecks):
                     self.stored_keys.update(job.keys)
         else:
             self.manager.complete_load(job.keys, state.req_context)
-            self._load_results.append(state.finish_load(job, self.stored_keys))
+            self._load_results.append(
+                state.finish_load(job, self.stored_keys, self.spec.group_block_bytes)
+            )
             wait = self._load_waits.pop(job.job_id, None)
             if wait is not None:
                 assert self.load_guard is not None
