@@ -13,7 +13,6 @@ import mmap
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tests.cuda_helpers import DeviceBuffer
+from tests.subprocesses import run_python
 from vllm import _custom_ops as ops
 from vllm.kv_copy.cuda_library import TEST_BATCH_RESULT_ENV, default_library_path
 
@@ -795,14 +795,7 @@ def test_cuda_refused_batch_call_falls_back_or_fails_naming_the_cuda_error(
     forced: int, name: str, falls_back: bool
 ) -> None:
     env = {**os.environ, TEST_BATCH_RESULT_ENV: str(forced), "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        [sys.executable, "-c", _FORCED_BATCH_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    run = run_python("-c", _FORCED_BATCH_SCRIPT, env=env)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     if not out["batch"]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.subprocesses import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 NVCC = "/usr/local/cuda/bin/nvcc"
@@ -47,15 +47,8 @@ def test_the_install_on_this_machine_says_what_it_skips() -> None:
         for k, v in os.environ.items()
         if k not in ("VLLM_KV_OFFLOAD_REQUIRE_CUDA", "VLLM_KV_OFFLOAD_CPU_ONLY")
     }
-    proc = subprocess.run(
-        [sys.executable, "setup.py", "--name"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    proc = run_python("setup.py", "--name", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "vllm-kv-offload"
     if script.nvidia_driver_present():
         assert "No NVIDIA driver" not in proc.stderr

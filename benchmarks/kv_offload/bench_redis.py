@@ -66,6 +66,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.sizes import parse_size
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.redis.client import close_client, make_client
 from vllm.v1.kv_offload.tiering.redis.manager import RedisSecondaryTier
 from vllm.v1.kv_offload.tiering.redis.transfer import MAX_ROUND_BYTES
 
@@ -174,8 +175,10 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
         )
         for env in (None, _SECRET_ENV)
     )
-    pool = tier.client.connection_pool
-    assert isinstance(pool, redis.ConnectionPool)
+    # A client as the tier makes one, for its connection settings (the raw baseline's).
+    settings = make_client(tier.config)
+    assert isinstance(settings, redis.Redis)
+    pool = settings.connection_pool
     client = redis.Redis(
         connection_pool=redis.ConnectionPool(
             # The baseline's packer (benchmark only): redis-py's pure-Python one, see above.
@@ -183,6 +186,7 @@ def bench_size(url: str, block_bytes: int, total_bytes: int, per_job: int, round
             **pool.connection_kwargs,
         )
     )
+    close_client(settings)  # lazy: it never connected
     flat = view.cast("B")
     keys = bench_keys(n, "tier")
     raw_keys = [f"raw:{i}".encode() for i in range(n)]

@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
+from tests.distributed.kv_event_helpers import block_stored
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,18 +22,8 @@ from vllm.distributed.kv_events import (
 )
 
 
-def _stored(**overrides: object) -> BlockStored:
-    fields: dict[str, object] = dict(
-        block_hashes=[b"\x01" * 32, b"\x02" * 32],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium="CPU",
-        lora_name=None,
-    )
-    fields.update(overrides)
-    return BlockStored(**fields)  # type: ignore[arg-type]
+def _stored(**fields: Any) -> BlockStored:
+    return block_stored(fields.pop("block_hashes", [b"\x01" * 32, b"\x02" * 32]), **fields)
 
 
 def test_batch_round_trip_keeps_types_and_fields() -> None:

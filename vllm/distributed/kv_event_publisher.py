@@ -227,8 +227,8 @@ class ZmqEventPublisher(EventPublisher):
     def wait_sent(self, timeout_s: float | None = None) -> bool:
         """Block until every batch published so far was sent (or dropped); False on timeout.
 
-        For callers that hand the stream to a reader at a known point (a report's end, tests);
-        the engine never calls it.
+        For callers that hand the stream to a reader at a known point (the fleet run's end,
+        ``fleet_events``); the engine never calls it.
         """
         with self._drained:
             return self._drained.wait_for(

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-from typing_extensions import override
 
 from vllm.kv_copy.errors import CopyArgumentError, CudaCopyError
 from vllm.kv_copy.regions import REGION_DTYPE, IdArray, RegionArray, check_pair_counts
@@ -116,8 +115,9 @@ def _ptr(arr: np.ndarray) -> int | None:
 class CudaCopyLibrary:
     """ctypes binding of the CUDA copy library; every method raises on a non-OK status.
 
-    ``raw`` is the ``ctypes.CDLL`` with argument types set, for callers (tests) that need the
-    status codes themselves. Loading needs no GPU or driver: argument checks work anywhere.
+    ``raw`` is the ``ctypes.CDLL`` with argument types set (the status codes themselves; the
+    methods below turn them into exceptions). Loading needs no GPU or driver: argument checks
+    work anywhere.
 
     Every method that uses CUDA takes ``device``, the ordinal of the device it acts on; the
     library makes it current on the calling thread first (and leaves it current). Streams and
@@ -311,6 +311,5 @@ class CudaCopyLibrary:
         """Unpin a range this library pinned (``host_register`` returned True for it)."""
         self.check(self.raw.kvo_host_unregister(device, ptr or None), "kvo_host_unregister")
 
-    @override
     def __repr__(self) -> str:
         return f"CudaCopyLibrary({self.path!r})"

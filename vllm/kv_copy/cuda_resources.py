@@ -8,8 +8,6 @@ works from any thread (see "Devices" in ``csrc/kv_offload.h``).
 
 from __future__ import annotations
 
-from typing_extensions import override
-
 from vllm.kv_copy.cuda_library import CudaCopyLibrary
 
 
@@ -40,7 +38,6 @@ class CudaStream:
             handle, self.handle = self.handle, 0
             self._lib.stream_destroy(self.device, handle)
 
-    @override
     def __repr__(self) -> str:
         return f"CudaStream(cuda:{self.device}, {self.handle:#x})"
 
@@ -80,6 +77,5 @@ class CudaEvent:
             handle, self.handle = self.handle, 0
             self._lib.event_destroy(self.device, handle)
 
-    @override
     def __repr__(self) -> str:
         return f"CudaEvent(cuda:{self.device}, {self.handle:#x})"

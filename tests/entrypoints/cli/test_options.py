@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.subprocesses import run_python
 from vllm.entrypoints.cli.config import build_run_config
 from vllm.entrypoints.cli.main import build_parser, main
 from vllm.entrypoints.cli.option_values import default_fs_root, parse_size
@@ -21,7 +20,7 @@ from vllm.model_executor.models.llama_config import DEFAULT_PRESET, PRESETS
 from vllm.v1.engine.model_runner import ModelKind
 from vllm.v1.engine.verification import VerifyMode
 
-from .workload_args import REPO, command_env
+from .workload_args import command_env
 
 
 @pytest.mark.parametrize(
@@ -424,14 +423,8 @@ def test_every_bad_option_is_refused_at_once_without_importing_torch(tmp_path: P
         for argv in _SEMANTIC_REFUSALS:
             argv = [port if a == "PORT_IN_USE" else a for a in argv]
             start = time.monotonic()
-            proc = subprocess.run(
-                [sys.executable, "-X", "importtime", "-m", "vllm.entrypoints.cli.main", *argv],
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
+            proc = run_python(
+                "-X", "importtime", "-m", "vllm.entrypoints.cli.main", *argv, env=env, timeout=120
             )
             elapsed = time.monotonic() - start
             errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]

@@ -15,9 +15,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.subprocesses import run_python
 from tests.v1.kv_offload.tiering.redis.servers import RedisCluster3, RedisServer, free_port
 
 from .workload_args import REPO, command_env, workload_args
@@ -41,16 +43,25 @@ def locked(tmp_path: Path) -> Iterator[RedisServer]:
 def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
     """The command in a child process; returns it (output captured) and its wall time."""
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "run", *args],
-        cwd=REPO,
+    proc = run_python(
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "run",
+        *args,
         env=command_env(tmp_path, **(env or {})),
-        capture_output=True,
-        text=True,
         timeout=timeout,
-        check=False,
     )
     return proc, time.monotonic() - t0
+
+
+def _redis_run(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """A run with the redis tier alone (``args``: the workload and the redis options), its
+    report written as JSON; returns the process and the report (empty if none was written)."""
+    out = tmp_path / "report.json"
+    proc, _ = _run(tmp_path, *args, "--no-progress", "--no-fs", "--json", str(out), env=env)
+    return proc, json.loads(out.read_text()) if out.exists() else {}
 
 
 def _secret_file(tmp_path: Path, name: str, data: bytes, mode: int = 0o600) -> Path:
@@ -92,20 +103,15 @@ def test_secrets_from_files_and_the_environment_and_the_report_says_blocks_are_a
 ) -> None:
     password = _secret_file(tmp_path, "redis.pw", PASSWORD.encode() + b"\n")
     key = _secret_file(tmp_path, "fleet.key", bytes(range(32)))  # binary: used as is
-    out = tmp_path / "report.json"
-    proc, _ = _run(
+    proc, doc = _redis_run(
         tmp_path,
         *SERVED,
-        "--no-progress",
-        "--no-fs",
         "--redis-url-env",
         "KVO_TEST_URL",
         "--redis-password-file",
         str(password),
         "--integrity-key-file",
         str(key),
-        "--json",
-        str(out),
         env={"KVO_TEST_URL": f"redis://127.0.0.1:{locked.port}"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -114,7 +120,6 @@ def test_secrets_from_files_and_the_environment_and_the_report_says_blocks_are_a
     key_id = IntegrityKey(bytes(range(32))).key_id.hex()
     header = " ".join(proc.stdout.split())  # the line wraps at 80 columns
     assert f"blocks authenticated (HMAC-SHA256, key id {key_id})" in header
-    doc = json.loads(out.read_text())
     assert doc["settings"]["integrity_key_id"] == key_id
     assert doc["verdict"]["status"] == "PASS"
     assert doc["runs"]["offload"]["transfers"]["redis_to_cpu"]["blocks"] > 0
@@ -122,7 +127,7 @@ def test_secrets_from_files_and_the_environment_and_the_report_says_blocks_are_a
     client = locked.client()
     assert client.keys(f"kvo@{key_id}:*") and not client.keys("kvo:*")
     client.close()
-    assert PASSWORD not in proc.stdout + proc.stderr + out.read_text()
+    assert PASSWORD not in proc.stdout + proc.stderr + (tmp_path / "report.json").read_text()
 
 
 @pytest.mark.parametrize(
@@ -146,19 +151,9 @@ def test_a_bad_integrity_key_file_is_refused(
 def test_refusals_at_maxmemory_are_failed_blocks_in_the_report(tmp_path: Path) -> None:
     full = RedisServer(tmp_path / "full", "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
     try:
-        out = tmp_path / "report.json"
-        proc, _ = _run(
-            tmp_path,
-            *SMALL,
-            "--no-progress",
-            "--no-fs",
-            "--redis-url",
-            full.url,
-            "--json",
-            str(out),
-        )
+        proc, doc = _redis_run(tmp_path, *SMALL, "--redis-url", full.url)
         assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-        stores = json.loads(out.read_text())["runs"]["offload"]["transfers"]["cpu_to_redis"]
+        stores = doc["runs"]["offload"]["transfers"]["cpu_to_redis"]
         assert stores["failed_blocks"] > 0, stores
     finally:
         full.stop()
@@ -168,21 +163,9 @@ def test_refusals_at_maxmemory_are_failed_blocks_in_the_report(tmp_path: Path) -
 def test_redis_cluster_serves_a_run(tmp_path: Path) -> None:
     cluster = RedisCluster3(tmp_path / "cluster")
     try:
-        out = tmp_path / "report.json"
-        proc, _ = _run(
-            tmp_path,
-            *SERVED,
-            "--no-progress",
-            "--no-fs",
-            "--redis-url",
-            cluster.url,
-            "--redis-cluster",
-            "--json",
-            str(out),
-        )
+        proc, doc = _redis_run(tmp_path, *SERVED, "--redis-url", cluster.url, "--redis-cluster")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "(cluster), shared by every engine instance" in " ".join(proc.stdout.split())
-        doc = json.loads(out.read_text())
         assert doc["verdict"]["status"] == "PASS" and doc["settings"]["redis_cluster"] is True
         assert doc["runs"]["offload"]["transfers"]["redis_to_cpu"]["blocks"] > 0
     finally:

@@ -25,6 +25,8 @@ pexpect = pytest.importorskip("pexpect", reason="pexpect (test extra) is not ins
 pyte = pytest.importorskip("pyte", reason="pyte (test extra) is not installed")
 from wcwidth import wcswidth  # noqa: E402  (pyte's dependency)
 
+from tests.subprocesses import run_python  # noqa: E402
+
 from .workload_args import command_env, workload_args  # noqa: E402
 
 COLUMNS = 80
@@ -175,14 +177,8 @@ def test_piped_output_shows_the_header_at_once_and_progress_lines(tmp_path: Path
 def test_json_dash_writes_the_document_to_stdout_and_the_text_to_stderr(tmp_path: Path) -> None:
     import json
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", *SMALL, "--json", "-"],
-        capture_output=True,
-        env=_env(tmp_path),
-        cwd=str(tmp_path),
-        text=True,
-        timeout=300,
-        check=False,
+    proc = run_python(
+        "-m", "vllm.entrypoints.cli.main", *SMALL, "--json", "-", env=_env(tmp_path), cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # stdout is the JSON document and nothing else

@@ -51,7 +51,8 @@ def refused(error: type[BaseException]) -> Callable[[], Callable[[], None]]:
 
 class RefusalMachine(RuleBasedStateMachine):
     """Base of the managers' state machines (see the module docstring), with the misbehaving
-    calls both machines make: a completion sent again, and values that are not keys.
+    calls both machines make: a completion sent again, stray completions (any keys, any
+    request), and values that are not keys.
 
     Subclasses set ``key_lists`` and ``reqs`` (their key and request strategies), keep ``sent``
     (the completions already sent: ``(kind, ctx, keys)``), set ``manager`` and ``shut_down``,
@@ -80,6 +81,18 @@ class RefusalMachine(RuleBasedStateMachine):
             self._complete_store(keys, ctx, success)
         else:
             self._complete_load(keys, ctx)
+
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store_stray(self, data: st.DataObject, success: bool) -> None:
+        """Any keys, any request: absent, ready, pinned, other requests' or legitimate ones."""
+        keys = data.draw(self.key_lists, label="keys")
+        self._complete_store(keys, data.draw(self.reqs, label="ctx"), success)
+
+    @rule(data=st.data())
+    def complete_load_stray(self, data: st.DataObject) -> None:
+        """Any keys, any request: absent, not pinned, other requests' or legitimate ones."""
+        keys = data.draw(self.key_lists, label="keys")
+        self._complete_load(keys, data.draw(self.reqs, label="ctx"))
 
     @rule(data=st.data(), method=st.sampled_from(KEY_METHODS))
     def not_a_key(self, data: st.DataObject, method: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import random
+import struct
 import sys
 from pathlib import Path
 
@@ -19,7 +20,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[3] / "benchmarks" / "kv_offload"))
 
 from bench_hit_rate import VARIANTS, belady_min, replay
-from traces import Request, Trace, _key
+from traces import Request, Trace
+
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+
+
+def _key(*parts: int) -> OffloadKey:
+    """A synthetic key, unique per ``parts``."""
+    return make_offload_key(struct.pack(f">{len(parts)}q", *parts), 0)
 
 
 def random_trace(rng: random.Random, num_requests: int) -> Trace:

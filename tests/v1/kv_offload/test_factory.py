@@ -11,7 +11,7 @@ import pytest
 from typing_extensions import override
 
 from tests.v1.kv_offload.utils import make_run_info
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import OffloadingManager, ReqContext, make_offload_key
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec, cpu_worker_handlers
@@ -61,9 +61,15 @@ def test_default_is_cpu_spec() -> None:
 def test_enable_events_reaches_the_manager() -> None:
     spec = OffloadingSpecFactory.create_spec(config(), RUN, enable_events=True)
     assert isinstance(spec, CPUOffloadingSpec) and spec.enable_events
-    assert spec.get_manager()._events is not None
     quiet = OffloadingSpecFactory.create_spec(config(), RUN)
-    assert quiet.get_manager()._events is None  # type: ignore[attr-defined]
+    key = make_offload_key(b"\x01" * 32, 0)
+    for s, events in ((spec, 1), (quiet, 0)):
+        manager, ctx = s.get_manager(), ReqContext("r")
+        manager.on_new_request(ctx)
+        output = manager.prepare_store([key], ctx)
+        assert output is not None
+        manager.complete_store(output.keys_to_store, ctx)
+        assert len(list(manager.take_events())) == events  # the stored block, if recorded
 
 
 def test_tiering_spec_by_name(tmp_path: Path) -> None:

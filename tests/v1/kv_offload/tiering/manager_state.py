@@ -21,12 +21,12 @@ from vllm.v1.kv_offload.tiering.tier_jobs import InFlightJob, PromotionQueue
 
 def jobs_in_flight(manager: TieringOffloadingManager) -> dict[JobId, InFlightJob]:
     """Every job submitted to a tier and not reported yet, by id (a snapshot)."""
-    # The job table is the manager's; callers see only num_jobs_in_flight.
+    # private: the job table is the manager's; callers see only num_jobs_in_flight.
     return dict(manager._jobs._jobs)
 
 
 def _promotions(manager: TieringOffloadingManager) -> PromotionQueue:
-    # The promotion queue is the manager's; callers see only promotion_source(key).
+    # private: the promotion queue is the manager's; callers see only promotion_source(key).
     return manager._promotions
 
 
@@ -37,14 +37,14 @@ def promoting(manager: TieringOffloadingManager) -> dict[OffloadKey, int]:
 
 def queued_promotions(manager: TieringOffloadingManager) -> list[OffloadKey]:
     """Every key queued for promotion and not submitted yet (submitted at step end)."""
-    # The batches are submitted by on_schedule_end; nothing else needs to list them.
+    # private: the batches are submitted by on_schedule_end; nothing else needs to list them.
     batches = _promotions(manager)._pending
     return [key for pending in batches for batch in pending.values() for key in batch.keys]
 
 
 def request_states(manager: TieringOffloadingManager) -> dict[str, tuple[int, Any]]:
     """req_id -> (promotion batches queued, the finished request's context or None)."""
-    # Why tiers' on_request_finished is delayed is the manager's own bookkeeping.
+    # private: why tiers' on_request_finished is delayed is the manager's own bookkeeping.
     return {
         req_id: (state.queued_promotions, state.finished_req_context)
         for req_id, state in manager._req_state.items()
@@ -53,5 +53,5 @@ def request_states(manager: TieringOffloadingManager) -> dict[str, tuple[int, An
 
 def request_level_tiers(manager: TieringOffloadingManager) -> dict[str, tuple[int, ...]]:
     """req_id -> the indices of the tiers that asked for REQUEST_LEVEL offloading."""
-    # Answered to the connector only as the request's policy (on_new_request).
+    # private: answered to the connector only as the request's policy (on_new_request).
     return dict(manager._request_level_tiers)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.v1.kv_offload.tiering.key_files import key_file
 from vllm.v1.kv_offload.tiering.block_format import (
     CHECKSUM_CRC32,
     CHECKSUM_CRC32C,
@@ -275,9 +276,7 @@ def test_keyed_key_length_limit_and_missing_payload() -> None:
 def test_secrets_from_files_and_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "key"
-    path.write_bytes(SECRET)
-    path.chmod(0o600)
+    path = Path(key_file(tmp_path, SECRET))
     assert IntegrityKey.from_file(str(path)).key_id == FLEET.key_id  # raw bytes, not stripped
     path.write_bytes(SECRET + b"\n")
     assert IntegrityKey.from_file(str(path)).key_id != FLEET.key_id

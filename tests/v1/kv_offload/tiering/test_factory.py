@@ -4,52 +4,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from typing_extensions import override
 
-from tests.v1.kv_offload.tiering.test_manager import make_spec
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, RequestOffloadingContext
+from tests.v1.kv_offload.tiering.test_manager import MinimalTier, make_spec
+from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.config import SecondaryTierConfig
 from vllm.v1.kv_offload.cpu.shared_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
+from vllm.v1.kv_offload.tiering.base import TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 
-class OutOfTreeTier(SecondaryTierManager):
-    """A tier living outside the package, selected as ``module:ClassName``."""
+class OutOfTreeTier(MinimalTier):
+    """A tier living outside the package, selected as ``module:ClassName``, with an option of
+    its own."""
 
     def __init__(self, *args: Any, color: str = "blue", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.color = color
-
-    @override
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        return False
-
-    @override
-    def submit_store(self, job: TierJob) -> None:
-        raise NotImplementedError
-
-    @override
-    def submit_load(self, job: TierJob) -> None:
-        raise NotImplementedError
-
-    @override
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        return ()
-
-    @override
-    def drain_jobs(self) -> None:
-        pass
-
-    @override
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
 
 
 class NotATier:
@@ -89,8 +66,9 @@ def test_create_from_dict_and_config(env: tuple[memoryview, Any]) -> None:
         SecondaryTierConfig("example", {"capacity_blocks": 2}), view, spec
     )
     assert isinstance(tier2, ExampleSecondaryTierManager)
-    # The factory's only effect on the tier is its argument: no public accessor shows it.
-    assert tier2._capacity == 2
+    for i in range(3):  # the argument reached the tier: it keeps 2 blocks
+        tier2.submit_store(TierJob(i, [bytes([i]) * 8], np.array([0]), False, ReqContext("r")))
+    assert tier2.get_num_blocks() == 2
     tier.shutdown()
     tier2.shutdown()
 
@@ -162,5 +140,6 @@ def test_registered_tiers_import_lazily() -> None:
         with pytest.raises(ValueError, match="no_such_module_xyz"):
             SecondaryTierFactory.get_tier_class("lazy_test_tier")
     finally:
-        # The registry has no unregister (a tier type stays for the process): undo the test's.
+        # private: the registry has no unregister (a tier type stays for the process): undo the
+        # test's registration.
         del SecondaryTierFactory._registry["lazy_test_tier"]

@@ -287,10 +287,6 @@ class TieringManagerMachine(RefusalMachine):
 
     # -- a misbehaving engine -----------------------------------------------------------------
 
-    @rule(keys=key_lists, ctx=reqs, success=st.booleans())
-    def complete_store_stray(self, keys: list[OffloadKey], ctx: ReqContext, success: bool) -> None:
-        self._complete_store(keys, ctx, success)
-
     @precondition(lambda self: promoting(self.manager))
     @rule(data=st.data(), ctx=reqs, success=st.booleans())
     def complete_store_promoting(self, data: st.DataObject, ctx: ReqContext, success: bool) -> None:
@@ -302,10 +298,6 @@ class TieringManagerMachine(RefusalMachine):
         if keys:
             keys = data.draw(st.permutations(keys), label="order")
         self._complete_store([*keys, key], ctx, success)
-
-    @rule(keys=key_lists, ctx=reqs)
-    def complete_load_stray(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
-        self._complete_load(keys, ctx)
 
     @precondition(lambda self: self.active())
     @rule(data=st.data(), keys=key_lists.filter(bool))

@@ -8,5 +8,6 @@ lifecycle (promotions queued by lookup, jobs submitted, tier reports checked and
 ``base`` is the interface a tier implements (``SecondaryTierManager``, ``TierJob``,
 ``JobResult``); ``factory``, ``spec`` and ``stats`` its registry, the spec and the per-tier
 counters. Tiers: ``example`` (in memory, the template), ``fs`` and ``redis``;
-``async_lookup``, ``tier_plumbing``, ``block_format`` and ``run_identity`` are what they share.
+``async_lookup``, ``tier_plumbing``, ``block_format``, ``run_identity`` and ``secret_files`` are
+what they share.
 """

@@ -264,7 +264,8 @@ class AsyncLookupManager(ABC):
         return True
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until the worker has processed every batch posted so far (tests, tools).
+        """Block until the worker has processed every batch posted so far (the tier's
+        ``wait_lookups_idle``).
 
         Results are applied by the next ``lookup``/``flush`` on the scheduler thread.
 

@@ -18,8 +18,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from typing_extensions import override
-
 from vllm.v1.kv_offload.base import (
     BlockIds,
     OffloadingEvent,
@@ -74,7 +72,6 @@ class TierJob:
         self.is_promotion = is_promotion
         self.req_context = req_context
 
-    @override
     def __repr__(self) -> str:
         kind = "promotion" if self.is_promotion else "cascade"
         return (
@@ -222,8 +219,9 @@ class SecondaryTierManager(ABC):
         """Block until the tier's start-up work has ended (e.g. indexing the blocks it already
         holds), so that ``get_stats`` counts them.
 
-        A tier serves requests while that work runs; this is only for reports and tests that need
-        the start-up state, and is never called on the step path.
+        A tier serves requests while that work runs; this is for callers that report the
+        start-up state (``OffloadingSpec.wait_for_tiers_ready``, which the CLI's runs call before
+        their first request), and is never called on the step path.
 
         Args:
             timeout_s: the longest wait; None waits without bound.

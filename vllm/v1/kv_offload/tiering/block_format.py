@@ -78,7 +78,6 @@ import zlib
 from dataclasses import dataclass
 
 import crc32c
-from typing_extensions import override
 
 from vllm.v1.kv_offload.tiering.secret_files import read_private_file
 
@@ -174,7 +173,6 @@ class IntegrityKey:
         self.key_id = hmac.digest(secret, _KEY_ID_LABEL, "sha256")[:KEY_ID_BYTES]
         self._template = hmac.new(hmac.digest(secret, _MAC_KEY_LABEL, "sha256"), None, "sha256")
 
-    @override
     def __repr__(self) -> str:
         return f"IntegrityKey(key_id={self.key_id.hex()})"
 

@@ -16,7 +16,10 @@ version), and ``RunIdentity`` derives from them:
   key namespace; runs with equal fields get equal names, different runs never share one.
 
 ``sliding_windows`` is a field only when some group has a window, so the identities of
-full-attention runs are those of the layouts that predate the field (their caches stay warm).
+full-attention runs are those of the layouts that predate the field (their caches stay warm);
+likewise ``row_layout`` only for rows laid out per KV-cache group (``RowLayout.PER_GROUP``), so
+a run whose blocks were written with the earlier layout finds none of them: another run
+directory, another key namespace, and a digest every block header of the old run fails.
 
 Pure computation, no I/O; thread-safe (immutable results).
 """
@@ -30,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.kv_offload.spec import RowLayout
 from vllm.v1.kv_offload.tiering.block_format import FORMAT_VERSION
 
 if TYPE_CHECKING:
@@ -83,6 +87,13 @@ def run_fields_from_spec(spec: OffloadingSpec, row_bytes: int) -> dict[str, Any]
     # had before windows existed, so their existing caches stay warm.
     if any(w is not None for w in run.sliding_windows):
         fields["sliding_windows"] = list(run.sliding_windows)
+    # Where each group's bytes sit in a row. Per-group rows (``RowLayout.PER_GROUP``) put every
+    # group's block at the row's start; a shared-rows block of the same run has them at other
+    # offsets, and page rounding can make both ``row_bytes`` equal, so the layout must be part
+    # of the identity. Only added for per-group rows: single-group runs, and multi-group runs
+    # with shared rows, keep the identity they had before the field (their caches stay warm).
+    if spec.row_layout is RowLayout.PER_GROUP:
+        fields["row_layout"] = spec.row_layout.value
     return fields
 
 

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from typing_extensions import override
 
 
 class KVCacheLayout(enum.Enum):
@@ -128,7 +127,6 @@ class CanonicalKVCacheTensor:
         """One past the last byte any block's page covers."""
         return self.ptr + (self.num_blocks - 1) * self.row_stride_bytes + self.page_size_bytes
 
-    @override
     def __repr__(self) -> str:
         where = "host" if self.device_index is None else f"cuda:{self.device_index}"
         return (

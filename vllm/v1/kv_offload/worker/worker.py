@@ -16,8 +16,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from typing_extensions import override
-
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
@@ -226,7 +224,6 @@ class OffloadingWorker:
         self._failed.clear()
         self._failed_ids.clear()
 
-    @override
     def __repr__(self) -> str:
         pairs = ", ".join(f"{s}->{d}" for s, d in self._handlers)
         return f"OffloadingWorker([{pairs}], in_flight={len(self._in_flight)})"

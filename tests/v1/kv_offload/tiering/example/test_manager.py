@@ -31,8 +31,9 @@ def keys(*ints: int) -> list[OffloadKey]:
 
 class Harness:
     def __init__(self, tmp_path: Path) -> None:
-        region = SharedOffloadRegion("example-tier", NUM_BLOCKS, 64, directory=tmp_path)
-        self.primary = CPUPrimaryTierOffloadingManager(NUM_BLOCKS, region)
+        # The primary owns the region (and releases it); the harness keeps it to check that.
+        self.region = SharedOffloadRegion("example-tier", NUM_BLOCKS, 64, directory=tmp_path)
+        self.primary = CPUPrimaryTierOffloadingManager(NUM_BLOCKS, self.region)
         self.view = self.primary.get_kv_memoryview()
         self.rows: npt.NDArray[np.uint8] = np.asarray(self.view)
         self.next_job = 0
@@ -180,7 +181,7 @@ def test_shutdown_releases_the_primary_view(
     tier = harness.tier()
     tier.submit_store(harness.job(keys(1), [0], promotion=False))
     # The primary owns its region and lends only the rows (get_kv_memoryview).
-    region = harness.primary._mmap_region
+    region = harness.region
     with caplog.at_level(logging.WARNING):
         harness.close()
     assert region.closed

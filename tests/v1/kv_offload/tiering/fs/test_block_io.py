@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, BlockFileCorrup
 from vllm.v1.kv_offload.tiering.fs import block_io
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     HOST_TAG,
-    PRIVATE,
+    FileModes,
     HeaderBuffers,
     is_stale_tmp,
     is_stale_tmp_file,
@@ -36,6 +36,7 @@ DIGEST = hashlib.sha256(b"run").digest()
 KEY = hashlib.sha256(b"k").digest() + bytes(4)
 PATH = BlockPath("abc", "de_g0", "abcdef.bin")
 ROW = 64 * 1024
+PRIVATE = FileModes.of("private")  # 0700 / 0600 under the umask
 
 
 @pytest.fixture

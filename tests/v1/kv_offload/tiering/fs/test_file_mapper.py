@@ -94,6 +94,21 @@ def test_full_attention_runs_keep_their_digest(overrides: dict[str, Any], digest
     assert "sliding_windows" not in mapper.run_fields
 
 
+def test_per_group_rows_are_part_of_the_identity_of_multi_group_runs_only() -> None:
+    # Page rounding gives both layouts the same row_bytes here: the field tells them apart.
+    two = {"gpu_block_sizes": (16, 16), "gpu_kv_bytes_per_block": ROW_BYTES - 100}
+    shared = _mapper(**two)
+    per_group = _mapper(**two, group_kv_bytes_per_block=(ROW_BYTES - 150, 50))
+    assert shared.run_fields["row_bytes"] == per_group.run_fields["row_bytes"]
+    assert "row_layout" not in shared.run_fields
+    assert per_group.run_fields["row_layout"] == "per_group"
+    assert per_group.run_digest != shared.run_digest
+    assert per_group.rank_dir_name != shared.rank_dir_name
+    # One group: its identity is the one it had before rows could be laid out per group.
+    one = _mapper(group_kv_bytes_per_block=(ROW_BYTES,))
+    assert "row_layout" not in one.run_fields and one.run_digest == _mapper().run_digest
+
+
 def test_offloaded_block_size_changes_the_directory() -> None:
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec

@@ -20,17 +20,9 @@ from vllm.v1.kv_offload.tiering.block_format import (
     IntegrityKey,
 )
 
+from ..key_files import SECRET, key_file
 from .conftest import Primary, TierFactory, key_of, load, resolve_lookups, store
 from .tier_state import block_file
-
-SECRET = b"fleet secret \x00\x01\x02 binary bytes"
-
-
-def _key_file(tmp_path: Path, secret: bytes = SECRET, name: str = "fleet.key") -> str:
-    path = tmp_path / name
-    path.write_bytes(secret)
-    path.chmod(0o600)
-    return str(path)
 
 
 def _flags(path: str) -> int:
@@ -57,7 +49,7 @@ def test_a_keyed_fleet_shares_blocks_bit_exact(
 ) -> None:
     text = "a printable fleet secret"  # an environment variable holds no NUL byte
     monkeypatch.setenv("KVO_FLEET_SECRET", text)
-    writer = make_tier(integrity_key_file=_key_file(tmp_path, text.encode()))
+    writer = make_tier(integrity_key_file=key_file(tmp_path, text.encode()))
     keys = [key_of(i) for i in range(3)]
     assert store(writer, primary, keys, [0, 1, 2])
     assert all(_flags(block_file(writer, k)) & FLAG_KEYED for k in keys)
@@ -74,7 +66,7 @@ def test_a_keyed_fleet_shares_blocks_bit_exact(
 def test_a_block_correct_in_every_field_but_its_mac_is_refused_deleted_and_counted(
     make_tier: TierFactory, primary: Primary, tmp_path: Path
 ) -> None:
-    tier = make_tier(integrity_key_file=_key_file(tmp_path))
+    tier = make_tier(integrity_key_file=key_file(tmp_path))
     key, other = key_of(1), key_of(2)
     assert store(tier, primary, [key, other], [0, 1])
     path = block_file(tier, key)
@@ -102,7 +94,7 @@ def test_a_block_written_without_the_key_is_a_miss_kept_and_then_replaced(
     unkeyed.shutdown()
     path = tier_path = block_file(unkeyed, key)
     inode = os.stat(path).st_ino
-    tier = make_tier(integrity_key_file=_key_file(tmp_path))
+    tier = make_tier(integrity_key_file=key_file(tmp_path))
     assert resolve_lookups(tier, [key]) == [True], "found on disk (the scan reads no header)"
     assert not load(tier, primary, [key], [4])
     assert os.stat(tier_path).st_ino == inode, "neither deleted ..."
@@ -120,11 +112,11 @@ def test_a_block_written_without_the_key_is_a_miss_kept_and_then_replaced(
 def test_a_changed_secret_reads_old_blocks_as_misses(
     make_tier: TierFactory, primary: Primary, tmp_path: Path
 ) -> None:
-    old = make_tier(integrity_key_file=_key_file(tmp_path, b"the old fleet secret"))
+    old = make_tier(integrity_key_file=key_file(tmp_path, b"the old fleet secret"))
     key = key_of(1)
     assert store(old, primary, [key], [0])
     old.shutdown()
-    new = make_tier(integrity_key_file=_key_file(tmp_path, b"the new fleet secret", "new.key"))
+    new = make_tier(integrity_key_file=key_file(tmp_path, b"the new fleet secret", "new.key"))
     assert not load(new, primary, [key], [4])
     assert os.path.exists(block_file(new, key))
     counters = new.get_stats().counters
@@ -159,10 +151,9 @@ def test_integrity_keys_are_validated(
 def test_a_key_file_others_may_read_or_too_short_is_refused(
     make_tier: TierFactory, tmp_path: Path
 ) -> None:
-    readable = _key_file(tmp_path)
-    os.chmod(readable, 0o644)
+    readable = key_file(tmp_path, mode=0o644)
     with pytest.raises(ValueError, match="fs tier") as info:
         make_tier(integrity_key_file=readable)
     assert SECRET.decode("latin-1") not in str(info.value)
     with pytest.raises(ValueError, match="at least 16"):
-        make_tier(integrity_key_file=_key_file(tmp_path, b"short", "short.key"))
+        make_tier(integrity_key_file=key_file(tmp_path, b"short", "short.key"))

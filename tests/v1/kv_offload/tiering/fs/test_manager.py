@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.spec import RowLayout
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, MAGIC
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -496,22 +497,25 @@ def test_enospc_mid_write_removes_tmp_and_tier_keeps_working(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = make_tier(enable_events=True)
-    real_write_all = block_io._write_all
-    calls = 0
+    real_writev = os.writev
+    headers = 0
 
-    def write_half_then_enospc(fd: int, bufs: list[memoryview]) -> None:
-        nonlocal calls
-        calls += 1
-        os.write(fd, bufs[0])  # the header reaches the tmp file, then the disk is "full"
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def writev_header_then_enospc(fd: int, bufs: list[memoryview]) -> int:
+        # A block file is written as [header, payload]: the header reaches the tmp file, then
+        # the disk is "full".
+        nonlocal headers
+        if len(bufs) < 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        headers += 1
+        return real_writev(fd, bufs[:1])
 
-    monkeypatch.setattr(block_io, "_write_all", write_half_then_enospc)
     keys = [key_of(1), key_of(2)]
-    assert not store(tier, primary, keys, [0, 1])
-    assert calls == 2
+    with monkeypatch.context() as m:
+        m.setattr(os, "writev", writev_header_then_enospc)
+        assert not store(tier, primary, keys, [0, 1])
+    assert headers == 2
     assert _tmp_files(tier) == [] and _block_files(tier) == []
     assert usage(tier).used_bytes == 0 and list(tier.take_events()) == []
-    monkeypatch.setattr(block_io, "_write_all", real_write_all)
     assert store(tier, primary, keys, [0, 1])
     assert load(tier, primary, keys, [2, 3]) and primary.holds(3, keys[1])
 
@@ -953,3 +957,38 @@ def test_primary_rows_are_released_at_shutdown(make_tier: TierFactory) -> None:
     assert store(tier, p, [key_of(1)], [0])
     tier.shutdown()
     p.close()  # would raise BufferError if the tier still exported the mapping
+
+
+def test_per_group_rows_ignore_and_refuse_blocks_written_with_shared_rows(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    # Two KV-cache groups of a block's bytes: shared rows (bytes not known per group) hold
+    # both, per-group rows the larger; page rounding makes both rows ROW_BYTES, so only the
+    # identity's ``row_layout`` tells the layouts apart. An old file read into a per-group row
+    # would put bytes at offsets the new layout gives another tensor.
+    kv_bytes = ROW_BYTES - 100
+    hybrid: dict[str, Any] = dict(
+        gpu_block_sizes=(16, 16), sliding_windows=(None, 32), gpu_kv_bytes_per_block=kv_bytes
+    )
+    old = make_spec(**hybrid)
+    new = make_spec(group_kv_bytes_per_block=(kv_bytes - 50, 50), **hybrid)
+    assert old.row_layout is RowLayout.SHARED and new.row_layout is RowLayout.PER_GROUP
+    assert old.row_bytes == new.row_bytes == ROW_BYTES
+    old_tier = make_tier(spec=old)
+    keys = [key_of(1, group=0), key_of(2, group=1)]
+    assert store(old_tier, primary, keys, [0, 1])
+    old_files = [Path(block_file(old_tier, key)) for key in keys]
+    old_tier.shutdown()
+
+    new_tier = make_tier(spec=new)
+    assert new_tier.rank_dir != old_tier.rank_dir  # another run directory: not found
+    assert resolve_lookups(new_tier, keys) == [False, False]
+    # Even copied to where the new run keeps them, the old files are refused by the run digest
+    # of their headers: the load fails (so its rows are never published) and the files go.
+    targets = [Path(block_file(new_tier, key)) for key in keys]
+    for path, target in zip(old_files, targets, strict=True):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    assert not load(new_tier, primary, keys, [2, 3])
+    assert not any(t.exists() for t in targets)
+    assert all(p.exists() for p in old_files)  # the old run's own files are left alone

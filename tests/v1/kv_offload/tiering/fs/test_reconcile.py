@@ -15,6 +15,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,19 @@ def _slot_of(tier: FileSystemSecondaryTier, key: Any) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
+def _before_each_leaf(monkeypatch: pytest.MonkeyPatch, hook: Callable[[], object]) -> None:
+    """Run ``hook`` before the reconcile walk steps over each leaf directory."""
+    # private: the walk's step over one leaf directory is the unit a reconcile batch counts,
+    # and where a hung filesystem would block; no public hook reaches it.
+    real_leaf = RankDirWalker._leaf
+
+    def leaf(self: RankDirWalker, *args: Any) -> int:
+        hook()
+        return real_leaf(self, *args)
+
+    monkeypatch.setattr(RankDirWalker, "_leaf", leaf)
+
+
 def test_usage_converges_to_files_other_instances_wrote_and_deleted(
     make_tier: TierFactory, primary: Primary
 ) -> None:
@@ -142,13 +156,7 @@ def test_reconcile_steps_are_bounded(
     assert store(writer, primary, keys, list(range(6)))
     assert len({Path(block_file(writer, k)).parent for k in keys}) == 6
     times: list[float] = []
-    real_leaf = RankDirWalker._leaf
-
-    def timed_leaf(self: RankDirWalker, *args: Any) -> int:
-        times.append(time.monotonic())
-        return real_leaf(self, *args)
-
-    monkeypatch.setattr(RankDirWalker, "_leaf", timed_leaf)
+    _before_each_leaf(monkeypatch, lambda: times.append(time.monotonic()))
     # One entry per step: each leaf directory (2 entries: itself and its file) is a step.
     tier = make_tier(reconcile_interval_s=0.02, reconcile_batch=1)
     times.clear()
@@ -165,15 +173,12 @@ def test_the_scheduler_never_waits_for_a_stuck_reconcile(
     make_tier(**IDLE)  # another writer: tier walks the directory again
     key = key_of(1)
     assert store(tier, primary, [key], [0])
-    real_leaf = RankDirWalker._leaf
 
-    def stuck_leaf(self: RankDirWalker, *args: Any) -> int:
+    def stuck() -> None:
         started.set()
         assert release.wait(30)
-        return real_leaf(self, *args)
 
-    # Private: the walk's step over one leaf directory is where a hung filesystem would block.
-    monkeypatch.setattr(RankDirWalker, "_leaf", stuck_leaf)
+    _before_each_leaf(monkeypatch, stuck)
     # A timeout only tests shorten: no public setting for how long shutdown waits for a thread.
     monkeypatch.setattr(FileSystemSecondaryTier, "_THREAD_STOP_TIMEOUT_S", 0.05)
     try:
@@ -220,7 +225,10 @@ def test_every_block_file_holds_a_slot_and_a_full_directory_evicts_lru(
     assert {p.stat().st_ino for p in _slot_names(tier)} == {
         p.stat().st_ino for p in _block_files(tier)
     }
-    assert slots_of(tier) is not None and slots_of(tier).num_taken() == 3
+    slots = slots_of(tier)
+    assert slots is not None
+    believed = {slots.slot_of(p.stat().st_ino) for p in _block_files(tier)}
+    assert None not in believed and len(believed) == 3, "the tier knows each file's slot"
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["sole writer", "shared root"])

@@ -36,7 +36,7 @@ def counters(tier: FileSystemSecondaryTier) -> dict[str, int]:
 
 def index_of(tier: FileSystemSecondaryTier) -> CapacityIndex:
     """The tier's capacity index."""
-    # The index is the tier's own account of the directory; an operator sees its totals in
+    # private: the index is the tier's own account of the directory; an operator sees its totals in
     # get_stats, never its entries.
     return tier._index
 
@@ -47,23 +47,27 @@ def usage(tier: FileSystemSecondaryTier) -> IndexSnapshot:
     return index_of(tier).snapshot()
 
 
+def _entries(index: CapacityIndex) -> dict[OffloadKey, int]:
+    """The indexed keys and their files' sizes, least recently used first."""
+    # private: the LRU order is internal to eviction and the sizes to the accounting (get_stats
+    # gives their sum); no caller but a test has a use for them.
+    return index._entries
+
+
 def lru_keys(tier: FileSystemSecondaryTier | CapacityIndex) -> list[OffloadKey]:
     """The indexed keys, least recently used first (the order eviction takes them)."""
-    index = tier if isinstance(tier, CapacityIndex) else index_of(tier)
-    # The LRU order is internal to eviction; no caller but a test has a use for it.
-    return list(index._entries)
+    return list(_entries(tier if isinstance(tier, CapacityIndex) else index_of(tier)))
 
 
 def indexed_size(index: CapacityIndex, key: OffloadKey) -> int | None:
     """The size the index holds for ``key``'s file; None if not indexed."""
-    # Sizes are internal to the accounting; get_stats gives their sum.
-    return index._entries.get(key)
+    return _entries(index).get(key)
 
 
 def scan_stats(tier: FileSystemSecondaryTier, timeout: float = 10.0) -> ScanStats:
     """What the start-up scan found and did, once it ended (it logs the same at INFO)."""
     assert tier.wait_until_ready(timeout), "the start-up scan did not end"
-    # The scan's report goes to the log; only tests assert its figures.
+    # private: the scan's report goes to the log; only tests assert its figures.
     stats = tier._reconciler.scan_stats
     assert stats is not None
     return stats
@@ -72,7 +76,7 @@ def scan_stats(tier: FileSystemSecondaryTier, timeout: float = 10.0) -> ScanStat
 def slots_of(tier: FileSystemSecondaryTier) -> CapacitySlots | None:
     """The capacity slots bounding the tier's directory (None without ``max_bytes``, or where
     the filesystem has no hard links)."""
-    # Slots are the shared-root protocol's own; tests drive its races through them.
+    # private: slots are the shared-root protocol's own; tests drive its races through them.
     return tier._slots
 
 
@@ -82,12 +86,14 @@ def check_index(tier: FileSystemSecondaryTier | CapacityIndex) -> None:
     replace); no key is both indexed and being written or removed; pin counts are positive; the
     directory buckets hold exactly the indexed keys."""
     index = tier if isinstance(tier, CapacityIndex) else index_of(tier)
-    # Read under the index's lock, as every method of the index does: the I/O threads may run.
+    # private: the index's books, whole (no public view lists them), read under its lock as
+    # every method of the index does: the I/O threads may run.
     with index._lock:
-        entries, writing = index._entries, index._writing
+        entries, writing = _entries(index), index._writing
         removing, pins, buckets = index._removing, index._pins, index._buckets
         expected = sum(entries.values()) + sum(w.size + (w.replaced or 0) for w in writing.values())
-        assert index._used == expected, f"used_bytes={index._used} but files sum to {expected}"
+        used = index.used_bytes
+        assert used == expected, f"used_bytes={used} but files sum to {expected}"
         for key in writing:
             assert key not in entries, f"key {key.hex()} both indexed and being written"
             assert key not in removing, f"key {key.hex()} both written and removed"

@@ -109,6 +109,28 @@ class Engine:
         self.manager.shutdown()
 
 
+def written_for(
+    writer: Engine, reader: Engine, num_keys: int
+) -> tuple[list[OffloadKey], ReqContext]:
+    """``writer`` stores ``key_of(i)`` for ``i < num_keys`` (a request of its own) and ``reader``
+    opens request ``"r"``: returns the keys and that request, for the reader to look them up."""
+    keys = [key_of(i) for i in range(num_keys)]
+    ctx, req = ReqContext("w"), ReqContext("r")
+    writer.manager.on_new_request(ctx)
+    writer.store(keys, ctx)
+    reader.manager.on_new_request(req)
+    return keys, req
+
+
+def assert_shared(writer: Engine, reader: Engine, num_keys: int) -> list[OffloadKey]:
+    """What ``writer`` stores (``written_for``), ``reader`` promotes and reads bit-exact;
+    returns the keys."""
+    keys, req = written_for(writer, reader, num_keys)
+    assert reader.promote(keys, req) == [True] * num_keys
+    reader.assert_cpu_holds(keys, req)
+    return keys
+
+
 def job(job_id: int, keys: Sequence[bytes], rows: list[int], *, load: bool) -> JobMetadata:
     """A job naming primary ``rows`` directly (tests that drive the tier, not the manager)."""
     return JobMetadata(job_id, keys, np.array(rows, dtype=np.int64), load, ReqContext("t"))  # type: ignore[arg-type]

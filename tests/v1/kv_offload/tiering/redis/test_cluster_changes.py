@@ -66,7 +66,9 @@ def _slot_of(tier: RedisSecondaryTier, key: OffloadKey) -> int:
 
 def _mapped_port(tier: RedisSecondaryTier, slot: int) -> int:
     """The port of the master the tier's client currently maps ``slot`` to."""
-    client = tier.client
+    # private: the slot map is the tier's redis-py client's own routing; no public API of the
+    # tier (or of its metrics) says which master it would send a slot to.
+    client = tier._router.client
     assert isinstance(client, RedisCluster)
     return int(client.nodes_manager.get_node_from_slot(slot).port)
 

@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import redis.exceptions as rexc
 
-from tests.v1.kv_offload.tiering.redis.conftest import Engine, key_of
+from tests.v1.kv_offload.tiering.redis.conftest import Engine, assert_shared
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer, free_port
-from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.redis.direct_io import (
     BUFFER_BYTES,
     Destination,
@@ -281,13 +280,7 @@ def test_tls_rediss_urls_are_served_by_the_tiers_own_connections(
         url = f"rediss://127.0.0.1:{port}?ssl_ca_certs={ca}"
         writer, reader = Engine(tmp_path / "w", url), Engine(tmp_path / "r", url)
         engines += [writer, reader]
-        keys = [key_of(i) for i in range(3)]
-        ctx, req = ReqContext("w"), ReqContext("r")
-        writer.manager.on_new_request(ctx)
-        writer.store(keys, ctx)
-        reader.manager.on_new_request(req)
-        assert reader.promote(keys, req) == [True] * 3
-        reader.assert_cpu_holds(keys, req)
+        assert_shared(writer, reader, 3)
         # Without the CA the server's certificate is refused: a connection error, no data.
         untrusted = _pool(f"rediss://127.0.0.1:{port}")
         with pytest.raises(rexc.ConnectionError, match="TLS"):
@@ -316,10 +309,4 @@ def test_urls_the_own_connections_cannot_serve_fall_back_to_redis_py_bit_exact(
     engines += [writer, reader]
     fallback = [r.getMessage() for r in caplog.records if "go through redis-py" in r.getMessage()]
     assert len(fallback) == 2 and reason in fallback[0]
-    keys = [key_of(i) for i in range(3)]
-    ctx, req = ReqContext("w"), ReqContext("r")
-    writer.manager.on_new_request(ctx)
-    writer.store(keys, ctx)
-    reader.manager.on_new_request(req)
-    assert reader.promote(keys, req) == [True] * 3
-    reader.assert_cpu_holds(keys, req)
+    assert_shared(writer, reader, 3)

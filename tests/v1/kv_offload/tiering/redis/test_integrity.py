@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.v1.kv_offload.tiering.redis.conftest import Engine, key_of, pattern
+from tests.v1.kv_offload.tiering.key_files import SECRET, key_file
+from tests.v1.kv_offload.tiering.redis.conftest import (
+    Engine,
+    assert_shared,
+    key_of,
+    pattern,
+    written_for,
+)
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.block_format import (
@@ -22,24 +29,15 @@ from vllm.v1.kv_offload.tiering.block_format import (
     encode_block_header,
 )
 
-SECRET = b"fleet secret \x00\x01\x02 binary bytes"
-
-
-def _key_file(tmp_path: Path, secret: bytes = SECRET, name: str = "kvo.key") -> str:
-    path = tmp_path / name
-    path.write_bytes(secret)
-    path.chmod(0o600)
-    return str(path)
-
 
 def _writer_and_reader(
     tmp_path: Path, server: RedisServer, engines: list[Engine], reader_secret: bytes = SECRET
 ) -> tuple[Engine, Engine]:
-    writer = Engine(tmp_path / "w", server.url, integrity_key_file=_key_file(tmp_path))
+    writer = Engine(tmp_path / "w", server.url, integrity_key_file=key_file(tmp_path))
     reader = Engine(
         tmp_path / "r",
         server.url,
-        integrity_key_file=_key_file(tmp_path, reader_secret, "reader.key"),
+        integrity_key_file=key_file(tmp_path, reader_secret, "reader.key"),
     )
     engines += [writer, reader]
     return writer, reader
@@ -55,15 +53,9 @@ def test_one_secret_one_fleet_blocks_shared_bit_exact(
     writer, reader = _writer_and_reader(tmp_path, server, engines)
     key_id = IntegrityKey(SECRET).key_id
     assert writer.tier.integrity_key_id == reader.tier.integrity_key_id == key_id
-    keys = [key_of(i) for i in range(4)]
-    ctx, req = ReqContext("w"), ReqContext("r")
-    writer.manager.on_new_request(ctx)
-    writer.store(keys, ctx)
+    keys = assert_shared(writer, reader, 4)
     rkey = writer.tier.redis_key(keys[0])
     assert rkey.startswith(b"kvo@" + key_id.hex().encode() + b":" + writer.tier.namespace.encode())
-    reader.manager.on_new_request(req)
-    assert reader.promote(keys, req) == [True] * 4
-    reader.assert_cpu_holds(keys, req)
     assert f"key id {key_id.hex()}" in caplog.text and "blocks authenticated" in caplog.text
     assert SECRET.decode("latin-1") not in caplog.text
 
@@ -117,7 +109,7 @@ def test_a_value_written_without_the_key_is_refused(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
     plain = Engine(tmp_path / "p", server.url)  # no secret: the same run, the plain key space
-    keyed = Engine(tmp_path / "k", server.url, integrity_key_file=_key_file(tmp_path))
+    keyed = Engine(tmp_path / "k", server.url, integrity_key_file=key_file(tmp_path))
     engines += [plain, keyed]
     key = key_of(7)
     ctx = ReqContext("p")
@@ -149,11 +141,7 @@ def test_a_fleet_that_changes_its_secret_misses_old_values_without_deleting_them
     writer, reader = _writer_and_reader(
         tmp_path, server, engines, reader_secret=b"next year's fleet secret"
     )
-    keys = [key_of(i) for i in range(3)]
-    ctx, req = ReqContext("w"), ReqContext("r")
-    writer.manager.on_new_request(ctx)
-    writer.store(keys, ctx)
-    reader.manager.on_new_request(req)
+    keys, req = written_for(writer, reader, 3)
     assert reader.probe(keys, req) == [False] * 3
     counters = reader.tier.get_stats().counters
     assert counters["forged_removed"] == 0 and counters["unauthenticated_removed"] == 0
@@ -166,7 +154,7 @@ def test_a_fleet_that_changes_its_secret_misses_old_values_without_deleting_them
     peer = Engine(
         tmp_path / "p",
         server.url,
-        integrity_key_file=_key_file(tmp_path, b"next year's fleet secret", "p.key"),
+        integrity_key_file=key_file(tmp_path, b"next year's fleet secret", "p.key"),
     )
     engines.append(peer)
     later = ReqContext("p")
@@ -178,11 +166,9 @@ def test_a_fleet_that_changes_its_secret_misses_old_values_without_deleting_them
 def test_a_bad_secret_refuses_the_tier_naming_the_key_not_the_secret(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    loose = tmp_path / "loose.key"
-    loose.write_bytes(SECRET)
-    loose.chmod(0o644)
+    loose = key_file(tmp_path, name="loose.key", mode=0o644)
     with pytest.raises(ValueError, match=r"redis tier: integrity key file .* other users") as info:
-        Engine(tmp_path / "e1", "redis://127.0.0.1:1", integrity_key_file=str(loose))
+        Engine(tmp_path / "e1", "redis://127.0.0.1:1", integrity_key_file=loose)
     assert "fleet secret" not in str(info.value)
     monkeypatch.setenv("KVO_FLEET_SECRET", "short")
     with pytest.raises(ValueError, match="'KVO_FLEET_SECRET' holds 5 bytes"):

@@ -4,12 +4,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[5]
+from tests.subprocesses import run_python
 
 # Runs in a child interpreter started with -O. The breaker is tripped first (one store against a
 # port nothing listens on), so the second job is failed at submit and nothing but the tier's job
@@ -53,13 +50,6 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_reported_jobs_are_released_under_python_O() -> None:
-    out = subprocess.run(
-        [sys.executable, "-O", "-c", _SCRIPT],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    out = run_python("-O", "-c", _SCRIPT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[-2] == "[(2, False)] released", out.stdout + out.stderr

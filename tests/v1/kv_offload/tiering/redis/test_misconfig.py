@@ -17,9 +17,9 @@ import pytest
 
 from tests.v1.kv_offload.tiering.redis.conftest import (
     Engine,
+    assert_shared,
     collect,
     job,
-    key_of,
     pattern,
     seeded_engine,
 )
@@ -134,13 +134,7 @@ def test_url_env_and_password_file_keep_the_password_off_configs(
     secret.chmod(0o600)
     by_file = Engine(tmp_path / "file", locked.url, password_file=str(secret))
     engines += [by_env, by_file]
-    keys = [key_of(i) for i in range(2)]
-    ctx, req = ReqContext("w"), ReqContext("r")
-    by_env.manager.on_new_request(ctx)
-    by_env.store(keys, ctx)
-    by_file.manager.on_new_request(req)
-    assert by_file.promote(keys, req) == [True, True]
-    by_file.assert_cpu_holds(keys, req)
+    assert_shared(by_env, by_file, 2)
     assert PASSWORD not in _printed(everything, by_env.tier, by_file.tier, by_file.tier.config)
     # Refusals name the key, never the password.
     secret.chmod(0o640)

@@ -148,6 +148,9 @@ class LoadResult:
         success: every worker loaded every block.
         promoted_blocks: the blocks a slower tier served, by which the engine attributes served
             tokens to the tier they came from.
+        promoted_bytes: per tier type (None: not named), the bytes the load read of keys
+            promoted from that tier: each such key's bytes as a load moves them (its KV-cache
+            group's bytes of one offloaded block, every worker's). Empty for a failed load.
     """
 
     req_id: str
@@ -156,6 +159,7 @@ class LoadResult:
     num_promoted_tokens: int
     success: bool
     promoted_blocks: tuple[PromotedBlock, ...] = ()
+    promoted_bytes: Mapping[str | None, int] = field(default_factory=dict)
 
 
 class KVConnectorBase_V1(ABC):

@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.base import (
     OffloadPolicy,
     ReqContext,
     RequestOffloadingContext,
+    drain_events,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TierJob
 
@@ -201,10 +202,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self._events:
-            return ()
-        events, self._events = self._events, []
-        return events
+        return drain_events(self._events)
 
     @override
     def shutdown(self) -> None:

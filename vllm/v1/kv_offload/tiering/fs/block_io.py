@@ -232,11 +232,6 @@ class FileModes:
         return fd
 
 
-PRIVATE = FileModes.of("private")
-"""Private modes (0700 / 0600) under the umask of the import: for files made before a tier has
-its own ``FileModes`` (probes) and for tests."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Directories
 # ---------------------------------------------------------------------------------------------

@@ -366,7 +366,6 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         disk."""
         return self._reconciler.wait_for_scan(timeout_s) is not None
 
-    @override
     def __repr__(self) -> str:
         return f"FileSystemSecondaryTier({self._run_dir.rank_dir!r}, o_direct={self._o_direct})"
 

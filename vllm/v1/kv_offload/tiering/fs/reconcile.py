@@ -127,7 +127,8 @@ class Reconciler:
         return self.scan_stats
 
     def wait_for_round(self, timeout: float | None) -> bool:
-        """Block until a complete round that started after this call ended (tests, tools): a
+        """Block until a complete round that started after this call ended (the tier's
+        ``wait_reconciled``): a
         complete pass, or, with nothing to learn (``solo``, nothing changed behind the index's
         back), a listing of the writers that found none.
 

@@ -40,7 +40,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Generator, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -143,18 +143,15 @@ class RankDirWalker:
         self._counters = counters
         self._slots = slots
 
-    def scan(
-        self, stop: threading.Event, on_progress: Callable[[ScanStats], None] | None = None
-    ) -> ScanStats:
+    def scan(self, stop: threading.Event) -> ScanStats:
         """One complete pass at full speed (the start-up scan): index files, delete leftovers.
 
         Args:
             stop: checked between directories; when set the scan returns early
                 (``completed=False``).
-            on_progress: called after each ``<hhh>`` directory (tests).
         """
         stats = ScanStats()
-        steps = self.walk(stats, hot_since=None, on_progress=on_progress)
+        steps = self.walk(stats, hot_since=None)
         try:
             while not stop.is_set():
                 if next(steps, None) is None:
@@ -169,7 +166,6 @@ class RankDirWalker:
         stats: ScanStats,
         *,
         hot_since: float | None,
-        on_progress: Callable[[ScanStats], None] | None = None,
     ) -> Generator[int, None, None]:
         """One pass; yields the number of entries examined after each directory.
 
@@ -179,7 +175,6 @@ class RankDirWalker:
             stats: updated as the pass goes.
             hot_since: wall time since which a newly found file counts as recently used (None:
                 every newly found file ranks as least recently used).
-            on_progress: called after each ``<hhh>`` directory (tests).
         """
         if self._slots is not None:
             for sub in self._slots.subdirs():
@@ -218,8 +213,6 @@ class RankDirWalker:
                     yield n
             finally:
                 os.close(fd1)
-            if on_progress is not None:
-                on_progress(stats)
         stats.completed = True
 
     # -----------------------------------------------------------------------------------------

@@ -36,11 +36,6 @@ class SlotHints:
         # Instances start looking for free slots at different places: fewer collisions.
         self._cursor = random.randrange(capacity)
 
-    def num_taken(self) -> int:
-        """Slots below ``capacity`` believed taken (O(capacity); tests and stats)."""
-        with self._lock:
-            return self._taken.count(1)
-
     def slot_of(self, ino: int) -> int | None:
         """The slot believed to hold inode ``ino``."""
         with self._lock:

@@ -272,10 +272,6 @@ class CapacitySlots:
     # Bookkeeping (hints)
     # -----------------------------------------------------------------------------------------
 
-    def num_taken(self) -> int:
-        """Slots below ``capacity`` believed taken (O(capacity); tests and stats)."""
-        return self._hints.num_taken()
-
     def slot_of(self, ino: int) -> int | None:
         """The slot believed to hold inode ``ino``."""
         return self._hints.slot_of(ino)

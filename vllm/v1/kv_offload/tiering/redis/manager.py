@@ -49,11 +49,17 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext, TierStats
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    TierStats,
+    drain_events,
+)
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, IntegrityKey
-from vllm.v1.kv_offload.tiering.redis.client import RedisClient, Router, cuts_off
+from vllm.v1.kv_offload.tiering.redis.client import Router, cuts_off
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import (
     CircuitBreaker,
@@ -203,7 +209,6 @@ class RedisSecondaryTier(AsyncLookupTier):
         # The tier's printable name, in every log line: credentials masked.
         self._name = f"{tier_type}@{config.redactor.url}"
         self._router = Router(config, self._name)
-        self._client: RedisClient = self._router.client
         self._counters = Counters()
         self._breaker = CircuitBreaker(self._name, config.redactor)
         self._gates = PermissionGates(self._name, config.redactor)
@@ -269,18 +274,13 @@ class RedisSecondaryTier(AsyncLookupTier):
         )
 
     # -----------------------------------------------------------------------------------------
-    # Introspection (tests, benchmarks, operators)
+    # Introspection (operators, reports)
     # -----------------------------------------------------------------------------------------
 
     @property
     def config(self) -> RedisTierConfig:
         """The validated configuration."""
         return self._config
-
-    @property
-    def client(self) -> RedisClient:
-        """The client (thread-safe; for tests and tools)."""
-        return self._client
 
     @property
     def integrity_key_id(self) -> bytes | None:
@@ -294,11 +294,13 @@ class RedisSecondaryTier(AsyncLookupTier):
         return self._breaker.is_open
 
     def wait_reachable(self, timeout: float | None = None) -> bool:
-        """Block until the circuit breaker is closed (tests, tools); False on timeout."""
+        """Block until the circuit breaker is closed (the server answers again, with accepted
+        credentials): the wait for what ``breaker_open`` reports; False on timeout."""
         return self._breaker.closed.wait(timeout)
 
     def redis_key(self, key: OffloadKey) -> bytes:
-        """The Redis key that holds block ``key``."""
+        """The Redis key that holds block ``key``: what an operator passes to ``redis-cli``
+        (``TTL``, ``DEL``, ``CLUSTER KEYSLOT``) to inspect or drop one block."""
         return self.transfer.redis_key(key)
 
     def stats(self) -> dict[str, int]:
@@ -325,7 +327,6 @@ class RedisSecondaryTier(AsyncLookupTier):
             capacity_bytes=maxmemory or None,
         )
 
-    @override
     def __repr__(self) -> str:
         return f"RedisSecondaryTier({self._config.redactor.url!r}, namespace={self.namespace!r})"
 
@@ -398,11 +399,7 @@ class RedisSecondaryTier(AsyncLookupTier):
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Blocks stored since the last call, one event per store job, in completion order."""
-        events = self._events
-        if not events:
-            return ()
-        self._events = []
-        return events
+        return drain_events(self._events)
 
     @override
     def drain_jobs(self) -> None:
