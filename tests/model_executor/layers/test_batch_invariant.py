@@ -64,6 +64,20 @@ def test_a_product_by_columns_does_not_depend_on_the_other_rows(k: int, threads:
     assert torch.equal(alone, together)
 
 
+@pytest.mark.parametrize("k", [16, 64, MAX_REDUCTION])
+def test_a_products_column_does_not_depend_on_the_other_columns(k: int, threads: int) -> None:
+    # The attention's shape: keys (a multiple of 16 rows) by the query columns, padded to at
+    # least a tile of columns (MIN_QUERY_COLUMNS). Narrower products may take another kernel
+    # (with MKL on AVX-512, up to 11 columns do), which is why the attention pads.
+    gen = torch.Generator().manual_seed(k)
+    keys = torch.randn(8 * TILE_ROWS, k, generator=gen)
+    queries = torch.randn(k, 200, generator=gen)
+    together = keys @ queries
+    for columns in (TILE_ROWS, TILE_ROWS + 1, 2 * TILE_ROWS, 130):
+        assert torch.equal(keys @ queries[:, :columns], together[:, :columns]), columns
+        assert torch.equal((keys @ queries[:, -columns:])[:, -1], together[:, -1]), columns
+
+
 def test_linear_refuses_a_partial_tile() -> None:
     with pytest.raises(AssertionError, match="whole number of tiles"):
         linear(torch.zeros(3, 4), torch.zeros(4, 2))

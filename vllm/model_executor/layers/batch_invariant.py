@@ -8,14 +8,19 @@ out differently in another batch, another prefill chunking or after its prefix w
 tier would make the engine's bit-exact oracle useless, so the transformer is built only from the
 operations below, each used under a rule that keeps a row's result independent of its batch:
 
-* **Row tiles.** Every matmul has a row count that is a multiple of ``TILE_ROWS`` (callers pad with
-  ``pad_rows``). Measured on this project's CPUs (torch 2.13, float32, 1 and 2 intra-op threads):
-  with a multiple of 16 rows, every element of ``A @ B`` equals the same element computed in a
-  16-row tile, for any number of rows and columns; a 1-row product differs.
-* **Fixed rows, narrow columns.** A product whose rows are the same in every call (the LM head's
-  vocabulary, ``linear_by_columns``) may take the step's rows as its columns: measured, each
-  column of such a product equals the same column of a wider one (from 2 columns on), and with
-  the step's rows as the narrow side the weight is streamed once (1.45x faster for 16 rows).
+* **Whole tiles.** Every matmul has a row count that is a multiple of ``TILE_ROWS`` (callers pad
+  with ``pad_rows``) and at least ``TILE_ROWS`` columns (the attention pads its query columns).
+  Measured on this project's CPUs (torch 2.13 with MKL, float32, 1 and 2 intra-op threads, an
+  AVX2 and an AVX-512 machine): with a multiple of 16 rows, every element of ``A @ B`` equals the
+  same element computed in a 16-row tile, for any number of rows; with 16 columns or more, each
+  column equals the same column of a wider product. Narrower products take other kernels: a
+  1-row product differs, and on the AVX-512 machine products of up to 11 columns differ from
+  wider ones (on the AVX2 machine only 1 column did). The tests check both rules on the machine
+  that runs them.
+* **Fixed rows, the step's rows as columns.** A product whose rows are the same in every call
+  (the LM head's vocabulary, ``linear_by_columns``) may take the step's rows, a multiple of 16,
+  as its columns: with the step's rows as the narrow side the weight is streamed once (1.45x
+  faster for 16 rows).
 * **Bounded reductions.** A matmul's reduction dimension is at most ``MAX_REDUCTION``: ``linear``
   splits a longer one into chunks summed in chunk order. Measured: from 1,024 reduction elements
   on, a 16-row product with 2 threads splits the reduction between the threads and differs from

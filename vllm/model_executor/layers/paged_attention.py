@@ -66,9 +66,11 @@ count stays a multiple of 16); appended to the transposed values of a long seque
 operand of their own product for short ones."""
 QUERY_PIECE = 128
 """Rows of a long sequence computed together (the rows of a piece share its keys)."""
-MIN_QUERY_COLUMNS = 2
-"""Query rows x query heads per KV head, at least: a one-column matmul takes another kernel
-(measured: it differs from the same column of a wider product)."""
+MIN_QUERY_COLUMNS = TILE_ROWS
+"""Query rows x query heads per KV head, at least (fewer rows are padded): a narrow matmul takes
+another kernel whose columns differ from the same columns of a wider product. Measured: with
+MKL on an AVX-512 CPU, products of up to 11 columns differ and those of 12 or more agree; on an
+AVX2 CPU only 1 column differed. A whole tile of columns is the rule (``batch_invariant``)."""
 
 
 def key_chunk_size(block_size: int) -> int:
@@ -224,7 +226,7 @@ class AttentionMetadata:
         batches = []
         # Short sequences are gathered chunk by chunk, each only as far as its own keys reach
         # (a row's result is the same in any such batch): decodes together, short chunks
-        # together (their rows are padded to the longest, so a decode is not padded to 16).
+        # together (their rows are padded to the longest, and to MIN_QUERY_COLUMNS columns).
         decodes = [s for s in seqs if s.num_rows == 1]
         chunks = [s for s in seqs if 1 < s.num_rows <= TILE_ROWS]
         short_batches: list[_ChunkBatch] = []
@@ -243,9 +245,9 @@ class AttentionMetadata:
             for lo in range(0, s.num_rows, QUERY_PIECE):
                 n = min(QUERY_PIECE, s.num_rows - lo)
                 start = s.start + lo
-                pieces.append(
-                    ([AttentionSeq(s.row_start + lo, start, start + n, s.block_table)], n)
-                )
+                piece = AttentionSeq(s.row_start + lo, start, start + n, s.block_table)
+                # A short last piece is padded to the columns a product needs.
+                pieces.append(([piece], max(n, min_rows)))
             batches.append(_plan([s], pieces, block_size, chunk, sliding_window, group, device))
         return cls(short_batches, batches, block_size, chunk, group, num_heads)
 
