@@ -8,11 +8,41 @@ works from any thread (see "Devices" in ``csrc/kv_offload.h``).
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from vllm.kv_copy.cuda_library import CudaCopyLibrary
 
 
-class CudaStream:
-    """A non-blocking CUDA stream on ``device``, owned by this object (destroyed by ``close``).
+class _OwnedHandle:
+    """A CUDA object of one device, owned by this object until ``close`` destroys it.
+
+    Attributes:
+        device: the device ordinal the object belongs to.
+        handle: the object's handle as an int (0 once closed).
+    """
+
+    def __init__(self, lib: CudaCopyLibrary, device: int, handle: int) -> None:
+        self._lib = lib
+        self.device = device
+        self.handle = handle
+
+    def _destroy(self, handle: int) -> None:
+        """Destroy the library object ``handle`` (called once, by ``close``)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Destroy the object (idempotent)."""
+        if self.handle:
+            handle, self.handle = self.handle, 0
+            self._destroy(handle)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cuda:{self.device}, {self.handle:#x})"
+
+
+class CudaStream(_OwnedHandle):
+    """A non-blocking CUDA stream on ``device``, owned by this object (destroyed by ``close``;
+    work still pending on it then completes).
 
     Attributes:
         device: the device ordinal the stream belongs to.
@@ -20,9 +50,7 @@ class CudaStream:
     """
 
     def __init__(self, lib: CudaCopyLibrary, device: int, priority: int = 0) -> None:
-        self._lib = lib
-        self.device = device
-        self.handle = lib.stream_create(device, priority)
+        super().__init__(lib, device, lib.stream_create(device, priority))
 
     def wait_event(self, event: CudaEvent) -> None:
         """Make later work on this stream wait for ``event``'s last record."""
@@ -32,17 +60,12 @@ class CudaStream:
         """Block until all work enqueued on the stream is complete."""
         self._lib.stream_synchronize(self.device, self.handle)
 
-    def close(self) -> None:
-        """Destroy the stream (idempotent); pending work still completes."""
-        if self.handle:
-            handle, self.handle = self.handle, 0
-            self._lib.stream_destroy(self.device, handle)
-
-    def __repr__(self) -> str:
-        return f"CudaStream(cuda:{self.device}, {self.handle:#x})"
+    @override
+    def _destroy(self, handle: int) -> None:
+        self._lib.stream_destroy(self.device, handle)
 
 
-class CudaEvent:
+class CudaEvent(_OwnedHandle):
     """A CUDA event on ``device``, owned by this object (destroyed by ``close``).
 
     Attributes:
@@ -51,9 +74,7 @@ class CudaEvent:
     """
 
     def __init__(self, lib: CudaCopyLibrary, device: int, enable_timing: bool = True) -> None:
-        self._lib = lib
-        self.device = device
-        self.handle = lib.event_create(device, enable_timing)
+        super().__init__(lib, device, lib.event_create(device, enable_timing))
 
     def record(self, stream: int) -> None:
         """Record on the stream with handle ``stream`` of this event's device (0: legacy)."""
@@ -71,11 +92,6 @@ class CudaEvent:
         """Milliseconds from this (completed) event to ``end``."""
         return self._lib.event_elapsed_ms(self.device, self.handle, end.handle)
 
-    def close(self) -> None:
-        """Destroy the event (idempotent)."""
-        if self.handle:
-            handle, self.handle = self.handle, 0
-            self._lib.event_destroy(self.device, handle)
-
-    def __repr__(self) -> str:
-        return f"CudaEvent(cuda:{self.device}, {self.handle:#x})"
+    @override
+    def _destroy(self, handle: int) -> None:
+        self._lib.event_destroy(self.device, handle)

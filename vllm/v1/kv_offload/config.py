@@ -57,38 +57,38 @@ def _bad_value(key: str, value: Any, allowed: str) -> ValueError:
 
 Parser = Callable[[str, Any], Any]
 
-_POSITIVE_INT = "an integer > 0 (an integral float such as 4e9 is accepted; bools are not)"
 
+def _parse_int_at_least(key: str, value: Any, minimum: int, allowed: str) -> int:
+    """``value`` as an int ``>= minimum``: an int or an integral finite float, never a bool.
 
-def _parse_positive_int(key: str, value: Any) -> int:
+    Raises:
+        ValueError: any other value (the message says ``allowed``).
+    """
     if isinstance(value, bool):
-        raise _bad_value(key, value, _POSITIVE_INT)
+        raise _bad_value(key, value, allowed)
     if isinstance(value, int):
         as_int = value
     elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
         as_int = int(value)
     else:
-        raise _bad_value(key, value, _POSITIVE_INT)
-    if as_int <= 0:
-        raise _bad_value(key, value, _POSITIVE_INT)
+        raise _bad_value(key, value, allowed)
+    if as_int < minimum:
+        raise _bad_value(key, value, allowed)
     return as_int
+
+
+_POSITIVE_INT = "an integer > 0 (an integral float such as 4e9 is accepted; bools are not)"
+
+
+def _parse_positive_int(key: str, value: Any) -> int:
+    return _parse_int_at_least(key, value, 1, _POSITIVE_INT)
 
 
 _NON_NEGATIVE_INT = "an integer >= 0 (an integral float such as 2.0 is accepted; bools are not)"
 
 
 def _parse_non_negative_int(key: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise _bad_value(key, value, _NON_NEGATIVE_INT)
-    if isinstance(value, int):
-        as_int = value
-    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        as_int = int(value)
-    else:
-        raise _bad_value(key, value, _NON_NEGATIVE_INT)
-    if as_int < 0:
-        raise _bad_value(key, value, _NON_NEGATIVE_INT)
-    return as_int
+    return _parse_int_at_least(key, value, 0, _NON_NEGATIVE_INT)
 
 
 def _parse_optional_positive_int(key: str, value: Any) -> int | None:
