@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.cuda_helpers import DeviceBuffer
+from tests.v1.kv_offload.utils import closed_at_teardown
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -323,10 +324,7 @@ def _region(
 
 @pytest.fixture
 def setups() -> Iterator[list[Setup]]:
-    made: list[Setup] = []
-    yield made
-    for s in made:
-        s.close()
+    yield from closed_at_teardown(Setup.close)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy.typing as npt
 import pytest
 
 from tests.v1.kv_offload.tiering.redis.servers import RedisCluster3, RedisServer
-from tests.v1.kv_offload.utils import make_tiering_spec, store_and_cascade
+from tests.v1.kv_offload.utils import closed_at_teardown, make_tiering_spec, store_and_cascade
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
@@ -177,7 +177,4 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]
 
 @pytest.fixture
 def engines() -> Iterator[list[Engine]]:
-    created: list[Engine] = []
-    yield created
-    for engine in created:
-        engine.shutdown()
+    yield from closed_at_teardown(Engine.shutdown)
