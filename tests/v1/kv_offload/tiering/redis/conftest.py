@@ -10,6 +10,7 @@ replicas of one model do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
@@ -158,6 +159,17 @@ def seeded_engine(
     for i, key in enumerate(keys):
         rows[i] = pattern(key)
     return engine, rows, keys
+
+
+@contextlib.contextmanager
+def limited_server(workdir: Path, maxmemory: str, policy: str) -> Iterator[RedisServer]:
+    """A standalone server of its own limited to ``maxmemory`` (``--maxmemory-policy
+    policy``), stopped on exit."""
+    server = RedisServer(workdir, "--maxmemory", maxmemory, "--maxmemory-policy", policy)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
