@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import zmq
 
@@ -19,8 +22,21 @@ def _batch(i: int) -> KVEventBatch:
     return KVEventBatch(ts=float(i), events=[BlockRemoved([i], "GPU")])
 
 
-def _publisher(**kwargs: object) -> ZmqEventPublisher:
-    return ZmqEventPublisher(endpoint=None, also_bind=[(LOOPBACK, LOOPBACK)], **kwargs)  # type: ignore[arg-type]
+@contextlib.contextmanager
+def _publishing(**kwargs: object) -> Iterator[ZmqEventPublisher]:
+    """A publisher on loopback (built with ``kwargs``), shut down on exit."""
+    publisher = ZmqEventPublisher(endpoint=None, also_bind=[(LOOPBACK, LOOPBACK)], **kwargs)  # type: ignore[arg-type]
+    try:
+        yield publisher
+    finally:
+        publisher.shutdown()
+
+
+def _publish(publisher: ZmqEventPublisher, seqs: range) -> None:
+    """Publish the batches ``seqs`` and wait until the publisher has sent them."""
+    for i in seqs:
+        publisher.publish(_batch(i))
+    assert publisher.wait_sent(WAIT_S)
 
 
 def _subscriber(publisher: ZmqEventPublisher, **kwargs: object) -> ZmqEventSubscriber:
@@ -47,11 +63,8 @@ def _receive_until(
 
 
 def test_a_late_subscriber_gets_the_missed_batches_by_replay_in_order() -> None:
-    publisher = _publisher()
-    try:
-        for i in range(10):  # before anyone listens: lost to the live stream
-            publisher.publish(_batch(i))
-        assert publisher.wait_sent(WAIT_S)
+    with _publishing() as publisher:
+        _publish(publisher, range(10))  # before anyone listens: lost to the live stream
         sub = _subscriber(publisher)
         got = _receive_until(publisher, sub, first=10)
         seqs = [r.seq for r in got]
@@ -62,16 +75,11 @@ def test_a_late_subscriber_gets_the_missed_batches_by_replay_in_order() -> None:
         assert c.gaps == 1 and c.replay_requests == 1 and c.lost == 0 and c.replayed >= 10
         assert c.received == len(got) and sub.next_seq == len(got)
         sub.close()
-    finally:
-        publisher.shutdown()
 
 
 def test_batches_gone_from_the_replay_buffer_are_counted_lost() -> None:
-    publisher = _publisher(buffer_steps=3)
-    try:
-        for i in range(10):
-            publisher.publish(_batch(i))
-        assert publisher.wait_sent(WAIT_S)
+    with _publishing(buffer_steps=3) as publisher:
+        _publish(publisher, range(10))
         sub = _subscriber(publisher)
         got = _receive_until(publisher, sub, first=10)
         # The buffer holds at most three batches: the rest before the first live one is lost.
@@ -80,42 +88,31 @@ def test_batches_gone_from_the_replay_buffer_are_counted_lost() -> None:
         assert sub.counters.lost == first_live - len(replayed) >= first_live - 3
         assert [r.seq for r in got] == list(range(sub.counters.lost, got[-1].seq + 1))
         sub.close()
-    finally:
-        publisher.shutdown()
 
 
 def test_without_a_replay_socket_gaps_are_counted_lost() -> None:
-    publisher = _publisher()
-    try:
-        publisher.publish(_batch(0))
-        assert publisher.wait_sent(WAIT_S)
+    with _publishing() as publisher:
+        _publish(publisher, range(1))
         sub = ZmqEventSubscriber(publisher.endpoints.pub[0], replay_endpoint=None)
         got = _receive_until(publisher, sub, first=1)
         assert sub.counters.lost == got[0].seq and sub.counters.replay_requests == 0
         sub.close()
-    finally:
-        publisher.shutdown()
 
 
 def test_catch_up_fetches_a_lost_tail() -> None:
-    publisher = _publisher()
-    try:
+    with _publishing() as publisher:
         sub = _subscriber(publisher)
         got = _receive_until(publisher, sub, first=0)
         last = got[-1].seq
         # Sent while the subscriber is not reading, then the stream goes quiet: no later live
         # batch would reveal them, catch_up asks.
-        for i in range(last + 1, last + 4):
-            publisher.publish(_batch(i))
-        assert publisher.wait_sent(WAIT_S)
+        _publish(publisher, range(last + 1, last + 4))
         tail = sub.catch_up()
         assert [r.seq for r in tail] == [last + 1, last + 2, last + 3]
         # The same batches still arrive live: skipped as duplicates, not handed out twice.
         assert sub.receive(timeout_ms=200) == []
         assert sub.counters.duplicates == 3
         sub.close()
-    finally:
-        publisher.shutdown()
 
 
 def test_malformed_live_messages_are_counted_and_skipped() -> None:
@@ -141,15 +138,10 @@ def test_malformed_live_messages_are_counted_and_skipped() -> None:
 
 @pytest.mark.parametrize("start", [None, 0])
 def test_start_seq_none_takes_the_stream_where_it_is(start: int | None) -> None:
-    publisher = _publisher()
-    try:
-        for i in range(5):
-            publisher.publish(_batch(i))
-        assert publisher.wait_sent(WAIT_S)
+    with _publishing() as publisher:
+        _publish(publisher, range(5))
         sub = _subscriber(publisher, start_seq=start)
         got = _receive_until(publisher, sub, first=5)
         assert (got[0].seq == 0) is (start == 0)
         assert sub.counters.lost == 0
         sub.close()
-    finally:
-        publisher.shutdown()

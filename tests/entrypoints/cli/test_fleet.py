@@ -290,11 +290,13 @@ def test_an_instance_killed_mid_run_fails_the_run_and_leaves_nothing(
     _assert_nothing_left(proc, children)
 
 
-def _fleet_json(tmp_path: Path, name: str, *extra: str) -> dict[str, object]:
+def _fleet_json(tmp_path: Path, name: str, workload: list[str], *extra: str) -> dict[str, object]:
+    """Run a fleet of two instances over ``workload`` (with ``extra`` options), each under
+    ``tmp_path / name``; check that it passes and return its JSON report."""
     out = tmp_path / f"{name}.json"
     code = main(
         [
-            *SHARED_DOCUMENTS,
+            *workload,
             "--no-progress",
             "--fs-root",
             str(tmp_path / name),
@@ -326,8 +328,16 @@ SHARED_DOCUMENTS = [
 
 
 def test_kv_aware_routing_computes_less_than_session_affinity(tmp_path: Path) -> None:
-    session = _fleet_json(tmp_path, "session", "--routing", "session")
-    kv = _fleet_json(tmp_path, "kv", "--routing", "kv-aware", "--metrics-port", str(free_port()))
+    session = _fleet_json(tmp_path, "session", SHARED_DOCUMENTS, "--routing", "session")
+    kv = _fleet_json(
+        tmp_path,
+        "kv",
+        SHARED_DOCUMENTS,
+        "--routing",
+        "kv-aware",
+        "--metrics-port",
+        str(free_port()),
+    )
     computed = {
         name: doc["runs"]["offload"]["prompt_tokens"]["computed"]  # type: ignore[index]
         for name, doc in (("session", session), ("kv-aware", kv))
@@ -364,27 +374,8 @@ def test_kv_aware_routing_scores_the_instances_with_the_costs_they_measured(
     for flag in ("--num-layers", "--head-size"):  # the preset's geometry instead
         i = args.index(flag)
         del args[i : i + 2]
-    out = tmp_path / "fleet.json"
-    code = main(
-        [
-            *args,
-            "--model-preset",
-            "tiny",
-            "--no-progress",
-            "--fs-root",
-            str(tmp_path / "fs"),
-            "--engines",
-            "2",
-            "--routing",
-            "kv-aware",
-            "--json",
-            str(out),
-        ]
-    )
-    assert code == 0
-    doc = json.loads(out.read_text())
-    assert doc["verdict"]["status"] == "PASS"
-    measured = doc["fleet"]["routing"]["measured_costs"]
+    doc = _fleet_json(tmp_path, "fleet", [*args, "--model-preset", "tiny"], "--routing", "kv-aware")
+    measured = doc["fleet"]["routing"]["measured_costs"]  # type: ignore[index]
     assert len(measured) == 2
     reported = [m for m in measured if m is not None]
     assert reported, measured

@@ -5,6 +5,8 @@ caller's reference, the engine's own computations or a recomputation, once each.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,19 +26,19 @@ def _serve(engine: EngineCore, prompts: dict[str, list[int]]) -> None:
 PROMPT = list(range(1, 97))  # 6 full blocks
 
 
-def _loading_engine(tmp_path: Path, verify: str = "loaded") -> EngineCore:
-    return EngineCore(make_config(tmp_path, num_gpu_blocks=16, verify=verify))
-
-
-def _load_a_prefix(engine: EngineCore) -> None:
-    _serve(engine, {"a": PROMPT})
-    engine.kv_cache_manager.reset_prefix_cache()  # GPU only: the CPU tier keeps the blocks
-    _serve(engine, {"b": [*PROMPT, 7]})
+@contextlib.contextmanager
+def _loaded_a_prefix(tmp_path: Path, verify: str = "loaded") -> Iterator[EngineCore]:
+    """An engine (``--verify verify``) that served ``PROMPT`` as "a", then loaded its 6 blocks
+    from the CPU tier for "b" (``PROMPT`` and one more token)."""
+    with EngineCore(make_config(tmp_path, num_gpu_blocks=16, verify=verify)) as engine:
+        _serve(engine, {"a": PROMPT})
+        engine.kv_cache_manager.reset_prefix_cache()  # GPU only: the CPU tier keeps the blocks
+        _serve(engine, {"b": [*PROMPT, 7]})
+        yield engine
 
 
 def test_steps_record_and_verify_kv_checks_each_record_once(tmp_path: Path) -> None:
-    with _loading_engine(tmp_path) as engine:
-        _load_a_prefix(engine)
+    with _loaded_a_prefix(tmp_path) as engine:
         assert engine.stats.tokens_from_cpu == 96
         assert engine.stats.blocks_verified == 0  # nothing checked while serving
         first = engine.verify_kv()
@@ -50,8 +52,7 @@ def test_steps_record_and_verify_kv_checks_each_record_once(tmp_path: Path) -> N
 def test_a_reference_takes_precedence_and_a_differing_digest_is_a_mismatch(
     tmp_path: Path,
 ) -> None:
-    with _loading_engine(tmp_path) as engine:
-        _load_a_prefix(engine)
+    with _loaded_a_prefix(tmp_path) as engine:
         reference = engine.computed_block_digests()
         assert len(reference) == 6  # a's 6 blocks (b's 100 tokens fill no seventh)
         wrong_key = next(iter(reference))
@@ -64,8 +65,7 @@ def test_a_reference_takes_precedence_and_a_differing_digest_is_a_mismatch(
 def test_without_a_reference_or_an_own_computation_the_block_is_recomputed(
     tmp_path: Path,
 ) -> None:
-    with _loading_engine(tmp_path) as engine:
-        _load_a_prefix(engine)
+    with _loaded_a_prefix(tmp_path) as engine:
         assert engine.oracle is not None and len(engine.computed_block_digests()) == 6
         engine.oracle.computed.clear()  # as if another instance had computed the blocks
         result = engine.verify_kv()
@@ -73,8 +73,7 @@ def test_without_a_reference_or_an_own_computation_the_block_is_recomputed(
 
 
 def test_all_also_checks_finished_requests_and_computed_blocks(tmp_path: Path) -> None:
-    with _loading_engine(tmp_path, "all") as engine:
-        _load_a_prefix(engine)
+    with _loaded_a_prefix(tmp_path, "all") as engine:
         reference = engine.computed_block_digests()
         result = engine.verify_kv(reference)
         # a's 6 blocks and b's 6 (loaded ones, at finish) plus the 6 b loaded.
@@ -83,8 +82,7 @@ def test_all_also_checks_finished_requests_and_computed_blocks(tmp_path: Path) -
 
 
 def test_none_records_nothing(tmp_path: Path) -> None:
-    with _loading_engine(tmp_path, "none") as engine:
-        _load_a_prefix(engine)
+    with _loaded_a_prefix(tmp_path, "none") as engine:
         assert engine.oracle is None and engine.config.verify is VerifyMode.NONE
         assert engine.verify_kv() == VerificationResult()
         assert engine.computed_block_digests() == {}

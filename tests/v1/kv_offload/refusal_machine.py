@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -30,6 +31,21 @@ NOT_KEYS = st.one_of(
 
 KEY_METHODS = ["lookup", "prepare_store", "prepare_load", "complete_load", "complete_store"]
 """The manager methods that take keys."""
+
+
+def long_fuzz(machine: type[RuleBasedStateMachine], run_settings: settings) -> type:
+    """``machine``'s test case run with ``run_settings`` and marked slow: the long fuzz, many
+    more and longer runs of a machine than its test case of every run.
+
+    Args:
+        machine: the state machine.
+        run_settings: its settings for the long runs.
+
+    Returns:
+        A test case class, to bind to a ``Test...`` name of the test module.
+    """
+    case = type(f"{machine.__name__}Long", (machine.TestCase,), {"settings": run_settings})
+    return pytest.mark.slow(case)  # type: ignore[no-any-return]
 
 
 class Refused(Exception):

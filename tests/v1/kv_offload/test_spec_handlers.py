@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.v1.kv_offload.utils import make_run_info
 from vllm import _custom_ops as ops
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
@@ -239,15 +240,15 @@ def test_the_spec_gives_its_handlers_the_configured_copy_path_choice(tmp_path: P
 
 
 def _hybrid_run(group_bytes: tuple[int, ...]) -> KVCacheRunInfo:
-    return KVCacheRunInfo(
+    """Two workers of a hybrid model: groups of 16- and 8-token GPU blocks (``group_bytes``
+    each, or not known per group when empty)."""
+    return make_run_info(
+        sum(group_bytes) or 3072,
         model_name="m",
-        dtype="float16",
         kv_layout="kv_first",
         num_layers=4,
         num_kv_heads=2,
-        head_size=64,
         gpu_block_sizes=(16, 8),
-        gpu_kv_bytes_per_block=sum(group_bytes) or 3072,
         tensor_parallel_size=2,
         group_kv_bytes_per_block=group_bytes,
     )

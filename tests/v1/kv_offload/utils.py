@@ -10,9 +10,9 @@ directory names, the shared region's name, the worker count).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +27,22 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+
+_T = TypeVar("_T")
+
+
+def closed_at_teardown(close: Callable[[_T], object]) -> Iterator[list[_T]]:
+    """The body of a fixture for what a test makes: yields a list for the test to append to,
+    then, at teardown, closes each thing in it (in order) with ``close``.
+
+    Args:
+        close: how to close one thing (e.g. ``Engine.shutdown``).
+    """
+    made: list[_T] = []
+    yield made
+    for thing in made:
+        close(thing)
 
 
 def make_run_info(gpu_kv_bytes_per_block: int, **overrides: Any) -> KVCacheRunInfo:

@@ -25,7 +25,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
@@ -42,6 +41,7 @@ from tests.v1.kv_offload.cpu.policies.utils import arc_lists, lru_order
 from tests.v1.kv_offload.refusal_machine import (
     RefusalMachine,
     Refused,
+    long_fuzz,
     refused,
 )
 from vllm.v1.kv_offload.base import (
@@ -454,13 +454,5 @@ TestTinyARCManagerStateful.settings = settings(_SETTINGS, max_examples=50)
 
 # The long fuzz: many more and longer runs of the same machines.
 _LONG = settings(_SETTINGS, max_examples=300, stateful_step_count=120)
-
-
-@pytest.mark.slow
-class TestLRUManagerStatefulLong(LRUManagerMachine.TestCase):  # type: ignore[name-defined]
-    settings = _LONG
-
-
-@pytest.mark.slow
-class TestARCManagerStatefulLong(ARCManagerMachine.TestCase):  # type: ignore[name-defined]
-    settings = _LONG
+TestLRUManagerStatefulLong = long_fuzz(LRUManagerMachine, _LONG)
+TestARCManagerStatefulLong = long_fuzz(ARCManagerMachine, _LONG)

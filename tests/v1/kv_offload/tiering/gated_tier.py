@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""``GatedTier``: the example tier with its reports handed over when a test says so.
+"""``GatedTier``: the example tier with its reports handed over when a test says so (and
+``WatchedExampleTier``, the example tier showing each submitted job to a hook first).
 
 The tiering manager's error tests and its state machine drive real components (a primary over a
 real shared region, the in-memory example tier); this double only decides when the example
@@ -21,7 +22,29 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TierJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 
 
-class GatedTier(ExampleSecondaryTierManager):
+class WatchedExampleTier(ExampleSecondaryTierManager):
+    """The example tier, showing each job the manager submits to ``on_submit`` before running
+    it."""
+
+    def on_submit(self, job: TierJob) -> None:
+        """Called with each submitted job, store or load, before the example tier runs it.
+
+        Args:
+            job: the job the manager submitted.
+        """
+
+    @override
+    def submit_store(self, job: TierJob) -> None:
+        self.on_submit(job)
+        super().submit_store(job)
+
+    @override
+    def submit_load(self, job: TierJob) -> None:
+        self.on_submit(job)
+        super().submit_load(job)
+
+
+class GatedTier(WatchedExampleTier):
     """The example tier, reporting only while ``deliver`` is set (and, with
     ``deliver_on_drain``, once after each ``drain_jobs``).
 
@@ -48,14 +71,8 @@ class GatedTier(ExampleSecondaryTierManager):
         self.finished_requests: list[str] = []
 
     @override
-    def submit_store(self, job: TierJob) -> None:
+    def on_submit(self, job: TierJob) -> None:
         self.submitted.append(job)
-        super().submit_store(job)
-
-    @override
-    def submit_load(self, job: TierJob) -> None:
-        self.submitted.append(job)
-        super().submit_load(job)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:

@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 )
 from typing_extensions import override
 
+from tests.v1.kv_offload.tiering.gated_tier import WatchedExampleTier
 from tests.v1.kv_offload.tiering.manager_state import (
     jobs_in_flight,
     queued_promotions,
@@ -1049,11 +1050,16 @@ class JobRecorder:
             self.reported.add(result.job_id)
         return results
 
+    def on_request_finished(self, tier_type: str, req_context: ReqContext) -> None:
+        """Count one tier's ``on_request_finished`` call for a request."""
+        key = (tier_type, req_context.req_id)
+        self.finished_calls[key] = self.finished_calls.get(key, 0) + 1
+
     def promoting_keys(self) -> list[OffloadKey]:
         return [k for job in self.in_flight.values() if job.is_promotion for k in job.keys]
 
 
-class RecordedExampleTier(ExampleSecondaryTierManager):
+class RecordedExampleTier(WatchedExampleTier):
     """The synchronous example tier, reporting to a ``JobRecorder``."""
 
     def __init__(self, *args: Any, recorder: JobRecorder, **kwargs: Any) -> None:
@@ -1061,14 +1067,8 @@ class RecordedExampleTier(ExampleSecondaryTierManager):
         self.recorder = recorder
 
     @override
-    def submit_store(self, job: TierJob) -> None:
+    def on_submit(self, job: TierJob) -> None:
         self.recorder.on_submit(job)
-        super().submit_store(job)
-
-    @override
-    def submit_load(self, job: TierJob) -> None:
-        self.recorder.on_submit(job)
-        super().submit_load(job)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -1076,8 +1076,7 @@ class RecordedExampleTier(ExampleSecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        key = (self.tier_type, req_context.req_id)
-        self.recorder.finished_calls[key] = self.recorder.finished_calls.get(key, 0) + 1
+        self.recorder.on_request_finished(self.tier_type, req_context)
 
 
 class AsyncTestTier(SecondaryTierManager):
@@ -1155,8 +1154,7 @@ class AsyncTestTier(SecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        key = (self.tier_type, req_context.req_id)
-        self.recorder.finished_calls[key] = self.recorder.finished_calls.get(key, 0) + 1
+        self.recorder.on_request_finished(self.tier_type, req_context)
 
     @override
     def shutdown(self) -> None:

@@ -78,6 +78,12 @@ def end_step(manager: TieringOffloadingManager) -> None:
     manager.on_schedule_end()
 
 
+def deliver(tiers: list[GatedTier], on: bool) -> None:
+    """Open (``on``) or close every tier's gate: a closed one keeps its job reports."""
+    for tier in tiers:
+        tier.deliver = on
+
+
 def store(manager: TieringOffloadingManager, keys: list[OffloadKey], ctx: ReqContext) -> None:
     output = manager.prepare_store(keys, ctx)
     assert output is not None and output.keys_to_store == keys
@@ -91,8 +97,7 @@ def promote(
     store(manager, [key], ctx)
     manager.on_schedule_end()  # cascades reported
     manager.reset_cache()  # the primary forgets it, the tiers keep it
-    for tier in tiers:
-        tier.deliver = False
+    deliver(tiers, False)
     assert manager.lookup(key, ctx) is None
     assert manager.promotion_source(key) == "t0"
 
@@ -149,8 +154,7 @@ def test_complete_store_ignores_a_key_being_promoted(setup: Any, success: bool) 
     assert manager.lookup(k6, A) is success
     assert cpu_state.pending_stores(primary, "req-a") == []
     # The promotion finishes when the tier reports.
-    for tier in tiers:
-        tier.deliver = True
+    deliver(tiers, True)
     manager.on_schedule_end()  # submits the load
     manager.on_schedule_end()  # polls its report
     assert manager.lookup(k0, A) is True
@@ -191,16 +195,14 @@ def test_complete_store_twice_is_ignored(setup: Any, success: bool) -> None:
     """Also while the first completion's cascades still pin the block."""
     manager, primary, tiers = setup
     (k1,) = to_keys([1])
-    for tier in tiers:
-        tier.deliver = False
+    deliver(tiers, False)
     store(manager, [k1], A)
     assert primary.policy.get(k1).ref_cnt == 2  # the two cascades' pins
     before = snapshot(manager)
     manager.complete_store([k1], A, success=success)
     assert snapshot(manager) == before
     assert [len(t.submitted) for t in tiers] == [1, 1]
-    for tier in tiers:
-        tier.deliver = True
+    deliver(tiers, True)
     end_step(manager)
     assert primary.policy.get(k1).ref_cnt == 0
     manager.complete_store([k1], A, success=success)  # and after they were reported
@@ -212,8 +214,7 @@ def test_complete_load_cannot_release_a_cascade_pin(setup: Any) -> None:
     """Reader A's duplicate complete_load would have released A's own cascade's pin."""
     manager, primary, tiers = setup
     (k1,) = to_keys([1])
-    for tier in tiers:
-        tier.deliver = False
+    deliver(tiers, False)
     store(manager, [k1], A)  # two cascades in flight pin k1 twice
     assert primary.policy.get(k1).ref_cnt == 2
     manager.prepare_load([k1], A)
@@ -225,8 +226,7 @@ def test_complete_load_cannot_release_a_cascade_pin(setup: Any) -> None:
     assert snapshot(manager) == before
     assert primary.policy.get(k1).ref_cnt == 3  # B's pin and the two cascades'
     manager.complete_load([k1], B)
-    for tier in tiers:
-        tier.deliver = True
+    deliver(tiers, True)
     end_step(manager)
     assert primary.policy.get(k1).ref_cnt == 0
     cpu_state.check_invariants(primary)
@@ -254,8 +254,7 @@ def test_duplicate_keys_in_complete_store_cascade_once(setup: Any) -> None:
     manager, primary, tiers = setup
     k1, k2 = to_keys([1, 2])
     manager.prepare_store([k1, k2], A)
-    for tier in tiers:
-        tier.deliver = False
+    deliver(tiers, False)
     manager.complete_store([k1, k1, k2], A)
     assert [tuple(t.submitted[0].keys) for t in tiers] == [(k1, k2)] * 2
     assert primary.policy.get(k1).ref_cnt == 2
@@ -277,12 +276,10 @@ def test_duplicate_keys_in_complete_store_cascade_once(setup: Any) -> None:
 def test_not_keys_raise_type_error_before_polling(setup: Any, call: Any) -> None:
     manager, _, tiers = setup
     (k1,) = to_keys([1])
-    for tier in tiers:
-        tier.deliver = False
+    deliver(tiers, False)
     store(manager, [k1], A)
     manager.on_schedule_end()  # the next gated call polls
-    for tier in tiers:
-        tier.deliver = True
+    deliver(tiers, True)
     polls = [tier.polls for tier in tiers]
     before = snapshot(manager)
     with pytest.raises(TypeError, match=r"OffloadKey.*req-a"):
@@ -324,8 +321,7 @@ def test_calls_after_shutdown_raise(setup: Any, method: str, args: tuple[Any, ..
 def test_bad_reports_are_errors_and_valid_ones_are_applied(setup: Any) -> None:
     manager, primary, tiers = setup
     k1, k2 = to_keys([1, 2])
-    for tier in tiers:
-        tier.deliver = False
+    deliver(tiers, False)
     store(manager, [k1, k2], A)
     job0, job1 = tiers[0].submitted[0], tiers[1].submitted[0]
     tiers[0].extra = [

@@ -43,7 +43,7 @@ from hypothesis.stateful import invariant, precondition, rule
 from typing_extensions import override
 
 from tests.v1.kv_offload.cpu import manager_state as cpu_state
-from tests.v1.kv_offload.refusal_machine import RefusalMachine, Refused
+from tests.v1.kv_offload.refusal_machine import RefusalMachine, Refused, long_fuzz
 from tests.v1.kv_offload.tiering.gated_tier import GatedTier
 from tests.v1.kv_offload.tiering.manager_state import (
     jobs_in_flight,
@@ -477,13 +477,5 @@ TestTieringManagerStateful.settings = _SETTINGS
 
 # The long fuzz: many more and longer runs, with both primary policies.
 _LONG = settings(_SETTINGS, max_examples=400, stateful_step_count=120)
-
-
-@pytest.mark.slow
-class TestTieringManagerStatefulLong(TieringManagerMachine.TestCase):  # type: ignore[name-defined]
-    settings = _LONG
-
-
-@pytest.mark.slow
-class TestARCTieringManagerStatefulLong(ARCTieringManagerMachine.TestCase):  # type: ignore[name-defined]
-    settings = _LONG
+TestTieringManagerStatefulLong = long_fuzz(TieringManagerMachine, _LONG)
+TestARCTieringManagerStatefulLong = long_fuzz(ARCTieringManagerMachine, _LONG)

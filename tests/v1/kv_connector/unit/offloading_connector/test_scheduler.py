@@ -9,8 +9,9 @@ with the real connector and a real manager; transfer handlers are the real CPU o
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,12 +238,23 @@ def test_load_runs_before_forward_after_deferred_stores(tmp_path: Path) -> None:
                     assert position[store] < position[load]
 
 
-def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
-    factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
+@contextlib.contextmanager
+def _cpu_only_prompt(
+    tmp_path: Path, delay_polls: int, seed: int, num_tokens: int
+) -> Iterator[tuple[EngineCore, list[int]]]:
+    """An engine whose transfers each take ``delay_polls`` polls, and a prompt of
+    ``num_tokens`` random tokens (from ``seed``) whose blocks only the CPU tier holds: computed
+    once, then dropped from the GPU prefix cache."""
+    factory = chaos_factory(min_delay_polls=delay_polls, max_delay_polls=delay_polls)
     with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
-        prompt = random_tokens(random.Random(4), 96)
+        prompt = random_tokens(random.Random(seed), num_tokens)
         engine.generate({"warm": prompt}, max_tokens=1)
         engine.kv_cache_manager.reset_prefix_cache()
+        yield engine, prompt
+
+
+def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
+    with _cpu_only_prompt(tmp_path, delay_polls=3, seed=4, num_tokens=96) as (engine, prompt):
         engine.add_request("a", [*prompt, 1, 2, 3], 2)
         engine.add_request("b", [*prompt, 4, 5, 6], 2)
         engine.step()
@@ -266,11 +278,7 @@ def test_concurrent_lookups_of_the_same_prefix(tmp_path: Path) -> None:
 
 
 def test_abort_while_loading_keeps_blocks_until_the_load_is_reported(tmp_path: Path) -> None:
-    factory = chaos_factory(min_delay_polls=4, max_delay_polls=4)
-    with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
-        prompt = random_tokens(random.Random(5), 80)
-        engine.generate({"warm": prompt}, max_tokens=1)
-        engine.kv_cache_manager.reset_prefix_cache()
+    with _cpu_only_prompt(tmp_path, delay_polls=4, seed=5, num_tokens=80) as (engine, prompt):
         pool = engine.kv_cache_manager.pools[0]
         free_before = pool.num_free_blocks
         metas = capture_metadata(engine)

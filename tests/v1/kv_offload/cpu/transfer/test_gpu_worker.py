@@ -12,12 +12,13 @@ test_gpu_worker_torch_cuda.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import mmap
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from tests.cuda_helpers import DeviceBuffer
+from tests.v1.kv_offload.utils import closed_at_teardown
 from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -96,6 +98,19 @@ CONFIGS = [
 ]
 
 
+def each_case(
+    configs: list[Config], layouts: list[KVCacheLayout]
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Parametrize a test over every copy path, ``configs`` and ``layouts``, ids by name."""
+
+    def parametrize(test: Callable[..., None]) -> Callable[..., None]:
+        test = pytest.mark.parametrize("layout", layouts, ids=[x.value for x in layouts])(test)
+        test = pytest.mark.parametrize("config", configs, ids=[c.name for c in configs])(test)
+        return pytest.mark.parametrize("path", PATHS)(test)
+
+    return parametrize
+
+
 def _layer_shape(layout: KVCacheLayout, block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
     if layout is KVCacheLayout.KV_FIRST:
         return (2, NUM_GPU_BLOCKS, block_size, HEADS, HEAD_DIM)
@@ -162,6 +177,7 @@ class Setup:
                 host_kv.group_data_refs,
             )
         self.region = region
+        views: list[torch.Tensor] | None = None
         if region is None:
             offsets, pages = _view_layout(self.kv, config.factors, per_group_rows)
             self.row_bytes = max(o + p for o, p in zip(offsets, pages, strict=True)) + 48
@@ -170,33 +186,25 @@ class Setup:
             self.cpu_mem = torch.frombuffer(
                 mmap.mmap(-1, num_cpu_blocks * self.row_bytes), dtype=torch.int8
             )
-            self.cpu_mem.copy_(
-                torch.randint(-128, 128, self.cpu_mem.shape, dtype=torch.int8, generator=gen)
-            )
             views = [
                 torch.as_strided(self.cpu_mem, (num_cpu_blocks, page), (self.row_bytes, 1), off)
                 for off, page in zip(offsets, pages, strict=True)
             ]
-            self.handlers = CpuGpuOffloadingHandlers(
-                self.kv,
-                config.factors,
-                cpu_views=views,
-                copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
-                per_group_rows=per_group_rows,
-            )
         else:
             self.row_bytes = region.row_bytes
             self.cpu_mem = torch.frombuffer(region.create_kv_memoryview(), dtype=torch.int8)
-            self.cpu_mem.copy_(
-                torch.randint(-128, 128, self.cpu_mem.shape, dtype=torch.int8, generator=gen)
-            )
-            self.handlers = CpuGpuOffloadingHandlers(
-                self.kv,
-                config.factors,
-                region=region,
-                copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
-                per_group_rows=per_group_rows,
-            )
+        self.cpu_mem.copy_(
+            torch.randint(-128, 128, self.cpu_mem.shape, dtype=torch.int8, generator=gen)
+        )
+        # The handlers take the views from the region when there is one, else the views above.
+        self.handlers = CpuGpuOffloadingHandlers(
+            self.kv,
+            config.factors,
+            region=region,
+            cpu_views=views,
+            copy_method=ops.CopyMethod.KERNEL if path == "kernel" else ops.CopyMethod.DMA,
+            per_group_rows=per_group_rows,
+        )
         self.cpu_base = self.cpu_mem.data_ptr()
         self.worker = OffloadingWorker()
         self.handlers.register(self.worker)
@@ -296,12 +304,27 @@ def _specs(
     )
 
 
+@contextlib.contextmanager
+def _region(
+    name: str, worker_page_bytes: int, directory: Path, setups: list[Setup]
+) -> Iterator[SharedOffloadRegion]:
+    """A one-worker region of 16 rows for a test; on exit the ``setups`` over it are closed
+    (and forgotten) before the region is cleaned up."""
+    region = SharedOffloadRegion(
+        name, 16, worker_page_bytes, num_workers=1, rank=0, directory=directory
+    )
+    try:
+        yield region
+    finally:
+        for made in setups:
+            made.close()
+        setups.clear()
+        region.cleanup()
+
+
 @pytest.fixture
 def setups() -> Iterator[list[Setup]]:
-    made: list[Setup] = []
-    yield made
-    for s in made:
-        s.close()
+    yield from closed_at_teardown(Setup.close)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,9 +332,7 @@ def setups() -> Iterator[list[Setup]]:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
+@each_case(CONFIGS, LAYOUTS)
 def test_round_trip_is_bit_exact(
     layout: KVCacheLayout, config: Config, path: str, setups: list[Setup]
 ) -> None:
@@ -326,9 +347,7 @@ PER_LAYER_LAYOUTS = [KVCacheLayout.KV_FIRST, KVCacheLayout.BLOCKS_FIRST]
 MIXED_BLOCK_SIZES = [c for c in CONFIGS if c.block_sizes is not None]
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", MIXED_BLOCK_SIZES, ids=[c.name for c in MIXED_BLOCK_SIZES])
-@pytest.mark.parametrize("layout", PER_LAYER_LAYOUTS, ids=[x.value for x in PER_LAYER_LAYOUTS])
+@each_case(MIXED_BLOCK_SIZES, PER_LAYER_LAYOUTS)
 def test_round_trip_through_a_shared_region_with_groups_of_different_block_sizes(
     layout: KVCacheLayout, config: Config, path: str, tmp_path: Path, setups: list[Setup]
 ) -> None:
@@ -339,10 +358,7 @@ def test_round_trip_through_a_shared_region_with_groups_of_different_block_sizes
     assert config.block_sizes is not None
     kv_bytes = sum(2 * bs * HEADS * HEAD_DIM * 2 for bs in config.block_sizes)
     worker_page = kv_bytes * max(config.factors)
-    region = SharedOffloadRegion(
-        "kvo-test-mixed-blocks", 16, worker_page, num_workers=1, rank=0, directory=tmp_path
-    )
-    try:
+    with _region("kvo-test-mixed-blocks", worker_page, tmp_path, setups) as region:
         assert region.row_bytes == worker_page  # no padding: the views tile every row
         s = Setup(layout, config, path, region=region)
         setups.append(s)
@@ -350,11 +366,6 @@ def test_round_trip_through_a_shared_region_with_groups_of_different_block_sizes
         assert views[0].data_ptr() == s.cpu_base
         assert views[-1].data_ptr() + views[-1].shape[1] - s.cpu_base == worker_page
         _check_round_trip(s)
-    finally:
-        for made in setups:
-            made.close()
-        setups.clear()
-        region.cleanup()
 
 
 def _check_round_trip(s: Setup) -> None:
@@ -753,9 +764,7 @@ def _group_extent(kv: CanonicalKVCaches, factors: Sequence[int], g: int) -> int:
     return sum(kv.tensors[r.tensor_idx].page_size_bytes for r in kv.group_data_refs[g]) * factors[g]
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", DISJOINT, ids=[c.name for c in DISJOINT])
-@pytest.mark.parametrize("layout", PER_LAYER_LAYOUTS, ids=[x.value for x in PER_LAYER_LAYOUTS])
+@each_case(DISJOINT, PER_LAYER_LAYOUTS)
 def test_per_group_rows_alias_one_offset_and_round_trip_through_a_region(
     layout: KVCacheLayout, config: Config, path: str, tmp_path: Path, setups: list[Setup]
 ) -> None:
@@ -765,10 +774,7 @@ def test_per_group_rows_alias_one_offset_and_round_trip_through_a_region(
     probe = Setup(layout, config, "torch")
     extents = [_group_extent(probe.kv, config.factors, g) for g in range(len(config.factors))]
     probe.close()
-    region = SharedOffloadRegion(
-        "kvo-test-per-group", 16, max(extents), num_workers=1, rank=0, directory=tmp_path
-    )
-    try:
+    with _region("kvo-test-per-group", max(extents), tmp_path, setups) as region:
         # The slot is the largest group's, not every group's (the row is then page-rounded).
         assert region.worker_page_bytes == max(extents) < sum(extents)
         s = Setup(layout, config, path, region=region, per_group_rows=True)
@@ -785,11 +791,6 @@ def test_per_group_rows_alias_one_offset_and_round_trip_through_a_region(
         # The reference applies the documented rule over the whole mapping, so bytes of a row
         # outside its own group's views (another group's, the padding, other rows) must stay.
         _check_round_trip(s)
-    finally:
-        for made in setups:
-            made.close()
-        setups.clear()
-        region.cleanup()
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from tests.v1.kv_offload.utils import make_tiering_spec, store_and_cascade
+from tests.v1.kv_offload.utils import closed_at_teardown, make_tiering_spec, store_and_cascade
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.fs.manager import STORAGE_MEDIUM, FileSystemSecondaryTier
@@ -98,10 +98,7 @@ class Engine:
 
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[list[Engine]]:
-    created: list[Engine] = []
-    yield created
-    for engine in created:
-        engine.shutdown()
+    yield from closed_at_teardown(Engine.shutdown)
 
 
 def test_store_evict_from_cpu_promote_back_bit_exact(tmp_path: Path, engines: list[Engine]) -> None:

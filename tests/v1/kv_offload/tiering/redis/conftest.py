@@ -10,6 +10,7 @@ replicas of one model do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
@@ -21,7 +22,7 @@ import numpy.typing as npt
 import pytest
 
 from tests.v1.kv_offload.tiering.redis.servers import RedisCluster3, RedisServer
-from tests.v1.kv_offload.utils import make_tiering_spec, store_and_cascade
+from tests.v1.kv_offload.utils import closed_at_teardown, make_tiering_spec, store_and_cascade
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
@@ -160,6 +161,17 @@ def seeded_engine(
     return engine, rows, keys
 
 
+@contextlib.contextmanager
+def limited_server(workdir: Path, maxmemory: str, policy: str) -> Iterator[RedisServer]:
+    """A standalone server of its own limited to ``maxmemory`` (``--maxmemory-policy
+    policy``), stopped on exit."""
+    server = RedisServer(workdir, "--maxmemory", maxmemory, "--maxmemory-policy", policy)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RedisServer]:
     """A standalone server of its own (tests kill, pause and fill it)."""
@@ -177,7 +189,4 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]
 
 @pytest.fixture
 def engines() -> Iterator[list[Engine]]:
-    created: list[Engine] = []
-    yield created
-    for engine in created:
-        engine.shutdown()
+    yield from closed_at_teardown(Engine.shutdown)

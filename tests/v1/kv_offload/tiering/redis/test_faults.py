@@ -18,6 +18,7 @@ from tests.v1.kv_offload.tiering.redis.conftest import (
     collect,
     job,
     key_of,
+    limited_server,
     pattern,
     seeded_engine,
 )
@@ -121,10 +122,7 @@ def test_shutdown_with_the_server_dead_does_not_hang(
 
 
 def test_maxmemory_noeviction_fails_stores_cleanly(tmp_path: Path, engines: list[Engine]) -> None:
-    server = RedisServer(
-        tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
-    )
-    try:
+    with limited_server(tmp_path / "full", "2mb", "noeviction") as server:
         engine, rows, keys = seeded_engine(tmp_path, server.url, engines, 8)
         engine.tier.submit_store(job(1, keys, list(range(8)), load=False))
         assert collect(engine, {1}) == {1: False}
@@ -138,17 +136,12 @@ def test_maxmemory_noeviction_fails_stores_cleanly(tmp_path: Path, engines: list
         assert collect(engine, {2}) == {2: True}
         assert np.array_equal(rows[7], pattern(stored[0]))
         assert ROW_BYTES * len(stored) <= 4 << 20
-    finally:
-        server.stop()
 
 
 def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
     tmp_path: Path, engines: list[Engine]
 ) -> None:
-    server = RedisServer(
-        tmp_path / "lru", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"
-    )
-    try:
+    with limited_server(tmp_path / "lru", "3mb", "allkeys-lru") as server:
         engine, rows, first = seeded_engine(tmp_path, server.url, engines, 4)
         tier = engine.tier
         tier.submit_store(job(1, first, [0, 1, 2, 3], load=False))
@@ -180,8 +173,6 @@ def test_block_evicted_between_lookup_and_load_is_a_counted_miss(
         tier.on_schedule_end()
         assert tier.wait_lookups_idle(10)
         assert tier.lookup(gone[0], again) is False
-    finally:
-        server.stop()
 
 
 def test_queued_stores_run_as_one_batch_with_outcomes_perjob(

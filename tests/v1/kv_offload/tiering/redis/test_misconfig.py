@@ -20,6 +20,7 @@ from tests.v1.kv_offload.tiering.redis.conftest import (
     assert_shared,
     collect,
     job,
+    limited_server,
     pattern,
     seeded_engine,
 )
@@ -193,10 +194,7 @@ def test_a_command_the_acl_refuses_is_reported_once_and_not_retried_per_job(
 
 
 def test_oom_refusals_count_as_failed_blocks(tmp_path: Path, engines: list[Engine]) -> None:
-    server = RedisServer(
-        tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
-    )
-    try:
+    with limited_server(tmp_path / "full", "2mb", "noeviction") as server:
         engine, _, keys = seeded_engine(tmp_path, server.url, engines, 8)
         engine.tier.submit_store(job(1, keys[:4], list(range(4)), load=False))
         engine.tier.submit_store(job(2, keys[4:], list(range(4, 8)), load=False))
@@ -206,8 +204,6 @@ def test_oom_refusals_count_as_failed_blocks(tmp_path: Path, engines: list[Engin
         failed_jobs = [j for j, ok in results.items() if not ok]
         assert counters["store_failed_blocks"] == 4 * len(failed_jobs) > 0
         assert counters["server_answers"] > 0, "a full server answers"
-    finally:
-        server.stop()
 
 
 def test_a_value_of_the_wrong_type_is_a_corrupt_value_deleted_and_counted(
