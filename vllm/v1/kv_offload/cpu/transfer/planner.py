@@ -204,6 +204,7 @@ class JobPlanner:
             if self._store:
                 key = (sub // k) * self._max_factor + sub % k
                 if self._cluster[g] in self._shared_clusters:
+                    # A group's own rows may repeat (sub-blocks of one row); across groups not.
                     group_rows.setdefault(self._cluster[g], []).append(np.unique(cpu_g))
             else:
                 key = gpu_g
@@ -216,9 +217,8 @@ class JobPlanner:
             raise ValueError(f"the CPU spec has {len(cpu_ids)} blocks, the job uses {cpu_off}")
         for keys in dst_keys.values():
             flat = np.concatenate(keys) if len(keys) > 1 else keys[0]
-            uniq, counts = np.unique(flat, return_counts=True)
-            if len(uniq) != len(flat):
-                dup = [int(x) for x in uniq[counts > 1][:4]]
+            dup = _repeated(flat)
+            if dup:
                 k_max = self._max_factor
                 where = (
                     [f"CPU row {d // k_max} sub-block {d % k_max}" for d in dup]
@@ -229,10 +229,9 @@ class JobPlanner:
         for rows_per_group in group_rows.values():
             if len(rows_per_group) < 2:
                 continue
-            flat = np.concatenate(rows_per_group)
-            uniq, counts = np.unique(flat, return_counts=True)
-            if len(uniq) != len(flat):
-                rows = ", ".join(str(int(r)) for r in uniq[counts > 1][:4])
+            dup = _repeated(np.concatenate(rows_per_group))
+            if dup:
+                rows = ", ".join(str(r) for r in dup)
                 raise ValueError(
                     f"the job stores more than one group's block into CPU row(s) {rows}"
                 )
@@ -243,3 +242,16 @@ class JobPlanner:
         cpu_all = np.concatenate(cpu_parts)
         src, dst = (gpu_all, cpu_all) if self._store else (cpu_all, gpu_all)
         return TransferPlan(np.concatenate(region_parts), src, dst, num_bytes)
+
+
+def _repeated(ids: npt.NDArray[np.int64], most: int = 4) -> list[int]:
+    """Up to ``most`` values that occur more than once in ``ids``, smallest first ([] if none).
+
+    One sort and one comparison (a job's check runs on every transfer; ``np.unique`` with counts
+    costs several times more for the few ids a job has).
+    """
+    ordered = np.sort(ids)
+    same = ordered[1:] == ordered[:-1]
+    if not same.any():
+        return []
+    return [int(x) for x in np.unique(ordered[1:][same])[:most]]
