@@ -308,6 +308,49 @@ def test_expand_copies_merges_adjacent_copies() -> None:
         assert torch.equal(dst[b * 64 : b * 64 + 64], src[a * 64 : a * 64 + 64])
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["one-flat-copy", "region-wise"])
+def test_a_large_per_layer_job_is_exact_on_threads(
+    aligned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A per-layer job above the threads' threshold: 8 planes of 4 KiB pages (as the engine's
+    # layers), one CPU row of every plane's page per block, ids scattered on both sides; planes
+    # from one offset of a page (copied as one flat copy of every region's pages), or one of
+    # them 64 bytes off (region by region).
+    monkeypatch.setenv(ops.HOST_COPY_THREADS_ENV, "2")
+    page, planes, n, pool = 4096, 8, 160, 256  # 160 blocks x 32 KiB: 5 MiB
+    gpu = _pinnable(planes * pool * page + page, 7)
+    cpu = torch.zeros(pool * planes * page, dtype=torch.int8)
+    rng = np.random.default_rng(1)
+    gpu_ids = rng.permutation(pool)[:n].astype(np.int64)
+    cpu_ids = rng.permutation(pool)[:n].astype(np.int64)
+    skew = [0] * planes if aligned else [0, 0, 0, 64, 0, 0, 0, 0]
+    sides = [
+        ops.BlockSide(gpu.data_ptr() + j * pool * page + skew[j], page, pool) for j in range(planes)
+    ]
+    rows = [ops.BlockSide(cpu.data_ptr() + j * page, planes * page, pool) for j in range(planes)]
+    for store in (True, False):
+        regions = ops.make_regions(
+            [
+                ops.CopyRegion(g, c, page, 0, n) if store else ops.CopyRegion(c, g, page, 0, n)
+                for g, c in zip(sides, rows, strict=True)
+            ]
+        )
+        src_ids, dst_ids = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
+        src, dst = (gpu, cpu) if store else (cpu, gpu)
+        expected = dst.numpy().copy()
+        _reference_copy(
+            regions, src_ids, dst_ids, src.numpy(), src.data_ptr(), expected, dst.data_ptr()
+        )
+        if not store:
+            cpu.copy_(_buffer(cpu.numel(), 8))  # loads read other bytes than stores wrote
+            expected = gpu.numpy().copy()
+            _reference_copy(
+                regions, src_ids, dst_ids, cpu.numpy(), cpu.data_ptr(), expected, gpu.data_ptr()
+            )
+        ops.copy_blocks(regions, src_ids, dst_ids, backend="torch")
+        assert np.array_equal(dst.numpy(), expected)
+
+
 def test_host_memmove_parallel_split_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ops.HOST_COPY_THREADS_ENV, "3")
     rows, row = 96, 64 << 10  # 6 MiB: above the threshold for splitting across threads

@@ -23,7 +23,9 @@ engine's jobs with the per-layer KV layout. The "GPU" side is ``2 L`` separate t
 layer's K and V planes, one page of ``block / 2 L`` bytes per block), the CPU side one row of
 ``block`` bytes per block holding every page; a job of ``--layer-job-blocks`` blocks is ``2 L``
 regions. ``torch-memmove`` rows time, in the same run, the torch backend's previous design (one
-``ctypes.memmove`` per merged copy, after the same checks). The baseline is one contiguous copy
+``ctypes.memmove`` per merged copy, after the same checks), and their last column the calling
+thread's CPU per job (the engine thread's cost; a large job's helper threads not counted). The
+baseline is one contiguous copy
 of the job's bytes on one thread (``np.copyto``, a ``memcpy``): the job's own copies are
 single-threaded below 4 MiB, and torch's multi-threaded ``copy_`` of a few MiB mostly measures
 its threads' wake-up on a busy machine.
@@ -75,6 +77,7 @@ class Row:
     contiguous_gbps: float
     ratio: float
     layout: str = "one region"
+    job_thread_cpu_us: float | None = None  # per-layer rows: the calling thread's CPU per job
 
 
 def _paired(
@@ -163,6 +166,17 @@ def bench_torch(block: int, n: int, reps: int) -> list[Row]:
     return rows
 
 
+def _thread_cpu_us(job: Callable[[], float], reps: int) -> float:
+    """Median CPU time of the calling thread per run of ``job`` (its helper threads' excluded:
+    what a job costs the engine thread that submits it)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        job()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times) * 1e6
+
+
 def _memcpy(dst: np.ndarray, src: np.ndarray) -> float:
     t0 = time.perf_counter()
     np.copyto(dst, src)
@@ -200,10 +214,9 @@ def bench_torch_per_layer(block: int, layers: int, n: int, reps: int) -> list[Ro
     for store in (True, False):
         regions, src_ids, dst_ids = _per_layer_job(planes, cpu, page, n, store, seed=1)
         for path, job in (("torch", _host_job), ("torch-memmove", _host_memmove_job)):
+            run = functools.partial(job, regions, src_ids, dst_ids)
             t_job, t_base, ratio = _paired(
-                functools.partial(job, regions, src_ids, dst_ids),
-                functools.partial(_memcpy, flat_dst, flat_src),
-                reps,
+                run, functools.partial(_memcpy, flat_dst, flat_src), reps
             )
             rows.append(
                 Row(
@@ -215,6 +228,7 @@ def bench_torch_per_layer(block: int, layers: int, n: int, reps: int) -> list[Ro
                     total / t_base / 1e9,
                     ratio,
                     f"per-layer, {2 * layers} pages of {page >> 10} KiB",
+                    _thread_cpu_us(run, reps),
                 )
             )
     return rows
@@ -327,14 +341,16 @@ def machine() -> str:
 
 def to_markdown(rows: list[Row]) -> str:
     out = [
-        "| path | layout | direction | block | blocks | job GB/s | contiguous GB/s | ratio |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| path | layout | direction | block | blocks | job GB/s | contiguous GB/s | ratio "
+        "| calling thread's CPU per job |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         size = f"{r.block_kib} KiB" if r.block_kib < 1024 else f"{r.block_kib >> 10} MiB"
+        cpu = "-" if r.job_thread_cpu_us is None else f"{r.job_thread_cpu_us:,.0f} us"
         out.append(
             f"| {r.path} | {r.layout} | {r.direction} | {size} | {r.num_blocks} | "
-            f"{r.job_gbps:.2f} | {r.contiguous_gbps:.2f} | {r.ratio:.2f} |"
+            f"{r.job_gbps:.2f} | {r.contiguous_gbps:.2f} | {r.ratio:.2f} | {cpu} |"
         )
     return "\n".join(out)
 

@@ -11,12 +11,14 @@ copies each item with ``memcpy``. A per-layer layout's job of N blocks is so two
 and chunk of about ``_GATHER_BYTES`` (which keeps the gathered items in cache), not one Python
 call per page.
 
-The GIL: numpy keeps it for a copy of fewer than about 500 items and releases it for the whole
-call above (measured, numpy 2). A short copy under the GIL is what a step wants: the previous
-design's ``ctypes.memmove`` per page released and re-took the GIL for each page, and every
-re-take could wait up to the interpreter's switch interval while another Python thread (the
-tiers' I/O threads) ran. Large jobs (``_PARALLEL_MIN_BYTES``) share their chunks among a few
-threads, which then copy in parallel without the GIL.
+The GIL: numpy keeps it for an indexed copy of at most 500 items and releases it for the whole
+call above. A short copy under the GIL is what a step wants: the previous design's
+``ctypes.memmove`` per page released and re-took the GIL for each page, and every re-take could
+wait up to the interpreter's switch interval while another Python thread (the tiers' I/O
+threads) ran. Large jobs (``_PARALLEL_MIN_BYTES``) share their chunks among a few threads; their
+chunks hold at least ``_GIL_FREE_ITEMS`` items, so that numpy lets the threads copy together: a
+per-layer job, whose regions have one item per block, is then copied as one flat copy over all
+its regions' items (``_flat_copy_items``) when its geometry allows.
 
 torch's own indexing ops were measured slower for scattered rows (``index_select`` +
 ``index_copy_`` reached about 1.3 GB/s against 12+ GB/s for ``memmove``; docs/benchmarks.md).
@@ -48,6 +50,11 @@ _PARALLEL_MIN_BYTES: Final = 4 << 20
 # (small enough that the gathered items are still in cache when they are scattered).
 _CHUNK_BYTES: Final = 1 << 20
 _GATHER_BYTES: Final = 512 << 10
+# numpy releases the GIL for an indexed copy of more than 500 items (its threshold for every
+# indexed assignment) and keeps it below: the parallel path's copies have at least this many
+# items, or its threads would take turns instead of copying together (measured: 0.30 of a
+# memcpy with 128-item copies on two threads, 0.60 with 512).
+_GIL_FREE_ITEMS: Final = 512
 
 Addresses = npt.NDArray[np.uint64]
 
@@ -262,9 +269,10 @@ def _scatter(dst: np.ndarray, dst_index: _Index, run: np.ndarray) -> Callable[[]
 
 
 def _copy_items(
-    regions: list[_Region], src_ids: IdArray, dst_ids: IdArray
+    regions: list[_Region], src_ids: IdArray, dst_ids: IdArray, min_items: int = 1
 ) -> list[Callable[[], None]]:
-    """The job as independent copies: per region, chunks of indexed copies."""
+    """The job as independent copies: per region, chunks of indexed copies of about
+    ``_GATHER_BYTES`` each, and of at least ``min_items`` items."""
     items: list[Callable[[], None]] = []
     # Per pair chunk (regions of one job share their chunks): the id slices, and whether the
     # source ids are a run.
@@ -272,7 +280,7 @@ def _copy_items(
     for region in regions:
         src_side, dst_side, nbytes, begin, count = region
         src, dst = _side_view(src_side, nbytes), _side_view(dst_side, nbytes)
-        step = max(1, _GATHER_BYTES // nbytes)
+        step = max(min_items, _GATHER_BYTES // nbytes)
         for a in range(begin, begin + count, step):
             b = min(a + step, begin + count)
             chunk = chunks.get((a, b))
@@ -288,6 +296,81 @@ def _copy_items(
     return items
 
 
+def _flat_view(base: int, count: int, nbytes: int) -> np.ndarray:
+    """``count`` items of ``nbytes`` each from address ``base``: a side of a flat copy."""
+    buffer = memoryview((ctypes.c_char * (count * nbytes)).from_address(base))
+    return np.ndarray((count,), np.dtype((np.void, nbytes)), buffer=buffer)
+
+
+def _flat_index(sides: list[_Side], nbytes: int, lo: int, ids: IdArray) -> IdArray | None:
+    """Indices of ``nbytes`` items from address ``lo`` of one side of a pair range's regions,
+    region after region, or None if the regions' sub-block counts differ."""
+    k = sides[0][4]
+    if any(x[4] != k for x in sides):
+        return None
+    first = np.array([(x[0] - lo) // nbytes for x in sides], dtype=np.int64)[:, None]
+    block = np.array([x[1] // nbytes for x in sides], dtype=np.int64)[:, None]
+    if k == 1:
+        index: IdArray = (first + ids * block).ravel()
+        return index
+    sub = np.array([x[2] // nbytes for x in sides], dtype=np.int64)[:, None]
+    index = (first + (ids // k) * block + (ids % k) * sub).ravel()
+    return index
+
+
+def _flat_copy_items(
+    regions: list[_Region], src_ids: IdArray, dst_ids: IdArray, min_items: int
+) -> list[Callable[[], None]] | None:
+    """The whole job as chunks of one indexed copy between two flat views, or None.
+
+    A job is one copy when its (merged) regions all move items of one size ``S`` and, on each
+    side, every base is a whole number of ``S`` from that side's lowest base and every stride a
+    multiple of ``S``: each side is then one array of ``S``-byte items from its lowest base, and
+    the pairs are indices into the two. That is a per-layer layout's job (every page one size;
+    large tensors start at one offset of a memory page), whose regions have as many items as
+    the job has blocks, fewer than numpy copies without the GIL; here a chunk holds
+    ``min_items`` of the job's items whatever region they belong to. The views span the
+    addresses between the side's tensors too, but only the job's own items are read or written.
+    """
+    if not regions:
+        return []
+    nbytes = regions[0][2]
+    src_sides, dst_sides = [r[0] for r in regions], [r[1] for r in regions]
+    for sides in (src_sides, dst_sides):
+        residue = sides[0][0] % nbytes
+        for x in sides:
+            if x[0] % nbytes != residue or x[1] % nbytes or (x[4] > 1 and x[2] % nbytes):
+                return None
+    if any(r[2] != nbytes for r in regions):
+        return None
+    s_lo = min(x[0] for x in src_sides)
+    d_lo = min(x[0] for x in dst_sides)
+    by_range: dict[tuple[int, int], list[_Region]] = {}
+    for r in regions:
+        by_range.setdefault((r[3], r[4]), []).append(r)
+    s_parts, d_parts = [], []
+    for (begin, count), members in by_range.items():
+        s = _flat_index([r[0] for r in members], nbytes, s_lo, src_ids[begin : begin + count])
+        d = _flat_index([r[1] for r in members], nbytes, d_lo, dst_ids[begin : begin + count])
+        if s is None or d is None:
+            return None
+        s_parts.append(s)
+        d_parts.append(d)
+    s_idx = s_parts[0] if len(s_parts) == 1 else np.concatenate(s_parts)
+    d_idx = d_parts[0] if len(d_parts) == 1 else np.concatenate(d_parts)
+    s_view = _flat_view(s_lo, int(s_idx.max()) + 1, nbytes)
+    d_view = _flat_view(d_lo, int(d_idx.max()) + 1, nbytes)
+    step = max(min_items, _GATHER_BYTES // nbytes)
+    items: list[Callable[[], None]] = []
+    for a in range(0, len(s_idx), step):
+        s, d = s_idx[a : a + step], d_idx[a : a + step]
+        if _is_run(s):
+            items.append(_scatter(d_view, d, s_view[int(s[0]) : int(s[-1]) + 1]))
+        else:
+            items.append(_gather_scatter(d_view, d, s_view, s))
+    return items
+
+
 def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
     """Run a checked job (``check_prepared``) between host addresses (see the module docstring).
 
@@ -296,16 +379,15 @@ def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
     every byte is copied.
     """
     merged = merge_regions(regions)
-    items = _copy_items(merged, src_ids, dst_ids)
-    if not items:
-        return
     threads = _host_copy_threads()
-    if threads == 1 or len(items) == 1:
-        for item in items:
-            item()
-        return
-    total = sum(r[2] * r[4] for r in merged)
-    if total < _PARALLEL_MIN_BYTES:
+    parallel = threads > 1 and sum(r[2] * r[4] for r in merged) >= _PARALLEL_MIN_BYTES
+    # A large job as one flat copy when it can be (chunks long enough to copy without the
+    # GIL); a small one region by region (measured faster on one thread: each region's chunk
+    # stays in cache).
+    items = _flat_copy_items(merged, src_ids, dst_ids, _GIL_FREE_ITEMS) if parallel else None
+    if items is None:
+        items = _copy_items(merged, src_ids, dst_ids, _GIL_FREE_ITEMS if parallel else 1)
+    if not parallel or len(items) == 1:
         for item in items:
             item()
         return
