@@ -22,13 +22,14 @@ Per-layer rows (torch path, ``--layers L``, blocks of ``--layer-block-kib``): th
 engine's jobs with the per-layer KV layout. The "GPU" side is ``2 L`` separate tensors (each
 layer's K and V planes, one page of ``block / 2 L`` bytes per block), the CPU side one row of
 ``block`` bytes per block holding every page; a job of ``--layer-job-blocks`` blocks is ``2 L``
-regions. ``torch-memmove`` rows time, in the same run, the torch backend's previous design (one
-``ctypes.memmove`` per merged copy, after the same checks), and their last column the calling
+regions, its ids drawn from pools of ``2 N`` blocks (at least ``--layer-pool-blocks``: 256 is
+the engine's default GPU pool, whose per-layer tensors are large allocations).
+``torch-memmove`` rows time, in the same run, the torch backend's previous design (one
+``ctypes.memmove`` per merged copy, after the same checks). The last column is the calling
 thread's CPU per job (the engine thread's cost; a large job's helper threads not counted). The
-baseline is one contiguous copy
-of the job's bytes on one thread (``np.copyto``, a ``memcpy``): the job's own copies are
-single-threaded below 4 MiB, and torch's multi-threaded ``copy_`` of a few MiB mostly measures
-its threads' wake-up on a busy machine.
+baseline is one contiguous copy of the job's bytes on one thread (``np.copyto``, a ``memcpy``):
+the job's own copies are single-threaded below 4 MiB, and torch's multi-threaded ``copy_`` of a
+few MiB mostly measures its threads' wake-up on a busy machine.
 
 Device memory comes from the test helpers in ``tests/cuda_helpers.py`` (no CUDA build of torch
 is needed); the script puts the repository root on ``sys.path`` for them. The CUDA paths run on
@@ -184,35 +185,43 @@ def _memcpy(dst: np.ndarray, src: np.ndarray) -> float:
 
 
 def _per_layer_job(
-    planes: list[torch.Tensor], rows: torch.Tensor, page: int, n: int, store: bool, seed: int
+    planes: list[torch.Tensor],
+    rows: torch.Tensor,
+    page: int,
+    n: int,
+    store: bool,
+    seed: int,
+    pool: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A job of ``n`` blocks: one region per plane (GPU tensor) <-> its page in the CPU rows."""
+    """A job of ``n`` blocks: one region per plane (GPU tensor) <-> its page in the CPU rows,
+    ids drawn from pools of ``pool`` blocks on each side."""
     rng = np.random.default_rng(seed)
-    gpu_ids = rng.permutation(2 * n)[:n].astype(np.int64)
-    cpu_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    gpu_ids = rng.permutation(pool)[:n].astype(np.int64)
+    cpu_ids = rng.permutation(pool)[:n].astype(np.int64)
     row = page * len(planes)
     regions = []
     for j, plane in enumerate(planes):
-        gpu = ops.BlockSide(plane.data_ptr(), page, 2 * n)
-        cpu = ops.BlockSide(rows.data_ptr() + j * page, row, 2 * n)
+        gpu = ops.BlockSide(plane.data_ptr(), page, pool)
+        cpu = ops.BlockSide(rows.data_ptr() + j * page, row, pool)
         src, dst = (gpu, cpu) if store else (cpu, gpu)
         regions.append(ops.CopyRegion(src, dst, page, 0, n))
     made = ops.make_regions(regions)
     return (made, gpu_ids, cpu_ids) if store else (made, cpu_ids, gpu_ids)
 
 
-def bench_torch_per_layer(block: int, layers: int, n: int, reps: int) -> list[Row]:
+def bench_torch_per_layer(
+    block: int, layers: int, n: int, reps: int, min_pool: int = 0
+) -> list[Row]:
     page = block // (2 * layers)
-    planes = [
-        torch.randint(-128, 128, (2 * n * page,), dtype=torch.int8) for _ in range(2 * layers)
-    ]
-    cpu = torch.ones(2 * n * block, dtype=torch.int8)  # faulted in before timing
+    pool = max(2 * n, min_pool)
+    planes = [torch.randint(-128, 128, (pool * page,), dtype=torch.int8) for _ in range(2 * layers)]
+    cpu = torch.ones(pool * block, dtype=torch.int8)  # faulted in before timing
     total = n * block
     flat_src = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
     flat_dst = np.ones(total, dtype=np.int8)
     rows = []
     for store in (True, False):
-        regions, src_ids, dst_ids = _per_layer_job(planes, cpu, page, n, store, seed=1)
+        regions, src_ids, dst_ids = _per_layer_job(planes, cpu, page, n, store, 1, pool)
         for path, job in (("torch", _host_job), ("torch-memmove", _host_memmove_job)):
             run = functools.partial(job, regions, src_ids, dst_ids)
             t_job, t_base, ratio = _paired(
@@ -367,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="per-layer rows: layers (0: none)")
     p.add_argument("--layer-block-kib", type=int, nargs="+", default=[16, 64])
     p.add_argument("--layer-job-blocks", type=int, nargs="+", default=[16, 64, 512])
+    p.add_argument(
+        "--layer-pool-blocks",
+        type=int,
+        default=0,
+        help="per-layer rows: blocks per pool at least (default 2 N; the engine's GPU pool: 256)",
+    )
     p.add_argument("--markdown", help="also write the table (with command and machine) here")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
@@ -386,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" in args.paths and args.layers:
         for kib in args.layer_block_kib:
             for n in args.layer_job_blocks:
-                rows += bench_torch_per_layer(kib << 10, args.layers, n, args.reps)
+                rows += bench_torch_per_layer(
+                    kib << 10, args.layers, n, args.reps, args.layer_pool_blocks
+                )
     if "cuda" in args.paths and not has_gpu:
         print(f"CUDA paths skipped: {devices.problem}", file=sys.stderr)
     table = to_markdown(rows)
