@@ -56,3 +56,22 @@ def test_the_feed_indexes_every_instance_and_recovers_what_it_missed() -> None:
     finally:
         for p in pubs:
             p.shutdown()
+
+
+def test_waiting_for_a_stream_replays_a_tail_the_live_stream_never_showed() -> None:
+    # The only batch is published before the feed subscribes: no later batch reveals a gap, so
+    # only the tail replay that wait_for asks for can bring it.
+    pub = ZmqEventPublisher(0, endpoint=None, also_bind=[(LOOPBACK, LOOPBACK)])
+    try:
+        pub.publish(_stored("CPU", 2))
+        assert pub.wait_sent(WAIT_S)
+        feed = EventFeed([(pub.endpoints.pub[0], pub.endpoints.replay[0])])
+        try:
+            assert feed.wait_for(0, 1, WAIT_S)
+            stats = feed.stats
+            assert stats.batches == [1] and stats.replayed == [1] and stats.lost == [0]
+            assert feed.match(HASHES, 16)[0].tokens[Place.CPU] == 32
+        finally:
+            feed.stop()
+    finally:
+        pub.shutdown()

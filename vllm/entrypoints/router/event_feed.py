@@ -7,7 +7,10 @@ that sleeps in ``zmq.Poller`` and applies every batch, in each instance's sequen
 index. A batch is credited to the instance whose stream it came from (its index in
 ``endpoints``), whatever ``data_parallel_rank`` it carries. When an instance's stream lost
 batches the replay buffer no longer had, the index forgets what that instance announced (it can
-no longer be trusted), and rebuilds from the batches that follow.
+no longer be trusted), and rebuilds from the batches that follow. A caller that knows how many
+batches an instance sent (``wait_for``) has the thread replay a stream's tail while it is behind:
+a last batch the live stream never showed (published before the subscription took effect)
+leaves no gap for a later batch to reveal.
 
 Threading: the feed thread owns the sockets and writes the index; ``match`` (any thread) reads
 it under the same lock. ``stats`` is a snapshot.
@@ -24,12 +27,15 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from vllm.distributed.kv_event_subscriber import ZmqEventSubscriber
+from vllm.distributed.kv_event_subscriber import ReceivedBatch, ZmqEventSubscriber
 from vllm.distributed.kv_events import ExternalBlockHash
 from vllm.entrypoints.router.prefix_index import PrefixIndex, PrefixMatch
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+TAIL_CATCH_UP_S = 0.5
+"""How long ``EventFeed.wait_for`` waits for a stream before asking for a replay of its tail."""
 
 
 @dataclass
@@ -78,6 +84,7 @@ class EventFeed:
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
         self._applied = threading.Condition(self._lock)
+        self._tail_wanted: set[int] = set()  # instances whose tail to replay (under _lock)
         self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
         self._thread.start()
 
@@ -100,12 +107,28 @@ class EventFeed:
 
     def wait_for(self, instance: int, batches: int, timeout_s: float) -> bool:
         """Block until ``instance``'s stream reached ``batches`` batches (received or lost);
-        False on timeout. For a caller that knows how many a publisher sent."""
+        False on timeout. For a caller that knows how many a publisher sent.
+
+        A batch published before the subscription took effect is not on the live stream, and
+        a lost *last* batch leaves no gap for a later one to reveal: while the stream is
+        behind, the feed thread is asked every ``TAIL_CATCH_UP_S`` to replay its tail.
+        """
+        deadline = time.monotonic() + timeout_s
+
+        def reached() -> bool:
+            return self._stats.batches[instance] + self._stats.lost[instance] >= batches
+
         with self._applied:
-            return self._applied.wait_for(
-                lambda: self._stats.batches[instance] + self._stats.lost[instance] >= batches,
-                timeout_s,
-            )
+            while not reached():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if self._applied.wait_for(reached, min(left, TAIL_CATCH_UP_S)):
+                    return True
+                self._tail_wanted.add(instance)
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"\1")
+            return True
 
     def stop(self) -> None:
         """Stop the thread and close the sockets (idempotent)."""
@@ -126,17 +149,22 @@ class EventFeed:
         try:
             while not self._stopping:
                 ready = dict(poller.poll())
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                with self._lock:
+                    tails, self._tail_wanted = self._tail_wanted, set()
                 for i, sub in enumerate(self._subs):
                     if sub.socket in ready:
-                        self._apply(i, sub)
+                        self._apply(i, sub, sub.receive())
+                    if i in tails:
+                        self._apply(i, sub, sub.catch_up())
         except Exception:
             logger.exception("KV event feed: thread failed; routing goes on without new events")
         finally:
             for sub in self._subs:
                 sub.close()
 
-    def _apply(self, i: int, sub: ZmqEventSubscriber) -> None:
-        received = sub.receive()
+    def _apply(self, i: int, sub: ZmqEventSubscriber, received: list[ReceivedBatch]) -> None:
         lost_before = self._stats.lost[i]
         now = time.time()
         with self._applied:
