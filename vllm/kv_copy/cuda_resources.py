@@ -8,12 +8,14 @@ works from any thread (see "Devices" in ``csrc/kv_offload.h``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing_extensions import override
 
 from vllm.kv_copy.cuda_library import CudaCopyLibrary
 
 
-class _OwnedHandle:
+class _OwnedHandle(ABC):
     """A CUDA object of one device, owned by this object until ``close`` destroys it.
 
     Attributes:
@@ -26,9 +28,9 @@ class _OwnedHandle:
         self.device = device
         self.handle = handle
 
+    @abstractmethod
     def _destroy(self, handle: int) -> None:
         """Destroy the library object ``handle`` (called once, by ``close``)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Destroy the object (idempotent)."""
