@@ -470,6 +470,34 @@ def paged_attention(
     return out
 
 
+def _query_columns(
+    query: torch.Tensor, index: torch.Tensor, s: int, rows: int, group: int
+) -> torch.Tensor:
+    """The scaled queries of ``s`` sequences of ``rows`` rows each (``index``: their step rows,
+    padding rows repeated) as ``[S, Hkv, D, rows * group]``: a KV head's query heads' rows are
+    the columns of its products."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = num_heads // group
+    q = query[index] * (1.0 / math.sqrt(head_dim))
+    q = q.view(s, rows, kv_heads, group, head_dim).permute(0, 2, 4, 1, 3)
+    return q.reshape(s, kv_heads, head_dim, rows * group)
+
+
+def _write_rows(
+    out: torch.Tensor,
+    attended: torch.Tensor,
+    rows: int,
+    group: int,
+    out_rows: torch.Tensor,
+    out_from: torch.Tensor,
+) -> None:
+    """Write ``attended`` ``[S, Hkv, D, rows * group]`` back as the step's rows ``out_rows`` of
+    ``out`` ``[N, heads, D]`` (``out_from``: their positions among the ``S * rows``)."""
+    s, kv_heads, head_dim = attended.shape[0], attended.shape[1], attended.shape[2]
+    attended = attended.reshape(s, kv_heads, head_dim, rows, group).permute(0, 3, 1, 4, 2)
+    out[out_rows] = attended.reshape(s * rows, kv_heads * group, head_dim)[out_from]
+
+
 def _attend_chunks(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -488,9 +516,7 @@ def _attend_chunks(
     for lo, hi in b.zeroed:
         flat[lo:hi] = 0
     # Queries [S, Hkv, D, m], then each chunk's sequence's [C, Hkv, D, m].
-    q = query[b.query_index] * (1.0 / math.sqrt(head_dim))
-    q = q.view(s, b.rows, kv_heads, meta.group, head_dim).permute(0, 2, 4, 1, 3)
-    q = q.reshape(s, kv_heads, head_dim, m).index_select(0, b.chunk_seq)
+    q = _query_columns(query, b.query_index, s, b.rows, meta.group).index_select(0, b.chunk_seq)
     # Scores [C, Hkv, chunk, m]: per KV head a chunk's keys (a strided view) are the matmul's
     # rows, its sequence's query rows the columns. The row maximum over all of a sequence's
     # chunks (exact in any order), then weights exactly 0 where hidden.
@@ -514,9 +540,7 @@ def _attend_chunks(
     total = tree_sum(tree.view(s, b.slots, kv_heads, head_dim + 1, m), 1)  # [S, Hkv, D + 1, m]
     attended = total[:, :, :head_dim] / total[:, :, head_dim:]
     # [S, Hkv, D, rows, group] -> [S * rows, heads, D]
-    attended = attended.view(s, kv_heads, head_dim, b.rows, meta.group).permute(0, 3, 1, 4, 2)
-    attended = attended.reshape(s * b.rows, num_heads, head_dim)
-    out[b.out_rows] = attended[b.out_from]
+    _write_rows(out, attended, b.rows, meta.group, b.out_rows, b.out_from)
 
 
 def _attend(
@@ -562,13 +586,11 @@ def _attend_piece(
     meta: AttentionMetadata,
     p: _Piece,
 ) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    head_dim = query.shape[2]
     s, kv_heads, nch = v.shape[0], v.shape[1], v.shape[2]
     m = p.rows * meta.group
     # Queries [S, Hkv, D, m]: the rows of a KV head's query heads next to each other.
-    q = query[p.query_index] * (1.0 / math.sqrt(head_dim))
-    q = q.view(s, p.rows, kv_heads, meta.group, head_dim).permute(0, 2, 4, 1, 3)
-    q = q.reshape(s, kv_heads, head_dim, m)
+    q = _query_columns(query, p.query_index, s, p.rows, meta.group)
 
     # Scores [S, Hkv, chunks, chunk, m]: keys are the matmul's rows (a multiple of 16), query
     # rows its columns. Weights exp(score - row max), exactly 0 where hidden.
@@ -588,6 +610,4 @@ def _attend_piece(
     total = tree_sum(partial, 2)  # [S, Hkv, D + SUM_ROWS, m]
     attended = total[:, :, :head_dim] / total[:, :, head_dim : head_dim + 1]
     # [S, Hkv, D, rows, group] -> [S * rows, heads, D]
-    attended = attended.view(s, kv_heads, head_dim, p.rows, meta.group).permute(0, 3, 1, 4, 2)
-    attended = attended.reshape(s * p.rows, num_heads, head_dim)
-    out[p.out_rows] = attended[p.out_from]
+    _write_rows(out, attended, p.rows, meta.group, p.out_rows, p.out_from)
