@@ -268,6 +268,18 @@ def _scatter(dst: np.ndarray, dst_index: _Index, run: np.ndarray) -> Callable[[]
     return copy
 
 
+def _chunk_copy(
+    dst: np.ndarray, dst_index: _Index, src: np.ndarray, src_index: _Index, src_run: bool
+) -> Callable[[], None]:
+    """``dst[dst_index] = src[src_index]`` as one item; ``src_run``: ``src_index`` is a run of
+    consecutive ids of ``src``'s only axis, scattered from their view in one pass."""
+    if src_run:
+        ids = src_index
+        assert not isinstance(ids, tuple)
+        return _scatter(dst, dst_index, src[int(ids[0]) : int(ids[-1]) + 1])
+    return _gather_scatter(dst, dst_index, src, src_index)
+
+
 def _copy_items(
     regions: list[_Region], src_ids: IdArray, dst_ids: IdArray, min_items: int = 1
 ) -> list[Callable[[], None]]:
@@ -288,11 +300,8 @@ def _copy_items(
                 s = src_ids[a:b]
                 chunk = chunks[(a, b)] = (s, dst_ids[a:b], _is_run(s))
             s, d, src_run = chunk
-            dst_index = _index(dst_side, d)
-            if src_run and src_side[4] == 1:
-                items.append(_scatter(dst, dst_index, src[int(s[0]) : int(s[-1]) + 1]))
-            else:
-                items.append(_gather_scatter(dst, dst_index, src, _index(src_side, s)))
+            run = src_run and src_side[4] == 1
+            items.append(_chunk_copy(dst, _index(dst_side, d), src, _index(src_side, s), run))
     return items
 
 
@@ -363,11 +372,8 @@ def _flat_copy_items(
     step = max(min_items, _GATHER_BYTES // nbytes)
     items: list[Callable[[], None]] = []
     for a in range(0, len(s_idx), step):
-        s, d = s_idx[a : a + step], d_idx[a : a + step]
-        if _is_run(s):
-            items.append(_scatter(d_view, d, s_view[int(s[0]) : int(s[-1]) + 1]))
-        else:
-            items.append(_gather_scatter(d_view, d, s_view, s))
+        s = s_idx[a : a + step]
+        items.append(_chunk_copy(d_view, d_idx[a : a + step], s_view, s, _is_run(s)))
     return items
 
 
