@@ -15,7 +15,7 @@ together), no CPU sub-block twice, and no CPU row for two groups whose CPU bytes
 (groups sharing a tensor, or whose views alias as per-group rows do): a row holds one key, so
 one group's block.
 
-Memory on both sides is described in ``vllm.v1.kv_offload.cpu.gpu_worker`` (CPU views) and
+Memory on both sides is described in ``vllm.v1.kv_offload.cpu.transfer.gpu_worker`` (CPU views) and
 ``vllm.v1.kv_offload.worker.canonical`` (GPU pages); the resulting regions follow
 ``vllm.kv_copy.regions``.
 """
