@@ -145,43 +145,51 @@ def test_torch_copy_blocks_matches_reference_and_leaves_other_bytes() -> None:
 
 
 @st.composite
-def _host_jobs(draw: st.DrawFn) -> tuple[list[ops.CopyRegion], np.ndarray, np.ndarray, int]:
+def _host_jobs(draw: st.DrawFn) -> tuple[list[ops.CopyRegion], np.ndarray, np.ndarray]:
     """Valid jobs in the shapes the handlers build: per layer (regions of one page each, over
-    separate "GPU" planes and shared CPU rows), with or without sub-blocks on either side, ids
-    scattered or in runs, pair counts on both sides of the indexed path's threshold."""
+    separate "GPU" planes and shared CPU rows), stores and loads, with or without sub-blocks on
+    either side, ids scattered or in runs on either side, pair counts on both sides of the
+    indexed path's threshold, and regions large enough for the one-pass copies of runs (8 KiB
+    pages). Bases are offsets (the test places them on its buffers)."""
     layers = draw(st.integers(1, 3))
-    page = draw(st.sampled_from([64, 96, 256]))
-    k_src, k_dst = draw(st.sampled_from([(1, 1), (1, 2), (3, 1)]))
+    page = draw(st.sampled_from([64, 96, 256, 8192]))
+    k_gpu, k_cpu = draw(st.sampled_from([(1, 1), (1, 2), (3, 1)]))
     n = draw(st.integers(1, 12))
     num_blocks = 24
-    src_ids = draw(
-        st.one_of(
-            st.permutations(range(num_blocks * k_src)).map(lambda p: p[:n]),
-            st.integers(0, num_blocks * k_src - n).map(lambda a: list(range(a, a + n))),
-        )
-    )
-    dst_ids = draw(st.permutations(range(num_blocks * k_dst)).map(lambda p: p[:n]))
-    # "GPU" planes: 2 per layer (K, V), each a pool of blocks of k_src pages, one after another
-    # with a gap; CPU rows of every plane's page (k_dst sub-blocks per row and plane).
-    plane_bytes = num_blocks * k_src * page + 512
-    row = 2 * layers * k_dst * page
+
+    def ids(k: int) -> np.ndarray:
+        scattered = st.permutations(range(num_blocks * k)).map(lambda p: p[:n])
+        run = st.integers(0, num_blocks * k - n).map(lambda a: list(range(a, a + n)))
+        return np.array(draw(st.one_of(scattered, run)), np.int64)
+
+    gpu_ids, cpu_ids = ids(k_gpu), ids(k_cpu)
+    # "GPU" planes: 2 per layer (K, V), each a pool of blocks of k_gpu pages, one after another
+    # with a gap (of a whole page: the job is one flat copy; of 512 bytes: flat only for pages
+    # that divide it); CPU rows of every plane's page (k_cpu sub-blocks per row and plane).
+    plane_bytes = num_blocks * k_gpu * page + draw(st.sampled_from([page, 512]))
+    row = 2 * layers * k_cpu * page
+    store = draw(st.booleans())
     regions = []
     for j in range(2 * layers):
-        src = ops.BlockSide(j * plane_bytes, k_src * page, num_blocks, k_src, page)
-        dst = ops.BlockSide(j * k_dst * page, row, num_blocks, k_dst, page)
+        gpu = ops.BlockSide(j * plane_bytes, k_gpu * page, num_blocks, k_gpu, page)
+        cpu = ops.BlockSide(j * k_cpu * page, row, num_blocks, k_cpu, page)
+        src, dst = (gpu, cpu) if store else (cpu, gpu)
         regions.append(ops.CopyRegion(src, dst, page, 0, n))
-    total_src = 2 * layers * plane_bytes
-    return regions, np.array(src_ids, np.int64), np.array(dst_ids, np.int64), total_src
+    return (regions, gpu_ids, cpu_ids) if store else (regions, cpu_ids, gpu_ids)
 
 
-@settings(max_examples=150, deadline=None)
+def _extent(sides: list[ops.BlockSide]) -> int:
+    return max(x.base + x.num_blocks * x.block_stride for x in sides)
+
+
+@settings(max_examples=200, deadline=None)
 @given(job=_host_jobs(), threads=st.sampled_from(["1", "2"]))
 def test_host_copy_matches_the_reference(
-    job: tuple[list[ops.CopyRegion], np.ndarray, np.ndarray, int], threads: str
+    job: tuple[list[ops.CopyRegion], np.ndarray, np.ndarray], threads: str
 ) -> None:
-    regions, src_ids, dst_ids, total_src = job
-    src = _buffer(total_src, 1)
-    dst = _buffer(max(r.dst.base + r.dst.num_blocks * r.dst.block_stride for r in regions), 2)
+    regions, src_ids, dst_ids = job
+    src = _buffer(_extent([r.src for r in regions]), 1)
+    dst = _buffer(_extent([r.dst for r in regions]), 2)
 
     def on(buf: torch.Tensor, side: ops.BlockSide) -> ops.BlockSide:
         return dataclasses.replace(side, base=buf.data_ptr() + side.base)

@@ -3,22 +3,23 @@
 """The torch backend of ``copy_blocks``: copies between host addresses, a few calls per job.
 
 Used when the KV cache itself lives in host memory, as on a CPU-only machine where the "GPU" KV
-cache is a CPU tensor. A job is copied region by region (``host_copy``): regions that continue
-each other on both sides are merged, then each region is one numpy gather of its source blocks
-and one scatter to its destination blocks (a run of consecutive source blocks: one scatter from
-their view), over numpy views of the two sides whose items are the region's ``bytes``; numpy
-copies each item with ``memcpy``. A per-layer layout's job of N blocks is so two calls per layer
-and chunk of about ``_GATHER_BYTES`` (which keeps the gathered items in cache), not one Python
-call per page.
+cache is a CPU tensor. A job's regions that continue each other on both sides are merged; then,
+when every region moves items of one size from aligned sides (a per-layer layout's job:
+``_FlatJob``), the whole job is a few indexed copies between two flat numpy views whose items
+are those pages, one call per chunk of about ``_GATHER_BYTES`` (which keeps the gathered items
+in cache) across the regions; otherwise region by region, one numpy gather of each region's
+source blocks and one scatter to its destination blocks per chunk. A run of consecutive ids on
+one side is copied in one pass (a scatter from the run's view, or a gather into it). numpy
+copies each item with ``memcpy``. What a job's geometry needs (the merge, the views, the maps
+from ids to items) is computed once per geometry (``_job_shape``): a handler's jobs repeat a
+few, so a small job costs a few numpy calls, not one Python call per page or per region.
 
 The GIL: numpy keeps it for an indexed copy of at most 500 items and releases it for the whole
 call above. A short copy under the GIL is what a step wants: the previous design's
 ``ctypes.memmove`` per page released and re-took the GIL for each page, and every re-take could
 wait up to the interpreter's switch interval while another Python thread (the tiers' I/O
 threads) ran. Large jobs (``_PARALLEL_MIN_BYTES``) share their chunks among a few threads; their
-chunks hold at least ``_GIL_FREE_ITEMS`` items, so that numpy lets the threads copy together: a
-per-layer job, whose regions have one item per block, is then copied as one flat copy over all
-its regions' items (``_flat_copy_items``) when its geometry allows.
+chunks hold at least ``_GIL_FREE_ITEMS`` items, so that numpy lets the threads copy together.
 
 torch's own indexing ops were measured slower for scattered rows (``index_select`` +
 ``index_copy_`` reached about 1.3 GB/s against 12+ GB/s for ``memmove``; docs/benchmarks.md).
@@ -38,7 +39,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from vllm.kv_copy.regions import IdArray, RegionArray
+from vllm.kv_copy.regions import REGION_DTYPE, IdArray, RegionArray
 
 HOST_COPY_THREADS_ENV: Final = "VLLM_KV_OFFLOAD_HOST_COPY_THREADS"
 """Threads used by the torch backend for large jobs (default ``min(4, cpu_count)``)."""
@@ -55,6 +56,10 @@ _GATHER_BYTES: Final = 512 << 10
 # items, or its threads would take turns instead of copying together (measured: 0.30 of a
 # memcpy with 128-item copies on two threads, 0.60 with 512).
 _GIL_FREE_ITEMS: Final = 512
+# On one thread, a range whose ids on one side are consecutive is copied region by region in
+# one pass when each region moves at least this much (below it one gather-and-scatter call for
+# all regions costs less than a call per region).
+_RUN_MIN_BYTES: Final = 128 << 10
 
 Addresses = npt.NDArray[np.uint64]
 
@@ -103,11 +108,16 @@ _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
 
 
+@functools.cache
+def _default_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def _host_copy_threads() -> int:
     env = os.environ.get(HOST_COPY_THREADS_ENV)
     if env:
         return max(1, int(env))
-    return max(1, min(4, os.cpu_count() or 1))
+    return _default_threads()
 
 
 def _get_host_pool(threads: int) -> ThreadPoolExecutor:
@@ -268,6 +278,15 @@ def _scatter(dst: np.ndarray, dst_index: _Index, run: np.ndarray) -> Callable[[]
     return copy
 
 
+def _gather(dst_run: np.ndarray, src: np.ndarray, src_index: IdArray) -> Callable[[], None]:
+    def copy() -> None:
+        # Into a run of destination items in one pass: take() writes an unbuffered ``out``
+        # only when it is contiguous and the mode is not "raise" (the ids are checked already).
+        np.take(src, src_index, out=dst_run, mode="clip")
+
+    return copy
+
+
 def _chunk_copy(
     dst: np.ndarray, dst_index: _Index, src: np.ndarray, src_index: _Index, src_run: bool
 ) -> Callable[[], None]:
@@ -305,76 +324,138 @@ def _copy_items(
     return items
 
 
-def _flat_view(base: int, count: int, nbytes: int) -> np.ndarray:
-    """``count`` items of ``nbytes`` each from address ``base``: a side of a flat copy."""
-    buffer = memoryview((ctypes.c_char * (count * nbytes)).from_address(base))
-    return np.ndarray((count,), np.dtype((np.void, nbytes)), buffer=buffer)
+class _SideMap:
+    """Where the items of one side of a pair range lie in that side's flat view: for region
+    ``r`` and id ``i``, item ``first[r] + (i // k) * block[r] + (i % k) * sub[r]``.
 
-
-def _flat_index(sides: list[_Side], nbytes: int, lo: int, ids: IdArray) -> IdArray | None:
-    """Indices of ``nbytes`` items from address ``lo`` of one side of a pair range's regions,
-    region after region, or None if the regions' sub-block counts differ."""
-    k = sides[0][4]
-    if any(x[4] != k for x in sides):
-        return None
-    first = np.array([(x[0] - lo) // nbytes for x in sides], dtype=np.int64)[:, None]
-    block = np.array([x[1] // nbytes for x in sides], dtype=np.int64)[:, None]
-    if k == 1:
-        index: IdArray = (first + ids * block).ravel()
-        return index
-    sub = np.array([x[2] // nbytes for x in sides], dtype=np.int64)[:, None]
-    index = (first + (ids // k) * block + (ids % k) * sub).ravel()
-    return index
-
-
-def _flat_copy_items(
-    regions: list[_Region], src_ids: IdArray, dst_ids: IdArray, min_items: int
-) -> list[Callable[[], None]] | None:
-    """The whole job as chunks of one indexed copy between two flat views, or None.
-
-    A job is one copy when its (merged) regions all move items of one size ``S`` and, on each
-    side, every base is a whole number of ``S`` from that side's lowest base and every stride a
-    multiple of ``S``: each side is then one array of ``S``-byte items from its lowest base, and
-    the pairs are indices into the two. That is a per-layer layout's job (every page one size;
-    large tensors start at one offset of a memory page), whose regions have as many items as
-    the job has blocks, fewer than numpy copies without the GIL; here a chunk holds
-    ``min_items`` of the job's items whatever region they belong to. The views span the
-    addresses between the side's tensors too, but only the job's own items are read or written.
+    Arrays of shape ``(R, 1)`` (R: the range's regions), so that ``index(ids)`` is an
+    ``(R, len(ids))`` matrix, region after region.
     """
-    if not regions:
-        return []
-    nbytes = regions[0][2]
-    src_sides, dst_sides = [r[0] for r in regions], [r[1] for r in regions]
-    for sides in (src_sides, dst_sides):
-        residue = sides[0][0] % nbytes
-        for x in sides:
-            if x[0] % nbytes != residue or x[1] % nbytes or (x[4] > 1 and x[2] % nbytes):
-                return None
-    if any(r[2] != nbytes for r in regions):
-        return None
-    s_lo = min(x[0] for x in src_sides)
-    d_lo = min(x[0] for x in dst_sides)
-    by_range: dict[tuple[int, int], list[_Region]] = {}
-    for r in regions:
-        by_range.setdefault((r[3], r[4]), []).append(r)
-    s_parts, d_parts = [], []
-    for (begin, count), members in by_range.items():
-        s = _flat_index([r[0] for r in members], nbytes, s_lo, src_ids[begin : begin + count])
-        d = _flat_index([r[1] for r in members], nbytes, d_lo, dst_ids[begin : begin + count])
-        if s is None or d is None:
-            return None
-        s_parts.append(s)
-        d_parts.append(d)
-    s_idx = s_parts[0] if len(s_parts) == 1 else np.concatenate(s_parts)
-    d_idx = d_parts[0] if len(d_parts) == 1 else np.concatenate(d_parts)
-    s_view = _flat_view(s_lo, int(s_idx.max()) + 1, nbytes)
-    d_view = _flat_view(d_lo, int(d_idx.max()) + 1, nbytes)
-    step = max(min_items, _GATHER_BYTES // nbytes)
-    items: list[Callable[[], None]] = []
-    for a in range(0, len(s_idx), step):
-        s = s_idx[a : a + step]
-        items.append(_chunk_copy(d_view, d_idx[a : a + step], s_view, s, _is_run(s)))
-    return items
+
+    __slots__ = ("block", "dense", "first", "k", "sub")
+
+    def __init__(self, sides: list[_Side], nbytes: int, lo: int) -> None:
+        self.k = sides[0][4]
+        self.first = np.array([(x[0] - lo) // nbytes for x in sides], dtype=np.int64)[:, None]
+        self.block = np.array([x[1] // nbytes for x in sides], dtype=np.int64)[:, None]
+        self.sub = np.array([x[2] // nbytes for x in sides], dtype=np.int64)[:, None]
+        # Consecutive blocks on adjacent items (a "GPU" plane; not a CPU row of every plane).
+        self.dense = bool((self.block == 1).all())
+
+    def index(self, ids: IdArray) -> IdArray:
+        if self.k == 1:
+            index: IdArray = self.first + ids * self.block
+            return index
+        index = self.first + (ids // self.k) * self.block + (ids % self.k) * self.sub
+        return index
+
+
+def _flat_view(sides: list[_Side], nbytes: int) -> tuple[int, np.ndarray]:
+    """The lowest base of ``sides`` and a view of ``nbytes`` items from it that spans every
+    side's blocks (``_FlatJob``)."""
+    lo = min(x[0] for x in sides)
+    end = max(x[0] + (x[3] - 1) * x[1] + (x[4] - 1) * x[2] + nbytes for x in sides)
+    buffer = memoryview((ctypes.c_char * (end - lo)).from_address(lo))
+    return lo, np.ndarray(((end - lo) // nbytes,), np.dtype((np.void, nbytes)), buffer=buffer)
+
+
+class _FlatJob:
+    """A job's geometry as two flat views of one item size and, per pair range, the maps from a
+    pair's ids to its items (built once per geometry by ``_job_shape``).
+
+    A job is flat when its (merged) regions all move items of one size ``S`` and, on each side,
+    every base is a whole number of ``S`` from that side's lowest base and every stride a
+    multiple of ``S``: each side is then one array of ``S``-byte items from its lowest base. That
+    is a per-layer layout's job (every page one size; the tensors' storage starts at one offset
+    of a memory page), whose regions have one item per block each: copied region by region, a
+    small job would be one numpy call per region; flat, it is one call per chunk of about
+    ``_GATHER_BYTES``, whatever region its items belong to. The views span the addresses between
+    the side's tensors too, but only the job's own items are read or written.
+    """
+
+    __slots__ = ("dst_view", "nbytes", "ranges", "src_view")
+
+    def __init__(self, regions: list[_Region]) -> None:
+        nbytes = self.nbytes = regions[0][2]
+        src_sides, dst_sides = [r[0] for r in regions], [r[1] for r in regions]
+        s_lo, self.src_view = _flat_view(src_sides, nbytes)
+        d_lo, self.dst_view = _flat_view(dst_sides, nbytes)
+        by_range: dict[tuple[int, int], list[_Region]] = {}
+        for r in regions:
+            by_range.setdefault((r[3], r[4]), []).append(r)
+        self.ranges = [
+            (
+                begin,
+                count,
+                _SideMap([r[0] for r in members], nbytes, s_lo),
+                _SideMap([r[1] for r in members], nbytes, d_lo),
+            )
+            for (begin, count), members in by_range.items()
+        ]
+
+    @staticmethod
+    def fits(regions: list[_Region]) -> bool:
+        """Whether ``regions`` (merged, at least one) have a flat geometry (class docstring)."""
+        nbytes = regions[0][2]
+        if any(r[2] != nbytes for r in regions):
+            return False
+        for sides in ([r[0] for r in regions], [r[1] for r in regions]):
+            residue, k = sides[0][0] % nbytes, sides[0][4]
+            for x in sides:
+                if x[0] % nbytes != residue or x[1] % nbytes or (x[4] > 1 and x[2] % nbytes):
+                    return False
+            if any(x[4] != k for x in sides):
+                return False
+        return True
+
+    def items(self, src_ids: IdArray, dst_ids: IdArray, min_items: int) -> list[Callable[[], None]]:
+        """The job as independent copies of at least ``min_items`` items each.
+
+        On one thread (``min_items`` 1), a range whose ids on one side are consecutive and whose
+        regions move at least ``_RUN_MIN_BYTES`` each is copied region by region in one pass:
+        consecutive source ids are evenly spaced items of the source view, scattered from that
+        strided view; consecutive destination ids on adjacent items (a "GPU" plane) are one
+        contiguous slice of the destination view, gathered into. Otherwise chunks of the
+        raveled pairs, a gather into a buffer and a scatter each.
+        """
+        src, dst = self.src_view, self.dst_view
+        step = max(min_items, _GATHER_BYTES // self.nbytes)
+        items: list[Callable[[], None]] = []
+        for begin, count, s_map, d_map in self.ranges:
+            s_ids, d_ids = src_ids[begin : begin + count], dst_ids[begin : begin + count]
+            s, d = s_map.index(s_ids), d_map.index(d_ids)  # (R, count)
+            by_rows = min_items == 1 and count * self.nbytes >= _RUN_MIN_BYTES
+            if by_rows and s_map.k == 1 and _is_run(s_ids):
+                # Each region's source items: a run of ids, every block_stride-th item.
+                rows = zip(s[:, 0].tolist(), s_map.block[:, 0].tolist(), d, strict=True)
+                for s_row, stride, d_row in rows:
+                    for a in range(0, count, step):
+                        b = min(a + step, count)
+                        run = src[s_row + a * stride : s_row + b * stride : stride]
+                        items.append(_scatter(dst, d_row[a:b], run))
+            elif by_rows and d_map.k == 1 and d_map.dense and _is_run(d_ids):
+                # Each region's destination items: a run of ids on adjacent items.
+                for s_row, d_row in zip(s, d[:, 0].tolist(), strict=True):
+                    for a in range(0, count, step):
+                        b = min(a + step, count)
+                        items.append(_gather(dst[d_row + a : d_row + b], src, s_row[a:b]))
+            else:
+                s, d = s.ravel(), d.ravel()
+                for a in range(0, len(s), step):
+                    chunk = s[a : a + step]
+                    items.append(_chunk_copy(dst, d[a : a + step], src, chunk, _is_run(chunk)))
+        return items
+
+
+@functools.lru_cache(maxsize=512)
+def _job_shape(records: bytes) -> tuple[list[_Region], int, _FlatJob | None]:
+    """A job's regions merged (``merge_regions``), the bytes it moves, and its flat geometry
+    (None where it has none). Cached by the regions' bytes: a handler's jobs repeat a few
+    geometries (one per job length), so a job's Python setup is done once per geometry."""
+    merged = merge_regions(np.frombuffer(records, dtype=REGION_DTYPE))
+    num_bytes = sum(r[2] * r[4] for r in merged)
+    flat = _FlatJob(merged) if merged and _FlatJob.fits(merged) else None
+    return merged, num_bytes, flat
 
 
 def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
@@ -384,15 +465,16 @@ def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
     destination may overlap another copy's bytes (they run in no particular order). Returns when
     every byte is copied.
     """
-    merged = merge_regions(regions)
+    merged, num_bytes, flat = _job_shape(regions.tobytes())
     threads = _host_copy_threads()
-    parallel = threads > 1 and sum(r[2] * r[4] for r in merged) >= _PARALLEL_MIN_BYTES
-    # A large job as one flat copy when it can be (chunks long enough to copy without the
-    # GIL); a small one region by region (measured faster on one thread: each region's chunk
-    # stays in cache).
-    items = _flat_copy_items(merged, src_ids, dst_ids, _GIL_FREE_ITEMS) if parallel else None
-    if items is None:
-        items = _copy_items(merged, src_ids, dst_ids, _GIL_FREE_ITEMS if parallel else 1)
+    parallel = threads > 1 and num_bytes >= _PARALLEL_MIN_BYTES
+    # A large job's chunks have enough items for numpy to copy them without the GIL, so that
+    # the threads copy together.
+    min_items = _GIL_FREE_ITEMS if parallel else 1
+    if flat is not None:
+        items = flat.items(src_ids, dst_ids, min_items)
+    else:
+        items = _copy_items(merged, src_ids, dst_ids, min_items)
     if not parallel or len(items) == 1:
         for item in items:
             item()
