@@ -359,6 +359,41 @@ def test_a_large_per_layer_job_is_exact_on_threads(
         assert np.array_equal(dst.numpy(), expected)
 
 
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("run", ["gpu", "cpu", "none"])
+def test_per_layer_jobs_on_one_thread_are_exact_at_any_plane_offset(
+    store: bool, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine's shape on one thread: 8 planes of 4 KiB pages, each layer's K and V planes in
+    # one tensor and the layers' tensors at different offsets of a page (as separately
+    # allocated tensors are), one CPU row of every plane's page per block; a job of 48 blocks
+    # (192 KiB per region: runs are copied in one pass) with consecutive ids on the GPU side,
+    # on the CPU side, or on neither.
+    monkeypatch.setenv(ops.HOST_COPY_THREADS_ENV, "1")
+    page, layers, n, pool = 4096, 4, 48, 64
+    layer_bytes = 2 * pool * page
+    gpu = _buffer(layers * (layer_bytes + page), 3)
+    cpu = _buffer(pool * 2 * layers * page, 4)
+    rng = np.random.default_rng(2)
+    gpu_ids = np.arange(5, 5 + n) if run == "gpu" else rng.permutation(pool)[:n]
+    cpu_ids = np.arange(9, 9 + n) if run == "cpu" else rng.permutation(pool)[:n]
+    regions = []
+    for layer in range(layers):
+        base = gpu.data_ptr() + layer * (layer_bytes + page) + 128 * layer  # offsets differ
+        for kv in range(2):
+            plane = ops.BlockSide(base + kv * pool * page, page, pool)
+            row = ops.BlockSide(cpu.data_ptr() + (2 * layer + kv) * page, 2 * layers * page, pool)
+            src, dst = (plane, row) if store else (row, plane)
+            regions.append(ops.CopyRegion(src, dst, page, 0, n))
+    arr = ops.make_regions(regions)
+    src_ids, dst_ids = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    expected = dst.numpy().copy()
+    _reference_copy(arr, src_ids, dst_ids, src.numpy(), src.data_ptr(), expected, dst.data_ptr())
+    ops.copy_blocks(arr, src_ids.astype(np.int64), dst_ids.astype(np.int64), backend="torch")
+    assert np.array_equal(dst.numpy(), expected)
+
+
 def test_host_memmove_parallel_split_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ops.HOST_COPY_THREADS_ENV, "3")
     rows, row = 96, 64 << 10  # 6 MiB: above the threshold for splitting across threads

@@ -4,15 +4,15 @@
 
 Used when the KV cache itself lives in host memory, as on a CPU-only machine where the "GPU" KV
 cache is a CPU tensor. A job's regions that continue each other on both sides are merged; then,
-when every region moves items of one size from aligned sides (a per-layer layout's job:
-``_FlatJob``), the whole job is a few indexed copies between two flat numpy views whose items
+regions that move items of one size from sides at one offset within an item (a per-layer
+layout's job: ``_FlatJob``) are a few indexed copies between two flat numpy views whose items
 are those pages, one call per chunk of about ``_GATHER_BYTES`` (which keeps the gathered items
-in cache) across the regions; otherwise region by region, one numpy gather of each region's
-source blocks and one scatter to its destination blocks per chunk. A run of consecutive ids on
-one side is copied in one pass (a scatter from the run's view, or a gather into it). numpy
-copies each item with ``memcpy``. What a job's geometry needs (the merge, the views, the maps
-from ids to items) is computed once per geometry (``_job_shape``): a handler's jobs repeat a
-few, so a small job costs a few numpy calls, not one Python call per page or per region.
+in cache) across the regions; the others are copied region by region, one numpy gather of each
+region's source blocks and one scatter to its destination blocks per chunk. A run of consecutive
+ids on one side is copied in one pass (a scatter from the run's view, or a gather into it).
+numpy copies each item with ``memcpy``. What a job's geometry needs (the merge, the views, the
+maps from ids to items) is computed once per geometry (``_job_shape``): a handler's jobs repeat
+a few, so a small job costs a few numpy calls, not one Python call per page or per region.
 
 The GIL: numpy keeps it for an indexed copy of at most 500 items and releases it for the whole
 call above. A short copy under the GIL is what a step wants: the previous design's
@@ -360,15 +360,16 @@ def _flat_view(sides: list[_Side], nbytes: int) -> tuple[int, np.ndarray]:
 
 
 class _FlatJob:
-    """A job's geometry as two flat views of one item size and, per pair range, the maps from a
+    """Regions of a job as two flat views of one item size and, per pair range, the maps from a
     pair's ids to its items (built once per geometry by ``_job_shape``).
 
-    A job is flat when its (merged) regions all move items of one size ``S`` and, on each side,
+    Regions are flat together when they all move items of one size ``S`` and, on each side,
     every base is a whole number of ``S`` from that side's lowest base and every stride a
-    multiple of ``S``: each side is then one array of ``S``-byte items from its lowest base. That
-    is a per-layer layout's job (every page one size; the tensors' storage starts at one offset
-    of a memory page), whose regions have one item per block each: copied region by region, a
-    small job would be one numpy call per region; flat, it is one call per chunk of about
+    multiple of ``S``: each side is then one array of ``S``-byte items from its lowest base. A
+    per-layer layout's job is one or a few such groups (every page one size; each tensor's
+    pages start at some offset of a memory page, and tensors allocated apart may differ in it),
+    whose regions have one item per block each: copied region by region, a small job would be
+    one numpy call per region; flat, it is one call per group and chunk of about
     ``_GATHER_BYTES``, whatever region its items belong to. The views span the addresses between
     the side's tensors too, but only the job's own items are read or written.
     """
@@ -395,18 +396,14 @@ class _FlatJob:
 
     @staticmethod
     def fits(regions: list[_Region]) -> bool:
-        """Whether ``regions`` (merged, at least one) have a flat geometry (class docstring)."""
+        """Whether a group of ``_job_shape`` (one item size, sub-block count and base offset
+        within an item per side) is flat: every stride a whole number of items."""
         nbytes = regions[0][2]
-        if any(r[2] != nbytes for r in regions):
-            return False
-        for sides in ([r[0] for r in regions], [r[1] for r in regions]):
-            residue, k = sides[0][0] % nbytes, sides[0][4]
-            for x in sides:
-                if x[0] % nbytes != residue or x[1] % nbytes or (x[4] > 1 and x[2] % nbytes):
-                    return False
-            if any(x[4] != k for x in sides):
-                return False
-        return True
+        return all(
+            x[1] % nbytes == 0 and (x[4] == 1 or x[2] % nbytes == 0)
+            for r in regions
+            for x in (r[0], r[1])
+        )
 
     def items(self, src_ids: IdArray, dst_ids: IdArray, min_items: int) -> list[Callable[[], None]]:
         """The job as independent copies of at least ``min_items`` items each.
@@ -448,14 +445,30 @@ class _FlatJob:
 
 
 @functools.lru_cache(maxsize=512)
-def _job_shape(records: bytes) -> tuple[list[_Region], int, _FlatJob | None]:
-    """A job's regions merged (``merge_regions``), the bytes it moves, and its flat geometry
-    (None where it has none). Cached by the regions' bytes: a handler's jobs repeat a few
-    geometries (one per job length), so a job's Python setup is done once per geometry."""
+def _job_shape(records: bytes) -> tuple[int, list[_FlatJob], list[_Region]]:
+    """A job's geometry: the bytes it moves, its flat parts and the regions copied one by one.
+
+    The merged regions (``merge_regions``) are grouped by their item size, sub-block counts and
+    the offsets of their bases within an item on each side: each group whose strides are whole
+    items is one ``_FlatJob`` (tensors allocated separately start at various offsets of a
+    memory page, so a per-layer job is a few such groups rather than one); the rest is copied
+    region by region. Cached by the regions' bytes: a handler's jobs repeat a few geometries
+    (one per job length), so a job's Python setup is done once per geometry.
+    """
     merged = merge_regions(np.frombuffer(records, dtype=REGION_DTYPE))
     num_bytes = sum(r[2] * r[4] for r in merged)
-    flat = _FlatJob(merged) if merged and _FlatJob.fits(merged) else None
-    return merged, num_bytes, flat
+    groups: dict[tuple[int, ...], list[_Region]] = {}
+    for r in merged:
+        n = r[2]
+        groups.setdefault((n, r[0][0] % n, r[1][0] % n, r[0][4], r[1][4]), []).append(r)
+    flats: list[_FlatJob] = []
+    rest: list[_Region] = []
+    for members in groups.values():
+        if _FlatJob.fits(members):
+            flats.append(_FlatJob(members))
+        else:
+            rest += members
+    return num_bytes, flats, rest
 
 
 def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
@@ -465,16 +478,15 @@ def host_copy(regions: RegionArray, src_ids: IdArray, dst_ids: IdArray) -> None:
     destination may overlap another copy's bytes (they run in no particular order). Returns when
     every byte is copied.
     """
-    merged, num_bytes, flat = _job_shape(regions.tobytes())
+    num_bytes, flats, rest = _job_shape(regions.tobytes())
     threads = _host_copy_threads()
     parallel = threads > 1 and num_bytes >= _PARALLEL_MIN_BYTES
     # A large job's chunks have enough items for numpy to copy them without the GIL, so that
     # the threads copy together.
     min_items = _GIL_FREE_ITEMS if parallel else 1
-    if flat is not None:
-        items = flat.items(src_ids, dst_ids, min_items)
-    else:
-        items = _copy_items(merged, src_ids, dst_ids, min_items)
+    items = _copy_items(rest, src_ids, dst_ids, min_items) if rest else []
+    for flat in flats:
+        items += flat.items(src_ids, dst_ids, min_items)
     if not parallel or len(items) == 1:
         for item in items:
             item()

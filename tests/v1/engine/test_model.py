@@ -74,6 +74,18 @@ def test_written_blocks_match_their_reference_and_a_flipped_byte_is_found(
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
+def test_host_kv_tensors_are_zeroed_and_start_on_a_page(layout: KVLayout) -> None:
+    # Page-aligned like a GPU allocator's large blocks, so that the host copy path moves a
+    # per-layer job as one flat copy: every layer's pages at one offset of a page.
+    group = allocate_group_kv_cache(0, 16, 7, 3, 2, 8, torch.float16, layout)
+    for tensor in group.tensors:
+        assert tensor.data_ptr() % 4096 == 0
+        assert tensor.is_contiguous() and tensor.dtype == torch.float16
+        assert not tensor.any()
+    assert group.tensors[0].shape[-3:] == (16, 2, 8)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
 def test_gather_blocks_reads_every_layout_alike(layout: KVLayout) -> None:
     caches = {
         lay: allocate_group_kv_cache(0, 4, 5, 3, 2, 8, torch.float16, lay) for lay in KVLayout

@@ -200,12 +200,28 @@ def allocate_group_kv_cache(
     tail = (block_size, num_kv_heads, head_size)
     if layout is KVLayout.CROSS_LAYER:
         shape: tuple[int, ...] = (num_blocks, num_layers, 2, *tail)
-        tensors = [torch.zeros(shape, dtype=dtype, device=device)]
+        tensors = [_zeros(shape, dtype, device)]
     else:
         planes_first = layout is KVLayout.PER_LAYER
         shape = (2, num_blocks, *tail) if planes_first else (num_blocks, 2, *tail)
-        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in names]
+        tensors = [_zeros(shape, dtype, device) for _ in names]
     return GroupKVCache(group_idx, block_size, num_blocks, layout, names, tensors)
+
+
+# Host KV tensors start on a memory page, as a GPU allocator's large blocks start aligned: then
+# every layer's pages lie at one offset of a page, and the host copy path moves a per-layer job
+# as one flat copy (vllm/kv_copy/host_copy.py) instead of one per layer.
+_HOST_ALIGNMENT = 4096
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor of ``shape`` on ``device``; on the host, starting on a page."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.zeros(nbytes + _HOST_ALIGNMENT, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HOST_ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 class StandInModel:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,9 @@ from vllm import _custom_ops as ops
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
+
+# Up to this many ids, a job's duplicate check is a Python set (see _repeated).
+_SMALL_JOB: Final = 64
 
 
 @dataclass(frozen=True)
@@ -247,9 +251,14 @@ class JobPlanner:
 def _repeated(ids: npt.NDArray[np.int64], most: int = 4) -> list[int]:
     """Up to ``most`` values that occur more than once in ``ids``, smallest first ([] if none).
 
-    One sort and one comparison (a job's check runs on every transfer; ``np.unique`` with counts
-    costs several times more for the few ids a job has).
+    A job's check runs on every transfer: a few ids are checked with a Python set (numpy's sort
+    releases the GIL, and re-taking it can wait for a tier's thread), more with one sort and
+    one comparison (``np.unique`` with counts costs several times more).
     """
+    if len(ids) <= _SMALL_JOB:
+        values = ids.tolist()
+        if len(set(values)) == len(values):
+            return []
     ordered = np.sort(ids)
     same = ordered[1:] == ordered[:-1]
     if not same.any():
