@@ -201,7 +201,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         plan = self._planner.plan(gpu_spec, cpu_spec)
         if self._lib is None:
             t0 = time.perf_counter()
-            ops.copy_blocks(plan.regions, plan.src_ids, plan.dst_ids, backend="torch")
+            # The planner checked the job (its templates once, with the real extents; the ids
+            # of every job): copy_blocks would only check it again.
+            ops.host_copy(plan.regions, plan.src_ids, plan.dst_ids)
             self._queue.append(
                 _Transfer(job_id, plan.num_bytes, elapsed_s=time.perf_counter() - t0)
             )

@@ -15,6 +15,10 @@ together), no CPU sub-block twice, and no CPU row for two groups whose CPU bytes
 (groups sharing a tensor, or whose views alias as per-group rows do): a row holds one key, so
 one group's block.
 
+A plan is checked here, once: the region templates at construction (``check_copy_blocks`` with
+the real extents), each job's ids (bounds, repeated destinations) when it is planned; the handler
+hands it to the copy without ``copy_blocks``' checks.
+
 Memory on both sides is described in ``vllm.v1.kv_offload.cpu.transfer.gpu_worker`` (CPU views) and
 ``vllm.v1.kv_offload.worker.canonical`` (GPU pages); the resulting regions follow
 ``vllm.kv_copy.regions``.
@@ -35,8 +39,11 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.worker.canonical import CanonicalKVCaches
 
-# Up to this many ids, a job's duplicate check is a Python set (see _repeated).
+# Up to this many ids, a job's checks run in Python (numpy's per-call cost is more, and its sort
+# releases the GIL: see _repeated).
 _SMALL_JOB: Final = 64
+# Region arrays kept per planner (one per job shape, see JobPlanner._regions).
+_REGION_CACHE: Final = 1024
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ class JobPlanner:
                         parent[find(g0)] = find(g1)
         self._cluster = [find(g) for g in range(kv_caches.num_groups)]
         self._shared_clusters = {c for c in self._cluster if self._cluster.count(c) > 1}
+        self._region_cache: dict[tuple[tuple[int, int], ...], ops.RegionArray] = {}
 
     def plan(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> TransferPlan:
         """The ``copy_blocks`` call of one job (see the module docstring for the pairing).
@@ -163,10 +171,10 @@ class JobPlanner:
         gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
         gpu_parts: list[npt.NDArray[np.int64]] = []
         cpu_parts: list[npt.NDArray[np.int64]] = []
-        region_parts: list[ops.RegionArray] = []
         dst_keys: dict[int, list[npt.NDArray[np.int64]]] = {}
         group_rows: dict[int, list[npt.NDArray[np.int64]]] = {}
-        gpu_off = cpu_off = pairs = num_bytes = 0
+        ranges: list[tuple[int, int]] = []  # (group, pairs) per group with blocks
+        gpu_off = cpu_off = num_bytes = 0
         for g, n in enumerate(gpu_spec.group_sizes):
             if n == 0:
                 continue
@@ -179,16 +187,18 @@ class JobPlanner:
                     f"group {g}: {n} GPU blocks starting at sub-block {skip} need {n_cpu} CPU "
                     f"blocks, the CPU spec has {len(cpu_ids) - cpu_off} left"
                 )
-            if int(cpu_g.max()) >= self._num_cpu_blocks:
-                raise ValueError(
-                    f"group {g}: CPU block {int(cpu_g.max())} is outside "
-                    f"[0, {self._num_cpu_blocks})"
-                )
             gpu_g = gpu_ids[gpu_off : gpu_off + n]
-            if int(gpu_g.max()) >= self._num_gpu_blocks[g]:
+            # The specs' ids are non-negative int64 (BlockIDsLoadStoreSpec); a job's few ids
+            # are bounded in Python (a numpy reduction costs more).
+            cpu_max = _largest(cpu_g)
+            if cpu_max >= self._num_cpu_blocks:
                 raise ValueError(
-                    f"group {g}: GPU block {int(gpu_g.max())} is outside "
-                    f"[0, {self._num_gpu_blocks[g]})"
+                    f"group {g}: CPU block {cpu_max} is outside [0, {self._num_cpu_blocks})"
+                )
+            gpu_max = _largest(gpu_g)
+            if gpu_max >= self._num_gpu_blocks[g]:
+                raise ValueError(
+                    f"group {g}: GPU block {gpu_max} is outside [0, {self._num_gpu_blocks[g]})"
                 )
             if k == 1:
                 sub = cpu_g
@@ -196,17 +206,14 @@ class JobPlanner:
                 sub = (cpu_g[:, None] * k + np.arange(k, dtype=np.int64)).ravel()[skip : skip + n]
             gpu_parts.append(gpu_g)
             cpu_parts.append(sub)
-            template = self._templates[g].copy()
-            template["pair_begin"] = pairs
-            template["pair_count"] = n
-            region_parts.append(template)
+            ranges.append((g, n))
             # Destination slots in a group-independent numbering, to catch two groups of one
             # cluster writing the same page. A store's are CPU rows: a row is one key's, of one
             # group, so two groups of a cluster storing into one row collide whatever their
             # sub-blocks (with aliased views their bytes overlap); within a group, its
             # sub-blocks must differ.
             if self._store:
-                key = (sub // k) * self._max_factor + sub % k
+                key = sub if self._max_factor == 1 else (sub // k) * self._max_factor + sub % k
                 if self._cluster[g] in self._shared_clusters:
                     # A group's own rows may repeat (sub-blocks of one row); across groups not.
                     group_rows.setdefault(self._cluster[g], []).append(np.unique(cpu_g))
@@ -214,7 +221,6 @@ class JobPlanner:
                 key = gpu_g
             dst_keys.setdefault(self._cluster[g], []).append(key)
             num_bytes += n * self._group_bytes[g]
-            pairs += n
             gpu_off += n
             cpu_off += n_cpu
         if cpu_off != len(cpu_ids):
@@ -239,13 +245,42 @@ class JobPlanner:
                 raise ValueError(
                     f"the job stores more than one group's block into CPU row(s) {rows}"
                 )
-        if not region_parts:
+        if not ranges:
             empty = np.zeros(0, dtype=np.int64)
             return TransferPlan(np.zeros(0, dtype=ops.REGION_DTYPE), empty, empty, 0)
-        gpu_all = np.concatenate(gpu_parts)
-        cpu_all = np.concatenate(cpu_parts)
+        if len(ranges) == 1:
+            gpu_all, cpu_all = gpu_parts[0], cpu_parts[0]
+        else:
+            gpu_all, cpu_all = np.concatenate(gpu_parts), np.concatenate(cpu_parts)
         src, dst = (gpu_all, cpu_all) if self._store else (cpu_all, gpu_all)
-        return TransferPlan(np.concatenate(region_parts), src, dst, num_bytes)
+        return TransferPlan(self._regions(tuple(ranges)), src, dst, num_bytes)
+
+    def _regions(self, ranges: tuple[tuple[int, int], ...]) -> ops.RegionArray:
+        """The job's regions: each group's template with its pair range, groups in order.
+
+        Jobs repeat a few shapes (blocks per group), so the arrays are kept (read-only) for the
+        last ``_REGION_CACHE`` shapes: the host copy recognises a geometry by their bytes.
+        """
+        regions = self._region_cache.get(ranges)
+        if regions is None:
+            parts, pairs = [], 0
+            for g, n in ranges:
+                part = self._templates[g].copy()
+                part["pair_begin"] = pairs
+                part["pair_count"] = n
+                parts.append(part)
+                pairs += n
+            regions = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            regions.flags.writeable = False
+            if len(self._region_cache) >= _REGION_CACHE:
+                self._region_cache.clear()
+            self._region_cache[ranges] = regions
+        return regions
+
+
+def _largest(ids: npt.NDArray[np.int64]) -> int:
+    """The largest of a non-empty array of ids."""
+    return max(ids.tolist()) if len(ids) <= _SMALL_JOB else int(ids.max())
 
 
 def _repeated(ids: npt.NDArray[np.int64], most: int = 4) -> list[int]:
