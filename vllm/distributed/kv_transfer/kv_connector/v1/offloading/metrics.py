@@ -192,6 +192,11 @@ nobody collects; samples beyond it are dropped."""
 
 _TYPES = "types"
 _DATA = "data"
+# The types' names as stored in ``data`` (read once: an enum member's ``.value`` is a descriptor
+# call, and stats are recorded some 30 times per engine step).
+_COUNTER: str = MetricType.COUNTER.value
+_GAUGE: str = MetricType.GAUGE.value
+_HISTOGRAM: str = MetricType.HISTOGRAM.value
 
 
 def _label_text(name: str, labels: tuple[str, ...], suffix: str = "") -> str:
@@ -231,34 +236,34 @@ class OffloadingConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {_TYPES: {}, _DATA: {}}
 
-    def _slot(self, name: str, kind: MetricType) -> dict[tuple[str, ...], Any]:
+    def _slot(self, name: str, kind: str) -> dict[tuple[str, ...], Any]:
         types: dict[str, str] = self.data[_TYPES]
         known = types.get(name)
         if known is None:
-            types[name] = kind.value
+            types[name] = kind
             slot: dict[tuple[str, ...], Any] = {}
             self.data[_DATA][name] = slot
             return slot
-        assert known == kind.value, f"metric {name} is a {known}, not a {kind.value}"
+        assert known == kind, f"metric {name} is a {known}, not a {kind}"
         return self.data[_DATA][name]
 
     def increase_counter(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
         """Add ``value`` (>= 0) to counter ``name``."""
-        slot = self._slot(name, MetricType.COUNTER)
+        slot = self._slot(name, _COUNTER)
         slot[labels] = slot.get(labels, 0) + value
 
     def set_gauge(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
         """Set gauge ``name`` to ``value``."""
-        self._slot(name, MetricType.GAUGE)[labels] = value
+        self._slot(name, _GAUGE)[labels] = value
 
     def observe_histogram(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
         """Add one observation to histogram ``name``."""
-        self._slot(name, MetricType.HISTOGRAM).setdefault(labels, []).append(value)
+        self._slot(name, _HISTOGRAM).setdefault(labels, []).append(value)
 
     def observe_many(self, name: str, values: list[float], labels: tuple[str, ...] = ()) -> None:
         """Add several observations to histogram ``name``."""
         if values:
-            self._slot(name, MetricType.HISTOGRAM).setdefault(labels, []).extend(values)
+            self._slot(name, _HISTOGRAM).setdefault(labels, []).extend(values)
 
     def get(self, name: str, labels: tuple[str, ...] = ()) -> Any:
         """The value of ``name`` for ``labels`` (None if never recorded)."""
