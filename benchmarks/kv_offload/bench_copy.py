@@ -23,7 +23,9 @@ engine's jobs with the per-layer KV layout. The "GPU" side is ``2 L`` separate t
 layer's K and V planes, one page of ``block / 2 L`` bytes per block), the CPU side one row of
 ``block`` bytes per block holding every page; a job of ``--layer-job-blocks`` blocks is ``2 L``
 regions, its ids drawn from pools of ``2 N`` blocks (at least ``--layer-pool-blocks``: 256 is
-the engine's default GPU pool, whose per-layer tensors are large allocations).
+the engine's default GPU pool, whose per-layer tensors are large allocations). Each "GPU"
+tensor starts on a memory page, as the engine allocates its host KV tensors
+(``--layer-planes heap``: where torch's allocator puts them, at various offsets of a page).
 ``torch-memmove`` rows time, in the same run, the torch backend's previous design (one
 ``ctypes.memmove`` per merged copy, after the same checks). The last column is the calling
 thread's CPU per job (the engine thread's cost; a large job's helper threads not counted). The
@@ -209,12 +211,21 @@ def _per_layer_job(
     return (made, gpu_ids, cpu_ids) if store else (made, cpu_ids, gpu_ids)
 
 
+def _plane(nbytes: int, aligned: bool) -> torch.Tensor:
+    """Random bytes, starting on a memory page if ``aligned``."""
+    if not aligned:
+        return torch.randint(-128, 128, (nbytes,), dtype=torch.int8)
+    raw = torch.randint(-128, 128, (nbytes + 4096,), dtype=torch.int8)
+    start = -raw.data_ptr() % 4096
+    return raw[start : start + nbytes]
+
+
 def bench_torch_per_layer(
-    block: int, layers: int, n: int, reps: int, min_pool: int = 0
+    block: int, layers: int, n: int, reps: int, min_pool: int = 0, aligned: bool = True
 ) -> list[Row]:
     page = block // (2 * layers)
     pool = max(2 * n, min_pool)
-    planes = [torch.randint(-128, 128, (pool * page,), dtype=torch.int8) for _ in range(2 * layers)]
+    planes = [_plane(pool * page, aligned) for _ in range(2 * layers)]
     cpu = torch.ones(pool * block, dtype=torch.int8)  # faulted in before timing
     total = n * block
     flat_src = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
@@ -382,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="per-layer rows: blocks per pool at least (default 2 N; the engine's GPU pool: 256)",
     )
+    p.add_argument(
+        "--layer-planes",
+        choices=["aligned", "heap"],
+        default="aligned",
+        help="per-layer rows: 'GPU' tensors from a memory page, as the engine's (default), or "
+        "wherever torch allocates them",
+    )
     p.add_argument("--markdown", help="also write the table (with command and machine) here")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
@@ -402,7 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         for kib in args.layer_block_kib:
             for n in args.layer_job_blocks:
                 rows += bench_torch_per_layer(
-                    kib << 10, args.layers, n, args.reps, args.layer_pool_blocks
+                    kib << 10,
+                    args.layers,
+                    n,
+                    args.reps,
+                    args.layer_pool_blocks,
+                    args.layer_planes == "aligned",
                 )
     if "cuda" in args.paths and not has_gpu:
         print(f"CUDA paths skipped: {devices.problem}", file=sys.stderr)

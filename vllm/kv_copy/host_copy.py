@@ -449,11 +449,12 @@ def _job_shape(records: bytes) -> tuple[int, list[_FlatJob], list[_Region]]:
     """A job's geometry: the bytes it moves, its flat parts and the regions copied one by one.
 
     The merged regions (``merge_regions``) are grouped by their item size, sub-block counts and
-    the offsets of their bases within an item on each side: each group whose strides are whole
-    items is one ``_FlatJob`` (tensors allocated separately start at various offsets of a
-    memory page, so a per-layer job is a few such groups rather than one); the rest is copied
-    region by region. Cached by the regions' bytes: a handler's jobs repeat a few geometries
-    (one per job length), so a job's Python setup is done once per geometry.
+    the offsets of their bases within an item on each side: each group of several regions whose
+    strides are whole items is one ``_FlatJob`` (tensors allocated separately may start at
+    various offsets of a memory page, so a per-layer job can be a few such groups rather than
+    one); the rest is copied region by region. Cached by the regions' bytes: a handler's jobs
+    repeat a few geometries (one per job length), so a job's Python setup is done once per
+    geometry.
     """
     merged = merge_regions(np.frombuffer(records, dtype=REGION_DTYPE))
     num_bytes = sum(r[2] * r[4] for r in merged)
@@ -464,7 +465,8 @@ def _job_shape(records: bytes) -> tuple[int, list[_FlatJob], list[_Region]]:
     flats: list[_FlatJob] = []
     rest: list[_Region] = []
     for members in groups.values():
-        if _FlatJob.fits(members):
+        # A lone region gains nothing from a flat view (one call either way) and its maps cost.
+        if len(members) > 1 and _FlatJob.fits(members):
             flats.append(_FlatJob(members))
         else:
             rest += members
