@@ -31,7 +31,9 @@ tensor starts on a memory page, as the engine allocates its host KV tensors
 thread's CPU per job (the engine thread's cost; a large job's helper threads not counted). The
 baseline is one contiguous copy of the job's bytes on one thread (``np.copyto``, a ``memcpy``):
 the job's own copies are single-threaded below 4 MiB, and torch's multi-threaded ``copy_`` of a
-few MiB mostly measures its threads' wake-up on a busy machine.
+few MiB mostly measures its threads' wake-up on a busy machine. ``--cpu-per-job`` prints only
+that last column, for ``--reps`` jobs back to back with nothing in between: the figure to
+compare small jobs by (between the bandwidth rows' baseline copies it swings by 2x).
 
 Device memory comes from the test helpers in ``tests/cuda_helpers.py`` (no CUDA build of torch
 is needed); the script puts the repository root on ``sys.path`` for them. The CUDA paths run on
@@ -254,6 +256,26 @@ def bench_torch_per_layer(
     return rows
 
 
+def per_layer_cpu_per_job(
+    block: int, layers: int, sizes: list[int], reps: int, min_pool: int, aligned: bool
+) -> list[str]:
+    """``--cpu-per-job``: the calling thread's CPU per per-layer job, ``reps`` jobs back to back
+    and nothing else in between (the bandwidth rows' baseline copies in between made small jobs'
+    figures swing by 2x on a 2-core machine), as markdown rows ``| blocks | store | load |``."""
+    page = block // (2 * layers)
+    pool = max(2 * max(sizes), min_pool)
+    planes = [_plane(pool * page, aligned) for _ in range(2 * layers)]
+    cpu = torch.ones(pool * block, dtype=torch.int8)
+    lines = []
+    for n in sizes:
+        us = []
+        for store in (True, False):
+            regions, src_ids, dst_ids = _per_layer_job(planes, cpu, page, n, store, 1, pool)
+            us.append(_thread_cpu_us(functools.partial(_host_job, regions, src_ids, dst_ids), reps))
+        lines.append(f"| {n} | {us[0]:,.0f} us | {us[1]:,.0f} us |")
+    return lines
+
+
 @dataclass
 class _CudaTimer:
     lib: ops.CudaCopyLibrary
@@ -400,10 +422,30 @@ def main(argv: list[str] | None = None) -> int:
         help="per-layer rows: 'GPU' tensors from a memory page, as the engine's (default), or "
         "wherever torch allocates them",
     )
+    p.add_argument(
+        "--cpu-per-job",
+        action="store_true",
+        help="only the per-layer jobs' calling-thread CPU per job (--reps jobs back to back; "
+        "no bandwidth rows)",
+    )
     p.add_argument("--markdown", help="also write the table (with command and machine) here")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
 
+    if args.cpu_per_job:
+        for kib in args.layer_block_kib:
+            print(f"per-layer jobs of {kib} KiB blocks, {2 * args.layers} pages each:")
+            print("| blocks | store | load |\n|---:|---:|---:|")
+            for line in per_layer_cpu_per_job(
+                kib << 10,
+                args.layers,
+                args.layer_job_blocks,
+                args.reps,
+                args.layer_pool_blocks,
+                args.layer_planes == "aligned",
+            ):
+                print(line)
+        return 0
     lib = ops.cuda_library()
     devices = ops.cuda_devices()
     has_gpu = devices.count > 0
