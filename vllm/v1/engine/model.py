@@ -28,7 +28,8 @@ KV layouts (``H`` = KV heads per worker, ``D`` = head size, ``bs`` = the group's
 Values are written through an integer view of the tensor (same item size), masked so that every
 value is a finite float.
 
-Devices: the KV tensors may live on any device (``allocate_group_kv_cache(device=...)``). Values
+Devices: the KV tensors may live on any device (``allocate_group_kv_cache(device=...)``); on the
+host each starts on a memory page, as a GPU allocator's large blocks start aligned. Values
 are computed on the host (numpy) and moved explicitly to the KV cache's device before they are
 written, with block and offset indices on that device too; ``gather_blocks`` gathers on the
 device. So the stand-in never mixes devices in one torch operation, and its writes are ordered on

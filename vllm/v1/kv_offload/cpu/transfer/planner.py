@@ -173,7 +173,7 @@ class JobPlanner:
         cpu_parts: list[npt.NDArray[np.int64]] = []
         dst_keys: dict[int, list[npt.NDArray[np.int64]]] = {}
         group_rows: dict[int, list[npt.NDArray[np.int64]]] = {}
-        ranges: list[tuple[int, int]] = []  # (group, pairs) per group with blocks
+        ranges: list[tuple[int, int]] = []  # (group, its blocks) per group with blocks
         gpu_off = cpu_off = num_bytes = 0
         for g, n in enumerate(gpu_spec.group_sizes):
             if n == 0:
@@ -258,8 +258,9 @@ class JobPlanner:
     def _regions(self, ranges: tuple[tuple[int, int], ...]) -> ops.RegionArray:
         """The job's regions: each group's template with its pair range, groups in order.
 
-        Jobs repeat a few shapes (blocks per group), so the arrays are kept (read-only) for the
-        last ``_REGION_CACHE`` shapes: the host copy recognises a geometry by their bytes.
+        Jobs repeat a few shapes (blocks per group), so the arrays are kept, read-only, for up to
+        ``_REGION_CACHE`` shapes (all dropped when full): the host copy recognises a geometry by
+        their bytes.
         """
         regions = self._region_cache.get(ranges)
         if regions is None:
