@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
 
+from tests.v1.kv_connector.unit.offloading_connector.slow_tier import SLOW_TIER
+from tests.v1.kv_connector.unit.offloading_connector.utils import make_config
 from vllm.v1.engine.config import EngineConfig
-from vllm.v1.engine.core import EngineCore, KVOutputAggregator
+from vllm.v1.engine.core import IDLE_POLL_S, EngineCore, KVOutputAggregator
 from vllm.v1.engine.stats import RequestTimes
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -40,6 +43,31 @@ def test_idle_steps_do_nothing_but_drain_events(tmp_path: Path) -> None:
         for _ in range(3):
             assert engine.step() == []
         assert engine.stats.steps == steps and engine.connector_stats()["schedule_ends"] == ends
+
+
+def test_a_request_waiting_on_a_tier_is_polled_not_spun(tmp_path: Path) -> None:
+    # While a request waits for its blocks to come from a slow tier, generate() steps the
+    # engine without computing: each such step is followed by IDLE_POLL_S of waiting, so that
+    # the tiers' threads get the CPU and the GIL (spinning made thousands of steps a second).
+    config = make_config(
+        tmp_path,
+        extra={
+            "spec_name": "TieringOffloadingSpec",
+            "secondary_tiers": [{"type": SLOW_TIER, "load_delay_s": 0.2}],
+        },
+    )
+    with EngineCore(config) as engine:
+        prompt = list(range(1000, 1128))
+        engine.generate({"a": prompt}, 1)
+        engine.reset_prefix_cache()  # the CPU tier too: the hit comes from the slow tier
+        idle_before = engine.stats.idle_steps
+        start = time.perf_counter()
+        engine.generate({"b": prompt}, 1)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        assert engine.stats.tokens_from_secondary > 0
+        idle = engine.stats.idle_steps - idle_before
+        assert elapsed_ms >= 200  # the load waited out its delay
+        assert 0 < idle <= elapsed_ms / (IDLE_POLL_S * 1e3)
 
 
 def test_ranks_hold_different_bytes_and_agree_on_outputs(tmp_path: Path) -> None:

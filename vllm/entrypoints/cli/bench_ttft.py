@@ -357,7 +357,9 @@ def _ttft(engine: Any, req_id: str, prompt: Sequence[int]) -> float:
     engine.add_request(req_id, prompt, 1)
     first = None
     while first is None:
-        for out in engine.step():
+        # A step waiting on the tiers is followed by a short wait, as in serving: spinning
+        # would keep the GIL from the tiers' I/O threads (vllm/v1/engine/core.py).
+        for out in engine.step_or_wait():
             if out.request_id == req_id and out.new_token_ids:
                 first = time.perf_counter()
         if first is None and not engine.has_unfinished_requests():
@@ -370,8 +372,7 @@ def _drain(engine: Any) -> None:
     for _ in range(1_000_000):
         if not engine.has_pending_work():
             return
-        engine.step()
-        time.sleep(0.0005)  # transfers run on other threads: poll, don't spin the core
+        engine.step_or_wait()  # transfers run on other threads: poll, don't spin the core
     raise RuntimeError("transfers still in flight after a million steps")
 
 

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from typing_extensions import Self
 
-from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.core import IDLE_POLL_S, EngineCore
 from vllm.v1.engine.scheduler import RequestOutput
 
 _T = TypeVar("_T")
@@ -115,7 +115,7 @@ class AsyncLLM:
         engine: EngineCore,
         *,
         step_callback: StepCallback | None = None,
-        idle_poll_s: float = 0.001,
+        idle_poll_s: float = IDLE_POLL_S,
     ) -> None:
         self.engine = engine
         self._step_callback = step_callback

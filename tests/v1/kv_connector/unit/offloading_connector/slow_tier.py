@@ -91,7 +91,7 @@ def _ttfts(engine: EngineCore, prompts: list[list[int]], tag: str) -> list[float
         engine.add_request(req_id, prompt, max_tokens=1)
         first: float | None = None
         while engine.has_unfinished_requests() or first is None:
-            for out in engine.step():
+            for out in engine.step_or_wait():
                 if out.request_id == req_id and out.new_token_ids and first is None:
                     first = time.perf_counter() - start
         ttfts.append(first)
@@ -139,7 +139,7 @@ def serve_two_passes(
         engine.kv_connector_stats_sink = metrics.aggregate  # type: ignore[assignment]
         _ttfts(engine, prompts, "store")
         while engine.has_pending_work():  # the cascades to the slow tier
-            engine.step()
+            engine.step_or_wait()
         engine.reset_prefix_cache()
         start, start_cpu = time.perf_counter(), time.thread_time()
         ttfts = _ttfts(engine, prompts, "hit")
