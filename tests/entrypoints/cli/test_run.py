@@ -575,12 +575,14 @@ def test_hybrid_model_stand_in_verifies_loaded_blocks_and_passes(
 def test_hybrid_promotions_read_little_more_than_the_loads_use(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A row holds one group's block (per-group rows), and only keys a hit loads are promoted:
-    # what the fs tier reads into the CPU tier is about what loads then use of it, plus each
-    # block file's 4 KiB header. Head size 64 makes TINY's rows 16 KiB (the header a quarter
-    # of one); four times the CPU bytes keep its 32 rows.
+    # A row holds one group's block (per-group rows): what the fs tier reads into the CPU tier
+    # is what loads then use of it, plus each block file's 4 KiB header (rows spanning both
+    # groups would read twice the bytes). Head size 64 makes TINY's rows 16 KiB (the header a
+    # quarter of one: 1.25x); 1 MiB gives the CPU tier 64 rows. With 32 (512 KiB) a promoted
+    # row was now and then evicted before its load used it and promoted again (1.25-2.1x over
+    # runs). That only the keys a hit loads are promoted is test_hybrid.py's (promoting_hit_end).
     out = tmp_path / "hybrid.json"
-    argv = [*TINY, "--head-size", "64", "--cpu-bytes", "512KiB", "--sliding-window", "32"]
+    argv = [*TINY, "--head-size", "64", "--cpu-bytes", "1MiB", "--sliding-window", "32"]
     argv += ["--model-stand-in", "hybrid", "--fs-root", str(tmp_path / "fs"), "--json", str(out)]
     assert main(argv) == 0
     assert "verdict: PASS" in capsys.readouterr().out
