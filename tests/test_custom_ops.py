@@ -316,14 +316,14 @@ def test_expand_copies_merges_adjacent_copies() -> None:
         assert torch.equal(dst[b * 64 : b * 64 + 64], src[a * 64 : a * 64 + 64])
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["one-flat-copy", "region-wise"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["one-flat-copy", "one-plane-off"])
 def test_a_large_per_layer_job_is_exact_on_threads(
     aligned: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A per-layer job above the threads' threshold: 8 planes of 4 KiB pages (as the engine's
     # layers), one CPU row of every plane's page per block, ids scattered on both sides; planes
     # from one offset of a page (copied as one flat copy of every region's pages), or one of
-    # them 64 bytes off (region by region).
+    # them 64 bytes off (that region alone region by region, the others one flat copy).
     monkeypatch.setenv(ops.HOST_COPY_THREADS_ENV, "2")
     page, planes, n, pool = 4096, 8, 160, 256  # 160 blocks x 32 KiB: 5 MiB
     gpu = _pinnable(planes * pool * page + page, 7)

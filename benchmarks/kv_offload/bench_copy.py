@@ -222,13 +222,21 @@ def _plane(nbytes: int, aligned: bool) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
+def _per_layer_memory(
+    block: int, layers: int, pool: int, aligned: bool
+) -> tuple[int, list[torch.Tensor], torch.Tensor]:
+    """The page size, the ``2 layers`` "GPU" planes of ``pool`` pages and the CPU rows."""
+    page = block // (2 * layers)
+    planes = [_plane(pool * page, aligned) for _ in range(2 * layers)]
+    cpu = torch.ones(pool * block, dtype=torch.int8)  # faulted in before timing
+    return page, planes, cpu
+
+
 def bench_torch_per_layer(
     block: int, layers: int, n: int, reps: int, min_pool: int = 0, aligned: bool = True
 ) -> list[Row]:
-    page = block // (2 * layers)
     pool = max(2 * n, min_pool)
-    planes = [_plane(pool * page, aligned) for _ in range(2 * layers)]
-    cpu = torch.ones(pool * block, dtype=torch.int8)  # faulted in before timing
+    page, planes, cpu = _per_layer_memory(block, layers, pool, aligned)
     total = n * block
     flat_src = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
     flat_dst = np.ones(total, dtype=np.int8)
@@ -262,10 +270,8 @@ def per_layer_cpu_per_job(
     """``--cpu-per-job``: the calling thread's CPU per per-layer job, ``reps`` jobs back to back
     and nothing else in between (the bandwidth rows' baseline copies in between made small jobs'
     figures swing by 2x on a 2-core machine), as markdown rows ``| blocks | store | load |``."""
-    page = block // (2 * layers)
     pool = max(2 * max(sizes), min_pool)
-    planes = [_plane(pool * page, aligned) for _ in range(2 * layers)]
-    cpu = torch.ones(pool * block, dtype=torch.int8)
+    page, planes, cpu = _per_layer_memory(block, layers, pool, aligned)
     lines = []
     for n in sizes:
         us = []

@@ -230,6 +230,17 @@ def merge_regions(regions: RegionArray) -> list[_Region]:
     return merged
 
 
+def _side_span(side: _Side, nbytes: int) -> int:
+    """Bytes from a side's base to the end of its last (sub-)block's ``nbytes``."""
+    _, block_stride, sub_stride, num_blocks, sub_blocks = side
+    return (num_blocks - 1) * block_stride + (sub_blocks - 1) * sub_stride + nbytes
+
+
+def _raw(base: int, span: int) -> memoryview:
+    """The ``span`` bytes at address ``base``, unowned (the caller guarantees the memory)."""
+    return memoryview((ctypes.c_char * span).from_address(base))
+
+
 @functools.lru_cache(maxsize=1024)
 def _side_view(side: _Side, nbytes: int) -> np.ndarray:
     """A numpy view of one region side whose items are the ``nbytes`` of each (sub-)block.
@@ -239,8 +250,7 @@ def _side_view(side: _Side, nbytes: int) -> np.ndarray:
     written only for the ids of a job whose addresses the caller guarantees.
     """
     base, block_stride, sub_stride, num_blocks, sub_blocks = side
-    span = (num_blocks - 1) * block_stride + (sub_blocks - 1) * sub_stride + nbytes
-    buffer = memoryview((ctypes.c_char * span).from_address(base))
+    buffer = _raw(base, _side_span(side, nbytes))
     item = np.dtype((np.void, nbytes))
     if sub_blocks == 1:
         return np.ndarray((num_blocks,), item, buffer=buffer, strides=(block_stride,))
@@ -354,9 +364,9 @@ def _flat_view(sides: list[_Side], nbytes: int) -> tuple[int, np.ndarray]:
     """The lowest base of ``sides`` and a view of ``nbytes`` items from it that spans every
     side's blocks (``_FlatJob``)."""
     lo = min(x[0] for x in sides)
-    end = max(x[0] + (x[3] - 1) * x[1] + (x[4] - 1) * x[2] + nbytes for x in sides)
-    buffer = memoryview((ctypes.c_char * (end - lo)).from_address(lo))
-    return lo, np.ndarray(((end - lo) // nbytes,), np.dtype((np.void, nbytes)), buffer=buffer)
+    end = max(x[0] + _side_span(x, nbytes) for x in sides)
+    item = np.dtype((np.void, nbytes))
+    return lo, np.ndarray(((end - lo) // nbytes,), item, buffer=_raw(lo, end - lo))
 
 
 class _FlatJob:

@@ -219,7 +219,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     """A zeroed tensor of ``shape`` on ``device``; on the host, starting on a page."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = torch.zeros(nbytes + _HOST_ALIGNMENT, dtype=torch.uint8)
     start = -raw.data_ptr() % _HOST_ALIGNMENT
     return raw[start : start + nbytes].view(dtype).view(shape)
