@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -92,6 +93,19 @@ def _served_by_tier(stats: EngineStats, types: Sequence[str | None]) -> list[int
     return served
 
 
+@dataclass(frozen=True)
+class _RunSeries:
+    """What labels one attached run's series.
+
+    Attributes:
+        labelvalues: the values of ``LABELNAMES``.
+        tiers: ``tier`` label and tier type of each tier, in lookup order (``_tier_labels``).
+    """
+
+    labelvalues: tuple[str, ...]
+    tiers: list[tuple[str, str | None]]
+
+
 class EngineMetrics:
     """The connector's metrics of this process's engines, in a registry of their own.
 
@@ -108,63 +122,56 @@ class EngineMetrics:
         self.prom = OffloadPromMetrics(self.registry, LABELNAMES)
         self.engine_index = engine_index
         self._lock = threading.Lock()
-        self._flushers: dict[str, Callable[[EngineCore], None]] = {}
+        self._runs: dict[str, _RunSeries] = {}
 
     def attach(
         self, engine: EngineCore, run: str, step_callback: StepCallback | None = None
     ) -> StepCallback:
         """Feed ``engine``'s metrics, labelled ``run``; returns the step callback to give the
         front end (it calls ``step_callback`` too)."""
-        labelvalues = (engine.config.model_name, str(self.engine_index), run)
-        tiers = _tier_labels(engine)
+        series = _RunSeries(
+            labelvalues=(engine.config.model_name, str(self.engine_index), run),
+            tiers=_tier_labels(engine),
+        )
 
         def sink(stats: KVConnectorStats) -> None:
-            with self._lock:
-                if isinstance(stats, OffloadingConnectorStats):
-                    self.prom.observe(stats, labelvalues)
-                self._observe_engine(engine, labelvalues, tiers)
+            self._observe(engine, stats, series)
 
         def callback(engine_: EngineCore, outputs: list[Any]) -> None:
             if engine_.connector is None:  # with a connector, the sink did it already
-                with self._lock:
-                    self._observe_engine(engine_, labelvalues, tiers)
+                self._observe(engine_, None, series)
             if step_callback is not None:
                 step_callback(engine_, outputs)
 
         engine.kv_connector_stats_sink = sink
-        self._flushers[run] = lambda e: self._flush(e, labelvalues, tiers)
+        self._runs[run] = series
         return callback
 
     def flush(self, engine: EngineCore, run: str) -> None:
         """Engine thread, after the run's last step: collect what the last step left."""
-        self._flushers[run](engine)
+        stats = engine.connector.get_kv_connector_stats() if engine.connector else None
+        self._observe(engine, stats, self._runs[run])
 
     def families(self) -> list[Metric]:
         """Every metric family now (picklable: a fleet instance sends them to the command)."""
         with self._lock:
             return list(self.registry.collect())
 
-    def _flush(
-        self,
-        engine: EngineCore,
-        labelvalues: tuple[str, ...],
-        tiers: list[tuple[str, str | None]],
+    def _observe(
+        self, engine: EngineCore, stats: KVConnectorStats | None, series: _RunSeries
     ) -> None:
-        stats = engine.connector.get_kv_connector_stats() if engine.connector else None
+        """One step's observations under the lock: the connector's ``stats`` (if the
+        offloading connector's), then the engine's token counters."""
         with self._lock:
             if isinstance(stats, OffloadingConnectorStats):
-                self.prom.observe(stats, labelvalues)
-            self._observe_engine(engine, labelvalues, tiers)
+                self.prom.observe(stats, series.labelvalues)
+            self._observe_engine(engine, series)
 
-    def _observe_engine(
-        self,
-        engine: EngineCore,
-        labelvalues: tuple[str, ...],
-        tiers: list[tuple[str, str | None]],
-    ) -> None:
+    def _observe_engine(self, engine: EngineCore, series: _RunSeries) -> None:
         """The engine's token accounting, as the report derives it: each tier is looked up for
         the tokens every faster one missed, and serves what it loaded and verified."""
         s = engine.stats
+        labelvalues, tiers = series.labelvalues, series.tiers
         total = self.prom.set_counter_total
         total("vllm:prefix_cache_queries", s.prompt_tokens, labelvalues)
         total("vllm:prefix_cache_hits", s.tokens_from_gpu_cache, labelvalues)
