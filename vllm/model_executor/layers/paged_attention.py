@@ -199,6 +199,11 @@ class AttentionMetadata:
     group: int  # query heads per KV head
     num_heads: int
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads (each shared by ``group`` query heads)."""
+        return self.num_heads // self.group
+
     @classmethod
     def build(
         cls,
@@ -505,8 +510,7 @@ def _attend_chunks(
     meta: AttentionMetadata,
     b: _ChunkBatch,
 ) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    kv_heads = num_heads // meta.group
+    head_dim, kv_heads = query.shape[2], meta.num_kv_heads
     s, chunk, m = b.num_seqs, meta.chunk, b.rows * meta.group
     # Keys and values [C, chunk, Hkv, D], float32, in the cache's token-major order.
     shape = (-1, chunk, kv_heads, head_dim)
@@ -550,8 +554,7 @@ def _attend(
     meta: AttentionMetadata,
     b: _Batch,
 ) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    kv_heads = num_heads // meta.group
+    head_dim, kv_heads = query.shape[2], meta.num_kv_heads
     s, chunk, nch = b.num_seqs, meta.chunk, b.num_chunks
     # Keys [S, Hkv, chunks * chunk, D] and values, transposed, with the weight-sum rows
     # [S, Hkv, chunks, D + SUM_ROWS, chunk], float32: every piece of a long sequence reads
