@@ -4,10 +4,11 @@
 
 Test doubles here wrap REAL components:
 
-* ``ChaosHandler`` wraps a real transfer handler. It runs each job late (after a random number of
-  ``get_finished`` polls, or when ``wait`` asks for it) and can fail jobs on purpose (the real
-  transfer is then skipped, so the destination keeps stale bytes), as its ``Chaos`` says. Running stores late is what
-  makes a missing flush observable: the store would copy bytes that were overwritten meanwhile.
+* ``ChaosHandler`` wraps a real transfer handler. As its ``Chaos`` says, it runs each job late
+  (after a random number of ``get_finished`` polls, or when ``wait`` asks for it) and can fail
+  jobs on purpose (the real transfer is then skipped, so the destination keeps stale bytes).
+  Running stores late is what makes a missing flush observable: the store would copy bytes that
+  were overwritten meanwhile.
 * ``WrappedCPUOffloadingSpec`` / ``WrappedTieringOffloadingSpec`` are the real specs, but their
   ``get_handlers`` passes each rank's real handlers through a ``HandlerWrapper`` (e.g.
   ``chaos_factory``'s). ``with_handlers(config, wrapper)`` selects them the way an out-of-tree
