@@ -8,47 +8,27 @@ Built-in specs are registered by name and imported lazily; any other name is imp
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from collections.abc import Callable
 from typing import ClassVar
 
 from vllm.logger import init_logger
+from vllm.utils.class_registry import LazyClassRegistry
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.spec import KVCacheRunInfo, OffloadingSpec
 
 logger = init_logger(__name__)
 
 
-def _load_spec_class(module_path: str, class_name: str) -> type[OffloadingSpec]:
-    module = importlib.import_module(module_path)
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ValueError(f"module {module_path!r} has no offloading spec {class_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, OffloadingSpec)):
-        raise ValueError(f"{module_path}.{class_name} is not a subclass of OffloadingSpec")
-    return cls
-
-
 class OffloadingSpecFactory:
     """Registry of ``OffloadingSpec`` classes by name, imported on first use."""
 
-    _registry: ClassVar[dict[str, Callable[[], type[OffloadingSpec]]]] = {}
+    _registry: ClassVar[LazyClassRegistry[OffloadingSpec]] = LazyClassRegistry(
+        OffloadingSpec, "offloading spec"
+    )
 
-    @classmethod
-    def register_spec(cls, name: str, module_path: str, class_name: str) -> None:
-        """Register ``module_path.class_name`` under ``name``.
-
-        Raises:
-            ValueError: ``name`` is already registered.
-        """
-        if name in cls._registry:
-            raise ValueError(f"offloading spec {name!r} is already registered")
-
-        def loader() -> type[OffloadingSpec]:
-            return _load_spec_class(module_path, class_name)
-
-        cls._registry[name] = loader
+    register_spec = _registry.register
+    """``register_spec(name, module_path, class_name)``: register ``module_path.class_name``
+    under ``name`` (``ValueError`` if ``name`` is already registered)."""
 
     @classmethod
     def get_spec_class(cls, config: OffloadingConfig) -> type[OffloadingSpec]:
@@ -57,15 +37,15 @@ class OffloadingSpecFactory:
         Raises:
             ValueError: the name is neither registered nor importable from ``spec_module_path``.
         """
-        loader = cls._registry.get(config.spec_name)
-        if loader is not None:
-            return loader()
+        spec_cls = cls._registry.get(config.spec_name)
+        if spec_cls is not None:
+            return spec_cls
         if config.spec_module_path is None:
             raise ValueError(
                 f"unknown offloading spec {config.spec_name!r}; registered specs: "
-                f"{sorted(cls._registry)} (set 'spec_module_path' for an out-of-tree spec)"
+                f"{cls._registry.names()} (set 'spec_module_path' for an out-of-tree spec)"
             )
-        return _load_spec_class(config.spec_module_path, config.spec_name)
+        return cls._registry.load(config.spec_module_path, config.spec_name)
 
     @classmethod
     def create_spec(

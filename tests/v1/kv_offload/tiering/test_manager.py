@@ -1104,12 +1104,14 @@ class AsyncTestTier(SecondaryTierManager):
 
     @override
     def submit_store(self, job: TierJob) -> None:
-        self.recorder.on_submit(job)
-        self.running[job.job_id] = job
-        self.polls_seen[job.job_id] = 0
+        self._start(job)
 
     @override
     def submit_load(self, job: TierJob) -> None:
+        self._start(job)
+
+    def _start(self, job: TierJob) -> None:
+        """A store or a load alike: it runs when ``complete`` is called for it."""
         self.recorder.on_submit(job)
         self.running[job.job_id] = job
         self.polls_seen[job.job_id] = 0

@@ -10,6 +10,8 @@ books and the manager as they were.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -48,16 +50,18 @@ def _looked_up(
     return sched, manager, request
 
 
+@contextmanager
 def _refused(
     sched: OffloadingConnectorScheduler,
     manager: CountingManager,
     match: str,
-    call: Any,
     error: type[Exception] = ValueError,
-) -> None:
+) -> Iterator[None]:
+    """The call in the ``with`` block must raise ``error`` matching ``match`` (never an
+    ``AssertionError``) and leave the connector's books and the manager as they were."""
     before = snapshot(sched, manager)
     with pytest.raises(error, match=match) as info:
-        call()
+        yield
     assert not isinstance(info.value, AssertionError)
     assert snapshot(sched, manager) == before
 
@@ -67,12 +71,8 @@ def _refused(
 
 def test_alloc_of_a_request_never_looked_up() -> None:
     sched, manager = setup_scheduler()
-    _refused(
-        sched,
-        manager,
-        r"update_state_after_alloc: request 'r49' was never looked up",
-        lambda: sched.update_state_after_alloc(make_request(49), ([1, 2, 3, 4],), 0),
-    )
+    with _refused(sched, manager, r"update_state_after_alloc: request 'r49' was never looked up"):
+        sched.update_state_after_alloc(make_request(49), ([1, 2, 3, 4],), 0)
 
 
 @pytest.mark.parametrize(
@@ -93,12 +93,8 @@ def test_an_allocation_that_contradicts_the_books(
     """A request of 3 offloaded blocks, looked up, maybe allocated once (``loaded``: the tokens
     that allocation loads), then allocated again in a way its books refuse."""
     sched, manager, request = _looked_up(loaded)
-    _refused(
-        sched,
-        manager,
-        match,
-        lambda: sched.update_state_after_alloc(request, blocks, num_tokens),
-    )
+    with _refused(sched, manager, match):
+        sched.update_state_after_alloc(request, blocks, num_tokens)
 
 
 def test_a_load_the_manager_refuses_leaves_the_books_unchanged() -> None:
@@ -107,12 +103,8 @@ def test_a_load_the_manager_refuses_leaves_the_books_unchanged() -> None:
     request = make_request(65)
     offload_all(manager, offload_keys(request)[:3])
     assert sched.get_num_new_matched_tokens(request, 0) == (48, True)
-    _refused(
-        sched,
-        manager,
-        r"prepare_load: key .* of request 'r65' is not offloaded",
-        lambda: sched.update_state_after_alloc(request, ([1, 2, 3, 4, 5],), 64),
-    )
+    with _refused(sched, manager, r"prepare_load: key .* of request 'r65' is not offloaded"):
+        sched.update_state_after_alloc(request, ([1, 2, 3, 4, 5],), 64)
     sched.update_state_after_alloc(request, ([1, 2, 3, 4, 5],), 48)  # the right call works
 
 
@@ -121,12 +113,8 @@ def test_two_requests_may_not_load_the_same_blocks_at_once() -> None:
     second = Request("twin", list(range(49)), 1, block_hasher=get_request_block_hasher(16))
     assert sched.get_num_new_matched_tokens(second, 0) == (48, True)
     sched.update_state_after_alloc(first, ([1, 2, 3, 4],), 48)
-    _refused(
-        sched,
-        manager,
-        r"'twin' loads blocks that another request's load job",
-        lambda: sched.update_state_after_alloc(second, ([5, 6, 7, 8],), 48),
-    )
+    with _refused(sched, manager, r"'twin' loads blocks that another request's load job"):
+        sched.update_state_after_alloc(second, ([5, 6, 7, 8],), 48)
 
 
 # -- build_connector_meta -----------------------------------------------------------------------
@@ -169,7 +157,8 @@ def _new(req_id: str, blocks: list[int]) -> NewRequestData:
 def test_a_scheduler_output_that_contradicts_the_books(output: Any, match: str) -> None:
     sched, manager, _ = _looked_up(loaded=48)
     sched.build_connector_meta(SchedulerOutput())  # the load job is now in flight
-    _refused(sched, manager, match, lambda: sched.build_connector_meta(output()))
+    with _refused(sched, manager, match):
+        sched.build_connector_meta(output())
 
 
 # -- request_finished, reset_cache --------------------------------------------------------------
@@ -179,24 +168,15 @@ def test_request_finished_twice() -> None:
     sched, manager, request = _looked_up(loaded=48)
     sched.build_connector_meta(SchedulerOutput())
     assert sched.request_finished(request) == (False, None)  # its load keeps the state alive
-    _refused(
-        sched,
-        manager,
-        r"request_finished: request 'r49' finished twice",
-        lambda: sched.request_finished(request),
-    )
+    with _refused(sched, manager, r"request_finished: request 'r49' finished twice"):
+        sched.request_finished(request)
     assert manager.finished == ["r49"]
 
 
 def test_reset_cache_in_the_middle_of_a_step() -> None:
     sched, manager, request = _looked_up(loaded=48)
-    _refused(
-        sched,
-        manager,
-        r"reset_cache: called in the middle of a step",
-        sched.reset_cache,
-        RuntimeError,
-    )
+    with _refused(sched, manager, r"reset_cache: called in the middle of a step", RuntimeError):
+        sched.reset_cache()
     assert manager.lookup(offload_keys(request)[0], ReqContext("x")) is True  # not reset
 
 
@@ -213,25 +193,13 @@ def _running(cached: list[str], preempted: set[str] | None = None) -> SchedulerO
 
 def test_scheduled_without_an_allocation_twice_or_while_preempted() -> None:
     sched, manager, request = _looked_up()
-    _refused(
-        sched,
-        manager,
-        r"'r49' is scheduled without update_state_after_alloc",
-        lambda: sched.build_connector_meta(_running(["r49"])),
-    )
+    with _refused(sched, manager, r"'r49' is scheduled without update_state_after_alloc"):
+        sched.build_connector_meta(_running(["r49"]))
     sched.update_state_after_alloc(request, ([1, 2, 3, 4],), 0)
-    _refused(
-        sched,
-        manager,
-        r"scheduled twice in one step",
-        lambda: sched.build_connector_meta(_running(["r49", "r49"])),
-    )
-    _refused(
-        sched,
-        manager,
-        r"\['r49'\] are both scheduled and preempted",
-        lambda: sched.build_connector_meta(_running(["r49"], {"r49"})),
-    )
+    with _refused(sched, manager, r"scheduled twice in one step"):
+        sched.build_connector_meta(_running(["r49", "r49"]))
+    with _refused(sched, manager, r"\['r49'\] are both scheduled and preempted"):
+        sched.build_connector_meta(_running(["r49"], {"r49"}))
     sched.build_connector_meta(_running(["r49"]))  # the right call works
 
 
@@ -248,23 +216,21 @@ def test_a_step_scheduling_tokens_beyond_the_requests_blocks() -> None:
         scheduled_cached_reqs=CachedRequestData(["r49"], [None], [16]),
         num_scheduled_tokens={"r49": 1},
     )
-    _refused(
+    with _refused(
         sched,
         manager,
         r"'r49' is scheduled to compute up to token 17 but holds 0 GPU blocks of group 0",
-        lambda: sched.build_connector_meta(step),
-    )
-    _refused(
-        sched,
-        manager,
-        r"'r49' is scheduled to compute up to token 49 but holds 2 GPU blocks",
-        lambda: sched.build_connector_meta(
+    ):
+        sched.build_connector_meta(step)
+    with _refused(
+        sched, manager, r"'r49' is scheduled to compute up to token 49 but holds 2 GPU blocks"
+    ):
+        sched.build_connector_meta(
             SchedulerOutput(
                 scheduled_cached_reqs=CachedRequestData(["r49"], [([1, 2],)], [16]),
                 num_scheduled_tokens={"r49": 40},  # capped at the request's 49 tokens
             )
-        ),
-    )
+        )
     # The same step with blocks for its tokens stores the request's first block.
     step.scheduled_cached_reqs.new_block_ids = [([1, 2],)]
     meta = sched.build_connector_meta(step)
@@ -277,34 +243,26 @@ def test_a_new_request_scheduled_beyond_its_blocks() -> None:
     manager.reset_cache()
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
     sched.update_state_after_alloc(request, ([1],), 0)
-    _refused(
-        sched,
-        manager,
-        r"'r49' is scheduled to compute up to token 32 but holds 1 GPU blocks",
-        lambda: sched.build_connector_meta(
+    with _refused(
+        sched, manager, r"'r49' is scheduled to compute up to token 32 but holds 1 GPU blocks"
+    ):
+        sched.build_connector_meta(
             SchedulerOutput(scheduled_new_reqs=[_new("r49", [1])], num_scheduled_tokens={"r49": 32})
-        ),
-    )
+        )
 
 
 def test_running_requests_described_inconsistently() -> None:
     sched, manager, _ = _looked_up(loaded=0)
-    _refused(
-        sched,
-        manager,
-        r"running request 'r49' has new blocks for 2 groups, expected 1",
-        lambda: sched.build_connector_meta(
+    with _refused(sched, manager, r"running request 'r49' has new blocks for 2 groups, expected 1"):
+        sched.build_connector_meta(
             SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [([5], [6])], [48]))
-        ),
-    )
-    _refused(
-        sched,
-        manager,
-        r"the running requests' lists differ in length \(1 ids, 0 block lists",
-        lambda: sched.build_connector_meta(
+        )
+    with _refused(
+        sched, manager, r"the running requests' lists differ in length \(1 ids, 0 block lists"
+    ):
+        sched.build_connector_meta(
             SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r49"], [], [48]))
-        ),
-    )
+        )
 
 
 class RefusingOnceManager(CountingManager):

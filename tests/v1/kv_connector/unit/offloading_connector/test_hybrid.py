@@ -21,6 +21,7 @@ from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
     request_states,
 )
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
+    Chaos,
     EngineCore,
     baseline,
     capture_metadata,
@@ -188,7 +189,7 @@ def test_swa_blocks_freed_while_a_store_reads_them_are_fenced(
         gpu_block_sizes=(16, 16),
         sliding_windows=(None, 16),
     )
-    factory = chaos_factory(min_delay_polls=12, max_delay_polls=12)
+    factory = chaos_factory(Chaos(min_delay_polls=12, max_delay_polls=12))
     with EngineCore(with_handlers(config, factory)) as engine:
         assert engine.connector is not None
         sched = engine.connector.connector_scheduler

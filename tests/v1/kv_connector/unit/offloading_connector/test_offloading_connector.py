@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
+    Chaos,
     ChaosHandler,
     EventCollector,
     HandlerWrapper,
@@ -178,7 +179,8 @@ def _chaos_with_failures(seed: int) -> HandlerWrapper:
             rule = _every(3) if (is_load and rank == 0) else None
             if not is_load and rank == 1:
                 rule = _every(4)
-            wrapped.append((src, dst, ChaosHandler(handler, rng, rank, 3, 0.05, fail_job=rule)))
+            chaos = Chaos(max_delay_polls=3, failure_rate=0.05, fail_job=rule)
+            wrapped.append((src, dst, ChaosHandler(handler, rng, rank, chaos)))
         real.registrations = wrapped
         return real
 
@@ -250,8 +252,10 @@ def test_a_load_failed_on_one_rank_only_is_recomputed(tmp_path: Path) -> None:
                     handler,
                     random.Random(rank),
                     rank,
-                    fail_job=(lambda job_id: True) if rank == 0 else None,
-                    min_delay_polls=0 if rank == 0 else 2,
+                    Chaos(
+                        fail_job=(lambda job_id: True) if rank == 0 else None,
+                        min_delay_polls=0 if rank == 0 else 2,
+                    ),
                 )
             wrapped.append((src, dst, handler))
         real.registrations = wrapped
@@ -309,9 +313,8 @@ def test_random_configurations_under_chaos(tmp_path: Path, seed: int) -> None:
         tmp_path, cpu_blocks=rng.choice([8, 16, 32, 64]), fs=fs, extra=extra, **geometry
     )
     factory = chaos_factory(
+        Chaos(max_delay_polls=rng.choice([0, 2, 5]), failure_rate=rng.choice([0.0, 0.05, 0.2])),
         seed=seed,
-        max_delay_polls=rng.choice([0, 2, 5]),
-        failure_rate=rng.choice([0.0, 0.05, 0.2]),
     )
     with EngineCore(with_handlers(config, factory)) as engine:
         assert workload(engine, between) == expected

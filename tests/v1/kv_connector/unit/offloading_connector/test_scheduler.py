@@ -24,6 +24,7 @@ from tests.v1.kv_connector.unit.offloading_connector.scheduler_harness import (
     request_states,
 )
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
+    Chaos,
     TransferLog,
     capture_metadata,
     chaos_factory,
@@ -245,7 +246,7 @@ def _cpu_only_prompt(
     """An engine whose transfers each take ``delay_polls`` polls, and a prompt of
     ``num_tokens`` random tokens (from ``seed``) whose blocks only the CPU tier holds: computed
     once, then dropped from the GPU prefix cache."""
-    factory = chaos_factory(min_delay_polls=delay_polls, max_delay_polls=delay_polls)
+    factory = chaos_factory(Chaos(min_delay_polls=delay_polls, max_delay_polls=delay_polls))
     with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         prompt = random_tokens(random.Random(seed), num_tokens)
         engine.generate({"warm": prompt}, max_tokens=1)
@@ -325,7 +326,7 @@ def test_preemption_flushes_pending_stores(
     # Under async scheduling fewer preempted requests have a store pending (a request's blocks
     # fill a step later): a smaller pool and later stores make the negative control bite.
     delay, gpu_blocks = (8, 20) if scheduling_mode == "async" else (2, 24)
-    factory = chaos_factory(min_delay_polls=delay, max_delay_polls=delay, log=log)
+    factory = chaos_factory(Chaos(min_delay_polls=delay, max_delay_polls=delay), log=log)
     config = make_config(tmp_path, num_gpu_blocks=gpu_blocks, cpu_blocks=256)
     with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
@@ -359,7 +360,7 @@ def test_fence_flushes_a_finished_requests_store_when_its_block_is_reused(
     tmp_path: Path,
 ) -> None:
     log = TransferLog()
-    factory = chaos_factory(min_delay_polls=1000, max_delay_polls=1000, log=log)
+    factory = chaos_factory(Chaos(min_delay_polls=1000, max_delay_polls=1000), log=log)
     config = make_config(tmp_path, num_gpu_blocks=9, max_num_seqs=2)
     with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
@@ -394,7 +395,7 @@ def test_fence_flushes_a_finished_requests_store_when_its_block_is_reused(
 
 
 def test_fence_at_update_state_after_alloc(tmp_path: Path) -> None:
-    factory = chaos_factory(min_delay_polls=1000, max_delay_polls=1000)
+    factory = chaos_factory(Chaos(min_delay_polls=1000, max_delay_polls=1000))
     config = make_config(tmp_path, num_gpu_blocks=8, max_num_seqs=1)
     with EngineCore(with_handlers(config, factory)) as engine:
         metas = capture_metadata(engine)
@@ -423,7 +424,7 @@ def test_fence_at_update_state_after_alloc(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tiers", ["cpu", "fs"])
 def test_on_schedule_end_once_per_build_connector_meta(tmp_path: Path, tiers: str) -> None:
     config = make_config(tmp_path, num_gpu_blocks=32, cpu_blocks=24, fs=tiers == "fs")
-    with EngineCore(with_handlers(config, chaos_factory(max_delay_polls=2))) as engine:
+    with EngineCore(with_handlers(config, chaos_factory(Chaos(max_delay_polls=2)))) as engine:
         log = spy_on_manager(engine)
         run_multi_turn(engine, seed=9, num_sessions=4, turns=3)
         for _ in range(3):  # idle steps drain events only
@@ -456,7 +457,7 @@ def test_on_schedule_end_once_per_build_connector_meta(tmp_path: Path, tiers: st
 def test_reset_cache_flushes_in_flight_jobs_and_ignores_their_completions(
     tmp_path: Path,
 ) -> None:
-    factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
+    factory = chaos_factory(Chaos(min_delay_polls=3, max_delay_polls=3))
     with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         metas = capture_metadata(engine)
         reported = _capture_reports(engine)
@@ -493,7 +494,7 @@ def test_reset_cache_flushes_in_flight_jobs_and_ignores_their_completions(
 def test_no_lookup_until_every_pre_reset_job_is_reported(tmp_path: Path) -> None:
     """After a reset, lookups (which can start promotions into freshly freed rows that a
     pre-reset copy still touches) wait until every worker reported every pre-reset job."""
-    factory = chaos_factory(min_delay_polls=3, max_delay_polls=3)
+    factory = chaos_factory(Chaos(min_delay_polls=3, max_delay_polls=3))
     with EngineCore(with_handlers(make_config(tmp_path, fs=True), factory)) as engine:
         metas = capture_metadata(engine)
         rng = random.Random(12)
@@ -749,7 +750,7 @@ def test_load_job_specs_are_group_major_with_block_indices() -> None:
 
 
 def test_request_id_is_not_reused_while_its_transfers_run(tmp_path: Path) -> None:
-    factory = chaos_factory(min_delay_polls=4, max_delay_polls=4)
+    factory = chaos_factory(Chaos(min_delay_polls=4, max_delay_polls=4))
     with EngineCore(with_handlers(make_config(tmp_path), factory)) as engine:
         rng = random.Random(13)
         engine.add_request("a", random_tokens(rng, 96), 1)

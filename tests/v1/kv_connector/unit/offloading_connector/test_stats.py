@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
+    Chaos,
     chaos_factory,
     make_config,
     run_multi_turn,
@@ -218,7 +219,7 @@ def test_failed_transfers_are_counted_per_direction(tmp_path: Path) -> None:
     collected: list[OffloadingConnectorStats] = []
     config = with_handlers(
         make_config(tmp_path, cpu_blocks=128, num_gpu_blocks=24),
-        chaos_factory(seed=3, failure_rate=0.3),
+        chaos_factory(Chaos(failure_rate=0.3), seed=3),
     )
     with EngineCore(config) as engine:
         engine.kv_connector_stats_sink = collected.append

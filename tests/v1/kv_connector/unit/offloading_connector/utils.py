@@ -4,10 +4,11 @@
 
 Test doubles here wrap REAL components:
 
-* ``ChaosHandler`` wraps a real transfer handler. It runs each job late (after a random number of
-  ``get_finished`` polls, or when ``wait`` asks for it) and can fail jobs on purpose (the real
-  transfer is then skipped, so the destination keeps stale bytes). Running stores late is what
-  makes a missing flush observable: the store would copy bytes that were overwritten meanwhile.
+* ``ChaosHandler`` wraps a real transfer handler. As its ``Chaos`` says, it runs each job late
+  (after a random number of ``get_finished`` polls, or when ``wait`` asks for it) and can fail
+  jobs on purpose (the real transfer is then skipped, so the destination keeps stale bytes).
+  Running stores late is what makes a missing flush observable: the store would copy bytes that
+  were overwritten meanwhile.
 * ``WrappedCPUOffloadingSpec`` / ``WrappedTieringOffloadingSpec`` are the real specs, but their
   ``get_handlers`` passes each rank's real handlers through a ``HandlerWrapper`` (e.g.
   ``chaos_factory``'s). ``with_handlers(config, wrapper)`` selects them the way an out-of-tree
@@ -129,6 +130,21 @@ class _Pending:
     fail: bool
 
 
+@dataclass(frozen=True)
+class Chaos:
+    """How a ``ChaosHandler`` misbehaves (the default: not at all)."""
+
+    max_delay_polls: int = 0
+    """Each job runs after a random number of ``get_finished`` polls, at most this many (or
+    ``min_delay_polls``, if that is more)."""
+    failure_rate: float = 0.0
+    """The probability that a job fails (its real transfer skipped)."""
+    fail_job: Callable[[int], bool] | None = None
+    """Whether job ``job_id`` fails, whatever ``failure_rate`` draws."""
+    min_delay_polls: int = 0
+    """Each job runs after at least this many polls."""
+
+
 class ChaosHandler(OffloadingHandler):
     """Runs a real handler's jobs late, and fails some of them (see the module docstring)."""
 
@@ -137,20 +153,17 @@ class ChaosHandler(OffloadingHandler):
         inner: OffloadingHandler,
         rng: random.Random,
         rank: int,
-        max_delay_polls: int = 0,
-        failure_rate: float = 0.0,
+        chaos: Chaos = Chaos(),
         log: TransferLog | None = None,
-        fail_job: Callable[[int], bool] | None = None,
-        min_delay_polls: int = 0,
     ) -> None:
         self.inner = inner
         self.rng = rng
         self.rank = rank
-        self.min_delay_polls = min_delay_polls
-        self.max_delay_polls = max(max_delay_polls, min_delay_polls)
-        self.failure_rate = failure_rate
+        self.min_delay_polls = chaos.min_delay_polls
+        self.max_delay_polls = max(chaos.max_delay_polls, chaos.min_delay_polls)
+        self.failure_rate = chaos.failure_rate
+        self.fail_job = chaos.fail_job
         self.log = log if log is not None else TransferLog()
-        self.fail_job = fail_job
         transfer_type = getattr(inner, "transfer_type", ("?", "?"))
         self.transfer_type = transfer_type
         self.direction = f"{transfer_type[0]}_to_{transfer_type[1]}"
@@ -261,27 +274,16 @@ def with_handlers(config: EngineConfig, wrapper: HandlerWrapper) -> EngineConfig
 
 
 def chaos_factory(
-    seed: int = 0,
-    max_delay_polls: int = 0,
-    failure_rate: float = 0.0,
-    log: TransferLog | None = None,
-    fail_job: Callable[[int], bool] | None = None,
-    min_delay_polls: int = 0,
+    chaos: Chaos = Chaos(), seed: int = 0, log: TransferLog | None = None
 ) -> HandlerWrapper:
-    """A handler wrapper putting each rank's real handlers behind ``ChaosHandler`` s (inject it
-    with ``with_handlers``)."""
+    """A handler wrapper putting each rank's real handlers behind ``ChaosHandler`` s doing
+    ``chaos``, each rank's drawing from its own generator of ``seed`` (inject it with
+    ``with_handlers``)."""
 
     def wrap(real: WorkerHandlers, rank: int) -> WorkerHandlers:
         rng = random.Random(seed * 1000 + rank)
         real.registrations = [
-            (
-                src,
-                dst,
-                ChaosHandler(
-                    h, rng, rank, max_delay_polls, failure_rate, log, fail_job, min_delay_polls
-                ),
-            )
-            for src, dst, h in real.registrations
+            (src, dst, ChaosHandler(h, rng, rank, chaos, log)) for src, dst, h in real.registrations
         ]
         return real
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.v1.kv_offload.cpu.policies.utils import (
-    CountingSet,
     evicted_ids,
+    insert_blocks,
     insert_ready,
     k,
     pin,
@@ -16,29 +16,6 @@ from tests.v1.kv_offload.cpu.policies.utils import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
-
-
-def test_block_status_defaults() -> None:
-    block = BlockStatus(7)
-    assert block.block_id == 7
-    assert block.ref_cnt == -1
-    assert not block.is_ready
-    block.ref_cnt = 0
-    assert block.is_ready
-    with pytest.raises(AttributeError):
-        block.other = 1  # type: ignore[attr-defined]
-
-
-def test_insert_get_len() -> None:
-    policy = LRUCachePolicy(8)
-    block = BlockStatus(3)
-    policy.insert(k(3), block)
-    assert policy.get(k(3)) is block
-    assert policy.get(k(4)) is None
-    assert len(policy) == 1
-    assert policy.num_evictable == 0  # being written
-    with pytest.raises(AssertionError, match=k(3).hex()):
-        policy.insert(k(3), BlockStatus(4))
 
 
 def test_insert_ready_block_is_evictable_at_once() -> None:
@@ -102,12 +79,7 @@ def test_released_block_becomes_most_recent() -> None:
 
 def test_evict_skips_pinned_in_flight_and_protected() -> None:
     policy = LRUCachePolicy(8)
-    insert_ready(policy, 0)
-    pin(policy, 0)  # pinned by a reader
-    policy.insert(k(1), BlockStatus(1))  # being written
-    insert_ready(policy, 2)  # protected below
-    insert_ready(policy, 3)
-    insert_ready(policy, 4)
+    insert_blocks(policy, pinned=[0], writing=[1], ready=[2, 3, 4])  # 2 protected below
     victims = policy.evict(2, {k(2)})
     assert evicted_ids(victims) == [3, 4]
     assert [block.ref_cnt for _, block in victims or []] == [0, 0]
@@ -116,11 +88,7 @@ def test_evict_skips_pinned_in_flight_and_protected() -> None:
 
 def test_failed_eviction_changes_nothing() -> None:
     policy = LRUCachePolicy(8)
-    insert_ready(policy, 0)
-    pin(policy, 0)
-    policy.insert(k(1), BlockStatus(1))
-    insert_ready(policy, 2)
-    insert_ready(policy, 3)
+    insert_blocks(policy, pinned=[0], writing=[1], ready=[2, 3])
     before = sorted((key, block.block_id, block.ref_cnt) for key, block in policy.items())
     assert policy.evict(2, {k(3)}) is None  # only block 2 is a candidate
     assert policy.evict(5, ()) is None  # more than the whole cache
@@ -134,34 +102,6 @@ def test_failed_eviction_changes_nothing() -> None:
 def test_evict_zero_returns_empty_list() -> None:
     policy = LRUCachePolicy(2)
     assert policy.evict(0, ()) == []
-
-
-def test_evict_visits_only_evictable_entries() -> None:
-    policy = LRUCachePolicy(5000)
-    for i in range(2000):
-        insert_ready(policy, i)
-        pin(policy, i)
-    for i in range(2000, 4000):
-        policy.insert(k(i), BlockStatus(i))  # being written
-    for i in range(4000, 4010):
-        insert_ready(policy, i)
-    protected = CountingSet({k(4000), k(4001), k(123)})
-    assert evicted_ids(policy.evict(3, protected)) == [4002, 4003, 4004]
-    # Two protected evictable entries skipped, then three victims: nothing else looked at.
-    assert protected.lookups == 5
-
-
-def test_remove_drops_block_in_any_state() -> None:
-    policy = LRUCachePolicy(8)
-    policy.insert(k(0), BlockStatus(0))
-    insert_ready(policy, 1)
-    policy.remove(k(0))
-    policy.remove(k(1))
-    assert len(policy) == 0
-    assert policy.num_evictable == 0
-    assert policy.evict(1, ()) is None
-    with pytest.raises(AssertionError, match=k(1).hex()):
-        policy.remove(k(1))
 
 
 def test_clear() -> None:

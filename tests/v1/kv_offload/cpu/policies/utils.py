@@ -6,6 +6,7 @@ the policies' lists (``arc_lists``, ``lru_order``)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
@@ -25,6 +26,24 @@ def insert_ready(policy: CachePolicy, i: int) -> BlockStatus:
     block.ref_cnt = 0
     policy.mark_evictable(k(i))
     return block
+
+
+def insert_blocks(
+    policy: CachePolicy,
+    *,
+    pinned: Iterable[int] = (),
+    writing: Iterable[int] = (),
+    ready: Iterable[int] = (),
+) -> None:
+    """Insert blocks in each state, in this order: ``pinned`` (ready, then pinned by a reader),
+    ``writing`` (being written: ref -1, never evictable) and ``ready`` (evictable)."""
+    for i in pinned:
+        insert_ready(policy, i)
+        pin(policy, i)
+    for i in writing:
+        policy.insert(k(i), BlockStatus(block_id=i))
+    for i in ready:
+        insert_ready(policy, i)
 
 
 def pin(policy: CachePolicy, i: int) -> None:

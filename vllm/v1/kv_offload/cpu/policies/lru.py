@@ -53,13 +53,8 @@ class LRUCachePolicy(CachePolicy):
             block = self._non_evictable.get(key)
         return block
 
-    @override
-    def lookup(self, key: OffloadKey) -> BlockStatus | None:
-        # get's body, not a call to it: the manager's lookup is the hottest path.
-        block = self._evictable.get(key)
-        if block is None:
-            block = self._non_evictable.get(key)
-        return block
+    # get itself, rather than the base's call to it: the manager's lookup is the hottest path.
+    lookup = get
 
     @override
     def lookup_table(self) -> Mapping[OffloadKey, object]:
@@ -150,15 +145,21 @@ class LRUCachePolicy(CachePolicy):
     @override
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, ref_cnt == 0) just before this call.
-        evictable = self._evictable
-        pop = self._non_evictable.pop
-        for key in keys:
-            evictable[key] = pop(key)
+        _move_blocks(keys, self._non_evictable, self._evictable)
 
     @override
     def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, was ref_cnt == 0) just before this call.
-        non_evictable = self._non_evictable
-        pop = self._evictable.pop
-        for key in keys:
-            non_evictable[key] = pop(key)
+        _move_blocks(keys, self._evictable, self._non_evictable)
+
+
+def _move_blocks(
+    keys: Iterable[OffloadKey],
+    source: dict[OffloadKey, BlockStatus],
+    dest: dict[OffloadKey, BlockStatus],
+) -> None:
+    """Move the blocks of ``keys`` (all in ``source``) from ``source`` to the end of ``dest``
+    (for ``_evictable``, its most recently used end)."""
+    pop = source.pop
+    for key in keys:
+        dest[key] = pop(key)
