@@ -15,7 +15,7 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import scan as scan_module
-from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, RankFiles
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, FileRemover, RankFiles
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.fs.meters import Counters
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats
@@ -28,7 +28,7 @@ FILE_SIZE = HEADER_SIZE + ROW_BYTES
 
 
 def _scan(rank_dir: str, stop: threading.Event | None = None) -> tuple[CapacityIndex, ScanStats]:
-    """Scan ``rank_dir`` alone (no remover, no slots) into a new index, as the tests' run."""
+    """Scan ``rank_dir`` alone (no slots) into a new index, as the tests' run."""
     index = CapacityIndex(max_bytes=None)
     # The mapper's root is unused by the walker; its run digest is the one every block header of
     # the tests' run carries (docs/fs_tier.md: the run's identity).
@@ -36,7 +36,8 @@ def _scan(rank_dir: str, stop: threading.Event | None = None) -> tuple[CapacityI
     fd = os.open(rank_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         files = RankFiles(fd, mapper, index, Counters(), ROW_BYTES, slots=None)
-        stats = RankDirWalker(files, stale_tmp_age_s=600).scan(stop or threading.Event())
+        walker = RankDirWalker(files, FileRemover(files), stale_tmp_age_s=600)
+        stats = walker.scan(stop or threading.Event())
     finally:
         os.close(fd)
     check_index(index)

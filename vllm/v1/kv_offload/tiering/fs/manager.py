@@ -256,9 +256,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         self._pool = DualQueueThreadPool(
             config.n_read_threads, config.n_write_threads, f"vllm_fs_tier_{tier_type}"
         )
-        self._walker = RankDirWalker(
-            files, stale_tmp_age_s=config.stale_tmp_age_s, remover=self._remover
-        )
+        self._walker = RankDirWalker(files, self._remover, stale_tmp_age_s=config.stale_tmp_age_s)
         self._reconciler = Reconciler(
             self._walker,
             index=self._index,

@@ -111,22 +111,16 @@ class RankDirWalker:
         files: the rank directory; its index records the files found (``observe`` under a
             ticket per leaf directory), its mapper's run digest validates the headers of
             digested-name files, its slots (if any) are walked first.
+        remover: deletes wrong-sized and unslotted files through the index (events, counters,
+            slots); a digested-name file of the wrong size or whose header cannot be read (its
+            key unknown) is unlinked directly, counted in ``files.counters``.
         stale_tmp_age_s: passed to ``is_stale_tmp``.
-        remover: deletes invalid and unslotted files through the index (events, counters,
-            slots); None (tests of the scan alone): invalid files are unlinked directly, and
-            counted in ``files.counters``.
     """
 
-    def __init__(
-        self,
-        files: RankFiles,
-        *,
-        stale_tmp_age_s: float,
-        remover: FileRemover | None = None,
-    ) -> None:
+    def __init__(self, files: RankFiles, remover: FileRemover, *, stale_tmp_age_s: float) -> None:
         self._files = files
-        self._stale_tmp_age_s = stale_tmp_age_s
         self._remover = remover
+        self._stale_tmp_age_s = stale_tmp_age_s
 
     def scan(self, stop: threading.Event) -> ScanStats:
         """One complete pass at full speed (the start-up scan): index files, delete leftovers.
@@ -265,7 +259,7 @@ class RankDirWalker:
             if not stat.S_ISREG(st.st_mode):
                 return key
             if st.st_size != files.file_size:
-                if key is not None and self._remover is not None:
+                if key is not None:
                     if self._remover.remove_wrong_size(fd2, key, path, st):
                         stats.invalid_removed += 1
                     return None
@@ -301,7 +295,6 @@ class RankDirWalker:
             else:
                 # No slot is free for it: it is beyond the bound (written without max_bytes, or
                 # found at start above a lowered one).
-                assert self._remover is not None, "slots need a remover to evict through"
                 file_id = (st.st_dev, st.st_ino)
                 if self._remover.remove(key, path, file_id, "blocks_evicted", leaf_fd=fd2):
                     stats.unslotted_removed += 1
