@@ -246,7 +246,6 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             modes=self._run_dir.modes,
             free_space=FreeSpaceGuard(rank_fd, min_free, files.file_size, config.root_dir),
             writer=self._writer,
-            max_bytes=config.max_bytes,
             max_read_failures=config.max_read_failures,
             integrity=config.integrity,
         )

@@ -302,7 +302,6 @@ class BlockTransfers:
         modes: of the directories and files it creates.
         free_space: the ``min_free_bytes`` guard.
         writer: writer id for temporary file names.
-        max_bytes: for log messages.
         max_read_failures: consecutive failed reads after which a file is given up.
         integrity: the fleet key: blocks are written with a MAC and loaded only if theirs
             verifies; None: CRCs only.
@@ -318,7 +317,6 @@ class BlockTransfers:
         modes: FileModes,
         free_space: FreeSpaceGuard,
         writer: str,
-        max_bytes: int | None,
         max_read_failures: int,
         integrity: IntegrityKey | None,
     ) -> None:
@@ -330,7 +328,6 @@ class BlockTransfers:
         self._modes = modes
         self._free_space = free_space
         self._writer = writer
-        self._max_bytes = max_bytes
         self._read_failures = ReadFailures(max_read_failures)
         self._integrity = integrity
         # A keyed header also holds the MAC trailer (kind, key id, MAC).
@@ -574,7 +571,7 @@ class BlockTransfers:
             "noroom",
             "fs tier: cannot make room under max_bytes=%s (blocks being loaded are never "
             "evicted); the store of block %s fails",
-            self._max_bytes,
+            self._files.index.max_bytes,
             key.hex(),
         )
 
