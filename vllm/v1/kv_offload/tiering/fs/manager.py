@@ -260,7 +260,6 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             self._walker,
             index=self._index,
             count_writers=self._writers.count_others,
-            first_pass=self._walker.scan,
             after_first=self._after_scan,
             # Without slots, this is how files others wrote get evicted; with them, the directory
             # is bounded already and a view that briefly counts a file twice must not evict.
