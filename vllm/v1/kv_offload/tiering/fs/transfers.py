@@ -619,9 +619,8 @@ class BlockTransfers:
             self._files.index.observe(key, None, ticket, hot=False)
             return False
         except OSError as e:
-            self._log_os_error("load", key, e)
             # E.g. a symlink planted in the path: bounded retries, as for the file.
-            self._count_read_failure(None, key, path, counts)
+            self._read_failed(None, key, path, e, counts)
             return False
         try:
             with self._row(block_id) as row:
@@ -670,8 +669,7 @@ class BlockTransfers:
                 self._files.index.demote(key)
             return False
         except OSError as e:
-            self._log_os_error("load", key, e)
-            self._count_read_failure(leaf_fd, key, path, counts)
+            self._read_failed(leaf_fd, key, path, e, counts)
             return False
         finally:
             os.close(leaf_fd)
@@ -685,11 +683,17 @@ class BlockTransfers:
             st = None
         return None if st is None else file_identity(st)
 
-    def _count_read_failure(
-        self, leaf_fd: int | None, key: OffloadKey, path: BlockPath, counts: Counter[str]
+    def _read_failed(
+        self,
+        leaf_fd: int | None,
+        key: OffloadKey,
+        path: BlockPath,
+        e: OSError,
+        counts: Counter[str],
     ) -> None:
-        """A transient error failed a read of ``key``'s file (``leaf_fd`` None: its directory
-        could not be opened): count it, maybe give the file up."""
+        """A transient error ``e`` failed a read of ``key``'s file (``leaf_fd`` None: its
+        directory could not be opened): log it, count it, maybe give the file up."""
+        self._log_os_error("load", key, e)
         # A file that cannot be told apart is counted against the one that failed before.
         if not self._read_failures.failed(key, self._file_identity(leaf_fd, path)):
             return
