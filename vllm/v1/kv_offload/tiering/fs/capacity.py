@@ -4,8 +4,10 @@
 
 ``CapacityIndex`` is the tier's exact running account of which block files exist, how big, in LRU
 order, so that ``max_bytes`` can be enforced without listing directories; ``FileRemover`` removes
-block files through it (evictions, invalid files), freeing their capacity slots. The directory is
-the source of truth; every change of a block file's existence goes through the index:
+block files through it (evictions, invalid files), freeing their capacity slots; ``RankFiles``
+hands the rank directory, the index, the slots and the counters to the remover, the transfers and
+the walker together. The directory is the source of truth; every change of a block file's
+existence goes through the index:
 
 * Files this tier writes: ``reserve_many`` (room accounted, LRU victims chosen, for a job's
   blocks at once) -> write -> ``commit_many`` (the files exist) or ``abort`` (one does not).
