@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.v1.kv_offload.base import (
@@ -34,16 +35,18 @@ JobId = int
 """Id of a primary <-> secondary job, unique within one tiering manager (shared by all tiers)."""
 
 
+@dataclass(slots=True, eq=False)
 class TierJob:
     """One transfer between the primary tier and one secondary tier (read-only).
 
     Upstream vLLM names this class ``JobMetadata``; that name stays importable from here
     (``JobMetadata is TierJob``) for tiers written against upstream.
 
-    A plain ``__slots__`` class: the tiering manager creates one per job on the scheduler's hot
-    path, and a frozen dataclass's construction (one ``object.__setattr__`` per field, plus a
-    ``__post_init__`` check) cost several times more. The manager builds ``block_ids`` parallel to
-    ``keys`` itself, so nothing is checked here. Equality is identity.
+    A slotted, unfrozen dataclass without ``__post_init__``: the tiering manager creates one per
+    job on the scheduler's hot path, and its ``__init__`` is plain attribute stores (a frozen
+    dataclass's construction, one ``object.__setattr__`` per field, plus a ``__post_init__``
+    check, cost several times more). The manager builds ``block_ids`` parallel to ``keys``
+    itself, so nothing is checked here. Equality is identity (``eq=False``).
 
     Attributes:
         job_id: unique id; the tier reports it exactly once through ``get_finished_jobs()``.
@@ -56,21 +59,11 @@ class TierJob:
             that asked for any of its keys this step).
     """
 
-    __slots__ = ("block_ids", "is_promotion", "job_id", "keys", "req_context")
-
-    def __init__(
-        self,
-        job_id: JobId,
-        keys: Collection[OffloadKey],
-        block_ids: BlockIds,
-        is_promotion: bool,
-        req_context: ReqContext,
-    ) -> None:
-        self.job_id = job_id
-        self.keys = keys
-        self.block_ids = block_ids
-        self.is_promotion = is_promotion
-        self.req_context = req_context
+    job_id: JobId
+    keys: Collection[OffloadKey]
+    block_ids: BlockIds
+    is_promotion: bool
+    req_context: ReqContext
 
     def __repr__(self) -> str:
         kind = "promotion" if self.is_promotion else "cascade"

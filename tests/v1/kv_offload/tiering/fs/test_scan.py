@@ -15,9 +15,11 @@ import pytest
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.fs import scan as scan_module
-from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, FileRemover, RankFiles
+from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.fs.meters import Counters
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats
-from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
+from vllm.v1.kv_offload.tiering.run_identity import run_fields_from_spec
 
 from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, make_spec, store
 from .tier_state import block_file, check_index, lru_keys
@@ -25,24 +27,21 @@ from .tier_state import block_file, check_index, lru_keys
 FILE_SIZE = HEADER_SIZE + ROW_BYTES
 
 
-def _scan(rank_dir: str, digest: bytes, stop: threading.Event | None = None) -> tuple[
-    CapacityIndex, ScanStats
-]:  # fmt: skip
+def _scan(rank_dir: str, stop: threading.Event | None = None) -> tuple[CapacityIndex, ScanStats]:
+    """Scan ``rank_dir`` alone (no slots) into a new index, as the tests' run."""
     index = CapacityIndex(max_bytes=None)
+    # The mapper's root is unused by the walker; its run digest is the one every block header of
+    # the tests' run carries (docs/fs_tier.md: the run's identity).
+    mapper = FileMapper(rank_dir, run_fields_from_spec(make_spec(), ROW_BYTES))
     fd = os.open(rank_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        walker = RankDirWalker(
-            fd, index, run_digest=digest, payload_len=ROW_BYTES, stale_tmp_age_s=600
-        )
+        files = RankFiles(fd, mapper, index, Counters(), ROW_BYTES, slots=None)
+        walker = RankDirWalker(files, FileRemover(files), stale_tmp_age_s=600)
         stats = walker.scan(stop or threading.Event())
     finally:
         os.close(fd)
     check_index(index)
     return index, stats
-
-
-# The digest every block header of the tests' run carries (docs/fs_tier.md: the run's identity).
-DIGEST = RunIdentity.from_spec(make_spec(), ROW_BYTES).digest
 
 
 def test_scan_indexes_block_files_and_ignores_foreign_ones(
@@ -65,7 +64,7 @@ def test_scan_indexes_block_files_and_ignores_foreign_ones(
     # A well-named symlink is not a block file.
     leaf = Path(block_file(tier, keys[1])).parent
     (leaf / f"{leaf.parent.name}{leaf.name[:2]}00000000.bin").symlink_to(source)
-    index, stats = _scan(tier.rank_dir, DIGEST)
+    index, stats = _scan(tier.rank_dir)
     assert stats.completed and stats.blocks == 3 and stats.bytes == 3 * FILE_SIZE
     assert sorted(lru_keys(index)) == sorted(keys)
     assert (rank / "README").exists() and (misplaced).exists()
@@ -78,7 +77,7 @@ def test_scan_deletes_unreadable_digested_files(make_tier: TierFactory, primary:
     path = Path(block_file(tier, digested))
     with open(path, "r+b") as f:
         f.write(b"garbage!")
-    index, stats = _scan(tier.rank_dir, DIGEST)
+    index, stats = _scan(tier.rank_dir)
     assert stats.invalid_removed == 1 and stats.blocks == 0 and len(index) == 0
     assert not path.exists()
 
@@ -104,7 +103,7 @@ def test_scan_keeps_a_good_file_renamed_over_a_corrupt_one(
             os.replace(good, path)
 
     monkeypatch.setattr(scan_module, "read_header_key", read_then_replace)
-    _, stats = _scan(tier.rank_dir, DIGEST)
+    _, stats = _scan(tier.rank_dir)
     assert stats.invalid_removed == 0
     assert path.exists(), "the good file renamed over the corrupt one survives"
     assert load(tier, primary, [digested], [1]) and primary.holds(1, digested)
@@ -115,5 +114,5 @@ def test_scan_stops_when_asked(make_tier: TierFactory, primary: Primary) -> None
     assert store(tier, primary, [key_of(i) for i in range(3)], [0, 1, 2])
     stop = threading.Event()
     stop.set()
-    index, stats = _scan(tier.rank_dir, DIGEST, stop)
+    index, stats = _scan(tier.rank_dir, stop)
     assert not stats.completed and len(index) == 0

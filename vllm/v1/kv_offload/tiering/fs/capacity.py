@@ -4,8 +4,10 @@
 
 ``CapacityIndex`` is the tier's exact running account of which block files exist, how big, in LRU
 order, so that ``max_bytes`` can be enforced without listing directories; ``FileRemover`` removes
-block files through it (evictions, invalid files), freeing their capacity slots. The directory is
-the source of truth; every change of a block file's existence goes through the index:
+block files through it (evictions, invalid files), freeing their capacity slots; ``RankFiles``
+hands the rank directory, the index, the slots and the counters to the remover, the transfers and
+the walker together. The directory is the source of truth; every change of a block file's
+existence goes through the index:
 
 * Files this tier writes: ``reserve_many`` (room accounted, LRU victims chosen, for a job's
   blocks at once) -> write -> ``commit_many`` (the files exist) or ``abort`` (one does not).
@@ -36,11 +38,12 @@ import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.tiering import block_format
 from vllm.v1.kv_offload.tiering.fs.block_io import open_block_dir, regular_file_size, unlink_block
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
 from vllm.v1.kv_offload.tiering.fs.meters import Counters, RateLimitedLog
@@ -544,51 +547,64 @@ class CapacityIndex:
             self._forgotten_seq = seq
 
 
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    """The block files of one rank directory as one tier instance keeps them: what its
+    ``FileRemover``, ``BlockTransfers`` and ``RankDirWalker`` share.
+
+    Borrowed by each of them: the tier owns the descriptor and the slots (and closes them only
+    after every thread using them stopped).
+
+    Attributes:
+        rank_fd: the rank directory.
+        mapper: key -> path mapping and run digest.
+        index: the capacity index.
+        counters: the tier's counters and busy clocks.
+        row_bytes: payload bytes of a block file (one primary row).
+        slots: the capacity slots that bound the directory as a whole (None: ``max_bytes`` is
+            only enforced on this instance's index, or there is no ``max_bytes``).
+        file_size: bytes of a block file of this run (a file of another size is never indexed).
+    """
+
+    rank_fd: int
+    mapper: FileMapper
+    index: CapacityIndex
+    counters: Counters
+    row_bytes: int
+    slots: CapacitySlots | None
+    file_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Computed once: the remover and the walker compare every file they meet against it.
+        object.__setattr__(self, "file_size", block_format.file_size(self.row_bytes))
+
+
 class FileRemover:
     """Removes block files of one rank directory through the capacity index and frees their
     capacity slots: evictions, and files found invalid.
 
     Thread-safety: any thread (the index has its lock; the unlink of one inode is checked, see
-    ``block_io.unlink_block``). Borrowed: ``rank_fd``, the index, the slots and the counters.
+    ``block_io.unlink_block``). Borrowed: ``files`` (removals are counted in its counters).
 
     Args:
-        rank_fd: the rank directory.
-        mapper: key -> path.
-        index: the capacity index.
-        counters: where removals are counted.
-        file_size: bytes of a block file of this run (a file of another size is never indexed).
-        slots: the capacity slots, or None.
+        files: the rank directory, its index, slots and counters.
     """
 
-    def __init__(
-        self,
-        rank_fd: int,
-        mapper: FileMapper,
-        index: CapacityIndex,
-        counters: Counters,
-        *,
-        file_size: int,
-        slots: CapacitySlots | None,
-    ) -> None:
-        self._rank_fd = rank_fd
-        self._mapper = mapper
-        self._index = index
-        self._counters = counters
-        self._file_size = file_size
-        self._slots = slots
+    def __init__(self, files: RankFiles) -> None:
+        self._files = files
         self._log = RateLimitedLog(logger)
 
     def remove_victims(self, victims: Iterable[tuple[OffloadKey, int]]) -> None:
         """Unlink evicted blocks (already chosen and marked by the index) and settle each."""
         for key, size in victims:
-            self.remove(key, self._mapper.block_path(key), None, "blocks_evicted", begun=True,
-                        size_if_unknown=size)  # fmt: skip
+            path = self._files.mapper.block_path(key)
+            self.remove(key, path, None, "blocks_evicted", begun=True, size_if_unknown=size)
 
     def evict(self, key: OffloadKey, file_id: tuple[int, int]) -> bool:
         """Evict ``key``'s block file for the capacity slots (``CapacitySlots.bind_remover``):
         if it is still inode ``file_id`` and this tier is neither writing nor reading it."""
         return self.remove(
-            key, self._mapper.block_path(key), file_id, "blocks_evicted", unless_pinned=True
+            key, self._files.mapper.block_path(key), file_id, "blocks_evicted", unless_pinned=True
         )
 
     def remove_wrong_size(
@@ -602,7 +618,7 @@ class FileRemover:
             "fs tier: block file %s has %d bytes instead of %d; deleting it",
             path.rel,
             st.st_size,
-            self._file_size,
+            self._files.file_size,
         )
         return self.remove(key, path, (st.st_dev, st.st_ino), "corrupt_removed", leaf_fd=leaf_fd)
 
@@ -630,13 +646,13 @@ class FileRemover:
         Returns:
             Whether this call removed the file.
         """
-        if not begun and not self._index.begin_remove(key, unless_pinned=unless_pinned):
+        if not begun and not self._files.index.begin_remove(key, unless_pinned=unless_pinned):
             return False  # this tier is rewriting it (the rename replaces it) or removing it
         outcome, kept = RemoveOutcome.KEPT, size_if_unknown
         fd = leaf_fd
         try:
             if fd is None:
-                fd = open_block_dir(self._rank_fd, path)
+                fd = open_block_dir(self._files.rank_fd, path)
         except FileNotFoundError:
             outcome, kept = RemoveOutcome.VANISHED, None
         except OSError as e:
@@ -658,19 +674,19 @@ class FileRemover:
             finally:
                 if leaf_fd is None:
                     os.close(fd)
-        if kept is not None and kept != self._file_size:
+        if kept is not None and kept != self._files.file_size:
             kept = None  # a file of the wrong size is never indexed (it is retried when met)
-        self._index.finish_remove(key, outcome, kept)
+        self._files.index.finish_remove(key, outcome, kept)
         if outcome is RemoveOutcome.REMOVED:
-            self._counters.incr(counter)
+            self._files.counters.incr(counter)
         return outcome is RemoveOutcome.REMOVED
 
     def _release_slot(self, st: os.stat_result, path: BlockPath) -> None:
         """The block name of inode ``st`` is gone: free its capacity slot (if known)."""
-        if self._slots is None:
+        if self._files.slots is None:
             return
         try:
-            self._slots.release_inode(st.st_ino)
+            self._files.slots.release_inode(st.st_ino)
         except OSError as e:
             # The slot stays as garbage; the reconcile (or a claim that meets it) frees it.
             self._log(

@@ -69,7 +69,7 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     register_writer,
     unregister_writer,
 )
-from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, FileRemover
+from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, FileRemover, RankFiles
 from vllm.v1.kv_offload.tiering.fs.config import FsTierConfig
 from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
@@ -232,33 +232,21 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             bucket_of=leaf_bucket,
         )
         rank_fd = self._run_dir.rank_fd
-        self._remover = FileRemover(
-            rank_fd,
-            self._mapper,
-            self._index,
-            self._counters,
-            file_size=file_size(self._row_bytes),
-            slots=self._slots,
+        files = RankFiles(
+            rank_fd, self._mapper, self._index, self._counters, self._row_bytes, self._slots
         )
+        self._remover = FileRemover(files)
         if self._slots is not None:
             self._slots.bind_remover(self._remover.evict)
         self._transfers = BlockTransfers(
-            rank_fd,
+            files,
             self._flat,
-            self._row_bytes,
-            mapper=self._mapper,
-            index=self._index,
             remover=self._remover,
-            counters=self._counters,
             o_direct=o_direct_on,
             modes=self._run_dir.modes,
-            free_space=FreeSpaceGuard(
-                rank_fd, min_free, file_size(self._row_bytes), config.root_dir
-            ),
+            free_space=FreeSpaceGuard(rank_fd, min_free, files.file_size, config.root_dir),
             writer=self._writer,
-            max_bytes=config.max_bytes,
             max_read_failures=config.max_read_failures,
-            slots=self._slots,
             integrity=config.integrity,
         )
         # Scheduler thread only.
@@ -267,21 +255,11 @@ class FileSystemSecondaryTier(AsyncLookupTier):
         self._pool = DualQueueThreadPool(
             config.n_read_threads, config.n_write_threads, f"vllm_fs_tier_{tier_type}"
         )
-        self._walker = RankDirWalker(
-            rank_fd,
-            self._index,
-            run_digest=self._mapper.run_digest,
-            payload_len=self._row_bytes,
-            stale_tmp_age_s=config.stale_tmp_age_s,
-            remover=self._remover,
-            counters=self._counters,
-            slots=self._slots,
-        )
+        self._walker = RankDirWalker(files, self._remover, stale_tmp_age_s=config.stale_tmp_age_s)
         self._reconciler = Reconciler(
             self._walker,
             index=self._index,
             count_writers=self._writers.count_others,
-            first_pass=self._walker.scan,
             after_first=self._after_scan,
             # Without slots, this is how files others wrote get evicted; with them, the directory
             # is bounded already and a view that briefly counts a file twice must not evict.

@@ -7,7 +7,7 @@ and stores reconcile the keys they touch; this thread reconciles the rest, so th
 instance's accounting (``usage()``) converges to the directory and its LRU order includes the
 files others wrote:
 
-* pass 0 is the start-up scan, at full speed (``first_pass``);
+* pass 0 is the start-up scan, at full speed (``RankDirWalker.scan``);
 * then, every ``interval_s``, the thread lists the other writers (``WriterRegistry``) and, when
   there is something to learn, takes one step of a pass of ``RankDirWalker.walk``: at most
   ``batch`` directory entries (files and directories; a step may overrun by one directory).
@@ -55,11 +55,11 @@ class Reconciler:
     on the thread only. ``solo`` may be read from any thread (a bool, set by the thread).
 
     Args:
-        walker: does the passes.
+        walker: does the passes: pass 0 with ``scan`` (at full speed until done or the thread is
+            stopped), the later ones with ``walk``.
         index: the capacity index (``num_outside_changes``).
         count_writers: ``() -> (live, gone)``: other writers registered now, and those found gone
             by this call (``WriterRegistry.count_others``).
-        first_pass: runs pass 0 (the start-up scan) at full speed until done or the event is set.
         after_first: called with pass 0's stats (evict down to the bound, log).
         after_step: called after every step of later passes (evict down to the bound when only
             the index enforces it); may be None.
@@ -74,7 +74,6 @@ class Reconciler:
         *,
         index: CapacityIndex,
         count_writers: Callable[[], tuple[int, int]],
-        first_pass: Callable[[threading.Event], ScanStats],
         after_first: Callable[[ScanStats], None],
         after_step: Callable[[], None] | None,
         interval_s: float,
@@ -84,7 +83,6 @@ class Reconciler:
         self._walker = walker
         self._index = index
         self._count_writers = count_writers
-        self._first_pass = first_pass
         self._after_first = after_first
         self._after_step = after_step
         self._interval_s = interval_s
@@ -165,7 +163,7 @@ class Reconciler:
             started = time.time()
             number = self._begin_round()
             live_before, _ = self._count_writers()
-            stats = self._first_pass(self._stop)
+            stats = self._walker.scan(self._stop)
             self._after_first(stats)
             self.scan_stats = stats
             completed = stats.completed and not self._stop.is_set()

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt, file_size
+from vllm.v1.kv_offload.tiering.block_format import BlockFileCorrupt
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     TMP_SUFFIX,
     is_stale_tmp,
@@ -54,13 +54,11 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     read_header_key,
     unlink_block,
 )
-from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex
 from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
-from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots, SlotWalkStats
+from vllm.v1.kv_offload.tiering.fs.slots import SlotWalkStats
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.tiering.fs.capacity import FileRemover
-    from vllm.v1.kv_offload.tiering.fs.meters import Counters
+    from vllm.v1.kv_offload.tiering.fs.capacity import FileRemover, RankFiles
 
 logger = init_logger(__name__)
 
@@ -107,41 +105,22 @@ class RankDirWalker:
     """Walks one rank directory for one tier, a leaf directory per step.
 
     Thread-safety: one pass at a time (the scan/reconcile thread); the index, remover and slots
-    it calls are thread-safe. Borrowed: ``rank_fd`` and everything else passed in.
+    it calls are thread-safe. Borrowed: ``files`` and the remover.
 
     Args:
-        rank_fd: the rank directory.
-        index: where files are recorded (``observe`` under a ticket per leaf directory).
-        run_digest: to validate headers of digested-name files.
-        payload_len: payload bytes of a block file.
+        files: the rank directory; its index records the files found (``observe`` under a
+            ticket per leaf directory), its mapper's run digest validates the headers of
+            digested-name files, its slots (if any) are walked first.
+        remover: deletes wrong-sized and unslotted files through the index (events, counters,
+            slots); a digested-name file of the wrong size or whose header cannot be read (its
+            key unknown) is unlinked directly, counted in ``files.counters``.
         stale_tmp_age_s: passed to ``is_stale_tmp``.
-        remover: deletes invalid and unslotted files through the index (events, counters,
-            slots); None (tests of the scan alone): invalid files are unlinked directly.
-        counters: where invalid files removed directly are counted; None: not counted.
-        slots: the capacity slots, walked first; None: no slots.
     """
 
-    def __init__(
-        self,
-        rank_fd: int,
-        index: CapacityIndex,
-        *,
-        run_digest: bytes,
-        payload_len: int,
-        stale_tmp_age_s: float,
-        remover: FileRemover | None = None,
-        counters: Counters | None = None,
-        slots: CapacitySlots | None = None,
-    ) -> None:
-        self._rank_fd = rank_fd
-        self._index = index
-        self._run_digest = run_digest
-        self._payload_len = payload_len
-        self._file_size = file_size(payload_len)
-        self._stale_tmp_age_s = stale_tmp_age_s
+    def __init__(self, files: RankFiles, remover: FileRemover, *, stale_tmp_age_s: float) -> None:
+        self._files = files
         self._remover = remover
-        self._counters = counters
-        self._slots = slots
+        self._stale_tmp_age_s = stale_tmp_age_s
 
     def scan(self, stop: threading.Event) -> ScanStats:
         """One complete pass at full speed (the start-up scan): index files, delete leftovers.
@@ -176,26 +155,27 @@ class RankDirWalker:
             hot_since: wall time since which a newly found file counts as recently used (None:
                 every newly found file ranks as least recently used).
         """
-        if self._slots is not None:
-            for sub in self._slots.subdirs():
-                n = self._slots.walk_subdir(sub, stats.slots)
+        slots = self._files.slots
+        if slots is not None:
+            for sub in slots.subdirs():
+                n = slots.walk_subdir(sub, stats.slots)
                 stats.entries += n
                 yield n
-        with os.scandir(self._rank_fd) as top:
+        with os.scandir(self._files.rank_fd) as top:
             top_entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in top)
         listed = {name for name, is_dir in top_entries if is_dir}
-        for dir1 in self._index.outer_buckets():
+        for dir1 in self._files.index.outer_buckets():
             if dir1 not in listed:
                 self._forget_if_gone(str(dir1), None, stats)
         for dir1, is_dir in top_entries:
             if not is_dir:
                 if dir1.endswith(TMP_SUFFIX):
-                    self._maybe_remove_tmp(self._rank_fd, dir1, stats)
+                    self._maybe_remove_tmp(self._files.rank_fd, dir1, stats)
                 continue
             if len(dir1) != 3:
                 continue
             try:
-                fd1 = open_dir(dir1, self._rank_fd)
+                fd1 = open_dir(dir1, self._files.rank_fd)
             except OSError as e:
                 logger.warning("fs tier scan: cannot open %s: %s", dir1, e)
                 stats.errors += 1
@@ -204,7 +184,7 @@ class RankDirWalker:
                 with os.scandir(fd1) as it:
                     dir2_names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
                 listed = set(dir2_names)
-                for dir2 in self._index.inner_buckets(dir1):
+                for dir2 in self._files.index.inner_buckets(dir1):
                     if dir2 not in listed:
                         self._forget_if_gone(dir1, str(dir2), stats)
                 for dir2 in dir2_names:
@@ -222,7 +202,7 @@ class RankDirWalker:
     def _leaf(
         self, fd1: int, dir1: str, dir2: str, stats: ScanStats, hot_since: float | None
     ) -> int:
-        index = self._index
+        index = self._files.index
         ticket = index.ticket()
         try:
             fd2 = open_dir(dir2, fd1)
@@ -272,23 +252,24 @@ class RankDirWalker:
         hot_since: float | None,
     ) -> OffloadKey | None:
         """Examine one well-named file; returns its key if it still exists (indexed or not)."""
+        files = self._files
         name = path.name
         try:
             st = os.stat(name, dir_fd=fd2, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 return key
-            if st.st_size != self._file_size:
-                if key is not None and self._remover is not None:
+            if st.st_size != files.file_size:
+                if key is not None:
                     if self._remover.remove_wrong_size(fd2, key, path, st):
                         stats.invalid_removed += 1
                     return None
                 raise BlockFileCorrupt(
-                    f"{st.st_size} bytes instead of {self._file_size}", (st.st_dev, st.st_ino)
+                    f"{st.st_size} bytes instead of {files.file_size}", (st.st_dev, st.st_ino)
                 )
             if key is None:
                 key = OffloadKey(
                     read_header_key(
-                        fd2, name, run_digest=self._run_digest, payload_len=self._payload_len
+                        fd2, name, run_digest=files.mapper.run_digest, payload_len=files.row_bytes
                     )
                 )
                 if FileMapper.block_path(key) != path:
@@ -302,9 +283,9 @@ class RankDirWalker:
             logger.warning("fs tier scan: cannot examine %s: %s", path.rel, e)
             stats.errors += 1
             return key
-        if self._slots is not None and st.st_nlink <= 1:
+        if files.slots is not None and st.st_nlink <= 1:
             try:
-                adopted = self._slots.adopt(fd2, name, st)
+                adopted = files.slots.adopt(fd2, name, st)
             except OSError as e:
                 logger.warning("fs tier scan: cannot give %s a slot: %s", path.rel, e)
                 stats.errors += 1
@@ -314,14 +295,13 @@ class RankDirWalker:
             else:
                 # No slot is free for it: it is beyond the bound (written without max_bytes, or
                 # found at start above a lowered one).
-                assert self._remover is not None, "slots need a remover to evict through"
                 file_id = (st.st_dev, st.st_ino)
                 if self._remover.remove(key, path, file_id, "blocks_evicted", leaf_fd=fd2):
                     stats.unslotted_removed += 1
                 return None
         # Only a file new to this instance is placed by its age; a known one keeps its rank.
-        hot = hot_since is not None and st.st_mtime >= hot_since and key not in self._index
-        if self._index.observe(key, st.st_size, ticket, hot=hot, from_walk=True):
+        hot = hot_since is not None and st.st_mtime >= hot_since and key not in files.index
+        if files.index.observe(key, st.st_size, ticket, hot=hot, from_walk=True):
             stats.blocks += 1
             stats.bytes += st.st_size
         return key
@@ -340,11 +320,11 @@ class RankDirWalker:
         if removed is None:
             return
         stats.invalid_removed += 1
-        if self._counters is not None:
-            self._counters.incr("corrupt_removed")
-        if self._slots is not None:
+        self._files.counters.incr("corrupt_removed")
+        slots = self._files.slots
+        if slots is not None:
             with contextlib.suppress(OSError):  # else garbage, freed by a later slot walk
-                self._slots.release_inode(removed.st_ino)
+                slots.release_inode(removed.st_ino)
 
     def _maybe_remove_tmp(self, dir_fd: int, name: str, stats: ScanStats) -> None:
         """Delete ``name`` if it is a leftover temporary file (``is_stale_tmp``); one that held a
@@ -362,9 +342,10 @@ class RankDirWalker:
         except FileNotFoundError:
             return
         stats.tmp_removed += 1
-        if self._slots is not None and st.st_nlink > 1:
-            n = self._slots.slot_of(st.st_ino)  # learnt by this pass's slot walk
-            if n is not None and self._slots.release(n, None):
+        slots = self._files.slots
+        if slots is not None and st.st_nlink > 1:
+            n = slots.slot_of(st.st_ino)  # learnt by this pass's slot walk
+            if n is not None and slots.release(n, None):
                 stats.slots.reclaimed += 1
 
     def _forget_if_gone(self, dir1: str, dir2: str | None, stats: ScanStats) -> None:
@@ -372,17 +353,18 @@ class RankDirWalker:
         the listing lacked it: forget them if it is really gone (removed by someone), not just
         created after the listing."""
         rel = dir1 if dir2 is None else f"{dir1}/{dir2}"
-        ticket = self._index.ticket()
+        index = self._files.index
+        ticket = index.ticket()
         try:
-            st = os.stat(rel, dir_fd=self._rank_fd, follow_symlinks=False)
+            st = os.stat(rel, dir_fd=self._files.rank_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 return  # created after the listing: the next pass reads it
         except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError:
             return
-        inners = [dir2] if dir2 is not None else self._index.inner_buckets(dir1)
+        inners = [dir2] if dir2 is not None else index.inner_buckets(dir1)
         for inner in inners:
-            for key in self._index.keys_in_bucket(dir1, inner):
-                if not self._index.observe(key, None, ticket, hot=False, from_walk=True):
+            for key in index.keys_in_bucket(dir1, inner):
+                if not index.observe(key, None, ticket, hot=False, from_walk=True):
                     stats.forgotten += 1

@@ -52,7 +52,6 @@ from vllm.v1.kv_offload.tiering.block_format import (
     BlockForged,
     BlockNotAuthenticated,
     IntegrityKey,
-    file_size,
 )
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     FileModes,
@@ -63,11 +62,10 @@ from vllm.v1.kv_offload.tiering.fs.block_io import (
     tmp_name,
     write_block_file,
 )
-from vllm.v1.kv_offload.tiering.fs.capacity import CapacityIndex, FileRemover, ReserveStatus
-from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath, FileMapper
+from vllm.v1.kv_offload.tiering.fs.capacity import FileRemover, RankFiles, ReserveStatus
+from vllm.v1.kv_offload.tiering.fs.file_mapper import BlockPath
 from vllm.v1.kv_offload.tiering.fs.io_pool import IoTask
-from vllm.v1.kv_offload.tiering.fs.meters import Counters, FreeSpaceGuard, RateLimitedLog
-from vllm.v1.kv_offload.tiering.fs.slots import CapacitySlots
+from vllm.v1.kv_offload.tiering.fs.meters import FreeSpaceGuard, RateLimitedLog
 
 logger = init_logger(__name__)
 
@@ -295,60 +293,42 @@ class BlockTransfers:
     the directory only after every I/O thread stopped).
 
     Args:
-        rank_fd: descriptor of the rank directory.
+        files: the rank directory, its index, slots and counters.
         rows: the primary rows as one flat byte view; row ``b`` is
-            ``[b * row_bytes, (b + 1) * row_bytes)`` (every worker's slice of block ``b``).
-        row_bytes: payload bytes of a block file (one primary row).
-        mapper: key -> path mapping and run digest.
-        index: the capacity index.
+            ``[b * row_bytes, (b + 1) * row_bytes)`` (every worker's slice of block ``b``;
+            ``row_bytes`` is ``files.row_bytes``).
         remover: removes files through the index.
-        counters: the tier's counters and busy clocks.
         o_direct: use O_DIRECT for block files.
         modes: of the directories and files it creates.
         free_space: the ``min_free_bytes`` guard.
         writer: writer id for temporary file names.
-        max_bytes: for log messages.
         max_read_failures: consecutive failed reads after which a file is given up.
-        slots: the capacity slots that bound the directory as a whole (None: ``max_bytes`` is
-            only enforced on this instance's index, or there is no ``max_bytes``).
         integrity: the fleet key: blocks are written with a MAC and loaded only if theirs
             verifies; None: CRCs only.
     """
 
     def __init__(
         self,
-        rank_fd: int,
+        files: RankFiles,
         rows: memoryview,
-        row_bytes: int,
         *,
-        mapper: FileMapper,
-        index: CapacityIndex,
         remover: FileRemover,
-        counters: Counters,
         o_direct: bool,
         modes: FileModes,
         free_space: FreeSpaceGuard,
         writer: str,
-        max_bytes: int | None,
         max_read_failures: int,
-        slots: CapacitySlots | None,
         integrity: IntegrityKey | None,
     ) -> None:
-        self._rank_fd = rank_fd
+        self._files = files
         self._rows = rows
-        self._row_bytes = row_bytes
-        self.file_size = file_size(row_bytes)
-        self._mapper = mapper
-        self._index = index
+        self.file_size = files.file_size
         self._remover = remover
-        self._counters = counters
         self._o_direct = o_direct
         self._modes = modes
         self._free_space = free_space
         self._writer = writer
-        self._max_bytes = max_bytes
         self._read_failures = ReadFailures(max_read_failures)
-        self._slots = slots
         self._integrity = integrity
         # A keyed header also holds the MAC trailer (kind, key id, MAC).
         self._max_key_bytes = MAX_KEY_BYTES - (
@@ -361,8 +341,8 @@ class BlockTransfers:
     def _row(self, block_id: int) -> Iterator[memoryview]:
         """Primary row ``block_id``, released on exit (so that ``shutdown()`` can release the
         view)."""
-        start = block_id * self._row_bytes
-        with self._rows[start : start + self._row_bytes] as row:
+        start = block_id * self._files.row_bytes
+        with self._rows[start : start + self._files.row_bytes] as row:
             yield row
 
     # -----------------------------------------------------------------------------------------
@@ -386,8 +366,8 @@ class BlockTransfers:
         counts: Counter[str] = Counter()
         failed: list[OffloadKey] = []
         opened: list[_Block] = []
-        with self._counters.store_clock:
-            ticket = self._index.ticket()
+        with self._files.counters.store_clock:
+            ticket = self._files.index.ticket()
             try:
                 for key, block_id in blocks:
                     block = self._open_for_store(key, block_id, counts)
@@ -401,7 +381,7 @@ class BlockTransfers:
                             failed.append(key)
                 written = self._write_blocks([b for b in opened if b.write], counts, failed)
                 if written:
-                    self._index.commit_many((b.key for b, _ in written), self.file_size)
+                    self._files.index.commit_many((b.key for b, _ in written), self.file_size)
                     self._read_failures.clear(b.key for b, _ in written)
                     counts["blocks_written"] += len(written)
                     for block, claim in written:
@@ -415,7 +395,7 @@ class BlockTransfers:
                     if block.leaf_fd >= 0:
                         os.close(block.leaf_fd)
         counts["store_failures"] += len(failed)
-        self._counters.add(counts)
+        self._files.counters.add(counts)
         return failed
 
     def _open_for_store(
@@ -426,9 +406,9 @@ class BlockTransfers:
         if len(key) > self._max_key_bytes:
             self._log(logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key))
             return None
-        path = self._mapper.block_path(key)
+        path = self._files.mapper.block_path(key)
         try:
-            leaf_fd = open_block_dir(self._rank_fd, path, create=self._modes)
+            leaf_fd = open_block_dir(self._files.rank_fd, path, create=self._modes)
         except OSError as e:
             self._log_os_error("store", key, e)
             return None
@@ -448,7 +428,7 @@ class BlockTransfers:
         if st is None:
             # Deleted behind the tier's back: if the store fails below, the index must not keep
             # counting the file.
-            self._index.observe(key, None, ticket, hot=False)
+            self._files.index.observe(key, None, ticket, hot=False)
             return True
         if st.st_size != self.file_size:
             # Never indexed at its size; deleted (only that inode) before the new file is made.
@@ -457,7 +437,7 @@ class BlockTransfers:
             return True
         if self._read_failures.given_up(key, file_identity(st)):
             return True  # a whole file this tier gave up reading: the rename replaces it
-        self._index.observe(key, st.st_size, ticket, hot=True)
+        self._files.index.observe(key, st.st_size, ticket, hot=True)
         counts["blocks_skipped"] += 1
         return False
 
@@ -473,7 +453,7 @@ class BlockTransfers:
         if not self._free_space.has_room():
             failed.extend(b.key for b in todo)
             return written
-        statuses, victims = self._index.reserve_many([b.key for b in todo], self.file_size)
+        statuses, victims = self._files.index.reserve_many([b.key for b in todo], self.file_size)
         if victims:
             self._remover.remove_victims(victims)
         for block, status in zip(todo, statuses, strict=True):
@@ -505,18 +485,18 @@ class BlockTransfers:
                     self._buffers.header,
                     row,
                     key=key,
-                    run_digest=self._mapper.run_digest,
+                    run_digest=self._files.mapper.run_digest,
                     o_direct=self._o_direct,
                     modes=self._modes,
                     integrity=self._integrity,
                     on_created=(
                         None
-                        if self._slots is None
+                        if self._files.slots is None
                         else functools.partial(self._claim_slot, leaf_fd, claim)
                     ),
                 )
         except BaseException as e:
-            self._index.abort(key)
+            self._files.index.abort(key)
             if isinstance(e, NoFreeSlot):
                 self._log_no_room(key)
                 return False, None
@@ -532,7 +512,7 @@ class BlockTransfers:
         """``on_created`` of a store: link the new (still empty) file to a capacity slot,
         evicting least recently used blocks until one is free; ``(slot, inode)`` is appended to
         ``claim``. Returns the slot's release (for a file that is not published)."""
-        slots = self._slots
+        slots = self._files.slots
         assert slots is not None
         ino = os.fstat(fd).st_ino
         n = self._claim(leaf_fd, tmp, ino)
@@ -548,12 +528,12 @@ class BlockTransfers:
         mistake and could not put it back (the number was claimed again meanwhile) leaves it
         without one: claim another (evicting as usual), or evict the new file itself, so that a
         published file never stays outside the bound."""
-        slots = self._slots
+        slots = self._files.slots
         assert slots is not None
         try:
             if slots.holds(n, ino):
                 return
-            self._counters.incr("slots_lost")
+            self._files.counters.incr("slots_lost")
             m = self._claim(block.leaf_fd, block.path.name, ino)
             if slots.holds(n, ino):
                 slots.release(m, ino)  # it was only being put back: keep one slot
@@ -570,19 +550,19 @@ class BlockTransfers:
             NoFreeSlot: none could be freed.
             OSError: from the system calls.
         """
-        slots = self._slots
+        slots = self._files.slots
         assert slots is not None
         for _ in range(_MAX_EVICTIONS_PER_CLAIM + 1):
             n = slots.try_claim(leaf_fd, name, ino)
             if n is not None:
                 return n
-            victims = self._index.evict_lru(1)
+            victims = self._files.index.evict_lru(1)
             if victims:
                 self._remover.remove_victims(victims)
             elif not slots.evict_unknown(self._remover.evict):
                 # Nothing indexed is evictable (all pinned, or nothing known yet) and the
                 # random slot tried held a block being written or removed.
-                self._counters.incr("claim_misses")
+                self._files.counters.incr("claim_misses")
         raise NoFreeSlot
 
     def _log_no_room(self, key: OffloadKey) -> None:
@@ -591,7 +571,7 @@ class BlockTransfers:
             "noroom",
             "fs tier: cannot make room under max_bytes=%s (blocks being loaded are never "
             "evicted); the store of block %s fails",
-            self._max_bytes,
+            self._files.index.max_bytes,
             key.hex(),
         )
 
@@ -615,33 +595,32 @@ class BlockTransfers:
         counts: Counter[str] = Counter()
         failed: list[OffloadKey] = []
         loaded: list[OffloadKey] = []
-        with self._counters.load_clock:
-            ticket = self._index.ticket()
+        with self._files.counters.load_clock:
+            ticket = self._files.index.ticket()
             for key, block_id in blocks:
                 (loaded if self._load_one(key, block_id, ticket, counts) else failed).append(key)
             if loaded:
-                self._index.observe_many(loaded, self.file_size, ticket)
+                self._files.index.observe_many(loaded, self.file_size, ticket)
                 self._read_failures.clear(loaded)
         counts["blocks_loaded"] += len(loaded)
         counts["load_failures"] += len(failed)
-        self._counters.add(counts)
+        self._files.counters.add(counts)
         return failed
 
     def unpin(self, blocks: Sequence[tuple[OffloadKey, int]]) -> None:
         """The loads of these blocks ended: they may be evicted again."""
-        self._index.unpin(key for key, _ in blocks)
+        self._files.index.unpin(key for key, _ in blocks)
 
     def _load_one(self, key: OffloadKey, block_id: int, ticket: int, counts: Counter[str]) -> bool:
-        path = self._mapper.block_path(key)
+        path = self._files.mapper.block_path(key)
         try:
-            leaf_fd = open_block_dir(self._rank_fd, path)
+            leaf_fd = open_block_dir(self._files.rank_fd, path)
         except FileNotFoundError:
-            self._index.observe(key, None, ticket, hot=False)
+            self._files.index.observe(key, None, ticket, hot=False)
             return False
         except OSError as e:
-            self._log_os_error("load", key, e)
             # E.g. a symlink planted in the path: bounded retries, as for the file.
-            self._count_read_failure(None, key, path, counts)
+            self._read_failed(None, key, path, e, counts)
             return False
         try:
             with self._row(block_id) as row:
@@ -651,13 +630,13 @@ class BlockTransfers:
                     self._buffers.header,
                     row,
                     key=key,
-                    run_digest=self._mapper.run_digest,
+                    run_digest=self._files.mapper.run_digest,
                     o_direct=self._o_direct,
                     integrity=self._integrity,
                 )
         except FileNotFoundError:
             self._read_failures.clear((key,))
-            self._index.observe(key, None, ticket, hot=False)
+            self._files.index.observe(key, None, ticket, hot=False)
             return False
         except BlockFileCorrupt as e:
             forged = isinstance(e, BlockForged)
@@ -687,11 +666,10 @@ class BlockTransfers:
             )
             counts["unauthenticated_misses"] += 1
             if self._read_failures.give_up(key, self._file_identity(leaf_fd, path)):
-                self._index.demote(key)
+                self._files.index.demote(key)
             return False
         except OSError as e:
-            self._log_os_error("load", key, e)
-            self._count_read_failure(leaf_fd, key, path, counts)
+            self._read_failed(leaf_fd, key, path, e, counts)
             return False
         finally:
             os.close(leaf_fd)
@@ -705,15 +683,21 @@ class BlockTransfers:
             st = None
         return None if st is None else file_identity(st)
 
-    def _count_read_failure(
-        self, leaf_fd: int | None, key: OffloadKey, path: BlockPath, counts: Counter[str]
+    def _read_failed(
+        self,
+        leaf_fd: int | None,
+        key: OffloadKey,
+        path: BlockPath,
+        e: OSError,
+        counts: Counter[str],
     ) -> None:
-        """A transient error failed a read of ``key``'s file (``leaf_fd`` None: its directory
-        could not be opened): count it, maybe give the file up."""
+        """A transient error ``e`` failed a read of ``key``'s file (``leaf_fd`` None: its
+        directory could not be opened): log it, count it, maybe give the file up."""
+        self._log_os_error("load", key, e)
         # A file that cannot be told apart is counted against the one that failed before.
         if not self._read_failures.failed(key, self._file_identity(leaf_fd, path)):
             return
-        self._index.demote(key)
+        self._files.index.demote(key)
         counts["reads_given_up"] += 1
         self._log(
             logging.WARNING,
@@ -736,9 +720,9 @@ class BlockTransfers:
     def probe(self, key: OffloadKey) -> bool:
         """Whether ``key``'s file looks loadable: a regular file of the right size, below real
         directories, not given up. The file's contents are verified by the load."""
-        path = self._mapper.block_path(key)
-        ticket = self._index.ticket()
-        rank_fd = self._rank_fd
+        path = self._files.mapper.block_path(key)
+        ticket = self._files.index.ticket()
+        rank_fd = self._files.rank_fd
         try:
             st = os.stat(path.rel, dir_fd=rank_fd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
@@ -751,7 +735,7 @@ class BlockTransfers:
                 ):
                     return False
         except (FileNotFoundError, NotADirectoryError):
-            self._index.observe(key, None, ticket, hot=False)
+            self._files.index.observe(key, None, ticket, hot=False)
             return False
         except OSError as e:
             self._log(logging.WARNING, "probe", "fs tier: cannot stat %s: %s", path.rel, e)
@@ -770,9 +754,9 @@ class BlockTransfers:
             return False
         if self._read_failures.given_up(key, file_identity(st)):
             # Still accounted (it occupies the disk), left where it is in the LRU order.
-            self._index.observe(key, st.st_size, ticket, hot=False)
+            self._files.index.observe(key, st.st_size, ticket, hot=False)
             return False
-        return self._index.observe(key, st.st_size, ticket, hot=True)
+        return self._files.index.observe(key, st.st_size, ticket, hot=True)
 
     # -----------------------------------------------------------------------------------------
     # Helpers

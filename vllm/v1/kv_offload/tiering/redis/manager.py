@@ -216,17 +216,14 @@ class RedisSecondaryTier(AsyncLookupTier):
         self.transfer = BlockTransfer(
             self._router,
             self._flat,
+            config,
             row_bytes=self._row_bytes,
             run_digest=self.run_digest,
             key_prefix=key_prefix(self.namespace, config.integrity),
-            integrity=config.integrity,
-            ttl_ms=None if config.ttl_s is None else max(1, round(config.ttl_s * 1000)),
-            max_round_bytes=config.max_inflight_bytes,
             breaker=self._breaker,
             gates=self._gates,
             counters=self._counters,
             name=self._name,
-            redactor=config.redactor,
         )
         # Server figures for get_stats (keys, used memory, maxmemory or 0), replaced whole by
         # the health thread.

@@ -45,7 +45,6 @@ from vllm.v1.kv_offload.tiering.block_format import (
     BlockFileCorrupt,
     BlockForged,
     BlockNotAuthenticated,
-    IntegrityKey,
     encode_block_header,
     verify_parts,
 )
@@ -56,8 +55,8 @@ from vllm.v1.kv_offload.tiering.redis.client import (
     cuts_off,
     error_kind,
 )
+from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, PermissionGates
-from vllm.v1.kv_offload.tiering.redis.redaction import Redactor
 
 logger = init_logger(__name__)
 
@@ -125,36 +124,47 @@ class BlockTransfer:
     Ownership: ``flat`` is the primary region as one flat byte view, borrowed from the tier; a
     job touches only rows ``[b * row_bytes, (b + 1) * row_bytes)`` of its own block ids, which the
     tiering manager keeps pinned (store) or reserved (load) until the job is reported.
+
+    Args:
+        router: sends the rounds.
+        flat: the primary rows.
+        config: the tier's configuration: the fleet key blocks are authenticated with (if any),
+            the TTL of stored blocks, ``max_inflight_bytes`` (bounds a round, with
+            ``MAX_ROUND_BYTES``) and the redactor of log messages.
+        row_bytes: payload bytes of a value (one primary row).
+        run_digest: stamped into every header, checked on every load.
+        key_prefix: what every Redis key of the tier starts with (``manager.key_prefix``).
+        breaker, gates, counters: the tier's; tripped, shut and counted here.
+        name: the tier's printable name, in log lines.
     """
 
     def __init__(
         self,
         router: Router,
         flat: memoryview,
+        config: RedisTierConfig,
         *,
         row_bytes: int,
         run_digest: bytes,
         key_prefix: bytes,
-        ttl_ms: int | None,
-        max_round_bytes: int,
         breaker: CircuitBreaker,
         gates: PermissionGates,
         counters: Counters,
         name: str,
-        redactor: Redactor,
-        integrity: IntegrityKey | None = None,
     ) -> None:
         self._router = router
         self._gates = gates
-        self._redactor = redactor
-        self._integrity = integrity
+        self._redactor = config.redactor
+        self._integrity = config.integrity
         self._flat = flat
         self._row_bytes = row_bytes
         self._run_digest = run_digest
         self._prefix = key_prefix
-        self._ttl_ms = ttl_ms
+        # PX takes whole milliseconds; a TTL below one still expires the block.
+        self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
         self._value_bytes = HEADER_SIZE + row_bytes
-        self._per_round = max(1, min(max_round_bytes, MAX_ROUND_BYTES) // self._value_bytes)
+        max_round_bytes = min(config.max_inflight_bytes, MAX_ROUND_BYTES)
+        self._per_round = max(1, max_round_bytes // self._value_bytes)
         self._breaker = breaker
         self._counters = counters
         self._name = name
