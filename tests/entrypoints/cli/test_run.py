@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,9 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
         "wall_s",
         "verify_s",
         "engine_thread_cpu_s",
+        "engine_thread_idle_s",
+        "engine_thread_runqueue_wait_s",
+        "engine_thread_blocked_s",
         "cpu_s_by_component",
         "verify_cpu_s",
         "requests_per_s",
@@ -124,6 +128,14 @@ def _check_run_schema(run: dict[str, Any], offload: bool) -> None:
     assert run["offload"] is offload
     assert run["load_guard"] is None  # never on for the hash model nor without offloading
     assert run["engine_thread_cpu_s"] > 0 and run["verify_s"] >= 0
+    # The engine thread's window in parts: on a core, idle, waiting for a core, blocked. The
+    # window opens before the first request and closes after the last output, so it holds the
+    # clients' wall time.
+    parts = [run["engine_thread_cpu_s"], run["engine_thread_idle_s"]]
+    if sys.platform == "linux":
+        parts += [run["engine_thread_runqueue_wait_s"], run["engine_thread_blocked_s"]]
+        assert sum(parts) >= run["wall_s"] * 0.99
+    assert all(isinstance(p, _NUM) and p >= 0 for p in parts)
     assert len(run["outputs_digest"]) == 64 and run["verification"]["mode"] == "loaded"
     tiers = {"gpu_prefix_cache", "cpu_tier", "fs_tier", "redis_tier"}
     assert set(run["prompt_tokens"]) == {"total", "computed"} | tiers

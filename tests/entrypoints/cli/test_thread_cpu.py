@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Tests of the CPU time per component (cli/thread_cpu.py)."""
+"""Tests of the CPU time per component and the wait for a core (cli/thread_cpu.py)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import pytest
 
-from vllm.entrypoints.cli.thread_cpu import FRONT_END, ThreadCpuWindow, component_of
+from vllm.entrypoints.cli.thread_cpu import (
+    FRONT_END,
+    ThreadCpuWindow,
+    component_of,
+    runqueue_wait_s,
+)
 
 
 def test_threads_are_grouped_by_their_names() -> None:
@@ -43,3 +49,25 @@ def test_a_window_counts_a_busy_thread_under_its_component() -> None:
     thread.join()
     assert window.by_component["fs tier threads"] >= 0.05
     assert "engine thread" not in window.by_component
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the wait for a core is read from /proc")
+def test_the_wait_for_a_core_is_the_calling_threads_own() -> None:
+    """Each thread reads its own figure, which only grows: a thread that never waited for a
+    core (it only sleeps) reads at most what the kernel charged to its wake-ups."""
+    readings: list[float | None] = []
+
+    def sleeper() -> None:
+        readings.append(runqueue_wait_s())
+        time.sleep(0.01)
+        readings.append(runqueue_wait_s())
+
+    before = runqueue_wait_s()
+    assert before is not None and before >= 0
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    thread.join()
+    first, second = readings
+    assert first is not None and second is not None and 0 <= first <= second
+    after = runqueue_wait_s()
+    assert after is not None and after >= before

@@ -61,6 +61,7 @@ def test_a_request_waiting_on_a_tier_is_polled_not_spun(tmp_path: Path) -> None:
         engine.generate({"a": prompt}, 1)
         engine.reset_prefix_cache()  # the CPU tier too: the hit comes from the slow tier
         idle_before = engine.stats.idle_steps
+        slept_before = engine.stats.idle_wait_seconds
         start = time.perf_counter()
         engine.generate({"b": prompt}, 1)
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -68,6 +69,9 @@ def test_a_request_waiting_on_a_tier_is_polled_not_spun(tmp_path: Path) -> None:
         idle = engine.stats.idle_steps - idle_before
         assert elapsed_ms >= 200  # the load waited out its delay
         assert 0 < idle <= elapsed_ms / (IDLE_POLL_S * 1e3)
+        # Each idle step's wait is counted as the engine's sleep between steps.
+        slept_ms = (engine.stats.idle_wait_seconds - slept_before) * 1e3
+        assert idle * IDLE_POLL_S * 1e3 <= slept_ms <= elapsed_ms
 
 
 def test_ranks_hold_different_bytes_and_agree_on_outputs(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from vllm.entrypoints.cli.report.figures import (
     Tier,
     TransferFigures,
 )
-from vllm.entrypoints.cli.thread_cpu import ThreadCpuWindow
+from vllm.entrypoints.cli.thread_cpu import ThreadCpuWindow, runqueue_wait_s
 from vllm.entrypoints.router.measured_costs import MeasuredCosts
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig, default_instance_id
@@ -191,9 +191,23 @@ class StepSampler:
         )
 
 
-def _thread_cpu(engine: EngineCore) -> float:
-    # Engine thread: its own CPU time (what the engine thread spent, not the tiers' threads).
-    return time.thread_time()
+@dataclass(frozen=True)
+class _EngineClocks:
+    """The engine thread's clocks at one instant, read on the engine thread: wall
+    (``time.monotonic``), its own CPU time (``time.thread_time``: not the tiers' threads'), its
+    sleep between steps (``EngineStats.idle_wait_seconds``) and its wait for a core so far
+    (``runqueue_wait_s``; None where the kernel does not say)."""
+
+    wall: float
+    cpu: float
+    idle: float
+    runqueue_wait: float | None
+
+
+def _engine_clocks(engine: EngineCore) -> _EngineClocks:
+    return _EngineClocks(
+        time.monotonic(), time.thread_time(), engine.stats.idle_wait_seconds, runqueue_wait_s()
+    )
 
 
 def _verify_timed(engine: EngineCore, reference: Mapping[BlockKey, bytes] | None) -> float:
@@ -362,7 +376,7 @@ class EngineRun:
             self.result.fs = FsTierState(root_dir=str(tiers.fs.root), max_bytes=tiers.fs.max_bytes)
         self.sampler = StepSampler(t0=time.monotonic(), tokens_per_block=tiers.block_size)
         self._metrics = metrics
-        self._cpu_at_start = 0.0
+        self._clocks_at_start = _EngineClocks(0.0, 0.0, 0.0, None)
         self._threads = ThreadCpuWindow()
         self.digests: dict[BlockKey, bytes] = {}
         """Digests of every block the run computed (after ``finish``): another run's reference."""
@@ -396,7 +410,7 @@ class EngineRun:
 
     async def start_window(self) -> None:
         """The timed window starts: note the engine thread's CPU time, and every thread's."""
-        self._cpu_at_start = await self.llm.call(_thread_cpu)
+        self._clocks_at_start = await self.llm.call(_engine_clocks)
         self._threads.start()
 
     async def finish(self, reference: Mapping[BlockKey, bytes] | None = None) -> EngineSnapshot:
@@ -409,9 +423,18 @@ class EngineRun:
         Raises:
             RuntimeError: transfers were still in flight ``IDLE_TIMEOUT_S`` after the last output.
         """
-        cpu_at_end = await self.llm.call(_thread_cpu)
+        end = await self.llm.call(_engine_clocks)
         self._threads.stop()
-        self.result.engine_thread_cpu_s = cpu_at_end - self._cpu_at_start
+        start = self._clocks_at_start
+        cpu, idle = end.cpu - start.cpu, end.idle - start.idle
+        self.result.engine_thread_cpu_s = cpu
+        self.result.engine_thread_idle_s = idle
+        if start.runqueue_wait is not None and end.runqueue_wait is not None:
+            wait = end.runqueue_wait - start.runqueue_wait
+            self.result.engine_thread_runqueue_wait_s = wait
+            # The rest of the window the thread slept inside the steps: on the GIL, a lock, I/O.
+            rest = end.wall - start.wall - cpu - idle - wait
+            self.result.engine_thread_blocked_s = max(rest, 0.0)
         self.result.cpu_s_by_component = dict(self._threads.by_component)
         try:
             await asyncio.wait_for(self.llm.wait_until_idle(), IDLE_TIMEOUT_S)

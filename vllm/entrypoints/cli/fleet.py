@@ -458,6 +458,7 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             "steps",
             "preemptions",
             "engine_thread_cpu_s",
+            "engine_thread_idle_s",
             "verify_cpu_s",
             "blocks_verified",
             "blocks_checked",
@@ -513,6 +514,10 @@ def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunR
             total.cross_instance_tokens = (total.cross_instance_tokens or 0) + (
                 p.cross_instance_tokens
             )
+    for name in ("engine_thread_runqueue_wait_s", "engine_thread_blocked_s"):
+        # Known for the fleet only if every instance's kernel said.
+        values = [getattr(p, name) for p in parts]
+        setattr(total, name, None if not values or None in values else sum(values))
     # Down for the fleet only if no instance ever got an answer.
     downs = [p.redis_down for p in parts]
     total.redis_down = downs[0] if downs and all(downs) else None

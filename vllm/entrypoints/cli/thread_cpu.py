@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""CPU time of this process's threads, by component, for the report's "CPU seconds" lines.
+"""CPU time of this process's threads, by component, for the report's "CPU seconds" lines, and
+the calling thread's wait for a core.
 
 ``cpu_by_component`` reads every live Python thread's CPU clock
 (``time.pthread_getcpuclockid``: any thread may read another's, without stopping it) and groups
@@ -12,6 +13,11 @@ clock is gone with it); the tiers' and the engine's threads live as long as the 
 
 Unix only (``time.pthread_getcpuclockid``); elsewhere every reading is empty and the report
 says nothing of components.
+
+``runqueue_wait_s`` reads the calling thread's time spent runnable but not running (waiting on
+a CPU's run queue for a core, ``/proc/thread-self/schedstat``): with the thread's CPU time it
+splits a wall-clock window into on a core, waiting for a core, and blocked (asleep: idle, or
+waiting for the GIL or a lock). Linux only; None elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine thread", ("vllm_engine_core",)),
@@ -35,6 +42,20 @@ FRONT_END = "front end and clients"
 """Every other Python thread (the event loop's, which runs the workload's clients)."""
 NATIVE = "native threads (torch etc.)"
 """What the process used on threads Python does not know."""
+
+
+_SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+def runqueue_wait_s() -> float | None:
+    """Seconds the calling thread has waited on a run queue for a core since it started (the
+    second field of ``/proc/thread-self/schedstat``, in nanoseconds); None where the kernel
+    does not provide it (not Linux, or built without ``CONFIG_SCHED_INFO``)."""
+    try:
+        fields = _SCHEDSTAT.read_text().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def component_of(thread_name: str) -> str:

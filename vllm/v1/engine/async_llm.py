@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
@@ -288,9 +289,9 @@ class AsyncLLM:
                             for waiter in idle_waiters:
                                 waiter.set_result(None)
                             idle_waiters.clear()
-                            self._cond.wait()
+                            self._idle_wait(None)
                         elif idle_step:
-                            self._cond.wait(self._idle_poll_s)
+                            self._idle_wait(self._idle_poll_s)
                     commands = list(self._commands)
                     self._commands.clear()
                     stopping = self._stopping
@@ -329,6 +330,13 @@ class AsyncLLM:
                 command.future.set_exception(err)
         for waiter in idle_waiters:
             waiter.set_exception(err)
+
+    def _idle_wait(self, timeout: float | None) -> None:
+        # Engine thread, self._cond held: sleep until a command arrives (or the timeout), as
+        # the engine's idle time (EngineStats.idle_wait_seconds).
+        start = time.perf_counter()
+        self._cond.wait(timeout)
+        self.engine.stats.idle_wait_seconds += time.perf_counter() - start
 
     def _apply(self, command: _Command, idle_waiters: list[Future[None]]) -> None:
         engine = self.engine

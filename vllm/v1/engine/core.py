@@ -321,7 +321,9 @@ class EngineCore(ClosingContextManager):
         idle_before = self.stats.idle_steps
         outputs = self.step()
         if self.stats.idle_steps > idle_before:
+            start = time.perf_counter()
             time.sleep(IDLE_POLL_S)
+            self.stats.idle_wait_seconds += time.perf_counter() - start
         return outputs
 
     def step(self) -> list[RequestOutput]:

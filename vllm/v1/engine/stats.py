@@ -105,6 +105,9 @@ class EngineStats:
 
     Attributes:
         steps: steps run; ``idle_steps`` of them computed no token (stepping for transfers).
+        idle_wait_seconds: time the thread driving the engine slept between steps, waiting for
+            work or, after an idle step, for a transfer or lookup to progress
+            (``EngineCore.step_or_wait``'s and ``AsyncLLM``'s waits).
         requests_added, requests_finished, requests_aborted: request counts.
         preemptions: requests preempted for lack of GPU blocks.
         placements: times a request was placed (fresh or after a preemption).
@@ -147,6 +150,7 @@ class EngineStats:
 
     steps: int = 0
     idle_steps: int = 0
+    idle_wait_seconds: float = 0.0
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0

@@ -43,7 +43,8 @@ def huge_report() -> Report:
         run.ttft_ms = [123456.0, 999999.0]
         run.overhead_us = run.worker_overhead_us = [9_999_999.0]
         run.ttft_parts_ms = {n: [99_999_999.0] for n in ("slot", "lookup", "loading", "prefill")}
-        run.engine_thread_cpu_s = run.verify_cpu_s = 99999.99
+        run.engine_thread_cpu_s = run.verify_cpu_s = run.engine_thread_idle_s = 99999.99
+        run.engine_thread_runqueue_wait_s = run.engine_thread_blocked_s = 99999.99
         run.cpu_s_by_component = {"fs tier threads": 99999.99, "native threads (torch ...)": 1.0}
         run.wall_s = 99999.9
     for d in Direction:

@@ -143,3 +143,36 @@ def test_ratios_and_no_benefit_reason_name_the_part_that_grew() -> None:
     assert "the machine was busy (load average up to 99.00" in (no_benefit_reason(report) or "")
     report.offload.computed_tokens = report.baseline.computed_tokens
     assert "computed no fewer prompt tokens" in (no_benefit_reason(report) or "")
+
+
+def test_no_benefit_reason_names_the_engine_threads_waits_that_grew() -> None:
+    # Slower TTFT; the offload run's engine thread was blocked inside its steps 0.5 s (the
+    # baseline's 0.1 s) and waited 0.3 s for a core (0.2 s): 5% of the baseline's 2 s wall is
+    # 0.1 s, so only the first is named.
+    report = _timed_runs(10.0, 18.0)
+    base, off = report.baseline, report.offload
+    base.engine_thread_blocked_s, off.engine_thread_blocked_s = 0.1, 0.5
+    base.engine_thread_runqueue_wait_s, off.engine_thread_runqueue_wait_s = 0.2, 0.3
+    reason = no_benefit_reason(report)
+    assert reason is not None
+    assert (
+        "the offload run's engine thread was blocked inside its steps for 0.50 s against the "
+        "baseline's 0.10 s (on the GIL while another thread held it, a lock or I/O)"
+    ) in reason
+    assert "for a core" not in reason
+    off.engine_thread_runqueue_wait_s = 0.9
+    reason = no_benefit_reason(report)
+    assert reason is not None
+    assert (
+        "(on the GIL while another thread held it, a lock or I/O) and waited 0.90 s for a "
+        "core against the baseline's 0.20 s" in reason
+    )
+    lines = render_text(report).splitlines()
+    blocked = next(line for line in lines if "blocked in its steps" in line)
+    assert blocked.split()[-4:] == ["0.10", "s", "0.50", "s"]
+    # Where the kernel does not say (None), nothing is named.
+    off.engine_thread_runqueue_wait_s = off.engine_thread_blocked_s = None
+    reason = no_benefit_reason(report)
+    assert reason is not None and "engine thread" not in reason
+    text = render_text(report)
+    assert "waiting for a core" not in text  # the section needs both runs' figures

@@ -222,6 +222,15 @@ class RunResult:
         transfers: figures per direction (offload only).
         engine_thread_cpu_s: the engine thread's CPU time (``time.thread_time()``) over the timed
             window; the checks run after it (in a fleet: every instance's, added up).
+        engine_thread_idle_s: over the same window, the engine thread's sleep between steps:
+            no request to run, or waiting for a transfer or lookup after an idle step
+            (``EngineStats.idle_wait_seconds``; in a fleet: added up).
+        engine_thread_runqueue_wait_s: over the same window, the engine thread's time runnable
+            but not running (waiting for a core while other threads or processes had them);
+            None where the kernel does not say (``cli/thread_cpu.py``; in a fleet: added up).
+        engine_thread_blocked_s: the rest of the window, the engine thread asleep inside its
+            steps: waiting for the GIL, a lock or I/O (window minus CPU, idle sleep and the
+            wait for a core; None with the wait; in a fleet: added up).
         cpu_s_by_component: CPU seconds each component's threads used over the timed window
             (``cli/thread_cpu.py``: engine thread, tier threads, ...; in a fleet: added up).
         verify_cpu_s: CPU seconds the checks took, after the timed window.
@@ -280,6 +289,9 @@ class RunResult:
         default_factory=lambda: {d: TransferFigures() for d in Direction}
     )
     engine_thread_cpu_s: float = 0.0
+    engine_thread_idle_s: float = 0.0
+    engine_thread_runqueue_wait_s: float | None = None
+    engine_thread_blocked_s: float | None = None
     cpu_s_by_component: dict[str, float] = field(default_factory=dict)
     verify_s: float = 0.0
     verify_cpu_s: float = 0.0

@@ -253,6 +253,9 @@ def render_body(report: Report, home: str | None = None) -> Iterator[str]:
     yield ""
     yield from _cpu(report)
     yield ""
+    if _engine_time(report):
+        yield from _engine_time(report)
+        yield ""
     yield from _transfers(report.offload)
     yield from _disk(report, home)
     yield from _instances(report)
@@ -441,6 +444,31 @@ def _cpu(report: Report) -> Iterable[str]:
             indent=4,
             hanging=1,
         )
+
+
+def _engine_time(report: Report) -> list[str]:
+    """Where the engine thread's timed window went: on a core, idle between steps, waiting for
+    a core, asleep inside its steps (empty unless the kernel gave both runs' waits for a
+    core)."""
+    runs = (report.baseline, report.offload)
+    waits = [r.engine_thread_runqueue_wait_s for r in runs]
+    blocked = [r.engine_thread_blocked_s for r in runs]
+    if None in waits or None in blocked:
+        return []
+    return [
+        _row("engine thread (timed window)", "baseline", "offload"),
+        _row("  on a core (its CPU time)", *(f"{r.engine_thread_cpu_s:.2f} s" for r in runs)),
+        _row("  idle between steps", *(f"{r.engine_thread_idle_s:.2f} s" for r in runs)),
+        _row("  waiting for a core", *(f"{w:.2f} s" for w in waits)),
+        _row("  blocked in its steps", *(f"{b:.2f} s" for b in blocked)),
+        *_wrap(
+            "(idle: no request to run, or a request waiting on a tier; waiting for a core: "
+            "ready to run while other threads or processes had the CPUs; blocked: asleep "
+            "inside a step, on the GIL while another thread held it, a lock or I/O)",
+            indent=4,
+            hanging=1,
+        ),
+    ]
 
 
 # label, blocks, bytes, busy, throughput, average: 2 + 20 + 12 + 11 + 9 + 13 + 13 = 80 columns,

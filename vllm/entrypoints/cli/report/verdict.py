@@ -231,13 +231,42 @@ def benefit_ratios(report: Report) -> dict[str, float | None]:
     }
 
 
+_NOTABLE_SHARE = 0.05
+"""A change in the engine thread's waits is named when it exceeds this share of the baseline's
+wall time."""
+
+
+def _engine_thread_notes(b: RunResult, o: RunResult) -> list[str]:
+    """The engine thread's waits that grew notably from the baseline (``_NOTABLE_SHARE``):
+    asleep inside its steps (the GIL, a lock, I/O) and waiting for a core."""
+    grew = []
+    threshold = _NOTABLE_SHARE * b.wall_s
+    for what, base_s, off_s in (
+        (
+            "was blocked inside its steps for {off:.2f} s against the baseline's {base:.2f} s "
+            "(on the GIL while another thread held it, a lock or I/O)",
+            b.engine_thread_blocked_s,
+            o.engine_thread_blocked_s,
+        ),
+        (
+            "waited {off:.2f} s for a core against the baseline's {base:.2f} s",
+            b.engine_thread_runqueue_wait_s,
+            o.engine_thread_runqueue_wait_s,
+        ),
+    ):
+        if base_s is not None and off_s is not None and off_s - base_s > threshold:
+            grew.append(what.format(off=off_s, base=base_s))
+    return [f"the offload run's engine thread {' and '.join(grew)}"] if grew else []
+
+
 def no_benefit_reason(report: Report) -> str | None:
     """Why the offloaded run's TTFT median or wall time was no better than the baseline's, in
     plain words naming the measured cause; None when both were better.
 
     The cause is the part of TTFT (``TTFT_PARTS``, means per request) that grew most from the
     baseline to the offloaded run, set against the prefill time it saved; a run that saved no
-    prefill says so, and a machine busier than its CPUs (load average) is named too.
+    prefill says so, and so are the engine thread's waits that grew (``_engine_thread_notes``)
+    and a machine busier than its CPUs (load average).
     """
     ratios = benefit_ratios(report)
     worse = [
@@ -283,7 +312,7 @@ def no_benefit_reason(report: Report) -> str | None:
             f"{_PART_WORDS[grew]} took {off_ms:.1f} ms per request on average against the "
             f"baseline's {base_ms:.1f} ms, {saved}"
         )
-    notes = []
+    notes = _engine_thread_notes(b, o)
     if report.settings.get("model") == "hash":
         notes.append(
             "the hash stand-in computes almost for free, so saved prefill saves little time"
