@@ -145,21 +145,21 @@ class LRUCachePolicy(CachePolicy):
     @override
     def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, ref_cnt == 0) just before this call.
-        _move_blocks(keys, self._non_evictable, self._evictable)
+        self._move_blocks(keys, self._non_evictable, self._evictable)
 
     @override
     def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
         # The manager checked every block (resident, was ref_cnt == 0) just before this call.
-        _move_blocks(keys, self._evictable, self._non_evictable)
+        self._move_blocks(keys, self._evictable, self._non_evictable)
 
-
-def _move_blocks(
-    keys: Iterable[OffloadKey],
-    source: dict[OffloadKey, BlockStatus],
-    dest: dict[OffloadKey, BlockStatus],
-) -> None:
-    """Move the blocks of ``keys`` (all in ``source``) from ``source`` to the end of ``dest``
-    (for ``_evictable``, its most recently used end)."""
-    pop = source.pop
-    for key in keys:
-        dest[key] = pop(key)
+    @staticmethod
+    def _move_blocks(
+        keys: Iterable[OffloadKey],
+        source: dict[OffloadKey, BlockStatus],
+        dest: dict[OffloadKey, BlockStatus],
+    ) -> None:
+        """Move the blocks of ``keys`` (all in ``source``) from ``source`` to the end of
+        ``dest`` (for ``_evictable``, its most recently used end)."""
+        pop = source.pop
+        for key in keys:
+            dest[key] = pop(key)
