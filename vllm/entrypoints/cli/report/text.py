@@ -253,8 +253,9 @@ def render_body(report: Report, home: str | None = None) -> Iterator[str]:
     yield ""
     yield from _cpu(report)
     yield ""
-    if _engine_time(report):
-        yield from _engine_time(report)
+    engine_time = _engine_time(report)
+    if engine_time:
+        yield from engine_time
         yield ""
     yield from _transfers(report.offload)
     yield from _disk(report, home)
