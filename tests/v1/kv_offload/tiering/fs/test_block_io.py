@@ -150,6 +150,8 @@ def test_temporary_file_names_and_staleness() -> None:
     try:
         name = tmp_name("abcdef", writer)
         assert name.startswith(".abcdef.") and name.endswith(".tmp")
+        # Each call names a new file, even for one stem and writer.
+        assert len({tmp_name("abcdef", writer) for _ in range(1000)} | {name}) == 1001
         assert not is_stale_tmp(name, 0.0, 600)  # a live writer of this process
         assert is_stale_tmp(name, 601.0, 600)  # ...unless too old
     finally:
