@@ -616,6 +616,8 @@ class BlockTransfers:
         try:
             leaf_fd = open_block_dir(self._files.rank_fd, path)
         except FileNotFoundError:
+            # Its directory is gone, so is the file: forget its failures, as below.
+            self._read_failures.clear((key,))
             self._files.index.observe(key, None, ticket, hot=False)
             return False
         except OSError as e:
