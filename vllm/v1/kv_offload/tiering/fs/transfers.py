@@ -322,7 +322,6 @@ class BlockTransfers:
     ) -> None:
         self._files = files
         self._rows = rows
-        self.file_size = files.file_size
         self._remover = remover
         self._o_direct = o_direct
         self._modes = modes
@@ -336,6 +335,11 @@ class BlockTransfers:
         )
         self._buffers = HeaderBuffers()
         self._log = RateLimitedLog(logger)
+
+    @property
+    def file_size(self) -> int:
+        """Bytes of a block file of this run (``files.file_size``)."""
+        return self._files.file_size
 
     @contextmanager
     def _row(self, block_id: int) -> Iterator[memoryview]:
