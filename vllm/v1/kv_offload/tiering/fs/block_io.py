@@ -192,9 +192,10 @@ class FileModes:
 
     Block files, their slot links (hard links: the same inode), ``config.json``, presence and
     probe files get ``files``; every directory, the root included when the tier creates it,
-    gets ``dirs``. The umask is read once, when the tier starts: a file mode it would narrow is
-    set again with ``fchmod`` right after creation; a directory is always set (directories are
-    few, and ``mkdir`` ignores the set-group-ID bit that ``"group"`` uses).
+    gets ``dirs``. The umask is read once, when the tier starts: a mode it would narrow is set
+    again with ``fchmod`` right after creation, and so is a directory mode with the set-group-ID
+    bit that ``"group"`` uses (``mkdir`` ignores it). Otherwise creation gives the exact mode and
+    no ``fchmod`` follows: on a fresh root a stored block creates one or two directories.
 
     Attributes:
         permissions: the config value these modes implement.
@@ -220,8 +221,10 @@ class FileModes:
         return cls(permissions, 0o700, 0o600, 0o077, process_umask())
 
     def fix_dir(self, fd: int) -> None:
-        """Give a directory this tier just created exactly ``dirs``."""
-        os.fchmod(fd, self.dirs)
+        """Give a directory this tier just created (``mkdir`` with ``dirs``) exactly ``dirs``
+        (a no-op unless the umask narrowed it or ``dirs`` has a special bit)."""
+        if self.dirs & (self.umask | ~0o777):
+            os.fchmod(fd, self.dirs)
 
     def fix_file(self, fd: int) -> None:
         """Give a file this tier just created exactly ``files`` (a no-op unless the umask
