@@ -70,9 +70,20 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
-    """Configures and builds ``CMakeLists.txt``, placing the library where setuptools expects it."""
+    """Configures and builds ``CMakeLists.txt``, placing the library where setuptools expects it;
+    builds the plain C extensions as setuptools does."""
 
     def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # a missing compiler or header: the Python path serves
+                print(
+                    f"WARNING: building {ext.name} failed ({exc}); continuing without it (the "
+                    "fs tier makes its system calls from Python).",
+                    file=sys.stderr,
+                )
+            return
         require = _env_flag("VLLM_KV_OFFLOAD_REQUIRE_CUDA")
         try:
             self._build_cmake(ext)
@@ -137,12 +148,20 @@ def cuda_skip_reason(env: Mapping[str, str], nvcc: str | None, driver: bool) -> 
     return None
 
 
+FS_IO_EXTENSION = Extension(
+    "vllm._kv_offload_fs_io", sources=["csrc/fs_io.c"], extra_compile_args=["-O2"]
+)
+"""The fs tier's batched system calls (Linux): a C extension the system's C compiler builds in
+about a second; without it the fs tier makes the same calls from Python."""
+
+
 def _ext_modules() -> list[Extension]:
+    modules = [FS_IO_EXTENSION] if sys.platform.startswith("linux") else []
     reason = cuda_skip_reason(os.environ, _find_nvcc(), nvidia_driver_present())
     if reason is not None:
         print(f"{reason}: skipping the CUDA copy library.", file=sys.stderr)
-        return []
-    return [CMakeExtension("vllm._kv_offload_cuda")]
+        return modules
+    return [*modules, CMakeExtension("vllm._kv_offload_cuda")]
 
 
 # setuptools runs this file as __main__ (also through pip's build backend); tests import it.

@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
+from vllm.v1.kv_offload.tiering.fs.native_io import DISABLE_ENV
 
 ROW_BYTES = 1 << 20
 """1 MiB rows: MB-sized blocks that keep the suite fast on 2 cores."""
@@ -184,6 +185,14 @@ def primary() -> Iterator[Primary]:
     p = Primary()
     yield p
     p.close()
+
+
+@pytest.fixture
+def python_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiers made after it make every system call from Python: for tests that inject faults
+    into ``os`` calls, which the batched calls (``native_io``) do not go through. The batched
+    calls hand every block that fails them to this same path (``test_native_io.py``)."""
+    monkeypatch.setenv(DISABLE_ENV, "0")
 
 
 @pytest.fixture

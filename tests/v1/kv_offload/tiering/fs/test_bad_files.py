@@ -109,7 +109,8 @@ def test_store_deletes_a_truncated_file_before_rewriting_it(
 
 
 class _FailingOpen:
-    """Makes ``os.open`` of one block file name fail with EACCES while ``on``."""
+    """Makes ``os.open`` of one block file name fail with EACCES while ``on`` (for tiers made
+    with the ``python_io`` fixture: the batched calls do not go through ``os.open``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         self.name = name
@@ -126,6 +127,7 @@ class _FailingOpen:
         monkeypatch.setattr(block_io.os, "open", fake_open)
 
 
+@pytest.mark.usefixtures("python_io")
 def test_a_block_that_keeps_failing_to_read_is_dropped_then_replaced(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,6 +161,7 @@ def test_a_block_that_keeps_failing_to_read_is_dropped_then_replaced(
     check_index(tier)
 
 
+@pytest.mark.usefixtures("python_io")
 def test_read_failures_must_be_consecutive(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,6 +177,7 @@ def test_read_failures_must_be_consecutive(
     assert resolve_lookups(tier, [key]) == [True]
 
 
+@pytest.mark.usefixtures("python_io")
 def test_a_block_replaced_by_another_instance_is_served_again(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
 ) -> None:

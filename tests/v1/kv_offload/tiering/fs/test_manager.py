@@ -465,6 +465,7 @@ def test_symlinked_directory_is_never_followed(
     assert store(tier, primary, [neighbour], [3])
 
 
+@pytest.mark.usefixtures("python_io")
 @pytest.mark.parametrize("err", [errno.EACCES, errno.EIO, errno.EMFILE, errno.ELOOP])
 def test_transient_open_error_fails_job_and_keeps_file(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch, err: int

@@ -325,7 +325,8 @@ def regular_file_size(dir_fd: int, name: str) -> int | None:
 
 
 class HeaderBuffers(threading.local):
-    """One page-aligned ``HEADER_SIZE`` buffer per thread (O_DIRECT needs aligned buffers).
+    """One page-aligned ``HEADER_SIZE`` buffer per thread (O_DIRECT needs aligned buffers), and
+    on request a run of them (a batched read's headers).
 
     Attributes:
         header: writable memoryview of ``HEADER_SIZE`` bytes, page-aligned.
@@ -334,6 +335,15 @@ class HeaderBuffers(threading.local):
     def __init__(self) -> None:
         self._mm = mmap.mmap(-1, HEADER_SIZE)
         self.header = memoryview(self._mm)
+        self._batch: memoryview | None = None
+
+    def many(self, n: int) -> memoryview:
+        """``n`` consecutive page-aligned ``HEADER_SIZE`` buffers, as one view (this thread's;
+        overwritten by its next call)."""
+        size = n * HEADER_SIZE
+        if self._batch is None or len(self._batch) < size:
+            self._batch = memoryview(mmap.mmap(-1, size))
+        return self._batch[:size]
 
 
 def buffer_address(buf: memoryview) -> int:

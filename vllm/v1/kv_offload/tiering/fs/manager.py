@@ -75,6 +75,7 @@ from vllm.v1.kv_offload.tiering.fs.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.fs.io_pool import DualQueueThreadPool
 from vllm.v1.kv_offload.tiering.fs.lookup import FsLookups
 from vllm.v1.kv_offload.tiering.fs.meters import Counters, FreeSpaceGuard
+from vllm.v1.kv_offload.tiering.fs.native_io import load_native_io
 from vllm.v1.kv_offload.tiering.fs.reconcile import Reconciler
 from vllm.v1.kv_offload.tiering.fs.run_dir import RunDirectory
 from vllm.v1.kv_offload.tiering.fs.scan import RankDirWalker, ScanStats, leaf_bucket
@@ -248,6 +249,7 @@ class FileSystemSecondaryTier(AsyncLookupTier):
             writer=self._writer,
             max_read_failures=config.max_read_failures,
             integrity=config.integrity,
+            native=load_native_io(),
         )
         # Scheduler thread only.
         self._jobs: dict[int, JobRecord] = {}

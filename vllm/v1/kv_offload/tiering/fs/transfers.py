@@ -38,6 +38,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from typing_extensions import override
 
@@ -45,6 +46,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.block_format import (
+    HEADER_SIZE,
     KEY_ID_BYTES,
     MAC_BYTES,
     MAX_KEY_BYTES,
@@ -52,6 +54,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
     BlockForged,
     BlockNotAuthenticated,
     IntegrityKey,
+    verify_parts,
 )
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     FileModes,
@@ -282,6 +285,8 @@ class _Block:
     leaf_fd: int
     write: bool = True
     """Needs writing (False: skipped as present, or failed before writing)."""
+    absent: bool = False
+    """The batched look found no entry of the file's name (its ``stat`` is not needed)."""
 
 
 class BlockTransfers:
@@ -305,6 +310,9 @@ class BlockTransfers:
         max_read_failures: consecutive failed reads after which a file is given up.
         integrity: the fleet key: blocks are written with a MAC and loaded only if theirs
             verifies; None: CRCs only.
+        native: the batched system calls (``native_io.load_native_io``): a chunk's directory
+            opens and looks before a store, and its reads, in one call each; None: every call
+            from Python.
     """
 
     def __init__(
@@ -319,6 +327,7 @@ class BlockTransfers:
         writer: str,
         max_read_failures: int,
         integrity: IntegrityKey | None,
+        native: ModuleType | None = None,
     ) -> None:
         self._files = files
         self._rows = rows
@@ -335,6 +344,7 @@ class BlockTransfers:
         )
         self._buffers = HeaderBuffers()
         self._log = RateLimitedLog(logger)
+        self._native = native
 
     @property
     def file_size(self) -> int:
@@ -373,16 +383,15 @@ class BlockTransfers:
         with self._files.counters.store_clock:
             ticket = self._files.index.ticket()
             try:
-                for key, block_id in blocks:
-                    block = self._open_for_store(key, block_id, counts)
-                    if block is None:
-                        failed.append(key)
-                        continue
-                    opened.append(block)
-                    if not self._needs_write(block, ticket, counts):
+                self._open_for_store(blocks, opened, failed)
+                for block in opened:
+                    if block.absent:
+                        # As _needs_write for a file that is not there.
+                        self._files.index.observe(block.key, None, ticket, hot=False)
+                    elif not self._needs_write(block, ticket, counts):
                         block.write = False
                         if block.leaf_fd < 0:
-                            failed.append(key)
+                            failed.append(block.key)
                 written = self._write_blocks([b for b in opened if b.write], counts, failed)
                 if written:
                     self._files.index.commit_many((b.key for b, _ in written), self.file_size)
@@ -403,20 +412,43 @@ class BlockTransfers:
         return failed
 
     def _open_for_store(
-        self, key: OffloadKey, block_id: int, counts: Counter[str]
-    ) -> _Block | None:
-        """``key``'s block, its leaf directory opened (created if needed); None if that failed
-        (logged)."""
-        if len(key) > self._max_key_bytes:
-            self._log(logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key))
-            return None
-        path = self._files.mapper.block_path(key)
-        try:
-            leaf_fd = open_block_dir(self._files.rank_fd, path, create=self._modes)
-        except OSError as e:
-            self._log_os_error("store", key, e)
-            return None
-        return _Block(key, block_id, path, leaf_fd)
+        self,
+        blocks: Sequence[tuple[OffloadKey, int]],
+        opened: list[_Block],
+        failed: list[OffloadKey],
+    ) -> None:
+        """Append each block to ``opened``, its leaf directory open (created if needed), or its
+        key to ``failed`` if that failed (logged). With the batched calls, one call opens the
+        directories that exist and looks for the files in them (``_Block.absent``)."""
+        mapper = self._files.mapper
+        todo: list[tuple[OffloadKey, int, BlockPath]] = []
+        for key, block_id in blocks:
+            if len(key) > self._max_key_bytes:
+                self._log(
+                    logging.ERROR, "longkey", "fs tier: key of %d bytes is too long", len(key)
+                )
+                failed.append(key)
+            else:
+                todo.append((key, block_id, mapper.block_path(key)))
+        if self._native is not None and todo:
+            found = self._native.open_leaves(
+                self._files.rank_fd, [(p.dir1, p.dir2, p.name) for _, _, p in todo]
+            )
+            retry = []
+            for (key, block_id, path), (leaf_fd, exists) in zip(todo, found, strict=True):
+                if leaf_fd >= 0:
+                    opened.append(_Block(key, block_id, path, leaf_fd, absent=exists == 0))
+                else:
+                    retry.append((key, block_id, path))  # to create, or an error to report
+            todo = retry
+        for key, block_id, path in todo:
+            try:
+                leaf_fd = open_block_dir(self._files.rank_fd, path, create=self._modes)
+            except OSError as e:
+                self._log_os_error("store", key, e)
+                failed.append(key)
+            else:
+                opened.append(_Block(key, block_id, path, leaf_fd))
 
     def _needs_write(self, block: _Block, ticket: int, counts: Counter[str]) -> bool:
         """Whether ``block``'s file must be written: False if a complete file is there (dedupe,
@@ -601,6 +633,8 @@ class BlockTransfers:
         loaded: list[OffloadKey] = []
         with self._files.counters.load_clock:
             ticket = self._files.index.ticket()
+            if self._native is not None and blocks:
+                blocks = self._load_batch(blocks, loaded)
             for key, block_id in blocks:
                 (loaded if self._load_one(key, block_id, ticket, counts) else failed).append(key)
             if loaded:
@@ -610,6 +644,48 @@ class BlockTransfers:
         counts["load_failures"] += len(failed)
         self._files.counters.add(counts)
         return failed
+
+    def _load_batch(
+        self, blocks: Sequence[tuple[OffloadKey, int]], loaded: list[OffloadKey]
+    ) -> list[tuple[OffloadKey, int]]:
+        """Read ``blocks`` with one batched call and verify each read whole; append the keys
+        verified to ``loaded``. Returns the rest, for ``_load_one`` to read again and decide
+        about (a file missing, of the wrong kind or size, corrupt, not authenticated, or an
+        error: the Python path's logging, counting and deletions apply to them unchanged)."""
+        assert self._native is not None
+        row_bytes = self._files.row_bytes
+        run_digest = self._files.mapper.run_digest
+        paths = [self._files.mapper.block_path(key) for key, _ in blocks]
+        headers = self._buffers.many(len(blocks))
+        rows = [self._rows[b * row_bytes : (b + 1) * row_bytes] for _, b in blocks]
+        try:
+            codes = self._native.read_files(
+                self._files.rank_fd,
+                [(p.dir1, p.dir2, p.name) for p in paths],
+                headers,
+                rows,
+                self._o_direct,
+            )
+            rest = []
+            for i, ((key, block_id), row, code) in enumerate(zip(blocks, rows, codes, strict=True)):
+                if code == 0:
+                    with headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] as header:
+                        try:
+                            verify_parts(
+                                header, row, key=key, run_digest=run_digest,
+                                integrity=self._integrity,
+                            )  # fmt: skip
+                        except (BlockFileCorrupt, BlockNotAuthenticated):
+                            pass
+                        else:
+                            loaded.append(key)
+                            continue
+                rest.append((key, block_id))
+            return rest
+        finally:
+            for row in rows:
+                row.release()
+            headers.release()
 
     def unpin(self, blocks: Sequence[tuple[OffloadKey, int]]) -> None:
         """The loads of these blocks ended: they may be evicted again."""

@@ -1,0 +1,275 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+//
+// vllm._kv_offload_fs_io: the fs tier's per-job system calls with the GIL released once per job.
+//
+// The fs tier's I/O threads move one block per file; in Python every system call of a block
+// (about ten) releases the GIL and takes it back, and on a small host each take-back waits for the
+// engine thread, which then waits for the I/O thread's next release. These functions make the
+// system calls of a whole job in one call without the GIL. They decide nothing: each returns, per
+// block, what happened, and the caller (vllm/v1/kv_offload/tiering/fs/native_io.py) goes the
+// Python way for every block that did not take the common path (a missing directory, a file of
+// the wrong kind or size, an error), so the behaviour on those paths is the Python code's.
+//
+// Linux only (O_DIRECT, openat). Names are ASCII (hex digests, the tier's own directory names).
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define DIR_FLAGS (O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+// As block_io._READ_FLAGS: never follow a link, never block on a FIFO planted in the tree.
+#define READ_FLAGS (O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+
+// Result of one block in read_files: 0 read whole, else why the Python path must take it.
+enum {
+  READ_OK = 0,
+  READ_NOT_REGULAR = -1,  // not a regular file
+  READ_WRONG_SIZE = -2,   // not the expected size
+  READ_SHORT = -3,        // fewer bytes than its size (truncated meanwhile)
+};
+
+static int open_leaf(int rank_fd, const char* dir1, const char* dir2) {
+  int fd1 = openat(rank_fd, dir1, DIR_FLAGS);
+  if (fd1 < 0) return -errno;
+  int fd2 = openat(fd1, dir2, DIR_FLAGS);
+  int err = fd2 < 0 ? errno : 0;
+  close(fd1);
+  return fd2 < 0 ? -err : fd2;
+}
+
+// Reads header and payload of one block file; returns a READ_* code or a positive errno.
+static int read_one(int rank_fd, const char* dir1, const char* dir2, const char* name,
+                    char* header, size_t header_len, char* row, size_t row_len, int o_direct) {
+  int leaf = open_leaf(rank_fd, dir1, dir2);
+  if (leaf < 0) return -leaf;
+  int fd = openat(leaf, name, READ_FLAGS | (o_direct ? O_DIRECT : 0));
+  int result = READ_OK;
+  if (fd < 0) {
+    result = errno;
+    close(leaf);
+    return result;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    result = errno;
+  } else if (!S_ISREG(st.st_mode)) {
+    result = READ_NOT_REGULAR;
+  } else if ((size_t)st.st_size != header_len + row_len) {
+    result = READ_WRONG_SIZE;
+  } else {
+    struct iovec iov[2] = {{header, header_len}, {row, row_len}};
+    int iovcnt = 2;
+    struct iovec* at = iov;
+    size_t left = header_len + row_len;
+    while (left > 0) {
+      ssize_t got = readv(fd, at, iovcnt);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        result = errno;
+        break;
+      }
+      if (got == 0) {
+        result = READ_SHORT;
+        break;
+      }
+      left -= (size_t)got;
+      while (iovcnt > 0 && (size_t)got >= at->iov_len) {
+        got -= (ssize_t)at->iov_len;
+        at++;
+        iovcnt--;
+      }
+      if (iovcnt > 0) {
+        at->iov_base = (char*)at->iov_base + got;
+        at->iov_len -= (size_t)got;
+      }
+    }
+  }
+  close(fd);
+  close(leaf);
+  return result;
+}
+
+typedef struct {
+  const char* dir1;
+  const char* dir2;
+  const char* name;
+  Py_buffer row;
+  int has_row;
+  int result;
+} ReadEntry;
+
+static const char* ascii_of(PyObject* obj, const char* what) {
+  const char* s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+  if (s == NULL && !PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s must be a str", what);
+  return s;
+}
+
+PyDoc_STRVAR(read_files_doc,
+             "read_files(rank_fd, paths, headers, rows, o_direct) -> list[int]\n\n"
+             "For each (dir1, dir2, name) of paths: open rank_fd/dir1/dir2/name (no link "
+             "followed), and if it is a regular file of len(header) + len(row) bytes read it "
+             "into its header (consecutive HEADER_SIZE slices of headers) and its row. Per "
+             "file: 0 if read whole, a positive errno, or -1 (not a regular file), -2 (wrong "
+             "size), -3 (short read). The GIL is released once for all files.");
+
+static PyObject* read_files(PyObject* self, PyObject* args) {
+  (void)self;
+  int rank_fd, o_direct;
+  PyObject *paths, *rows;
+  Py_buffer headers;
+  if (!PyArg_ParseTuple(args, "iOw*Op", &rank_fd, &paths, &headers, &rows, &o_direct))
+    return NULL;
+  PyObject* result = NULL;
+  ReadEntry* entries = NULL;
+  Py_ssize_t n = 0;
+  if (!PyList_Check(paths) || !PyList_Check(rows) || PyList_GET_SIZE(paths) != PyList_GET_SIZE(rows)) {
+    PyErr_SetString(PyExc_TypeError, "paths and rows must be lists of the same length");
+    goto done;
+  }
+  n = PyList_GET_SIZE(paths);
+  if (n == 0 || headers.len % n != 0) {
+    PyErr_SetString(PyExc_ValueError, "headers must hold one equal slice per file");
+    goto done;
+  }
+  entries = PyMem_Calloc((size_t)n, sizeof(ReadEntry));
+  if (entries == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  size_t header_len = (size_t)(headers.len / n);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* path = PyList_GET_ITEM(paths, i);
+    if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != 3) {
+      PyErr_SetString(PyExc_TypeError, "each path must be a (dir1, dir2, name) tuple");
+      goto done;
+    }
+    ReadEntry* e = &entries[i];
+    if ((e->dir1 = ascii_of(PyTuple_GET_ITEM(path, 0), "dir1")) == NULL ||
+        (e->dir2 = ascii_of(PyTuple_GET_ITEM(path, 1), "dir2")) == NULL ||
+        (e->name = ascii_of(PyTuple_GET_ITEM(path, 2), "name")) == NULL)
+      goto done;
+    if (PyObject_GetBuffer(PyList_GET_ITEM(rows, i), &e->row, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+      goto done;
+    e->has_row = 1;
+  }
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    ReadEntry* e = &entries[i];
+    e->result = read_one(rank_fd, e->dir1, e->dir2, e->name, (char*)headers.buf + (size_t)i * header_len,
+                         header_len, (char*)e->row.buf, (size_t)e->row.len, o_direct);
+  }
+  Py_END_ALLOW_THREADS;
+  result = PyList_New(n);
+  if (result == NULL) goto done;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* code = PyLong_FromLong(entries[i].result);
+    if (code == NULL) {
+      Py_CLEAR(result);
+      goto done;
+    }
+    PyList_SET_ITEM(result, i, code);
+  }
+done:
+  if (entries != NULL) {
+    for (Py_ssize_t i = 0; i < n; i++)
+      if (entries[i].has_row) PyBuffer_Release(&entries[i].row);
+    PyMem_Free(entries);
+  }
+  PyBuffer_Release(&headers);
+  return result;
+}
+
+typedef struct {
+  const char* dir1;
+  const char* dir2;
+  const char* name;
+  int leaf_fd;  // or -errno
+  int exists;   // 0 absent, 1 something there, or -errno of the stat
+} OpenEntry;
+
+PyDoc_STRVAR(open_leaves_doc,
+             "open_leaves(rank_fd, paths) -> list[tuple[int, int]]\n\n"
+             "For each (dir1, dir2, name) of paths: open directory rank_fd/dir1/dir2 (no link "
+             "followed) and look for name in it (not followed). Per path: (the directory's fd, "
+             "or -errno), and 0 if name is absent, 1 if something is there, -errno if the look "
+             "failed (0 when the directory did not open). The caller owns the fds. The GIL is "
+             "released once for all paths.");
+
+static PyObject* open_leaves(PyObject* self, PyObject* args) {
+  (void)self;
+  int rank_fd;
+  PyObject* paths;
+  if (!PyArg_ParseTuple(args, "iO!", &rank_fd, &PyList_Type, &paths)) return NULL;
+  Py_ssize_t n = PyList_GET_SIZE(paths);
+  OpenEntry* entries = PyMem_Calloc((size_t)(n ? n : 1), sizeof(OpenEntry));
+  if (entries == NULL) return PyErr_NoMemory();
+  PyObject* result = NULL;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* path = PyList_GET_ITEM(paths, i);
+    if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != 3) {
+      PyErr_SetString(PyExc_TypeError, "each path must be a (dir1, dir2, name) tuple");
+      goto done;
+    }
+    OpenEntry* e = &entries[i];
+    if ((e->dir1 = ascii_of(PyTuple_GET_ITEM(path, 0), "dir1")) == NULL ||
+        (e->dir2 = ascii_of(PyTuple_GET_ITEM(path, 1), "dir2")) == NULL ||
+        (e->name = ascii_of(PyTuple_GET_ITEM(path, 2), "name")) == NULL)
+      goto done;
+  }
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    OpenEntry* e = &entries[i];
+    e->leaf_fd = open_leaf(rank_fd, e->dir1, e->dir2);
+    if (e->leaf_fd < 0) continue;
+    struct stat st;
+    if (fstatat(e->leaf_fd, e->name, &st, AT_SYMLINK_NOFOLLOW) == 0)
+      e->exists = 1;
+    else
+      e->exists = errno == ENOENT ? 0 : -errno;
+  }
+  Py_END_ALLOW_THREADS;
+  result = PyList_New(n);
+  if (result == NULL) goto fail_fds;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* item = Py_BuildValue("(ii)", entries[i].leaf_fd, entries[i].exists);
+    if (item == NULL) {
+      Py_CLEAR(result);
+      goto fail_fds;
+    }
+    PyList_SET_ITEM(result, i, item);
+  }
+  goto done;
+fail_fds:
+  // Nobody will own them.
+  for (Py_ssize_t i = 0; i < n; i++)
+    if (entries[i].leaf_fd >= 0) close(entries[i].leaf_fd);
+done:
+  PyMem_Free(entries);
+  return result;
+}
+
+static PyMethodDef methods[] = {
+    {"read_files", read_files, METH_VARARGS, read_files_doc},
+    {"open_leaves", open_leaves, METH_VARARGS, open_leaves_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kv_offload_fs_io",
+    "The fs tier's per-job system calls, made with the GIL released once per job.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__kv_offload_fs_io(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", 1) != 0) Py_CLEAR(m);
+  return m;
+}

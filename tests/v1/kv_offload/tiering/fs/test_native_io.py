@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
+"""The fs tier's batched system calls (``vllm._kv_offload_fs_io``, ``native_io``): what they
+report for each kind of entry, that a tier stores and loads the same bytes with them as without
+them, and when the tier does without them."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.fs import native_io
+from vllm.v1.kv_offload.tiering.fs.native_io import DISABLE_ENV, load_native_io
+
+from .conftest import Primary, TierFactory, key_of, load, store
+from .tier_state import block_file
+
+try:
+    import vllm._kv_offload_fs_io as fs_io
+except ImportError:
+    if os.environ.get("CI") == "true":
+        raise  # CI builds it (.ci/run): a missing module there is a broken build
+    pytest.skip(
+        "vllm._kv_offload_fs_io is not built: `pip install -e .` builds it (needs a C compiler)",
+        allow_module_level=True,
+    )
+
+ROW = 2 * mmap.PAGESIZE
+
+
+@pytest.fixture
+def rank(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A rank directory and an fd of it."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield tmp_path, fd
+    os.close(fd)
+
+
+def _file(path: Path, size: int, fill: bytes = b"x") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(fill * size)
+
+
+def test_read_files_reads_whole_files_and_reports_every_other_entry(
+    rank: tuple[Path, int],
+) -> None:
+    root, fd = rank
+    size = HEADER_SIZE + ROW
+    good = root / "abc" / "de_g0" / "good.bin"
+    good.parent.mkdir(parents=True)
+    good.write_bytes(b"H" * HEADER_SIZE + b"R" * ROW)
+    _file(root / "abc" / "de_g0" / "short.bin", size - 1)
+    _file(root / "abc" / "de_g0" / "long.bin", size + 1)
+    os.mkfifo(root / "abc" / "de_g0" / "fifo.bin")
+    (root / "abc" / "de_g0" / "link.bin").symlink_to(good)
+    (root / "lnk").symlink_to(root / "abc")  # a symlinked directory on the way
+    paths = [
+        ("abc", "de_g0", "good.bin"),
+        ("abc", "de_g0", "gone.bin"),
+        ("abc", "zz_g0", "good.bin"),
+        ("abc", "de_g0", "short.bin"),
+        ("abc", "de_g0", "long.bin"),
+        ("abc", "de_g0", "fifo.bin"),
+        ("abc", "de_g0", "link.bin"),
+        ("lnk", "de_g0", "good.bin"),
+    ]
+    headers = memoryview(mmap.mmap(-1, len(paths) * HEADER_SIZE))
+    rows = [memoryview(bytearray(ROW)) for _ in paths]
+    codes = fs_io.read_files(fd, paths, headers, rows, False)
+    assert codes == [0, errno.ENOENT, errno.ENOENT, -2, -2, -1, errno.ELOOP, errno.ENOTDIR]
+    assert bytes(headers[:HEADER_SIZE]) == b"H" * HEADER_SIZE and bytes(rows[0]) == b"R" * ROW
+    assert not any(bytes(r).strip(b"\0") for r in rows[1:]), "nothing read for the others"
+
+
+def test_read_files_reads_with_o_direct_into_aligned_buffers(rank: tuple[Path, int]) -> None:
+    root, fd = rank
+    path = root / "abc" / "de_g0" / "f.bin"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"h" * HEADER_SIZE + b"r" * ROW)
+    region = mmap.mmap(-1, 2 * ROW)  # page-aligned, as the primary rows are
+    headers = memoryview(mmap.mmap(-1, HEADER_SIZE))
+    try:
+        codes = fs_io.read_files(
+            fd, [("abc", "de_g0", "f.bin")], headers, [memoryview(region)[ROW:]], True
+        )
+    except OSError:
+        pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
+    if codes == [errno.EINVAL]:
+        pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
+    assert codes == [0] and region[ROW:] == b"r" * ROW and bytes(headers) == b"h" * HEADER_SIZE
+
+
+def test_read_files_refuses_bad_arguments_before_any_system_call(rank: tuple[Path, int]) -> None:
+    _, fd = rank
+    headers = memoryview(mmap.mmap(-1, HEADER_SIZE))
+    with pytest.raises(TypeError, match="same length"):
+        fs_io.read_files(fd, [("a", "b", "c")], headers, [], False)
+    with pytest.raises(TypeError, match=r"\(dir1, dir2, name\)"):
+        fs_io.read_files(fd, [("a", "b")], headers, [memoryview(bytearray(1))], False)
+    with pytest.raises(BufferError, match="not writable"):
+        fs_io.read_files(fd, [("a", "b", "c")], headers, [memoryview(b"x")], False)
+    with pytest.raises(ValueError, match="one equal slice per file"):
+        fs_io.read_files(fd, [], headers, [], False)
+
+
+def test_open_leaves_opens_what_exists_and_looks_for_the_name(rank: tuple[Path, int]) -> None:
+    root, fd = rank
+    _file(root / "abc" / "de_g0" / "there.bin", 3)
+    (root / "abc" / "sl_g0").symlink_to(root / "abc" / "de_g0")
+    found = fs_io.open_leaves(
+        fd,
+        [
+            ("abc", "de_g0", "there.bin"),
+            ("abc", "de_g0", "absent.bin"),
+            ("abc", "zz_g0", "there.bin"),
+            ("xyz", "de_g0", "there.bin"),
+            ("abc", "sl_g0", "there.bin"),
+        ],
+    )
+    try:
+        assert [exists for _, exists in found] == [1, 0, 0, 0, 0]
+        assert [fd_ for fd_, _ in found[2:]] == [-errno.ENOENT, -errno.ENOENT, -errno.ENOTDIR]
+        leaf = root / "abc" / "de_g0"
+        assert os.path.samestat(os.fstat(found[0][0]), leaf.stat())
+        assert os.path.samestat(os.fstat(found[1][0]), leaf.stat())
+    finally:
+        for leaf_fd, _ in found:
+            if leaf_fd >= 0:
+                os.close(leaf_fd)
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_a_tier_stores_and_loads_the_same_with_and_without_them(
+    make_tier: TierFactory,
+    primary: Primary,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    o_direct: bool,
+) -> None:
+    keys = [key_of(i) for i in range(6)]
+    files: list[dict[bytes, bytes]] = []
+    for python in (False, True):
+        if python:
+            monkeypatch.setenv(DISABLE_ENV, "0")
+        tier = make_tier(root_dir=str(tmp_path / f"root{python}"), o_direct=o_direct)
+        assert store(tier, primary, keys[:4], [0, 1, 2, 3])
+        # The second store finds four files there (skipped) and writes two into new directories.
+        assert store(tier, primary, keys, [0, 1, 2, 3, 4, 5])
+        assert load(tier, primary, keys, [10, 11, 12, 13, 14, 15])
+        assert all(primary.holds(10 + i, key) for i, key in enumerate(keys))
+        files.append({key: Path(block_file(tier, key)).read_bytes() for key in keys})
+        tier.shutdown()
+    assert files[0] == files[1]
+
+
+def test_a_corrupt_file_read_by_them_is_deleted_by_the_python_path(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    tier = make_tier()
+    keys = [key_of(1), key_of(2)]
+    assert store(tier, primary, keys, [0, 1])
+    path = Path(block_file(tier, keys[1]))
+    with path.open("r+b") as f:
+        f.seek(HEADER_SIZE + 100)
+        f.write(b"\xff\xfe")
+    assert not load(tier, primary, keys, [4, 5])
+    assert primary.holds(4, keys[0])
+    assert not path.exists()
+    assert tier.get_stats().counters["corrupt_removed"] == 1
+
+
+def test_the_environment_or_another_build_turns_them_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert load_native_io() is fs_io
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert load_native_io() is None
+    monkeypatch.delenv(DISABLE_ENV)
+    stale = types.ModuleType(native_io.MODULE)
+    stale.ABI_VERSION = native_io.ABI_VERSION + 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, native_io.MODULE, stale)
+    with caplog.at_level(logging.WARNING, logger=native_io.__name__):
+        assert load_native_io() is None
+    assert "from another build" in caplog.text
