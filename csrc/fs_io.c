@@ -257,9 +257,228 @@ done:
   return result;
 }
 
+// Fills out[i] with the C ints of list `obj` (n of them); 0 on success, -1 with an exception.
+static int int_list(PyObject* obj, Py_ssize_t n, int* out, const char* what) {
+  if (!PyList_Check(obj) || PyList_GET_SIZE(obj) != n) {
+    PyErr_Format(PyExc_TypeError, "%s must be a list of %zd ints", what, n);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    long v = PyLong_AsLong(PyList_GET_ITEM(obj, i));
+    if (v == -1 && PyErr_Occurred()) return -1;
+    out[i] = (int)v;
+  }
+  return 0;
+}
+
+// Fills out[i] with the strings of list `obj` (n of them); 0 on success, -1 with an exception.
+static int str_list(PyObject* obj, Py_ssize_t n, const char** out, const char* what) {
+  if (!PyList_Check(obj) || PyList_GET_SIZE(obj) != n) {
+    PyErr_Format(PyExc_TypeError, "%s must be a list of %zd str", what, n);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++)
+    if ((out[i] = ascii_of(PyList_GET_ITEM(obj, i), what)) == NULL) return -1;
+  return 0;
+}
+
+PyDoc_STRVAR(create_files_doc,
+             "create_files(dir_fds, names, flags, mode) -> list[tuple[int, int]]\n\n"
+             "For each i: openat(dir_fds[i], names[i], flags, mode) (the caller's flags: "
+             "O_CREAT | O_EXCL | ...), then fstat it. Per file: (its fd, its inode), or "
+             "(-errno, 0) if either failed (a file created whose fstat failed is closed and "
+             "unlinked). The caller owns the fds. The GIL is released once for all files.");
+
+static PyObject* create_files(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *dir_obj, *name_obj;
+  int flags, mode;
+  if (!PyArg_ParseTuple(args, "O!O!ii", &PyList_Type, &dir_obj, &PyList_Type, &name_obj, &flags,
+                        &mode))
+    return NULL;
+  Py_ssize_t n = PyList_GET_SIZE(dir_obj);
+  int* dirs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
+  int* fds = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
+  unsigned long long* inos = PyMem_Calloc((size_t)(n ? n : 1), sizeof(unsigned long long));
+  const char** names = PyMem_Calloc((size_t)(n ? n : 1), sizeof(char*));
+  PyObject* result = NULL;
+  int ran = 0;
+  if (dirs == NULL || fds == NULL || inos == NULL || names == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  if (int_list(dir_obj, n, dirs, "dir_fds") != 0 || str_list(name_obj, n, names, "names") != 0)
+    goto done;
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int fd = openat(dirs[i], names[i], flags, (mode_t)mode);
+    if (fd < 0) {
+      fds[i] = -errno;
+      continue;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+      fds[i] = -errno;
+      close(fd);
+      unlinkat(dirs[i], names[i], 0);
+      continue;
+    }
+    fds[i] = fd;
+    inos[i] = (unsigned long long)st.st_ino;
+  }
+  Py_END_ALLOW_THREADS;
+  ran = 1;
+  result = PyList_New(n);
+  if (result == NULL) goto done;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* item = Py_BuildValue("(iK)", fds[i], inos[i]);
+    if (item == NULL) {
+      Py_CLEAR(result);
+      goto done;
+    }
+    PyList_SET_ITEM(result, i, item);
+  }
+done:
+  if (result == NULL && ran) {
+    // Nobody will own them: close and remove what was created.
+    for (Py_ssize_t i = 0; i < n; i++) {
+      if (fds[i] >= 0) {
+        close(fds[i]);
+        unlinkat(dirs[i], names[i], 0);
+      }
+    }
+  }
+  PyMem_Free(dirs);
+  PyMem_Free(fds);
+  PyMem_Free(inos);
+  PyMem_Free(names);
+  return result;
+}
+
+// Stages of publish_files' result: where a file's publication stopped.
+enum { PUB_OK = 0, PUB_WRITE = 1, PUB_FSYNC = 2, PUB_CLOSE = 3, PUB_RENAME = 4 };
+
+static int write_all(int fd, char* header, size_t header_len, char* row, size_t row_len) {
+  struct iovec iov[2] = {{header, header_len}, {row, row_len}};
+  int iovcnt = 2;
+  struct iovec* at = iov;
+  while (iovcnt > 0) {
+    ssize_t done = writev(fd, at, iovcnt);
+    if (done < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (done == 0) return EIO;  // as block_io._write_all: "writev wrote no byte"
+    while (iovcnt > 0 && (size_t)done >= at->iov_len) {
+      done -= (ssize_t)at->iov_len;
+      at++;
+      iovcnt--;
+    }
+    if (iovcnt > 0) {
+      at->iov_base = (char*)at->iov_base + done;
+      at->iov_len -= (size_t)done;
+    }
+  }
+  return 0;
+}
+
+PyDoc_STRVAR(publish_files_doc,
+             "publish_files(fds, headers, rows, dir_fds, tmps, finals, fsync) -> list[int]\n\n"
+             "For each i: write header i (consecutive equal slices of headers) and rows[i] to "
+             "fds[i], fsync it if asked, close it (always), and if all that succeeded rename "
+             "tmps[i] over finals[i] in dir_fds[i]. Returns two ints per file, flat: 0, 0 if "
+             "published, else the stage that failed (1 write, 2 fsync, 3 close, 4 rename) and "
+             "its errno; an unpublished temporary file is left for the caller to remove. "
+             "Raises only before touching any file (bad arguments; the fds are then still "
+             "open). The GIL is released once for all files.");
+
+static PyObject* publish_files(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *fd_obj, *rows_obj, *dir_obj, *tmp_obj, *final_obj;
+  Py_buffer headers;
+  int do_fsync;
+  if (!PyArg_ParseTuple(args, "O!w*O!O!O!O!p", &PyList_Type, &fd_obj, &headers, &PyList_Type,
+                        &rows_obj, &PyList_Type, &dir_obj, &PyList_Type, &tmp_obj, &PyList_Type,
+                        &final_obj, &do_fsync))
+    return NULL;
+  Py_ssize_t n = PyList_GET_SIZE(fd_obj);
+  size_t alloc = (size_t)(n ? n : 1);
+  int* fds = PyMem_Calloc(alloc, sizeof(int));
+  int* dirs = PyMem_Calloc(alloc, sizeof(int));
+  const char** tmps = PyMem_Calloc(alloc, sizeof(char*));
+  const char** finals = PyMem_Calloc(alloc, sizeof(char*));
+  Py_buffer* rows = PyMem_Calloc(alloc, sizeof(Py_buffer));
+  int* stage = PyMem_Calloc(alloc, sizeof(int));
+  int* err = PyMem_Calloc(alloc, sizeof(int));
+  Py_ssize_t held = 0;  // rows[0:held] are held buffers
+  PyObject* result = NULL;
+  if (fds == NULL || dirs == NULL || tmps == NULL || finals == NULL || rows == NULL ||
+      stage == NULL || err == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  if (n == 0 || headers.len % n != 0) {
+    PyErr_SetString(PyExc_ValueError, "headers must hold one equal slice per file");
+    goto done;
+  }
+  if (int_list(fd_obj, n, fds, "fds") != 0 || int_list(dir_obj, n, dirs, "dir_fds") != 0 ||
+      str_list(tmp_obj, n, tmps, "tmps") != 0 || str_list(final_obj, n, finals, "finals") != 0)
+    goto done;
+  if (PyList_GET_SIZE(rows_obj) != n) {
+    PyErr_SetString(PyExc_TypeError, "rows must be a list of one buffer per file");
+    goto done;
+  }
+  for (; held < n; held++)
+    if (PyObject_GetBuffer(PyList_GET_ITEM(rows_obj, held), &rows[held], PyBUF_C_CONTIGUOUS) != 0)
+      goto done;
+  size_t header_len = (size_t)(headers.len / n);
+  // Made before any file is touched: once they are, the call must return what happened.
+  result = PyList_New(2 * n);
+  if (result == NULL) goto done;
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int e = write_all(fds[i], (char*)headers.buf + (size_t)i * header_len, header_len,
+                      (char*)rows[i].buf, (size_t)rows[i].len);
+    int s = e ? PUB_WRITE : PUB_OK;
+    if (!e && do_fsync && fsync(fds[i]) != 0) {
+      e = errno;
+      s = PUB_FSYNC;
+    }
+    if (close(fds[i]) != 0 && !e) {
+      e = errno;
+      s = PUB_CLOSE;
+    }
+    if (!e && renameat(dirs[i], tmps[i], dirs[i], finals[i]) != 0) {
+      e = errno;
+      s = PUB_RENAME;
+    }
+    stage[i] = s;
+    err[i] = e;
+  }
+  Py_END_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    // Stages and errnos are small ints, which CPython keeps preallocated: no failure here.
+    PyList_SET_ITEM(result, 2 * i, PyLong_FromLong(stage[i]));
+    PyList_SET_ITEM(result, 2 * i + 1, PyLong_FromLong(err[i]));
+  }
+done:
+  for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&rows[i]);
+  PyMem_Free(fds);
+  PyMem_Free(dirs);
+  PyMem_Free(tmps);
+  PyMem_Free(finals);
+  PyMem_Free(rows);
+  PyMem_Free(stage);
+  PyMem_Free(err);
+  PyBuffer_Release(&headers);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"read_files", read_files, METH_VARARGS, read_files_doc},
     {"open_leaves", open_leaves, METH_VARARGS, open_leaves_doc},
+    {"create_files", create_files, METH_VARARGS, create_files_doc},
+    {"publish_files", publish_files, METH_VARARGS, publish_files_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -270,6 +489,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kv_offload_fs_io(void) {
   PyObject* m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", 1) != 0) Py_CLEAR(m);
+  if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", 2) != 0) Py_CLEAR(m);
   return m;
 }

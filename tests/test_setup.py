@@ -60,4 +60,3 @@ def test_the_install_on_this_machine_says_what_it_skips() -> None:
     assert no_toolkit in proc.stderr or f"{no_driver}: skipping the CUDA copy library." in (
         proc.stderr
     )
-

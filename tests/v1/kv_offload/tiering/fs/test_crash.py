@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
+from vllm.v1.kv_offload.tiering.fs.native_io import DISABLE_ENV
 
 from .conftest import ROW_BYTES, Primary, TierFactory, key_of, load, make_spec, resolve_lookups
 from .tier_state import block_file, scan_stats, usage
@@ -117,10 +118,16 @@ def _run_fields() -> str:
 
 
 def _start_writer(root: Path, mode: str) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    if mode == "mid_write":
+        # It stalls the write in Python's block_io._write_all; the batched calls (native_io),
+        # which the busy writer uses, write from C.
+        env[DISABLE_ENV] = "0"
     return subprocess.Popen(
         [sys.executable, "-c", _WRITER, str(root), mode, _run_fields()],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
 
 

@@ -494,6 +494,7 @@ def test_transient_open_error_fails_job_and_keeps_file(
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("python_io")  # the fault is injected into Python's os.writev
 def test_enospc_mid_write_removes_tmp_and_tier_keeps_working(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ import errno
 import logging
 import mmap
 import os
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -136,6 +137,101 @@ def test_open_leaves_opens_what_exists_and_looks_for_the_name(rank: tuple[Path, 
         for leaf_fd, _ in found:
             if leaf_fd >= 0:
                 os.close(leaf_fd)
+
+
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def test_create_files_creates_exclusively_and_returns_the_inodes(rank: tuple[Path, int]) -> None:
+    root, fd = rank
+    (root / "taken.tmp").write_bytes(b"")
+    created = fs_io.create_files([fd, fd, fd], ["a.tmp", "taken.tmp", "b.tmp"], _NEW, 0o600)
+    try:
+        assert created[1] == (-errno.EEXIST, 0)
+        for (new_fd, ino), name in ((created[0], "a.tmp"), (created[2], "b.tmp")):
+            st = (root / name).stat()
+            assert new_fd >= 0 and ino == st.st_ino == os.fstat(new_fd).st_ino
+            assert st.st_mode & 0o777 == 0o600 & ~_umask()
+    finally:
+        for new_fd, _ in created:
+            if new_fd >= 0:
+                os.close(new_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_publish_files_writes_closes_and_renames_or_says_where_it_stopped(
+    rank: tuple[Path, int],
+) -> None:
+    root, fd = rank
+    (root / "busy.bin").mkdir()
+    (root / "busy.bin" / "x").write_bytes(b"")  # a non-empty directory: no rename over it
+    created = fs_io.create_files([fd] * 3, ["a.tmp", "b.tmp", "c.tmp"], _NEW, 0o600)
+    read_only = os.open(root / "c.tmp", os.O_RDONLY)  # writev to it fails
+    os.close(created[2][0])
+    fds = [created[0][0], created[1][0], read_only]
+    headers = memoryview(mmap.mmap(-1, 3 * HEADER_SIZE))
+    headers[:] = b"h" * (3 * HEADER_SIZE)
+    rows = [memoryview(bytes([i]) * ROW) for i in range(3)]
+    codes = fs_io.publish_files(
+        fds, headers, rows, [fd] * 3, ["a.tmp", "b.tmp", "c.tmp"],
+        ["a.bin", "busy.bin", "c.bin"], True,
+    )  # fmt: skip
+    assert codes[:2] == [0, 0]
+    assert (root / "a.bin").read_bytes() == b"h" * HEADER_SIZE + b"\0" * ROW
+    assert not (root / "a.tmp").exists()
+    assert codes[2] == 4 and codes[3] in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST)
+    assert (root / "b.tmp").stat().st_size == HEADER_SIZE + ROW, "written, left for the caller"
+    assert codes[4:] == [1, errno.EBADF] and not (root / "c.bin").exists()
+    for closed in fds:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(closed)
+
+
+def test_publish_files_touches_nothing_when_its_arguments_are_wrong(
+    rank: tuple[Path, int],
+) -> None:
+    root, fd = rank
+    ((new_fd, _),) = fs_io.create_files([fd], ["a.tmp"], _NEW, 0o600)
+    headers = memoryview(mmap.mmap(-1, HEADER_SIZE))
+    try:
+        with pytest.raises(TypeError, match="finals"):
+            fs_io.publish_files([new_fd], headers, [memoryview(b"x")], [fd], ["a.tmp"], [1], True)
+        os.fstat(new_fd)  # still open
+        assert (root / "a.tmp").stat().st_size == 0
+    finally:
+        os.close(new_fd)
+
+
+def test_a_full_filesystem_fails_the_batched_store_and_leaves_no_temporary_file(
+    make_tier: TierFactory, primary: Primary, tmp_path: Path
+) -> None:
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    file_size = HEADER_SIZE + primary.row_bytes
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={3 * file_size + file_size // 2}", "tmpfs",
+         str(mount_point)],
+        capture_output=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs privileges): {proc.stderr.decode()}")
+    try:
+        tier = make_tier(root_dir=str(mount_point), min_free_bytes=0)
+        keys = [key_of(i) for i in range(5)]
+        assert not store(tier, primary, keys, [0, 1, 2, 3, 4])  # room for three and a half
+        assert not list(mount_point.rglob("*.tmp"))
+        stored = [key for key in keys if Path(block_file(tier, key)).exists()]
+        assert 1 <= len(stored) <= 3
+        assert all(Path(block_file(tier, k)).stat().st_size == file_size for k in stored)
+        assert load(tier, primary, stored, list(range(8, 8 + len(stored))))
+        tier.shutdown()
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 @pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])

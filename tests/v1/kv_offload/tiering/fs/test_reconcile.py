@@ -374,6 +374,7 @@ def test_a_live_slot_grabbed_by_mistake_is_put_back(
     assert not [p for p in slot.parent.iterdir() if p.name.startswith(".")], "no grab left"
 
 
+@pytest.mark.usefixtures("python_io")  # the slot is lost in Python's os.replace
 def test_a_published_file_that_lost_its_slot_claims_another(
     make_tier: TierFactory, primary: Primary, monkeypatch: pytest.MonkeyPatch
 ) -> None:

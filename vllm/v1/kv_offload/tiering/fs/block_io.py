@@ -393,6 +393,33 @@ def _read_all(fd: int, bufs: list[memoryview]) -> int:
     return total
 
 
+def new_file_flags(o_direct: bool) -> int:
+    """``os.open`` flags of a new temporary block file: created, exclusive, no link followed;
+    ``O_DIRECT`` if asked."""
+    return _WRITE_FLAGS | (O_DIRECT if o_direct else 0)
+
+
+def encode_block_header(
+    header_buf: memoryview,
+    payload: memoryview,
+    *,
+    key: bytes,
+    run_digest: bytes,
+    integrity: IntegrityKey | None,
+) -> None:
+    """Write the header of block file ``key`` with ``payload`` (its checksum, and its MAC with
+    ``integrity``) into ``header_buf`` (``HEADER_SIZE`` bytes)."""
+    encode_header(
+        header_buf,
+        key=key,
+        run_digest=run_digest,
+        payload_len=len(payload),
+        checksum=payload_checksum(payload),
+        integrity=integrity,
+        payload=payload,
+    )
+
+
 def write_block_file(
     leaf_fd: int,
     path: BlockPath,
@@ -438,16 +465,8 @@ def write_block_file(
         OSError: from any system call before the rename (ENOSPC, EDQUOT, EIO, ...).
         Exception: whatever ``on_created`` raises.
     """
-    encode_header(
-        header_buf,
-        key=key,
-        run_digest=run_digest,
-        payload_len=len(payload),
-        checksum=payload_checksum(payload),
-        integrity=integrity,
-        payload=payload,
-    )
-    fd = modes.create_file(tmp, _WRITE_FLAGS | (O_DIRECT if o_direct else 0), leaf_fd)
+    encode_block_header(header_buf, payload, key=key, run_digest=run_digest, integrity=integrity)
+    fd = modes.create_file(tmp, new_file_flags(o_direct), leaf_fd)
     published = False
     undo: Callable[[], None] | None = None
     try:

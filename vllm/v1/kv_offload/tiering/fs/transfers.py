@@ -27,6 +27,7 @@ Failure classes, as the tier reports them:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import itertools
@@ -59,6 +60,8 @@ from vllm.v1.kv_offload.tiering.block_format import (
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     FileModes,
     HeaderBuffers,
+    encode_block_header,
+    new_file_flags,
     open_block_dir,
     read_block_file,
     regular_file_stat,
@@ -289,6 +292,26 @@ class _Block:
     """The batched look found no entry of the file's name (its ``stat`` is not needed)."""
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A block of a batched store between the creation of its temporary file and its
+    publication."""
+
+    block: _Block
+    tmp: str
+    fd: int
+    """Its open temporary file; negative once closed, or if it was never created."""
+    claim: tuple[int, int] | None = None
+    """Its capacity slot and inode, once claimed."""
+    row: memoryview | None = None
+    """Its primary row, held until published or abandoned."""
+
+    def release_row(self) -> None:
+        if self.row is not None:
+            self.row.release()
+            self.row = None
+
+
 class BlockTransfers:
     """Moves blocks between primary rows and their files, and probes files; any thread.
 
@@ -492,6 +515,7 @@ class BlockTransfers:
         statuses, victims = self._files.index.reserve_many([b.key for b in todo], self.file_size)
         if victims:
             self._remover.remove_victims(victims)
+        reserved: list[_Block] = []
         for block, status in zip(todo, statuses, strict=True):
             if status is ReserveStatus.BUSY_WRITING:
                 counts["blocks_skipped"] += 1
@@ -500,12 +524,126 @@ class BlockTransfers:
                     self._log_no_room(block.key)
                 failed.append(block.key)
             else:
-                ok, claim = self._write(block)
-                if ok:
-                    written.append((block, claim))
-                else:
-                    failed.append(block.key)
+                reserved.append(block)
+        if self._native is not None and reserved:
+            self._write_batch(reserved, written, failed)
+            return written
+        for block in reserved:
+            ok, claim = self._write(block)
+            if ok:
+                written.append((block, claim))
+            else:
+                failed.append(block.key)
         return written
+
+    def _write_batch(
+        self,
+        blocks: list[_Block],
+        written: list[tuple[_Block, tuple[int, int] | None]],
+        failed: list[OffloadKey],
+    ) -> None:
+        """``_write`` of every block of ``blocks`` (reserved) with the batched calls: what
+        ``write_block_file`` does for each file, in its order, with its undo for a file not
+        published. One call creates every temporary file; then for each, here, the capacity
+        slot is claimed and the header encoded; one call writes, syncs (buffered I/O), closes
+        and renames them all. Appends the blocks published to ``written``, the others' keys to
+        ``failed``."""
+        assert self._native is not None
+        slots = self._files.slots
+        row_bytes = self._files.row_bytes
+        run_digest = self._files.mapper.run_digest
+        tmps = [tmp_name(b.path.stem, self._writer) for b in blocks]
+        created = self._native.create_files(
+            [b.leaf_fd for b in blocks], tmps, new_file_flags(self._o_direct), self._modes.files
+        )
+        headers = self._buffers.many(len(blocks))
+        ready: list[_Pending] = []  # created, slot claimed, header encoded: to publish
+        left = list(zip(blocks, tmps, created, strict=True))
+        try:
+            while left:
+                block, tmp, (fd, ino) = left.pop(0)
+                if fd < 0:
+                    self._files.index.abort(block.key)
+                    self._log_os_error("store", block.key, OSError(-fd, os.strerror(-fd), tmp))
+                    failed.append(block.key)
+                    continue
+                pending = _Pending(block, tmp, fd)
+                start = block.block_id * row_bytes
+                pending.row = self._rows[start : start + row_bytes]
+                try:
+                    self._modes.fix_file(fd)
+                    if slots is not None:
+                        pending.claim = (self._claim(block.leaf_fd, tmp, ino), ino)
+                    at = len(ready) * HEADER_SIZE
+                    with headers[at : at + HEADER_SIZE] as header:
+                        encode_block_header(
+                            header, pending.row, key=block.key, run_digest=run_digest,
+                            integrity=self._integrity,
+                        )  # fmt: skip
+                except (OSError, NoFreeSlot) as e:
+                    self._abandon(pending, failed, e)
+                    continue
+                except BaseException:
+                    self._abandon(pending, failed, None)
+                    raise
+                ready.append(pending)
+            if not ready:
+                return
+            codes = self._native.publish_files(
+                [p.fd for p in ready],
+                headers[: len(ready) * HEADER_SIZE],
+                [p.row for p in ready],
+                [p.block.leaf_fd for p in ready],
+                [p.tmp for p in ready],
+                [p.block.path.name for p in ready],
+                not self._o_direct,  # with O_DIRECT the bytes are on the device already
+            )
+            published, ready = ready, []  # closed by the call, published or not
+            for pending, stage, err in zip(published, codes[::2], codes[1::2], strict=True):
+                pending.fd = -1
+                if stage == 0:
+                    written.append((pending.block, pending.claim))
+                    pending.release_row()
+                else:
+                    self._abandon(pending, failed, OSError(err, os.strerror(err), pending.tmp))
+        finally:
+            # Only after an unexpected exception: nothing of these is published.
+            for pending in ready:
+                self._abandon(pending, failed, None)
+            for block, tmp, (fd, _) in left:
+                self._abandon(_Pending(block, tmp, fd), failed, None)
+            headers.release()
+
+    def _abandon(
+        self, pending: _Pending, failed: list[OffloadKey], error: BaseException | None
+    ) -> None:
+        """A batched store of ``pending``'s file that is not published: as ``write_block_file``
+        and ``_write`` do, close it, release its slot, remove it, abort its reservation, log
+        ``error`` (None: an unexpected exception, re-raised by the caller) and count it
+        failed."""
+        key = pending.block.key
+        if pending.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(pending.fd)
+            pending.fd = -1
+        if pending.claim is not None:
+            slots = self._files.slots
+            assert slots is not None
+            try:
+                slots.release(*pending.claim)
+            except OSError as e:
+                # The slot stays, as garbage once the file is gone: the reconcile frees it.
+                logger.warning("fs tier: cannot undo the claim of %s: %s", pending.tmp, e)
+        # (A name never created is no one else's: temporary names are this writer's own.)
+        with contextlib.suppress(OSError):
+            os.unlink(pending.tmp, dir_fd=pending.block.leaf_fd)
+        pending.release_row()
+        self._files.index.abort(key)
+        if isinstance(error, NoFreeSlot):
+            self._log_no_room(key)
+        elif isinstance(error, OSError):
+            self._log_os_error("store", key, error)
+        failed.append(key)
 
     def _write(self, block: _Block) -> tuple[bool, tuple[int, int] | None]:
         """Write ``block``'s file (reserved): ``(written, slot claim)``; the reservation is
