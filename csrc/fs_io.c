@@ -1,15 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 //
-// vllm._kv_offload_fs_io: the fs tier's per-job system calls with the GIL released once per job.
+// vllm._kv_offload_fs_io: the fs tier's system calls, each kind made for a whole task of blocks
+// with the GIL released once.
 //
 // The fs tier's I/O threads move one block per file; in Python every system call of a block
-// (about ten) releases the GIL and takes it back, and on a small host each take-back waits for the
-// engine thread, which then waits for the I/O thread's next release. These functions make the
-// system calls of a whole job in one call without the GIL. They decide nothing: each returns, per
-// block, what happened, and the caller (vllm/v1/kv_offload/tiering/fs/native_io.py) goes the
-// Python way for every block that did not take the common path (a missing directory, a file of
-// the wrong kind or size, an error), so the behaviour on those paths is the Python code's.
+// (about ten) releases the GIL and takes it back, and on a small host each take-back waits while
+// another thread runs Python. These functions make one kind of system call (directory opens and
+// looks, creations, writes and renames, reads) for every block of a task in one call. They
+// decide nothing: each returns, per block, what happened, and the caller
+// (vllm/v1/kv_offload/tiering/fs/transfers.py) takes every block that left the common path
+// through its Python code, so the behaviour on those paths is the Python code's.
 //
 // Linux only (O_DIRECT, openat). Names are ASCII (hex digests, the tier's own directory names).
 

@@ -1,15 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""The fs tier's batched system calls: a job's opens, looks and reads with the GIL released once.
+"""The fs tier's batched system calls: a task's opens, looks, creations, writes, renames and
+reads, each kind in one call with the GIL released once.
 
 Every system call the I/O threads make from Python releases the GIL and takes it back; a block
 costs about ten of them, and on a small host each take-back waits for the engine thread, which
 in turn waits for the I/O thread's next release (docs/benchmarks.md, "The offload machinery's own
 cost"). ``vllm._kv_offload_fs_io`` (``csrc/fs_io.c``, built by ``pip install`` with the system's
-C compiler) makes those of a whole job in one call. It decides nothing: per block it says what
-happened, and ``BlockTransfers`` takes every block that left the common path (a directory or file
-missing where it was expected, a file of the wrong kind or size, an error) through the Python
-code, which then makes the same decisions as without it.
+C compiler) makes those of a whole task in a few calls. It decides nothing: per block it says
+what happened. ``BlockTransfers`` takes every load or dedupe look that left the common path (a
+directory or file missing where it was expected, a file of the wrong kind or size, an error)
+through the Python code, which then makes the same decisions as without it, and undoes a store
+that failed as the Python code does (docs/fs_tier.md, "Batched system calls").
 
 Without the module (not built: another platform, no C compiler) or with
 ``VLLM_KV_OFFLOAD_FS_NATIVE_IO=0`` the tier makes every call from Python; what it stores and

@@ -35,7 +35,7 @@ import logging
 import os
 import stat
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -334,8 +334,8 @@ class BlockTransfers:
         integrity: the fleet key: blocks are written with a MAC and loaded only if theirs
             verifies; None: CRCs only.
         native: the batched system calls (``native_io.load_native_io``): a chunk's directory
-            opens and looks before a store, and its reads, in one call each; None: every call
-            from Python.
+            opens and looks, file creations, writes and renames for a store, and its reads for
+            a load, each in one call; None: every call from Python.
     """
 
     def __init__(
@@ -558,10 +558,10 @@ class BlockTransfers:
         )
         headers = self._buffers.many(len(blocks))
         ready: list[_Pending] = []  # created, slot claimed, header encoded: to publish
-        left = list(zip(blocks, tmps, created, strict=True))
+        left = deque(zip(blocks, tmps, created, strict=True))
         try:
             while left:
-                block, tmp, (fd, ino) = left.pop(0)
+                block, tmp, (fd, ino) = left.popleft()
                 if fd < 0:
                     self._files.index.abort(block.key)
                     self._log_os_error("store", block.key, OSError(-fd, os.strerror(-fd), tmp))
