@@ -38,6 +38,19 @@ enum {
   READ_SHORT = -3,        // fewer bytes than its size (truncated meanwhile)
 };
 
+// Moves *at past n bytes of the *iovcnt iovecs it points to (after a short readv/writev).
+static void advance(struct iovec** at, int* iovcnt, size_t n) {
+  while (*iovcnt > 0 && n >= (*at)->iov_len) {
+    n -= (*at)->iov_len;
+    (*at)++;
+    (*iovcnt)--;
+  }
+  if (*iovcnt > 0) {
+    (*at)->iov_base = (char*)(*at)->iov_base + n;
+    (*at)->iov_len -= n;
+  }
+}
+
 static int open_leaf(int rank_fd, const char* dir1, const char* dir2) {
   int fd1 = openat(rank_fd, dir1, DIR_FLAGS);
   if (fd1 < 0) return -errno;
@@ -83,15 +96,7 @@ static int read_one(int rank_fd, const char* dir1, const char* dir2, const char*
         break;
       }
       left -= (size_t)got;
-      while (iovcnt > 0 && (size_t)got >= at->iov_len) {
-        got -= (ssize_t)at->iov_len;
-        at++;
-        iovcnt--;
-      }
-      if (iovcnt > 0) {
-        at->iov_base = (char*)at->iov_base + got;
-        at->iov_len -= (size_t)got;
-      }
+      advance(&at, &iovcnt, (size_t)got);
     }
   }
   close(fd);
@@ -112,6 +117,19 @@ static const char* ascii_of(PyObject* obj, const char* what) {
   const char* s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
   if (s == NULL && !PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s must be a str", what);
   return s;
+}
+
+// Reads a (dir1, dir2, name) tuple of str; 0 on success, -1 with an exception.
+static int parse_path(PyObject* path, const char** dir1, const char** dir2, const char** name) {
+  if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != 3) {
+    PyErr_SetString(PyExc_TypeError, "each path must be a (dir1, dir2, name) tuple");
+    return -1;
+  }
+  if ((*dir1 = ascii_of(PyTuple_GET_ITEM(path, 0), "dir1")) == NULL ||
+      (*dir2 = ascii_of(PyTuple_GET_ITEM(path, 1), "dir2")) == NULL ||
+      (*name = ascii_of(PyTuple_GET_ITEM(path, 2), "name")) == NULL)
+    return -1;
+  return 0;
 }
 
 PyDoc_STRVAR(read_files_doc,
@@ -148,16 +166,8 @@ static PyObject* read_files(PyObject* self, PyObject* args) {
   }
   size_t header_len = (size_t)(headers.len / n);
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject* path = PyList_GET_ITEM(paths, i);
-    if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != 3) {
-      PyErr_SetString(PyExc_TypeError, "each path must be a (dir1, dir2, name) tuple");
-      goto done;
-    }
     ReadEntry* e = &entries[i];
-    if ((e->dir1 = ascii_of(PyTuple_GET_ITEM(path, 0), "dir1")) == NULL ||
-        (e->dir2 = ascii_of(PyTuple_GET_ITEM(path, 1), "dir2")) == NULL ||
-        (e->name = ascii_of(PyTuple_GET_ITEM(path, 2), "name")) == NULL)
-      goto done;
+    if (parse_path(PyList_GET_ITEM(paths, i), &e->dir1, &e->dir2, &e->name) != 0) goto done;
     if (PyObject_GetBuffer(PyList_GET_ITEM(rows, i), &e->row, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
       goto done;
     e->has_row = 1;
@@ -215,16 +225,8 @@ static PyObject* open_leaves(PyObject* self, PyObject* args) {
   if (entries == NULL) return PyErr_NoMemory();
   PyObject* result = NULL;
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject* path = PyList_GET_ITEM(paths, i);
-    if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != 3) {
-      PyErr_SetString(PyExc_TypeError, "each path must be a (dir1, dir2, name) tuple");
-      goto done;
-    }
     OpenEntry* e = &entries[i];
-    if ((e->dir1 = ascii_of(PyTuple_GET_ITEM(path, 0), "dir1")) == NULL ||
-        (e->dir2 = ascii_of(PyTuple_GET_ITEM(path, 1), "dir2")) == NULL ||
-        (e->name = ascii_of(PyTuple_GET_ITEM(path, 2), "name")) == NULL)
-      goto done;
+    if (parse_path(PyList_GET_ITEM(paths, i), &e->dir1, &e->dir2, &e->name) != 0) goto done;
   }
   Py_BEGIN_ALLOW_THREADS;
   for (Py_ssize_t i = 0; i < n; i++) {
@@ -370,15 +372,7 @@ static int write_all(int fd, char* header, size_t header_len, char* row, size_t 
       return errno;
     }
     if (done == 0) return EIO;  // as block_io._write_all: "writev wrote no byte"
-    while (iovcnt > 0 && (size_t)done >= at->iov_len) {
-      done -= (ssize_t)at->iov_len;
-      at++;
-      iovcnt--;
-    }
-    if (iovcnt > 0) {
-      at->iov_base = (char*)at->iov_base + done;
-      at->iov_len -= (size_t)done;
-    }
+    advance(&at, &iovcnt, (size_t)done);
   }
   return 0;
 }

@@ -350,7 +350,7 @@ class BlockTransfers:
         writer: str,
         max_read_failures: int,
         integrity: IntegrityKey | None,
-        native: ModuleType | None = None,
+        native: ModuleType | None,
     ) -> None:
         self._files = files
         self._rows = rows
