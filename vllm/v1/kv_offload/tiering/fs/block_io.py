@@ -326,7 +326,7 @@ def regular_file_size(dir_fd: int, name: str) -> int | None:
 
 class HeaderBuffers(threading.local):
     """One page-aligned ``HEADER_SIZE`` buffer per thread (O_DIRECT needs aligned buffers), and
-    on request a run of them (a batched read's headers).
+    on request a run of them (the headers of a batched task).
 
     Attributes:
         header: writable memoryview of ``HEADER_SIZE`` bytes, page-aligned.
