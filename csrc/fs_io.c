@@ -51,19 +51,28 @@ static void advance(struct iovec** at, int* iovcnt, size_t n) {
   }
 }
 
-static int open_leaf(int rank_fd, const char* dir1, const char* dir2) {
-  int fd1 = openat(rank_fd, dir1, DIR_FLAGS);
-  if (fd1 < 0) return -errno;
-  int fd2 = openat(fd1, dir2, DIR_FLAGS);
-  int err = fd2 < 0 ? errno : 0;
+// Opens directory `name` in `dir_fd` (no link followed); with create_mode >= 0 creates it first
+// if absent (as block_io.open_dir: a concurrent creator's directory is fine). fd or -errno.
+static int open_dir(int dir_fd, const char* name, int create_mode) {
+  int fd = openat(dir_fd, name, DIR_FLAGS);
+  if (fd >= 0 || errno != ENOENT || create_mode < 0) return fd >= 0 ? fd : -errno;
+  if (mkdirat(dir_fd, name, (mode_t)create_mode) != 0 && errno != EEXIST) return -errno;
+  fd = openat(dir_fd, name, DIR_FLAGS);
+  return fd >= 0 ? fd : -errno;
+}
+
+static int open_leaf(int rank_fd, const char* dir1, const char* dir2, int create_mode) {
+  int fd1 = open_dir(rank_fd, dir1, create_mode);
+  if (fd1 < 0) return fd1;
+  int fd2 = open_dir(fd1, dir2, create_mode);
   close(fd1);
-  return fd2 < 0 ? -err : fd2;
+  return fd2;
 }
 
 // Reads header and payload of one block file; returns a READ_* code or a positive errno.
 static int read_one(int rank_fd, const char* dir1, const char* dir2, const char* name,
                     char* header, size_t header_len, char* row, size_t row_len, int o_direct) {
-  int leaf = open_leaf(rank_fd, dir1, dir2);
+  int leaf = open_leaf(rank_fd, dir1, dir2, -1);
   if (leaf < 0) return -leaf;
   int fd = openat(leaf, name, READ_FLAGS | (o_direct ? O_DIRECT : 0));
   int result = READ_OK;
@@ -208,18 +217,20 @@ typedef struct {
 } OpenEntry;
 
 PyDoc_STRVAR(open_leaves_doc,
-             "open_leaves(rank_fd, paths) -> list[tuple[int, int]]\n\n"
+             "open_leaves(rank_fd, paths, create_mode) -> list[tuple[int, int]]\n\n"
              "For each (dir1, dir2, name) of paths: open directory rank_fd/dir1/dir2 (no link "
-             "followed) and look for name in it (not followed). Per path: (the directory's fd, "
+             "followed; with create_mode >= 0 each directory missing is made with that mode, "
+             "which the umask narrows) and look for name in it (not followed). Per path: (the "
+             "directory's fd, "
              "or -errno), and 0 if name is absent, 1 if something is there, -errno if the look "
              "failed (0 when the directory did not open). The caller owns the fds. The GIL is "
              "released once for all paths.");
 
 static PyObject* open_leaves(PyObject* self, PyObject* args) {
   (void)self;
-  int rank_fd;
+  int rank_fd, create_mode;
   PyObject* paths;
-  if (!PyArg_ParseTuple(args, "iO!", &rank_fd, &PyList_Type, &paths)) return NULL;
+  if (!PyArg_ParseTuple(args, "iO!i", &rank_fd, &PyList_Type, &paths, &create_mode)) return NULL;
   Py_ssize_t n = PyList_GET_SIZE(paths);
   OpenEntry* entries = PyMem_Calloc((size_t)(n ? n : 1), sizeof(OpenEntry));
   if (entries == NULL) return PyErr_NoMemory();
@@ -231,7 +242,7 @@ static PyObject* open_leaves(PyObject* self, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS;
   for (Py_ssize_t i = 0; i < n; i++) {
     OpenEntry* e = &entries[i];
-    e->leaf_fd = open_leaf(rank_fd, e->dir1, e->dir2);
+    e->leaf_fd = open_leaf(rank_fd, e->dir1, e->dir2, create_mode);
     if (e->leaf_fd < 0) continue;
     struct stat st;
     if (fstatat(e->leaf_fd, e->name, &st, AT_SYMLINK_NOFOLLOW) == 0)
@@ -484,6 +495,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kv_offload_fs_io(void) {
   PyObject* m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", 2) != 0) Py_CLEAR(m);
+  if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", 3) != 0) Py_CLEAR(m);
   return m;
 }

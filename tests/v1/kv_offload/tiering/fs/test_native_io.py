@@ -126,6 +126,7 @@ def test_open_leaves_opens_what_exists_and_looks_for_the_name(rank: tuple[Path, 
             ("xyz", "de_g0", "there.bin"),
             ("abc", "sl_g0", "there.bin"),
         ],
+        -1,
     )
     try:
         assert [exists for _, exists in found] == [1, 0, 0, 0, 0]
@@ -133,6 +134,26 @@ def test_open_leaves_opens_what_exists_and_looks_for_the_name(rank: tuple[Path, 
         leaf = root / "abc" / "de_g0"
         assert os.path.samestat(os.fstat(found[0][0]), leaf.stat())
         assert os.path.samestat(os.fstat(found[1][0]), leaf.stat())
+    finally:
+        for leaf_fd, _ in found:
+            if leaf_fd >= 0:
+                os.close(leaf_fd)
+
+
+def test_open_leaves_creates_the_missing_directories_when_asked(rank: tuple[Path, int]) -> None:
+    root, fd = rank
+    (root / "abc").mkdir()
+    (root / "lnk").symlink_to(root / "abc")
+    found = fs_io.open_leaves(
+        fd, [("abc", "de_g0", "f.bin"), ("new", "de_g1", "f.bin"), ("lnk", "de_g0", "f.bin")], 0o700
+    )
+    try:
+        assert [exists for _, exists in found] == [0, 0, 0]
+        assert found[2][0] == -errno.ENOTDIR, "a symlink on the way is refused, not followed"
+        for (leaf_fd, _), leaf in zip(found, ["abc/de_g0", "new/de_g1"], strict=False):
+            assert os.path.samestat(os.fstat(leaf_fd), (root / leaf).stat())
+            assert (root / leaf).stat().st_mode & 0o777 == 0o700 & ~_umask()
+        assert not (root / "abc" / "de_g0" / "f.bin").exists()
     finally:
         for leaf_fd, _ in found:
             if leaf_fd >= 0:

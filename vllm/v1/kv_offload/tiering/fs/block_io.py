@@ -220,10 +220,16 @@ class FileModes:
             return cls(permissions, _SETGID | 0o770, 0o660, 0o007, process_umask())
         return cls(permissions, 0o700, 0o600, 0o077, process_umask())
 
+    @property
+    def mkdir_is_exact(self) -> bool:
+        """Whether ``mkdir`` with ``dirs`` gives exactly ``dirs``: the umask narrows nothing and
+        ``dirs`` has no special bit."""
+        return not self.dirs & (self.umask | ~0o777)
+
     def fix_dir(self, fd: int) -> None:
         """Give a directory this tier just created (``mkdir`` with ``dirs``) exactly ``dirs``
-        (a no-op unless the umask narrowed it or ``dirs`` has a special bit)."""
-        if self.dirs & (self.umask | ~0o777):
+        (a no-op where ``mkdir_is_exact``)."""
+        if not self.mkdir_is_exact:
             os.fchmod(fd, self.dirs)
 
     def fix_file(self, fd: int) -> None:

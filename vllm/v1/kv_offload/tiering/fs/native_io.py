@@ -32,7 +32,7 @@ MODULE = "vllm._kv_offload_fs_io"
 DISABLE_ENV = "VLLM_KV_OFFLOAD_FS_NATIVE_IO"
 """``0`` (or ``false``, ``no``, ``off``): make every system call from Python."""
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """The ``ABI_VERSION`` of the module this code calls; a module built from other sources is not
 used (a stale build in a source checkout)."""
 

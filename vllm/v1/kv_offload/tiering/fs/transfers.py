@@ -442,7 +442,8 @@ class BlockTransfers:
     ) -> None:
         """Append each block to ``opened``, its leaf directory open (created if needed), or its
         key to ``failed`` if that failed (logged). With the batched calls, one call opens the
-        directories that exist and looks for the files in them (``_Block.absent``)."""
+        directories (creating those missing where ``mkdir`` alone gives their exact mode) and
+        looks for the files in them (``_Block.absent``)."""
         mapper = self._files.mapper
         todo: list[tuple[OffloadKey, int, BlockPath]] = []
         for key, block_id in blocks:
@@ -455,7 +456,9 @@ class BlockTransfers:
                 todo.append((key, block_id, mapper.block_path(key)))
         if self._native is not None and todo:
             found = self._native.open_leaves(
-                self._files.rank_fd, [(p.dir1, p.dir2, p.name) for _, _, p in todo]
+                self._files.rank_fd,
+                [(p.dir1, p.dir2, p.name) for _, _, p in todo],
+                self._modes.dirs if self._modes.mkdir_is_exact else -1,
             )
             retry = []
             for (key, block_id, path), (leaf_fd, exists) in zip(todo, found, strict=True):
