@@ -159,7 +159,8 @@ static PyObject* read_files(PyObject* self, PyObject* args) {
   PyObject* result = NULL;
   ReadEntry* entries = NULL;
   Py_ssize_t n = 0;
-  if (!PyList_Check(paths) || !PyList_Check(rows) || PyList_GET_SIZE(paths) != PyList_GET_SIZE(rows)) {
+  if (!PyList_Check(paths) || !PyList_Check(rows) ||
+      PyList_GET_SIZE(paths) != PyList_GET_SIZE(rows)) {
     PyErr_SetString(PyExc_TypeError, "paths and rows must be lists of the same length");
     goto done;
   }
@@ -177,15 +178,16 @@ static PyObject* read_files(PyObject* self, PyObject* args) {
   for (Py_ssize_t i = 0; i < n; i++) {
     ReadEntry* e = &entries[i];
     if (parse_path(PyList_GET_ITEM(paths, i), &e->dir1, &e->dir2, &e->name) != 0) goto done;
-    if (PyObject_GetBuffer(PyList_GET_ITEM(rows, i), &e->row, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
-      goto done;
+    int flags = PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS;
+    if (PyObject_GetBuffer(PyList_GET_ITEM(rows, i), &e->row, flags) != 0) goto done;
     e->has_row = 1;
   }
   Py_BEGIN_ALLOW_THREADS;
   for (Py_ssize_t i = 0; i < n; i++) {
     ReadEntry* e = &entries[i];
-    e->result = read_one(rank_fd, e->dir1, e->dir2, e->name, (char*)headers.buf + (size_t)i * header_len,
-                         header_len, (char*)e->row.buf, (size_t)e->row.len, o_direct);
+    char* header = (char*)headers.buf + (size_t)i * header_len;
+    e->result = read_one(rank_fd, e->dir1, e->dir2, e->name, header, header_len, (char*)e->row.buf,
+                         (size_t)e->row.len, o_direct);
   }
   Py_END_ALLOW_THREADS;
   result = PyList_New(n);
@@ -221,10 +223,9 @@ PyDoc_STRVAR(open_leaves_doc,
              "For each (dir1, dir2, name) of paths: open directory rank_fd/dir1/dir2 (no link "
              "followed; with create_mode >= 0 each directory missing is made with that mode, "
              "which the umask narrows) and look for name in it (not followed). Per path: (the "
-             "directory's fd, "
-             "or -errno), and 0 if name is absent, 1 if something is there, -errno if the look "
-             "failed (0 when the directory did not open). The caller owns the fds. The GIL is "
-             "released once for all paths.");
+             "directory's fd, or -errno), and 0 if name is absent, 1 if something is there, "
+             "-errno if the look failed (0 when the directory did not open). The caller owns "
+             "the fds. The GIL is released once for all paths.");
 
 static PyObject* open_leaves(PyObject* self, PyObject* args) {
   (void)self;

@@ -298,6 +298,7 @@ def test_a_corrupt_file_read_by_them_is_deleted_by_the_python_path(
 def test_the_environment_or_another_build_turns_them_off(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     assert load_native_io() is fs_io
     monkeypatch.setenv(DISABLE_ENV, "0")
     assert load_native_io() is None
