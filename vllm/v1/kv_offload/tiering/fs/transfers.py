@@ -408,10 +408,7 @@ class BlockTransfers:
             try:
                 self._open_for_store(blocks, opened, failed)
                 for block in opened:
-                    if block.absent:
-                        # As _needs_write for a file that is not there.
-                        self._files.index.observe(block.key, None, ticket, hot=False)
-                    elif not self._needs_write(block, ticket, counts):
+                    if not self._needs_write(block, ticket, counts):
                         block.write = False
                         if block.leaf_fd < 0:
                             failed.append(block.key)
@@ -478,10 +475,11 @@ class BlockTransfers:
 
     def _needs_write(self, block: _Block, ticket: int, counts: Counter[str]) -> bool:
         """Whether ``block``'s file must be written: False if a complete file is there (dedupe,
-        counted as skipped) or its stat failed (its leaf then closed, ``leaf_fd`` -1)."""
+        counted as skipped) or its stat failed (its leaf then closed, ``leaf_fd`` -1). A block
+        the batched look found absent needs no ``stat``."""
         key, path = block.key, block.path
         try:
-            st = regular_file_stat(block.leaf_fd, path.name)
+            st = None if block.absent else regular_file_stat(block.leaf_fd, path.name)
         except OSError as e:
             self._log_os_error("store", key, e)
             os.close(block.leaf_fd)
