@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.entrypoints.cli.report.figures import Report
+from vllm.entrypoints.cli.report.figures import Direction, Report, TransferFigures
 from vllm.entrypoints.cli.report.text import (
     WIDTH,
     format_bytes,
@@ -16,7 +16,7 @@ from vllm.entrypoints.cli.report.text import (
 )
 from vllm.entrypoints.cli.report.verdict import judge_report
 
-from .sample_reports import huge_report
+from .sample_reports import huge_report, small_runs
 
 
 def render_text(report: Report, home: str | None = None) -> str:
@@ -84,3 +84,22 @@ def test_a_fleet_without_redis_says_its_instances_share_nothing() -> None:
     with_redis = render_header({**settings, "redis_url": "redis://127.0.0.1:6379"}, 10)
     assert shared_nothing not in with_redis
     assert shared_nothing not in render_header({**settings, "engines": 1}, 10)
+
+
+@pytest.mark.parametrize(
+    ("served", "note"),
+    [
+        (
+            3 * 2**20,
+            "(fs -> CPU (promote): 3.0 MiB of it read by loads, 1.33x promoted per byte used)",
+        ),
+        (0, "(fs -> CPU (promote): none of it read by loads)"),
+    ],
+)
+def test_promotions_say_how_much_of_them_loads_read(served: int, note: str) -> None:
+    base, off = small_runs()
+    off.transfers[Direction.FS_TO_CPU] = TransferFigures(
+        blocks=4, bytes=4 * 2**20, busy_s=0.1, served_bytes=served
+    )
+    text = render_text(Report(settings={"workload": "mix"}, baseline=base, offload=off))
+    assert note in " ".join(line.strip() for line in text.splitlines())

@@ -513,7 +513,9 @@ def _transfers(o: RunResult) -> Iterable[str]:
             # What was read from the tier against what loads used of it (issue 26's target).
             extra.append(
                 f"{format_bytes(t.served_bytes)} of it read by loads, "
-                f"{t.bytes / max(t.served_bytes, 1):.2f}x promoted per byte used"
+                f"{t.bytes / t.served_bytes:.2f}x promoted per byte used"
+                if t.served_bytes
+                else "none of it read by loads"
             )
         if extra:
             notes.append(f"{d.label}: {', '.join(extra)}")
