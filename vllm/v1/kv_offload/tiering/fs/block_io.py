@@ -488,14 +488,22 @@ def write_block_file(
         published = True
     finally:
         if not published:
-            if undo is not None:
-                try:
-                    undo()
-                except OSError as e:
-                    # The slot stays, as garbage once the file is gone: the reconcile frees it.
-                    logger.warning("fs tier: cannot undo the claim of %s: %s", tmp, e)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=leaf_fd)
+            discard_unpublished(leaf_fd, tmp, undo)
+
+
+def discard_unpublished(leaf_fd: int, tmp: str, undo: Callable[[], None] | None) -> None:
+    """Undo a temporary block file that will not be published (already closed): ``undo`` (the
+    capacity slot's release, if it was claimed; a failure is logged, not raised), then remove
+    ``tmp`` from ``leaf_fd`` if it is there. A temporary name is its writer's own, so removing
+    it never removes another process's file."""
+    if undo is not None:
+        try:
+            undo()
+        except OSError as e:
+            # The slot stays, as garbage once the file is gone: the reconcile frees it.
+            logger.warning("fs tier: cannot undo the claim of %s: %s", tmp, e)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp, dir_fd=leaf_fd)
 
 
 def read_block_file(

@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     FileModes,
     HeaderBuffers,
+    discard_unpublished,
     encode_block_header,
     new_file_flags,
     open_block_dir,
@@ -627,17 +628,12 @@ class BlockTransfers:
             with contextlib.suppress(OSError):
                 os.close(pending.fd)
             pending.fd = -1
-        if pending.claim is not None:
-            slots = self._files.slots
-            assert slots is not None
-            try:
-                slots.release(*pending.claim)
-            except OSError as e:
-                # The slot stays, as garbage once the file is gone: the reconcile frees it.
-                logger.warning("fs tier: cannot undo the claim of %s: %s", pending.tmp, e)
-        # (A name never created is no one else's: temporary names are this writer's own.)
-        with contextlib.suppress(OSError):
-            os.unlink(pending.tmp, dir_fd=pending.block.leaf_fd)
+        slots, claim = self._files.slots, pending.claim
+        discard_unpublished(
+            pending.block.leaf_fd,
+            pending.tmp,
+            None if claim is None or slots is None else functools.partial(slots.release, *claim),
+        )
         pending.release_row()
         self._files.index.abort(key)
         if isinstance(error, NoFreeSlot):
