@@ -213,8 +213,7 @@ class RankDirWalker:
             stats.errors += 1
             return 1
         try:
-            with os.scandir(fd2) as it:
-                names = [e.name for e in it]
+            names = os.listdir(fd2)
             seen: set[OffloadKey] = set()
             for name in names:
                 parsed = FileMapper.parse_block_path(dir1, dir2, name)

@@ -569,8 +569,7 @@ class CapacitySlots:
         except FileNotFoundError:
             return 1
         try:
-            with os.scandir(sub_fd) as it:
-                names = [e.name for e in it]
+            names = os.listdir(sub_fd)
             present: set[int] = set()
             for name in names:
                 try:

@@ -80,8 +80,7 @@ class WriterRegistry:
         Raises:
             OSError: ``writers/`` cannot be listed.
         """
-        with os.scandir(self._dir_fd) as it:
-            names = [e.name for e in it]
+        names = os.listdir(self._dir_fd)
         others = gone_count = 0
         mine = False
         now = time.time()
