@@ -491,7 +491,7 @@ def write_block_file(
             discard_unpublished(leaf_fd, tmp, undo)
 
 
-def discard_unpublished(leaf_fd: int, tmp: str, undo: Callable[[], None] | None) -> None:
+def discard_unpublished(leaf_fd: int, tmp: str, undo: Callable[[], object] | None) -> None:
     """Undo a temporary block file that will not be published (already closed): ``undo`` (the
     capacity slot's release, if it was claimed; a failure is logged, not raised), then remove
     ``tmp`` from ``leaf_fd`` if it is there. A temporary name is its writer's own, so removing
