@@ -28,10 +28,10 @@ Layout (``HEADER_SIZE + payload_len`` bytes)::
     offset 4096  payload, payload_len bytes: the primary row, verbatim
 
 Two checksum kinds, one format: readers accept both and verify with the kind the header names.
-The fs tier writes CRC-32 (it overlaps the checksum with disk I/O on many threads); the redis
-tier writes CRC-32C, which the ``crc32c`` package computes with the CPU's CRC instruction at
-several times zlib's speed: on the network path the checksum runs on the one thread that also
-feeds the socket, so its cost shows directly in the throughput (see docs/benchmarks.md).
+Both tiers write CRC-32C, which the ``crc32c`` package computes with the CPU's CRC instruction
+at several times zlib's speed, holding the GIL up to 256 KiB (a few microseconds per block:
+cheaper for the engine thread than a GIL release and re-take per block, docs/benchmarks.md);
+the fs tier wrote CRC-32 (zlib) before, and its files stay readable.
 
 The header is a whole page so that, in a file, the payload starts page-aligned: with O_DIRECT the
 payload is read straight into (and written straight from) the page-aligned primary row. In Redis
@@ -75,6 +75,7 @@ import hmac
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c
@@ -86,7 +87,22 @@ HEADER_SIZE = 4096
 MAGIC = b"VLLMKVB\x00"
 CHECKSUM_CRC32 = 1
 CHECKSUM_CRC32C = 2
-_CHECKSUMS = {CHECKSUM_CRC32: zlib.crc32, CHECKSUM_CRC32C: crc32c.crc32c}
+# With the CPU's CRC instruction a 64 KiB payload takes about 5 us: up to _CRC32C_HOLD_MAX bytes
+# the checksum runs holding the GIL, since releasing and re-taking it costs the engine thread more
+# than that (each release lets another thread in, and the releasing thread then waits its turn).
+# Larger payloads, and every payload without the instruction (a software CRC), go the crc32c
+# package's default way: the GIL released for buffers of 32 KiB and more, as zlib's CRC-32 does.
+_CRC32C_HOLD_MAX = 256 * 1024 if crc32c.hardware_based else 0
+
+
+def _crc32c(payload: memoryview) -> int:
+    return crc32c.crc32c(payload, gil_release_mode=0 if len(payload) <= _CRC32C_HOLD_MAX else -1)
+
+
+_CHECKSUMS: dict[int, Callable[[memoryview], int]] = {
+    CHECKSUM_CRC32: zlib.crc32,
+    CHECKSUM_CRC32C: _crc32c,
+}
 
 FLAG_KEYED = 0x0001
 """``flags`` bit: the header carries the MAC trailer (keyed integrity)."""
@@ -258,8 +274,9 @@ def file_size(payload_len: int) -> int:
 
 
 def payload_checksum(payload: memoryview, kind: int = CHECKSUM_CRC32) -> int:
-    """Checksum of ``payload``: CRC-32 (zlib, ~3 GB/s per core) or CRC-32C (hardware, ~10+ GB/s
-    per core); both release the GIL for large buffers."""
+    """Checksum of ``payload``: CRC-32 (zlib, ~3 GB/s per core, the GIL released for large
+    buffers) or CRC-32C (the CPU's instruction, ~14 GB/s per core, the GIL held up to 256 KiB;
+    without the instruction a software CRC that releases the GIL for large buffers)."""
     return _CHECKSUMS[kind](payload)
 
 
@@ -430,8 +447,8 @@ def encode_block_header(
     """Return the ``HEADER_SIZE``-byte header of ``payload`` stored under ``key`` (keyed with
     ``integrity`` if given).
 
-    Computes the payload's checksum (one pass over ``payload``; the GIL is released meanwhile),
-    and with ``integrity`` its MAC (a second pass).
+    Computes the payload's checksum (one pass over ``payload``), and with ``integrity`` its MAC
+    (a second pass).
 
     Raises:
         ValueError: as ``encode_header``.

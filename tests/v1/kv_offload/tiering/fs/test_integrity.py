@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
     FLAG_KEYED,
     HEADER_SIZE,
     IntegrityKey,
+    payload_checksum,
 )
 
 from ..key_files import SECRET, key_file
@@ -36,7 +37,8 @@ def _forge(path: str) -> None:
     with open(path, "r+b") as f:
         data = bytearray(f.read())
         data[HEADER_SIZE + 100] ^= 0xFF
-        struct.pack_into("<I", data, 28, zlib.crc32(data[HEADER_SIZE:]))  # payload CRC-32
+        (kind,) = struct.unpack_from("<I", data, 24)  # the payload checksum's kind
+        struct.pack_into("<I", data, 28, payload_checksum(memoryview(data)[HEADER_SIZE:], kind))
         (key_len,) = struct.unpack_from("<I", data, 64)
         end = 68 + key_len
         struct.pack_into("<I", data, end, zlib.crc32(data[:end]))  # header CRC

@@ -9,9 +9,11 @@ import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,12 @@ import pytest
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.spec import RowLayout
 from vllm.v1.kv_offload.tiering.base import JobMetadata
-from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, MAGIC
+from vllm.v1.kv_offload.tiering.block_format import (
+    CHECKSUM_CRC32,
+    CHECKSUM_CRC32C,
+    HEADER_SIZE,
+    MAGIC,
+)
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs import block_io, meters
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
@@ -145,6 +152,29 @@ def test_store_then_load_is_bit_exact(
     assert counters(tier)["store_busy_us"] > 0 and counters(tier)["load_busy_us"] > 0
     assert usage(tier).used_bytes == 4 * FILE_SIZE
     check_index(tier)
+
+
+def test_files_with_the_older_crc32_payload_checksum_stay_readable(
+    make_tier: TierFactory, primary: Primary
+) -> None:
+    # The tier writes CRC-32C (checksum kind 2); it wrote CRC-32 (kind 1) before. A file
+    # rewritten here as the older tier wrote it is served, verified with its own kind: read
+    # with the other one its checksum would not match and the load would fail.
+    tier = make_tier()
+    keys = [key_of(1), key_of(2)]
+    assert store(tier, primary, keys, [0, 1])
+    path = block_file(tier, keys[0])
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        assert struct.unpack_from("<I", data, 24) == (CHECKSUM_CRC32C,)
+        struct.pack_into("<II", data, 24, CHECKSUM_CRC32, zlib.crc32(data[HEADER_SIZE:]))
+        (key_len,) = struct.unpack_from("<I", data, 64)
+        struct.pack_into("<I", data, 68 + key_len, zlib.crc32(data[: 68 + key_len]))
+        f.seek(0)
+        f.write(data)
+    assert load(tier, primary, keys, [4, 5])
+    assert primary.holds(4, keys[0]) and primary.holds(5, keys[1])
+    assert counters(tier)["corrupt_removed"] == 0
 
 
 def test_layout_and_config_json(make_tier: TierFactory, primary: Primary, root: Path) -> None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.block_format import (
+    CHECKSUM_CRC32C,
     HEADER_SIZE,
     BlockFileCorrupt,
     IntegrityKey,
@@ -420,7 +421,8 @@ def encode_block_header(
         key=key,
         run_digest=run_digest,
         payload_len=len(payload),
-        checksum=payload_checksum(payload),
+        checksum=payload_checksum(payload, CHECKSUM_CRC32C),
+        checksum_kind=CHECKSUM_CRC32C,
         integrity=integrity,
         payload=payload,
     )

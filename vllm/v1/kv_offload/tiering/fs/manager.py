@@ -29,7 +29,7 @@ Guarantees:
     * A block file is published atomically (tmp file, fsync, rename; one directory fsync per
       job); a reader never sees a partial file, and a crash leaves only temporary files, which
       are never served and are removed by the next start-up scan.
-    * Every load is verified (header, key, run digest, size, CRC-32 of the payload). A corrupt,
+    * Every load is verified (header, key, run digest, size, checksum of the payload). A corrupt,
       truncated or foreign file fails the job and is deleted; a file of the wrong size is deleted
       wherever the tier meets it and never indexed. A transient error (any ``OSError``: EACCES,
       EIO, ELOOP, EMFILE, ...) fails the job and keeps the file; after ``max_read_failures``
