@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import mmap
+import struct
 import subprocess
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from tests.v1.kv_offload.utils import make_cpu_spec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, payload_checksum
 from vllm.v1.kv_offload.tiering.fs.block_io import HOST_TAG
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemSecondaryTier
 from vllm.v1.kv_offload.tiering.fs.native_io import DISABLE_ENV
@@ -175,6 +178,29 @@ def register_dead_writer(tier: FileSystemSecondaryTier, *, create: bool = True) 
     if create:
         path.touch()
     return path
+
+
+def reseal_block_file(
+    path: str, edit: Callable[[bytearray], None] | None = None, kind: int | None = None
+) -> None:
+    """Rewrite block file ``path`` as anyone who can write to the root could: ``edit`` its bytes
+    (header and payload), then recompute its payload checksum (with ``kind``, or the kind its
+    header names) and its header CRC (the layout of docs/fs_tier.md), so that the header stays
+    well-formed. A MAC, if any, is left as it was."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        if edit is not None:
+            edit(data)
+        if kind is None:
+            (kind,) = struct.unpack_from("<I", data, 24)
+        payload = memoryview(data)[HEADER_SIZE:]
+        struct.pack_into("<II", data, 24, kind, payload_checksum(payload, kind))
+        payload.release()
+        (key_len,) = struct.unpack_from("<I", data, 64)
+        end = 68 + key_len
+        struct.pack_into("<I", data, end, zlib.crc32(data[:end]))
+        f.seek(0)
+        f.write(data)
 
 
 TierFactory = Callable[..., FileSystemSecondaryTier]

@@ -8,8 +8,6 @@ forged; a tier without a secret reads unkeyed caches as before."""
 from __future__ import annotations
 
 import os
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -18,11 +16,10 @@ from vllm.v1.kv_offload.tiering.block_format import (
     FLAG_KEYED,
     HEADER_SIZE,
     IntegrityKey,
-    payload_checksum,
 )
 
 from ..key_files import SECRET, key_file
-from .conftest import Primary, TierFactory, key_of, load, resolve_lookups, store
+from .conftest import Primary, TierFactory, key_of, load, reseal_block_file, resolve_lookups, store
 from .tier_state import block_file
 
 
@@ -34,16 +31,11 @@ def _flags(path: str) -> int:
 def _forge(path: str) -> None:
     """Change one payload byte and recompute both CRCs, as anyone who can write to the root can:
     the header stays well-formed, bound to its key and run; only the MAC no longer matches."""
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
+
+    def flip(data: bytearray) -> None:
         data[HEADER_SIZE + 100] ^= 0xFF
-        (kind,) = struct.unpack_from("<I", data, 24)  # the payload checksum's kind
-        struct.pack_into("<I", data, 28, payload_checksum(memoryview(data)[HEADER_SIZE:], kind))
-        (key_len,) = struct.unpack_from("<I", data, 64)
-        end = 68 + key_len
-        struct.pack_into("<I", data, end, zlib.crc32(data[:end]))  # header CRC
-        f.seek(0)
-        f.write(data)
+
+    reseal_block_file(path, flip)
 
 
 def test_a_keyed_fleet_shares_blocks_bit_exact(

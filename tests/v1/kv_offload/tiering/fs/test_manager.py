@@ -13,7 +13,6 @@ import struct
 import subprocess
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from .conftest import (
     key_of,
     load,
     make_spec,
+    reseal_block_file,
     resolve_lookups,
     run_jobs,
     share,
@@ -164,14 +164,9 @@ def test_files_with_the_older_crc32_payload_checksum_stay_readable(
     keys = [key_of(1), key_of(2)]
     assert store(tier, primary, keys, [0, 1])
     path = block_file(tier, keys[0])
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        assert struct.unpack_from("<I", data, 24) == (CHECKSUM_CRC32C,)
-        struct.pack_into("<II", data, 24, CHECKSUM_CRC32, zlib.crc32(data[HEADER_SIZE:]))
-        (key_len,) = struct.unpack_from("<I", data, 64)
-        struct.pack_into("<I", data, 68 + key_len, zlib.crc32(data[: 68 + key_len]))
-        f.seek(0)
-        f.write(data)
+    with open(path, "rb") as f:
+        assert struct.unpack("<I", f.read(28)[24:]) == (CHECKSUM_CRC32C,)
+    reseal_block_file(path, kind=CHECKSUM_CRC32)
     assert load(tier, primary, keys, [4, 5])
     assert primary.holds(4, keys[0]) and primary.holds(5, keys[1])
     assert counters(tier)["corrupt_removed"] == 0
