@@ -5,11 +5,11 @@
 A fleet computes every block of the workload's prefix tree at least once, wherever requests go:
 the fewest prompt tokens it can compute are those one engine with an unbounded prefix cache
 would compute (each request computes its prompt beyond the longest prefix of whole blocks that
-an earlier request's prompt shares with it). This script counts that floor for the workload the
-command would serve (the same ``WorkloadConfig``, so the same token ids) and, given the JSON of
-a ``run --engines N --compare-routing``, sets it beside what each policy computed: a target
-ratio to round-robin below ``floor / round-robin`` is out of any router's reach on that
-workload.
+an earlier request wrote KV for: its prompt, and the blocks its decode steps filled). This
+script counts that floor for the workload the command would serve (the same
+``WorkloadConfig``, so the same token ids) and, given the JSON of a ``run --engines N
+--compare-routing``, sets it beside what each policy computed: a target ratio to round-robin
+below ``floor / round-robin`` is out of any router's reach on that workload.
 
 A chat turn's prompt holds the model's earlier answers; the script stands in a fixed token for
 each (the floor counts tokens, and an answer's token ids change no count: the chained hashes
@@ -51,11 +51,14 @@ def floor_tokens(config: WorkloadConfig, block_size: int) -> tuple[int, int, int
             cached = 0
             while cached < len(hashes) and hashes[cached] in seen:
                 cached += 1
-            seen.update(hashes)
             requests += 1
             total += len(prompt)
             computed += len(prompt) - cached * block_size
             history = [*prompt, *[ANSWER_TOKEN] * turn.max_tokens]
+            # The engine caches every full block it wrote KV for: the prompt's, and those its
+            # decode steps filled, up to the last answer token (sampled, never fed back).
+            written = history[: len(history) - 1]
+            seen.update(hasher(Request("floor", written, 1)))
     return requests, total, computed
 
 
