@@ -8,8 +8,9 @@ would compute (each request computes its prompt beyond the longest prefix of who
 an earlier request wrote KV for: its prompt, and the blocks its decode steps filled). This
 script counts that floor for the workload the command would serve (the same
 ``WorkloadConfig``, so the same token ids) and, given the JSON of a ``run --engines N
---compare-routing``, sets it beside what each policy computed: a target ratio to round-robin
-below ``floor / round-robin`` is out of any router's reach on that workload.
+--compare-routing`` (whose ``settings`` name the workload), sets it beside what each policy
+computed: a target ratio to round-robin below ``floor / round-robin`` is out of any router's
+reach on that workload.
 
 A chat turn's prompt holds the model's earlier answers; the script stands in a fixed token for
 each (the floor counts tokens, and an answer's token ids change no count: the chained hashes
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from vllm.entrypoints.cli.workloads import (
     WORKLOAD_DEFAULTS,
@@ -62,6 +64,30 @@ def floor_tokens(config: WorkloadConfig, block_size: int) -> tuple[int, int, int
     return requests, total, computed
 
 
+def workload_config(settings: dict[str, Any]) -> WorkloadConfig:
+    """The workload a run served, from its JSON report's ``settings`` (a report written before
+    they named ``num_system_prompts`` is read with the workload's default)."""
+    kind = WorkloadKind(settings["workload"])
+    default_prompts = WORKLOAD_DEFAULTS.get(kind, {}).get(
+        "num_system_prompts", WorkloadConfig.num_system_prompts
+    )
+    return WorkloadConfig(
+        kind=kind,
+        seed=settings["seed"],
+        num_clients=settings["num_clients"],
+        num_sessions=settings["num_sessions"],
+        turns_per_session=settings["turns"],
+        turn_tokens=settings["turn_tokens"],
+        output_tokens=settings["output_tokens"],
+        system_prompt_tokens=settings["system_prompt_tokens"],
+        num_system_prompts=settings.get("num_system_prompts", default_prompts),
+        document_tokens=settings["document_tokens"],
+        num_documents=settings["num_documents"],
+        think_time_s=settings["think_time_s"],
+        arrival_interval_s=settings["think_time_s"],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="mix", choices=[k.value for k in WorkloadKind])
@@ -70,23 +96,31 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=WorkloadConfig.seed)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
-        "--compare-json", type=Path, help="the JSON of a run --engines N --compare-routing"
+        "--compare-json",
+        type=Path,
+        help="the JSON of a run --engines N --compare-routing: its workload and block size "
+        "replace the options above",
     )
     args = parser.parse_args()
-    kind = WorkloadKind(args.workload)
-    config = WorkloadConfig(
-        kind=kind,
-        seed=args.seed,
-        num_sessions=args.num_sessions,
-        turns_per_session=args.turns,
-        **WORKLOAD_DEFAULTS.get(kind, {}),
-    )
-    requests, total, floor = floor_tokens(config, args.block_size)
-    print(f"{kind.value}: {requests} requests, {total:,} prompt tokens")
+    doc = None if args.compare_json is None else json.loads(args.compare_json.read_text())
+    if doc is not None:
+        config = workload_config(doc["settings"])
+        block_size = doc["settings"]["block_size"]
+    else:
+        kind = WorkloadKind(args.workload)
+        config = WorkloadConfig(
+            kind=kind,
+            seed=args.seed,
+            num_sessions=args.num_sessions,
+            turns_per_session=args.turns,
+            **WORKLOAD_DEFAULTS.get(kind, {}),
+        )
+        block_size = args.block_size
+    requests, total, floor = floor_tokens(config, block_size)
+    print(f"{config.kind.value}: {requests} requests, {total:,} prompt tokens")
     print(f"  floor (one engine, unbounded prefix cache): {floor:,} computed")
-    if args.compare_json is None:
+    if doc is None:
         return
-    doc = json.loads(args.compare_json.read_text())
     runs = {r["routing"]["policy"]: r for r in doc["fleet"]["routing_comparison"]}
     rr = runs["round-robin"]["run"]["prompt_tokens"]["computed"]
     print(f"  floor / round-robin: {floor / rr:.2f}")

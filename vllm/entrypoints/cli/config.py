@@ -604,6 +604,7 @@ def _settings(
         "turn_tokens": w.turn_tokens,
         "output_tokens": w.output_tokens,
         "system_prompt_tokens": w.system_prompt_tokens,
+        "num_system_prompts": w.num_system_prompts,
         "document_tokens": w.document_tokens,
         "num_documents": w.num_documents,
         "think_time_s": w.think_time_s,
