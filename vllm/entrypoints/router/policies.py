@@ -22,9 +22,7 @@
   (the router's own count).
   A **load-balance guard** keeps every instance within its share: an instance that would then
   hold more than ``(1 + slack)`` times its fair share of the requests routed so far (this one
-  included), plus one request, is not a candidate (``KVAware.cap``); ties go to the least-routed
-  instance, then to the lower index (a prompt no instance holds then goes where the guard has the
-  most headroom, not to instance 0).
+  included), plus one request, is not a candidate (``KVAware.cap``); ties go to the lower index.
 
 Policies are told what the router knows (``RouteRequest``, the instances' ``InstanceLoad``) and
 return a ``Decision``. Threading: called on the front end's event loop only.
@@ -301,10 +299,7 @@ class KVAware(RoutingPolicy):
             cost = request.prompt_len - cached + own.queue_weight * load.queued_tokens
             cost += sum(n * own.load_cost[Place(p)] for p, n in enumerate(m.tokens) if n)
             costs.append(cost)
-            # Ties to the least routed: a prompt nobody holds costs the same everywhere when the
-            # queues are empty, and sending each to instance 0 would spend the guard's headroom
-            # there on documents that have no home yet.
-            if best is None or (cost, load.routed) < (best_cost, loads[best].routed):
+            if best is None or cost < best_cost:
                 best, best_cost = i, cost
         assert best is not None, "the guard excluded every instance"
         chosen = matches[best]
