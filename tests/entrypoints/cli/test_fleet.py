@@ -319,11 +319,11 @@ def _fleet_json(tmp_path: Path, name: str, workload: list[str], *extra: str) -> 
 # of a document over both instances, and each computes it; only an index of the KV finds that
 # another session read it, and where. The documents split into two halves of 20 sessions, so
 # the load-balance guard need not move a document; with fewer sessions per document, or more
-# clients, the guard's first requests (an instance may not take the first three) and the order
-# in which the clients' sessions arrive decide more of the outcome than the routing does. A GPU
-# pool of two documents (48 blocks, not the tiny workload's 24): with one, two documents in
-# flight on one instance preempt each other, and the recomputation that follows depends on the
-# machine's timing more than on the routing.
+# clients, the guard on the first requests (one instance may not take all of the first three)
+# and the order in which the clients' sessions arrive decide more of the outcome than the
+# routing does. A GPU pool of two documents (48 blocks, not the tiny workload's 24): with one,
+# two documents in flight on one instance preempt each other, and the recomputation that
+# follows depends on the machine's timing more than on the routing.
 SHARED_DOCUMENTS = [
     *workload_args(clients=2, sessions=40, think_time=0.001, timeout=300, turns=2, documents=8),
     "--gpu-blocks",
