@@ -419,9 +419,12 @@ def test_a_dead_releasers_grab_is_recovered(make_tier: TierFactory, primary: Pri
     key = key_of(1)
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)
-    pid = register_dead_writer(tier).name.split(".")[1]
-    grab = slot.parent / f".g0.{HOST_TAG}.{pid}.0badc0de.12345678.tmp"
+    dead = register_dead_writer(tier, create=False)
+    grab = slot.parent / f".g0.{HOST_TAG}.{dead.name.split('.')[1]}.0badc0de.12345678.tmp"
     os.rename(slot, grab)  # the releaser died between its grab and its unlink
+    # Its presence file after the grab: a round that finds the dead writer also finds its grab
+    # (one that ran between the two would end the writer's recovery before the grab existed).
+    dead.touch()
     assert tier.wait_reconciled(10) and tier.wait_reconciled(10)
     assert not grab.exists()
     assert len(_slot_names(tier)) == 1 and os.stat(block_file(tier, key)).st_nlink == 2
