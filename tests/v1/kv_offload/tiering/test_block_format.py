@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.tiering.block_format import (
     file_size,
     payload_checksum,
     verify_block,
+    write_block_header,
 )
 
 DIGEST = hashlib.sha256(b"run").digest()
@@ -49,7 +50,7 @@ def test_round_trip_and_zero_padding() -> None:
     buf = _header()
     assert decode_header(memoryview(buf), key=KEY, run_digest=DIGEST, payload_len=PAYLOAD_LEN) == (
         KEY,
-        PayloadChecksum(CHECKSUM_CRC32, 1234),
+        PayloadChecksum(CHECKSUM_CRC32C, 1234),  # the default kind
     )
     assert (
         decode_header(memoryview(buf), key=None, run_digest=DIGEST, payload_len=PAYLOAD_LEN)[0]
@@ -169,6 +170,17 @@ def test_unkeyed_headers_are_byte_identical_to_the_format_before_integrity(
     # and blocks written now are the same bytes.
     header = encode_block_header(KEY, DIGEST, PAYLOAD, kind)
     assert hashlib.sha256(header).hexdigest() == sha256
+
+
+@pytest.mark.parametrize("integrity", [None, FLEET])
+def test_a_header_written_in_place_is_the_value_header(integrity: IntegrityKey | None) -> None:
+    # The fs tier writes headers into its page-aligned buffers, the redis tier takes them as
+    # bytes: one format, CRC-32C by default in both.
+    buf = bytearray(b"\xff" * HEADER_SIZE)  # stale bytes must be overwritten
+    write_block_header(memoryview(buf), PAYLOAD, key=KEY, run_digest=DIGEST, integrity=integrity)
+    assert bytes(buf) == encode_block_header(KEY, DIGEST, PAYLOAD, integrity=integrity)
+    assert int.from_bytes(buf[24:28], "little") == CHECKSUM_CRC32C
+    assert _verify(bytes(buf) + PAYLOAD.tobytes(), integrity=integrity) == PAYLOAD
 
 
 def test_keyed_round_trip_says_so_in_the_header_with_a_key_id() -> None:

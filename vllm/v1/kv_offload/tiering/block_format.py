@@ -52,9 +52,10 @@ derived from the secret, of the whole ``HEADER_SIZE``-byte header (its ``mac`` f
 by the payload. The header binds key, run and length, so a valid block copied under another key
 fails as a foreign block; nothing without the secret can make a block that verifies.
 
-* Writers: ``encode_header(..., integrity=key, payload=payload)`` (or ``encode_block_header(...,
-  integrity=key)``) sets ``FLAG_KEYED`` and writes the trailer. Without a key the header is
-  byte-identical to the format before keyed integrity existed (``flags`` 0, zero padding).
+* Writers: ``encode_header(..., integrity=key, payload=payload)`` (or ``write_block_header`` /
+  ``encode_block_header(..., integrity=key)``) sets ``FLAG_KEYED`` and writes the trailer.
+  Without a key the header is byte-identical to the format before keyed integrity existed
+  (``flags`` 0, zero padding).
 * Readers with a key (``verify_parts``/``verify_block``/``decode_header`` with ``integrity=key``):
   a keyed block with this key id whose MAC does not verify raises ``BlockForged`` (a subclass of
   ``BlockFileCorrupt``: delete it, count it, never serve it). A block written without a key, or
@@ -273,10 +274,11 @@ def file_size(payload_len: int) -> int:
     return HEADER_SIZE + payload_len
 
 
-def payload_checksum(payload: memoryview, kind: int = CHECKSUM_CRC32) -> int:
-    """Checksum of ``payload``: CRC-32 (zlib, ~3 GB/s per core, the GIL released for large
-    buffers) or CRC-32C (the CPU's instruction, ~14 GB/s per core, the GIL held up to 256 KiB;
-    without the instruction a software CRC that releases the GIL for large buffers)."""
+def payload_checksum(payload: memoryview, kind: int = CHECKSUM_CRC32C) -> int:
+    """Checksum of ``payload``: CRC-32C (the default, what both tiers write: the CPU's
+    instruction, ~14 GB/s per core, the GIL held up to 256 KiB; without the instruction a
+    software CRC that releases the GIL for large buffers) or CRC-32 (zlib, ~3 GB/s per core, the
+    GIL released for large buffers; files written before CRC-32C carry it)."""
     return _CHECKSUMS[kind](payload)
 
 
@@ -299,7 +301,7 @@ def encode_header(
     run_digest: bytes,
     payload_len: int,
     checksum: int,
-    checksum_kind: int = CHECKSUM_CRC32,
+    checksum_kind: int = CHECKSUM_CRC32C,
     integrity: IntegrityKey | None = None,
     payload: memoryview | None = None,
 ) -> None:
@@ -437,15 +439,17 @@ def _decode(
     return file_key, PayloadChecksum(checksum_kind, checksum), mac_at
 
 
-def encode_block_header(
+def write_block_header(
+    buf: memoryview,
+    payload: memoryview,
+    *,
     key: bytes,
     run_digest: bytes,
-    payload: memoryview,
     checksum_kind: int = CHECKSUM_CRC32C,
     integrity: IntegrityKey | None = None,
-) -> bytes:
-    """Return the ``HEADER_SIZE``-byte header of ``payload`` stored under ``key`` (keyed with
-    ``integrity`` if given).
+) -> None:
+    """Write the header of ``payload`` stored under ``key`` into ``buf`` (``HEADER_SIZE`` bytes,
+    writable), keyed with ``integrity`` if given.
 
     Computes the payload's checksum (one pass over ``payload``), and with ``integrity`` its MAC
     (a second pass).
@@ -453,9 +457,8 @@ def encode_block_header(
     Raises:
         ValueError: as ``encode_header``.
     """
-    header = bytearray(HEADER_SIZE)
     encode_header(
-        memoryview(header),
+        buf,
         key=key,
         run_digest=run_digest,
         payload_len=len(payload),
@@ -463,6 +466,29 @@ def encode_block_header(
         checksum_kind=checksum_kind,
         integrity=integrity,
         payload=payload,
+    )
+
+
+def encode_block_header(
+    key: bytes,
+    run_digest: bytes,
+    payload: memoryview,
+    checksum_kind: int = CHECKSUM_CRC32C,
+    integrity: IntegrityKey | None = None,
+) -> bytes:
+    """``write_block_header`` into a new ``HEADER_SIZE``-byte ``bytes`` (a value's header).
+
+    Raises:
+        ValueError: as ``encode_header``.
+    """
+    header = bytearray(HEADER_SIZE)
+    write_block_header(
+        memoryview(header),
+        payload,
+        key=key,
+        run_digest=run_digest,
+        checksum_kind=checksum_kind,
+        integrity=integrity,
     )
     return bytes(header)
 

@@ -41,15 +41,13 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.block_format import (
-    CHECKSUM_CRC32C,
     HEADER_SIZE,
     BlockFileCorrupt,
     IntegrityKey,
     decode_header,
-    encode_header,
     file_size,
-    payload_checksum,
     verify_parts,
+    write_block_header,
 )
 
 if TYPE_CHECKING:
@@ -406,28 +404,6 @@ def new_file_flags(o_direct: bool) -> int:
     return _WRITE_FLAGS | (O_DIRECT if o_direct else 0)
 
 
-def encode_block_header(
-    header_buf: memoryview,
-    payload: memoryview,
-    *,
-    key: bytes,
-    run_digest: bytes,
-    integrity: IntegrityKey | None,
-) -> None:
-    """Write the header of block file ``key`` with ``payload`` (its checksum, and its MAC with
-    ``integrity``) into ``header_buf`` (``HEADER_SIZE`` bytes)."""
-    encode_header(
-        header_buf,
-        key=key,
-        run_digest=run_digest,
-        payload_len=len(payload),
-        checksum=payload_checksum(payload, CHECKSUM_CRC32C),
-        checksum_kind=CHECKSUM_CRC32C,
-        integrity=integrity,
-        payload=payload,
-    )
-
-
 def write_block_file(
     leaf_fd: int,
     path: BlockPath,
@@ -473,7 +449,7 @@ def write_block_file(
         OSError: from any system call before the rename (ENOSPC, EDQUOT, EIO, ...).
         Exception: whatever ``on_created`` raises.
     """
-    encode_block_header(header_buf, payload, key=key, run_digest=run_digest, integrity=integrity)
+    write_block_header(header_buf, payload, key=key, run_digest=run_digest, integrity=integrity)
     fd = modes.create_file(tmp, new_file_flags(o_direct), leaf_fd)
     published = False
     undo: Callable[[], None] | None = None

@@ -56,12 +56,12 @@ from vllm.v1.kv_offload.tiering.block_format import (
     BlockNotAuthenticated,
     IntegrityKey,
     verify_parts,
+    write_block_header,
 )
 from vllm.v1.kv_offload.tiering.fs.block_io import (
     FileModes,
     HeaderBuffers,
     discard_unpublished,
-    encode_block_header,
     new_file_flags,
     open_block_dir,
     read_block_file,
@@ -578,7 +578,7 @@ class BlockTransfers:
                         pending.claim = (self._claim(block.leaf_fd, tmp, ino), ino)
                     at = len(ready) * HEADER_SIZE
                     with headers[at : at + HEADER_SIZE] as header:
-                        encode_block_header(
+                        write_block_header(
                             header, pending.row, key=block.key, run_digest=run_digest,
                             integrity=self._integrity,
                         )  # fmt: skip
