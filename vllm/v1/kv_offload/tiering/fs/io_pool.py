@@ -74,7 +74,13 @@ class DualQueueThreadPool:
                 f"need at least one thread of each kind, got n_read_threads={n_read_threads}, "
                 f"n_write_threads={n_write_threads}"
             )
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        # Two conditions on one lock: idle workers wait for tasks on ``_work``, ``wait_idle``
+        # for the last job on ``_idle``. A job's end then wakes no idle worker: with one
+        # condition, every finished job woke every idle thread just to wait again, each
+        # wake-up a GIL round trip taken from the engine thread.
+        self._work = threading.Condition(lock)
+        self._idle = threading.Condition(lock)
         self._loads: deque[_Item] = deque()
         self._stores: deque[_Item] = deque()
         self._finished: deque[tuple[int, bool]] = deque()
@@ -117,7 +123,7 @@ class DualQueueThreadPool:
         Raises:
             RuntimeError: the pool is shut down (nothing was queued).
         """
-        with self._cond:
+        with self._work:
             if self._closed:
                 raise RuntimeError("the I/O pool is shut down")
             if not tasks:
@@ -126,7 +132,7 @@ class DualQueueThreadPool:
             job = _Job(job_id, len(tasks), on_done)
             (self._loads if is_load else self._stores).extend((job, task) for task in tasks)
             self._jobs_in_flight += 1
-            self._cond.notify(len(tasks))
+            self._work.notify(len(tasks))
 
     def get_finished(self) -> list[tuple[int, bool]]:
         """Pop every ``(job_id, success)`` finished since the last call."""
@@ -138,20 +144,20 @@ class DualQueueThreadPool:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no job is in flight; returns False if ``timeout`` expired first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._jobs_in_flight == 0, timeout)
+        with self._idle:
+            return self._idle.wait_for(lambda: self._jobs_in_flight == 0, timeout)
 
     def shutdown(self) -> None:
         """Cancel queued tasks (their jobs finish failed), then join every worker. Idempotent.
 
         Tasks already running complete normally.
         """
-        with self._cond:
+        with self._work:
             self._closed = True
             dropped = list(self._loads) + list(self._stores)
             self._loads.clear()
             self._stores.clear()
-            self._cond.notify_all()
+            self._work.notify_all()
         for job, task in dropped:
             try:
                 task.cancel()
@@ -163,7 +169,7 @@ class DualQueueThreadPool:
 
     def _worker(self, prefer_loads: bool) -> None:
         first, second = (self._loads, self._stores) if prefer_loads else (self._stores, self._loads)
-        cond = self._cond
+        cond = self._work
         while True:
             with cond:
                 while not first and not second:
@@ -185,7 +191,7 @@ class DualQueueThreadPool:
             del job, task  # drop references (and buffers they hold) before waiting again
 
     def _task_done(self, job: _Job, ok: bool) -> None:
-        with self._cond:
+        with self._work:
             if not ok:
                 job.success = False
             job.remaining -= 1
@@ -197,7 +203,8 @@ class DualQueueThreadPool:
                 job.on_done()
             except Exception:
                 logger.exception("fs tier: finishing job %d failed", job.job_id)
-        with self._cond:
+        with self._work:
             self._finished.append((job.job_id, job.success))
             self._jobs_in_flight -= 1
-            self._cond.notify_all()
+            if not self._jobs_in_flight:
+                self._idle.notify_all()
