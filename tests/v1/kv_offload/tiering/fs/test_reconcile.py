@@ -341,9 +341,10 @@ def test_a_release_from_stale_knowledge_leaves_a_live_slot_alone(
     assert store(tier, primary, [key], [0])
     slot = _slot_of(tier, key)
     n = _slot_number(slot)
-    assert slots_of(tier) is not None
-    assert not slots_of(tier).release(n, slot.stat().st_ino + 12345)  # not the inode it holds
-    assert not slots_of(tier).release(n, None)  # not garbage: the block file names it too
+    slots = slots_of(tier)
+    assert slots is not None
+    assert not slots.release(n, slot.stat().st_ino + 12345)  # not the inode it holds
+    assert not slots.release(n, None)  # not garbage: the block file names it too
     assert slot.exists() and os.stat(block_file(tier, key)).st_nlink == 2
 
 
@@ -367,8 +368,10 @@ def test_a_live_slot_grabbed_by_mistake_is_put_back(
             return os.stat_result((*st[:3], 1, *st[4:]))
         return st
 
+    slots = slots_of(tier)
+    assert slots is not None
     monkeypatch.setattr(slots_module.os, "stat", garbage_at_first_look)
-    assert slots_of(tier) is not None and not slots_of(tier).release(n, None)
+    assert not slots.release(n, None)
     monkeypatch.undo()
     assert slot.exists() and slot.stat().st_ino == os.stat(block_file(tier, key)).st_ino
     assert not [p for p in slot.parent.iterdir() if p.name.startswith(".")], "no grab left"
