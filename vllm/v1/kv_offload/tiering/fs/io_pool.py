@@ -33,7 +33,7 @@ logger = init_logger(__name__)
 
 
 class IoTask(ABC):
-    """One unit of work of a job (one block)."""
+    """One unit of work of a job (the fs tier's: a chunk of the job's blocks)."""
 
     @abstractmethod
     def run(self) -> bool:
@@ -74,13 +74,13 @@ class DualQueueThreadPool:
                 f"need at least one thread of each kind, got n_read_threads={n_read_threads}, "
                 f"n_write_threads={n_write_threads}"
             )
-        lock = threading.Lock()
-        # Two conditions on one lock: idle workers wait for tasks on ``_work``, ``wait_idle``
-        # for the last job on ``_idle``. A job's end then wakes no idle worker: with one
-        # condition, every finished job woke every idle thread just to wait again, each
-        # wake-up a GIL round trip taken from the engine thread.
-        self._work = threading.Condition(lock)
-        self._idle = threading.Condition(lock)
+        # ``_lock`` guards the queues and counts. Two conditions on it: idle workers wait for
+        # tasks on ``_work``, ``wait_idle`` for the last job on ``_idle``. A job's end then
+        # wakes no idle worker: with one condition, every finished job woke every idle thread
+        # just to wait again, each wake-up a GIL round trip taken from the engine thread.
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
         self._loads: deque[_Item] = deque()
         self._stores: deque[_Item] = deque()
         self._finished: deque[tuple[int, bool]] = deque()
@@ -123,7 +123,7 @@ class DualQueueThreadPool:
         Raises:
             RuntimeError: the pool is shut down (nothing was queued).
         """
-        with self._work:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("the I/O pool is shut down")
             if not tasks:
@@ -152,7 +152,7 @@ class DualQueueThreadPool:
 
         Tasks already running complete normally.
         """
-        with self._work:
+        with self._lock:
             self._closed = True
             dropped = list(self._loads) + list(self._stores)
             self._loads.clear()
@@ -191,7 +191,7 @@ class DualQueueThreadPool:
             del job, task  # drop references (and buffers they hold) before waiting again
 
     def _task_done(self, job: _Job, ok: bool) -> None:
-        with self._work:
+        with self._lock:
             if not ok:
                 job.success = False
             job.remaining -= 1
@@ -203,7 +203,7 @@ class DualQueueThreadPool:
                 job.on_done()
             except Exception:
                 logger.exception("fs tier: finishing job %d failed", job.job_id)
-        with self._work:
+        with self._lock:
             self._finished.append((job.job_id, job.success))
             self._jobs_in_flight -= 1
             if not self._jobs_in_flight:
