@@ -122,7 +122,11 @@ def test_secrets_from_files_and_the_environment_and_the_report_says_blocks_are_a
     assert f"blocks authenticated (HMAC-SHA256, key id {key_id})" in header
     assert doc["settings"]["integrity_key_id"] == key_id
     assert doc["verdict"]["status"] == "PASS"
-    assert doc["runs"]["offload"]["transfers"]["redis_to_cpu"]["blocks"] > 0
+    off = doc["runs"]["offload"]
+    assert off["transfers"]["redis_to_cpu"]["blocks"] > 0
+    # The tier's own count of the requests it deferred reaches the report (redis is the only
+    # tier here: a fresh server answers a key nobody stored a step later).
+    assert 0 < off["lookup_deferred_requests_by_tier"]["redis"] <= off["lookup_deferred_requests"]
     # Every value in the server carries the MAC: its keys are the keyed key space's.
     client = locked.client()
     assert client.keys(f"kvo@{key_id}:*") and not client.keys("kvo:*")

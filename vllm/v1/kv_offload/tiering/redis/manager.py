@@ -301,8 +301,9 @@ class RedisSecondaryTier(AsyncLookupTier):
         return self.transfer.redis_key(key)
 
     def stats(self) -> dict[str, int]:
-        """Cumulative counters (``transfer.COUNTER_NAMES``)."""
-        counters = self._counters.snapshot()
+        """Cumulative counters (``transfer.COUNTER_NAMES``, the lookup counters of
+        ``AsyncLookupManager.counters`` and the tier's own)."""
+        counters = self._counters.snapshot() | self.lookup_counters()
         counters["breaker_trips"] = self._breaker.trips
         counters["auth_failures"] = self._breaker.auth_failures
         counters["permission_refusals"] = self._gates.refusals
