@@ -124,9 +124,11 @@ def test_secrets_from_files_and_the_environment_and_the_report_says_blocks_are_a
     assert doc["verdict"]["status"] == "PASS"
     off = doc["runs"]["offload"]
     assert off["transfers"]["redis_to_cpu"]["blocks"] > 0
-    # The tier's own count of the requests it deferred reaches the report (redis is the only
-    # tier here: a fresh server answers a key nobody stored a step later).
-    assert 0 < off["lookup_deferred_requests_by_tier"]["redis"] <= off["lookup_deferred_requests"]
+    # One writer: once the tier follows the namespace's stores (from its first moments), a
+    # lookup answers in the step that asks; the tier's own count reaches the report.
+    deferred = off["lookup_deferred_requests"]
+    assert off["lookup_deferred_requests_by_tier"]["redis"] <= deferred
+    assert deferred <= 0.05 * off["requests"]["submitted"], deferred
     # Every value in the server carries the MAC: its keys are the keyed key space's.
     client = locked.client()
     assert client.keys(f"kvo@{key_id}:*") and not client.keys("kvo:*")

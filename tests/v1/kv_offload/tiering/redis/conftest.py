@@ -87,7 +87,15 @@ class Engine:
         ]
 
     def promote(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool | None]:
-        """Drive lookups through a promotion; returns the final lookups (True: readable)."""
+        """Drive lookups through a promotion; returns the final lookups (True: readable).
+
+        A tier that follows the namespace's stores first waits until its view holds what other
+        instances announced (``sync_view``): then its lookups find their blocks at once, and the
+        first lookups answer None for the promotions they queue instead of for the server's
+        answer."""
+        config = self.tier.config
+        if config.follow_stores and not config.cluster:
+            assert self.tier.sync_view(10)
         assert self.lookups(keys, ctx) == [None] * len(keys)
         self.step()
         assert self.tier.wait_lookups_idle(10)

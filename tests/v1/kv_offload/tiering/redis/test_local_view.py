@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The redis tier's local view: lookups of blocks this instance knows the server holds answer in
-the step that asks; blocks only another instance stored are asked of the server as before; a
-key older than ``ttl_s`` is asked again."""
+the step that asks; without following the namespace's stores (``follow_stores`` false; the feed
+is tested in ``test_key_feed.py``), blocks only another instance stored are asked of the server;
+a key older than ``ttl_s`` is asked again."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def test_known_blocks_forget_the_oldest_beyond_capacity_and_what_is_dropped() ->
 def test_own_blocks_answer_in_the_step_that_asks_others_are_asked_of_the_server(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    writer, other = Engine(tmp_path / "w", server.url), Engine(tmp_path / "o", server.url)
-    reader = Engine(tmp_path / "r", server.url)
+    writer, other, reader = (
+        Engine(tmp_path / name, server.url, follow_stores=False) for name in ("w", "o", "r")
+    )
     engines += [writer, other, reader]
     mine, theirs = [key_of(i) for i in range(3)], [key_of(10 + i) for i in range(2)]
     ctx = ReqContext("w")
@@ -62,7 +64,7 @@ def test_own_blocks_answer_in_the_step_that_asks_others_are_asked_of_the_server(
 def test_a_key_older_than_its_ttl_is_asked_of_the_server_again(
     tmp_path: Path, server: RedisServer, engines: list[Engine]
 ) -> None:
-    engine = Engine(tmp_path / "e", server.url, ttl_s=1.0)
+    engine = Engine(tmp_path / "e", server.url, ttl_s=1.0, follow_stores=False)
     engines.append(engine)
     key = key_of(1)
     ctx = ReqContext("w")

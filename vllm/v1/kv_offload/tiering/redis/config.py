@@ -127,6 +127,9 @@ class RedisTierConfig:
             ``transfer.MAX_ROUND_BYTES``). At least one block value.
         integrity: the fleet's integrity key (``block_format.IntegrityKey``, from the
             ``integrity_key_env`` or ``integrity_key_file`` key); None: blocks carry CRCs only.
+        follow_stores: announce this instance's stores on the namespace's channel and follow
+            every writer's (``key_feed``), so that a lookup of a block nobody stored answers in
+            the step that asks; false: such lookups wait a step for the server's answer.
     """
 
     url: str = field(repr=False)
@@ -138,6 +141,7 @@ class RedisTierConfig:
     timeout_s: float = 2.0
     max_inflight_bytes: int = 256 << 20
     integrity: IntegrityKey | None = None
+    follow_stores: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "redactor", Redactor(self.url, [self.password]))
@@ -156,6 +160,7 @@ class RedisTierConfig:
         max_inflight_bytes: Any = 256 << 20,
         integrity_key_env: Any = None,
         integrity_key_file: Any = None,
+        follow_stores: Any = True,
     ) -> RedisTierConfig:
         """Validate raw config values (e.g. decoded JSON); reads the integrity secret.
 
@@ -174,6 +179,8 @@ class RedisTierConfig:
         shown = redact_url(url)
         if not isinstance(cluster, bool):
             raise _bad("cluster", cluster, "a bool")
+        if not isinstance(follow_stores, bool):
+            raise _bad("follow_stores", follow_stores, "a bool")
         if cluster and url.startswith("unix:"):
             raise _bad("url", shown, "a redis:// or rediss:// URL with cluster=true")
         if namespace is not None and (
@@ -195,4 +202,5 @@ class RedisTierConfig:
             integrity=IntegrityKey.from_config(
                 env=integrity_key_env, file=integrity_key_file, tier="redis"
             ),
+            follow_stores=follow_stores,
         )

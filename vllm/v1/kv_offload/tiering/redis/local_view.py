@@ -12,13 +12,16 @@ there recently; ``KnownBlocks`` remembers those, so that their lookups answer at
   it is a miss, when it is older than ``ttl_s`` (the server expired it), and, the oldest first,
   when more than ``capacity`` keys are known.
 
-The view only ever answers "present": a key it does not know goes to the server, so blocks that
-other instances of a fleet stored are found as before. A stale "present" (the server evicted the
-block under its ``maxmemory`` policy) costs a failed load, recomputed, and the key leaves the
-view; never a wrong byte (every loaded value is verified).
+On its own the view only answers "present": a key it does not know goes to the server, so blocks
+that other instances of a fleet stored are found as before. The tier's key feed (``key_feed``)
+adds what every other writer of the namespace stores, and the namespace's keys listed once;
+while it follows them and the view has dropped no key for its capacity (``capacity_drops``), a
+key the view does not hold is absent and answers so at once. A stale "present" (the server
+evicted the block under its ``maxmemory`` policy) costs a failed load, recomputed, and the key
+leaves the view; never a wrong byte (every loaded value is verified).
 
-Threading: the I/O and lookup threads add and drop keys under a lock; the scheduler thread reads
-without one (one ``dict.get``, atomic under the GIL).
+Threading: the I/O, lookup and feed threads add and drop keys under a lock; the scheduler thread
+reads without one (one ``dict.get``, atomic under the GIL).
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class KnownBlocks:
         self._lock = threading.Lock()
         # Key -> when it was last confirmed (time.monotonic); insertion order is age order.
         self._known: dict[OffloadKey, float] = {}
+        self.capacity_drops = 0
+        """Keys forgotten because more than ``capacity`` were known (only grows)."""
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def holds(self, key: OffloadKey) -> bool:
         """Whether ``key`` is known to be on the server (scheduler thread; no lock)."""
@@ -63,12 +72,28 @@ class KnownBlocks:
                 known[key] = now
             while len(known) > self._capacity:
                 del known[next(iter(known))]
+                self.capacity_drops += 1
 
     def drop(self, keys: Iterable[OffloadKey]) -> None:
         """``keys`` are not (or may not be) on the server."""
         with self._lock:
             for key in keys:
                 self._known.pop(key, None)
+
+    def drop_unconfirmed_since(self, since: float) -> int:
+        """Forget every key last confirmed before ``since`` (a ``time.monotonic()`` reading):
+        after a listing of the server's keys that began then, those are the keys it no longer
+        holds. O(keys dropped). Returns their number."""
+        dropped = 0
+        with self._lock:
+            known = self._known
+            while known:
+                key = next(iter(known))
+                if known[key] >= since:
+                    break  # age order: every later key was confirmed since
+                del known[key]
+                dropped += 1
+        return dropped
 
     def __len__(self) -> int:
         return len(self._known)

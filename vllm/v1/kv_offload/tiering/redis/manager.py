@@ -23,7 +23,10 @@ Threads:
       never touch the network;
     * the lookup thread (``AsyncLookupManager``) resolves each step's lookups with one pipelined
       round trip of ``EXISTS``;
-    * the I/O thread runs jobs one at a time, loads before stores (``transfer.BlockTransfer``);
+    * the I/O thread runs jobs one at a time, loads before stores (``transfer.BlockTransfer``),
+      and announces the blocks it stored (``key_feed``);
+    * the feed thread follows what the other writers of the namespace store (``key_feed``), so
+      that a lookup of a block nobody stored answers False in the step that asks;
     * the health thread probes an unreachable server and refreshes the server figures.
 
 Guarantees:
@@ -46,6 +49,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from redis.cluster import RedisCluster
 from typing_extensions import override
 
 from vllm.logger import init_logger
@@ -66,6 +70,7 @@ from vllm.v1.kv_offload.tiering.redis.health import (
     HealthThread,
     PermissionGates,
 )
+from vllm.v1.kv_offload.tiering.redis.key_feed import KeyFeed
 from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
 from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
 from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
@@ -144,6 +149,8 @@ class RedisSecondaryTier(AsyncLookupTier):
         max_inflight_bytes: bytes per round trip and of queued stores (default 256 MiB).
         integrity_key_env, integrity_key_file: where the fleet secret is (an environment
             variable's name, or a file readable by its owner only); default: no MAC.
+        follow_stores: announce stores and follow the namespace's (default true; see
+            ``RedisTierConfig`` and ``key_feed``).
         enable_events: record ``OffloadingEvent`` s (medium ``"STORAGE"``, locality
             ``"REMOTE"``: every instance sharing the server can load them) for blocks this
             tier stored; removals are not seen (the server evicts and expires keys by itself).
@@ -173,6 +180,7 @@ class RedisSecondaryTier(AsyncLookupTier):
         max_inflight_bytes: int | str = 256 << 20,
         integrity_key_env: str | None = None,
         integrity_key_file: str | None = None,
+        follow_stores: bool = True,
         enable_events: bool = False,
         **tier_kwargs: Any,
     ) -> None:
@@ -192,6 +200,7 @@ class RedisSecondaryTier(AsyncLookupTier):
             max_inflight_bytes=max_inflight_bytes,
             integrity_key_env=integrity_key_env,
             integrity_key_file=integrity_key_file,
+            follow_stores=follow_stores,
         )
         view = primary_kv_view
         self._num_rows, self._row_bytes = primary_view_rows(view, "redis")
@@ -213,13 +222,14 @@ class RedisSecondaryTier(AsyncLookupTier):
         self._breaker = CircuitBreaker(self._name, config.redactor)
         self._gates = PermissionGates(self._name, config.redactor)
         self._flat: memoryview = view.cast("B")
+        prefix = key_prefix(self.namespace, config.integrity)
         self.transfer = BlockTransfer(
             self._router,
             self._flat,
             config,
             row_bytes=self._row_bytes,
             run_digest=self.run_digest,
-            key_prefix=key_prefix(self.namespace, config.integrity),
+            key_prefix=prefix,
             breaker=self._breaker,
             gates=self._gates,
             counters=self._counters,
@@ -246,6 +256,27 @@ class RedisSecondaryTier(AsyncLookupTier):
         # Blocks known to be on the server (local_view): their lookups answer at once.
         self._known = KnownBlocks(config.ttl_s)
         self._answered_locally = 0
+        self._answered_absent = 0
+        # What the other writers store, so that the local view knows what is absent too.
+        self._feed: KeyFeed | None = None
+        client = self._router.client
+        if config.follow_stores and not isinstance(client, RedisCluster):
+            self._feed = KeyFeed(
+                client,
+                prefix,
+                self._known,
+                self._breaker,
+                self._gates,
+                config.redactor,
+                self._name,
+                tier_type,
+            )
+        elif config.follow_stores:
+            logger.info(
+                "redis tier %s: stores are not followed in a Redis Cluster: lookups of blocks "
+                "this instance does not know wait a step for the cluster's answer",
+                self._name,
+            )
         self._health = HealthThread(
             tier_type,
             self._breaker,
@@ -255,6 +286,8 @@ class RedisSecondaryTier(AsyncLookupTier):
         )
         self._io_thread.start()
         self._health.start()
+        if self._feed is not None:
+            self._feed.start()
         logger.info(
             "redis tier: %s%s, namespace %s, %d-byte values, ttl %s, timeout %.3g s, "
             "max_inflight_bytes %d, %s",
@@ -290,6 +323,18 @@ class RedisSecondaryTier(AsyncLookupTier):
         credentials)."""
         return self._breaker.is_open
 
+    @property
+    def follows_stores(self) -> bool:
+        """Whether a lookup of a block this instance does not know answers False at once: the
+        tier follows every writer's stores (``key_feed``) and has listed the namespace's keys."""
+        return self._feed is not None and self._feed.complete
+
+    def sync_view(self, timeout: float | None = None) -> bool:
+        """Block until the tier follows the namespace's stores (``follows_stores``) and its view
+        holds every block another instance announced before this call; False on timeout, or
+        when the tier does not follow stores (``follow_stores`` false, or a cluster)."""
+        return self._feed is not None and self._feed.sync(timeout)
+
     def wait_reachable(self, timeout: float | None = None) -> bool:
         """Block until the circuit breaker is closed (the server answers again, with accepted
         credentials): the wait for what ``breaker_open`` reports; False on timeout."""
@@ -308,6 +353,10 @@ class RedisSecondaryTier(AsyncLookupTier):
         counters["auth_failures"] = self._breaker.auth_failures
         counters["permission_refusals"] = self._gates.refusals
         counters["lookups_answered_locally"] = self._answered_locally
+        counters["lookups_answered_absent"] = self._answered_absent
+        feed = self._feed
+        counters["announce_failures"] = 0 if feed is None else feed.announce_failures
+        counters["key_listings"] = 0 if feed is None else feed.listings
         return counters
 
     @override
@@ -335,13 +384,18 @@ class RedisSecondaryTier(AsyncLookupTier):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """False at once while the server is cut off; True at once for a block this instance
-        knows the server holds (``local_view``); otherwise None until this step's batched probe
-        answered (a later step), then True/False."""
+        knows the server holds (``local_view``); False at once for any other while the tier
+        follows the namespace's stores (``key_feed``); otherwise None until this step's batched
+        probe answered (a later step), then True/False."""
         if self._breaker.is_open:
             return False
         if self._known.holds(key):
             self._answered_locally += 1  # scheduler thread only
             return True
+        feed = self._feed
+        if feed is not None and feed.complete:
+            self._answered_absent += 1
+            return False
         return self._lookups.lookup(key, req_context)
 
     @override
@@ -428,6 +482,8 @@ class RedisSecondaryTier(AsyncLookupTier):
             self._cond.notify_all()
         self._io_thread.join()
         self._health.stop(limit)
+        if self._feed is not None:
+            self._feed.stop(limit)
         self._flat.release()
         self._router.close()
 
@@ -480,6 +536,16 @@ class RedisSecondaryTier(AsyncLookupTier):
                         self._store_bytes_queued -= len(job.keys) * self.value_bytes
                     self._results.append((job, outcome))
                 self._cond.notify_all()
+            if self._feed is not None and not batch[0].is_promotion:
+                # After the results: the round trip delays the next job, not this one's report.
+                stored = [
+                    key
+                    for job, outcome in zip(batch, outcomes, strict=True)
+                    if outcome.success
+                    for key in job.keys
+                ]
+                if stored:
+                    self._feed.announce(stored)
 
     def _run_jobs(self, batch: list[JobMetadata]) -> list[Outcome]:
         """One load job, or a batch of store jobs."""

@@ -220,10 +220,10 @@ class RequestOffloadState:
         A key whose lookup answers "not readable yet" while no store job writes it
         (``is_being_stored``) is noted with ``manager.promotion_source``. A note without a tier
         is only a candidate: a tier's answer may still be on its way (the redis tier answers a
-        lookup a step later), and the block may then arrive some other way (another request's
-        store from the GPU). When a later lookup finds such a key readable or absent and no tier
-        was named meanwhile, the note is dropped: its tokens count as the CPU tier's, never as
-        an unnamed tier's.
+        lookup it cannot decide a step later), and the block may then arrive some other way
+        (another request's store from the GPU). When a later lookup finds such a key readable
+        or absent and no tier was named meanwhile, the note is dropped: its tokens count as the
+        CPU tier's, never as an unnamed tier's.
         """
         ctx = self.req_context
         lookup = manager.lookup
