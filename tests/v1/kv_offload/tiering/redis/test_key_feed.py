@@ -3,8 +3,8 @@
 """The redis tier's key feed (``key_feed``): while the tier follows the namespace's stores, a
 lookup answers in the step that asks, "absent" for a block nobody stored and "present" for one
 another instance stored; a newcomer lists what is there; a lost subscription is followed again
-(what was stored meanwhile found by the listing); a server that refuses channels leaves lookups
-waiting for the server as before, logged once."""
+(what was stored meanwhile found by the listing); a server that refuses channels, or a namespace
+larger than the view, leaves lookups waiting for the server as before, logged once."""
 
 from __future__ import annotations
 
@@ -13,11 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.v1.kv_offload.tiering.redis.conftest import Engine, key_of
 from tests.v1.kv_offload.tiering.redis.servers import RedisServer
 from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, PermissionGates
+from vllm.v1.kv_offload.tiering.redis.key_feed import KeyFeed
 from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
+from vllm.v1.kv_offload.tiering.redis.redaction import Redactor
 
 SYNC_S = 10.0
 
@@ -112,11 +116,7 @@ def test_a_server_that_refuses_channels_leaves_lookups_asking_it_logged_once(
     engine = Engine(tmp_path / "e", f"redis://nochan:nochan-pw-1@127.0.0.1:{server.port}")
     engines.append(engine)
     tier = engine.tier
-    deadline = time.monotonic() + SYNC_S
-    # Bounded poll of the log: the refusal is logged by the feed thread's first attempt.
-    while not any("refuses SUBSCRIBE" in r.getMessage() for r in caplog.records):
-        assert time.monotonic() < deadline, "the refusal was not logged"
-        time.sleep(0.05)
+    _wait_logged(caplog, "refuses SUBSCRIBE")  # by the feed thread's first attempt
     assert not tier.sync_view(0.5) and not tier.follows_stores
     ctx = ReqContext("r")
     engine.manager.on_new_request(ctx)
@@ -127,6 +127,43 @@ def test_a_server_that_refuses_channels_leaves_lookups_asking_it_logged_once(
     assert engine.lookups([key], ctx) == [False]
     assert sum("refuses SUBSCRIBE" in r.getMessage() for r in caplog.records) == 1
     admin.close()
+
+
+def _wait_logged(caplog: pytest.LogCaptureFixture, text: str) -> None:
+    """Bounded poll of the log for a line the feed thread writes (no event says it did)."""
+    deadline = time.monotonic() + SYNC_S
+    while not any(text in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, f"not logged: {text!r}"
+        time.sleep(0.05)
+
+
+def test_a_namespace_larger_than_the_view_is_followed_but_never_complete(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.v1.kv_offload.tiering.redis")
+    client = redis.Redis.from_url(server.url)
+    prefix = b"kvo:big:"
+    for i in range(3):
+        client.set(prefix + key_of(i).hex().encode(), b"x")
+    redactor = Redactor(server.url)
+    feed = KeyFeed(
+        client,
+        prefix,
+        KnownBlocks(ttl_s=None, capacity=2),
+        CircuitBreaker("t", redactor),
+        PermissionGates("t", redactor),
+        redactor,
+        "t",
+        "redis",
+    )
+    feed.start()
+    try:
+        _wait_logged(caplog, "the namespace holds more than 2 blocks")
+        assert not feed.complete and feed.listings == 0
+        assert not feed.sync(0.2)
+    finally:
+        assert feed.stop(SYNC_S)
+        client.close()
 
 
 def test_known_blocks_forget_what_no_listing_confirmed_and_count_capacity_drops() -> None:

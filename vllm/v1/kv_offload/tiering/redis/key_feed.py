@@ -275,16 +275,7 @@ class KeyFeed:
             batch.append(key)
             listed += 1
             if listed > known.capacity:
-                if self._overflow_logged:
-                    return False
-                self._overflow_logged = True
-                logger.info(
-                    "redis tier %s: the namespace holds more than %d blocks, more than the "
-                    "local view keeps: lookups of blocks this instance does not know wait a "
-                    "step for the server",
-                    self._name,
-                    known.capacity,
-                )
+                self._log_overflow()
                 return False
             if len(batch) >= SCAN_COUNT:
                 known.add(batch)
@@ -294,6 +285,7 @@ class KeyFeed:
         known.add(batch)
         known.drop_unconfirmed_since(started)
         if known.capacity_drops != drops:
+            self._log_overflow()
             return False
         self._capacity_drops_at_listing = known.capacity_drops
         self.listings += 1
@@ -313,7 +305,22 @@ class KeyFeed:
         if writer == self._writer:
             return  # this instance's own stores: the I/O thread put them in the view
         keys = [key for key in map(_parse_key, rest.split()) if key is not None]
-        self._known.add(keys)
+        known = self._known
+        known.add(keys)
+        if self._complete and known.capacity_drops != self._capacity_drops_at_listing:
+            self._log_overflow()
+
+    def _log_overflow(self) -> None:
+        """Say once that the namespace outgrew the view (it stays incomplete)."""
+        if self._overflow_logged:
+            return
+        self._overflow_logged = True
+        logger.info(
+            "redis tier %s: the namespace holds more than %d blocks, more than the local view "
+            "keeps: lookups of blocks this instance does not know wait a step for the server",
+            self._name,
+            self._known.capacity,
+        )
 
     def _set_complete(self, complete: bool) -> None:
         with self._cond:
