@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.entrypoints.cli.report.figures import Direction, Report, TransferFigures
+from vllm.entrypoints.cli.report.figures import (
+    Direction,
+    InstanceResult,
+    Report,
+    Tier,
+    TransferFigures,
+)
 from vllm.entrypoints.cli.report.text import (
     WIDTH,
     format_bytes,
@@ -75,6 +81,31 @@ def test_disk_line_says_where_how_big_and_how_to_clear(monkeypatch: pytest.Monke
     report.offload.fs.root_dir = "/data/kv"
     flat = " ".join(line.strip() for line in render_text(report, home="/home/u").splitlines())
     assert "To delete them: vllm-kv-offload run --fs-root /data/kv --fs-clear" in flat
+
+
+def test_each_instance_row_keeps_its_columns_apart_whatever_the_verdict() -> None:
+    instances = []
+    for index, verify_mode in enumerate(("loaded", "none")):  # PASS, then UNVERIFIED
+        base, off = small_runs()
+        off.verify_mode = verify_mode
+        off.redis_url = "redis://127.0.0.1:6379"
+        off.num_requests = off.num_finished = 9_999
+        off.prompt_tokens = 9_876_543_210
+        off.computed_tokens = off.served[Tier.REDIS] = 999_999_999
+        off.cross_instance_tokens = 99_999_999
+        instances.append(InstanceResult(index, base, off))
+    base, off = small_runs()
+    text = render_text(Report(settings={}, baseline=base, offload=off, instances=instances))
+    lines = text.splitlines()
+    start = lines.index("  per engine instance (offload run; verdict: its own checks and outputs)")
+    header, *rows = lines[start + 1 : start + 4]
+    assert header.split() == [
+        "engine", "requests", "prompt", "tokens", "computed", "redis", "tier", "another's",
+        "verdict",
+    ]  # fmt: skip
+    for row, verdict in zip(rows, ("PASS", "UNVERIFIED"), strict=True):
+        assert len(row) <= WIDTH, row
+        assert row.split()[-2:] == ["99,999,999", verdict], row
 
 
 def test_a_fleet_without_redis_says_its_instances_share_nothing() -> None:

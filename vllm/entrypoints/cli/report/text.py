@@ -566,9 +566,9 @@ def _disk(report: Report, home: str | None) -> Iterable[str]:
     )
 
 
-# engine, requests, prompt tokens, computed, redis tier, another's, verdict:
-# 2 + 6 + 12 + 14 + 13 + 13 + 12 + 8 = 80 columns.
-_INSTANCE_COLUMNS = (6, 12, 14, 13, 13, 12, 8)
+# engine, requests, prompt tokens, computed, redis tier, another's, verdict (UNVERIFIED is the
+# longest, 10 characters): 2 + 6 + 12 + 14 + 12 + 12 + 11 + 11 = 80 columns.
+_INSTANCE_COLUMNS = (6, 12, 14, 12, 12, 11, 11)
 
 
 def _instance_row(*cells: str) -> str:
