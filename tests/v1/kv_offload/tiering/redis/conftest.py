@@ -86,15 +86,16 @@ class Engine:
             a if a is not None else b for a, b in zip(first, self.lookups(keys, ctx), strict=True)
         ]
 
-    def promote(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bool | None]:
+    def promote(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, *, sync: bool = True
+    ) -> list[bool | None]:
         """Drive lookups through a promotion; returns the final lookups (True: readable).
 
         A tier that follows the namespace's stores first waits until its view holds what other
-        instances announced (``sync_view``): then its lookups find their blocks at once, and the
-        first lookups answer None for the promotions they queue instead of for the server's
-        answer."""
-        config = self.tier.config
-        if config.follow_stores and not config.cluster:
+        instances announced (``sync_view``; ``sync=False`` where it cannot, e.g. a cluster
+        master down): then its lookups find their blocks at once, and the first lookups answer
+        None for the promotions they queue instead of for the server's answer."""
+        if sync and self.tier.config.follow_stores:
             assert self.tier.sync_view(10)
         assert self.lookups(keys, ctx) == [None] * len(keys)
         self.step()

@@ -26,10 +26,11 @@ killed client, a network cut) makes the view incomplete (lookups wait for the se
 the feed has subscribed and listed the keys again, which it retries every ``RETRY_S``. A
 namespace with more keys than the view's capacity stays incomplete.
 
-Channels are not keys: ``SUBSCRIBE`` and ``PUBLISH`` need the ACL's channel permission; where the
-server refuses them (logged once, by ``health.PermissionGates``), and in a Redis Cluster (where a
-namespace's keys are spread over the masters: not supported yet), the view is never complete and
-lookups wait for the server as before.
+In a Redis Cluster the channel is the cluster's (a ``PUBLISH`` reaches the subscribers of every
+node) and a listing asks every master; while a master does not answer, the listing fails and the
+view stays incomplete. Channels are not keys: ``SUBSCRIBE`` and ``PUBLISH`` need the ACL's
+channel permission; where the server refuses them (logged once, by ``health.PermissionGates``),
+the view is never complete and lookups wait for the server as before.
 
 Threading: the feed thread owns its subscription; it writes the local view (under its lock) and
 the completeness flag (a bool the scheduler thread reads without a lock). ``announce`` runs on
@@ -45,11 +46,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import redis
-
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.redis.client import ErrorKind, cuts_off, error_kind
+from vllm.v1.kv_offload.tiering.redis.client import ErrorKind, RedisClient, cuts_off, error_kind
 from vllm.v1.kv_offload.tiering.redis.health import GATE_RETRY_S, CircuitBreaker, PermissionGates
 from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
 from vllm.v1.kv_offload.tiering.redis.redaction import Redactor
@@ -80,12 +79,12 @@ class KeyFeed:
     Ownership: owns its thread and, while subscribed, one connection of ``client``'s pool;
     writes ``known``. ``breaker`` and ``gates`` are the tier's (shared with its other threads):
     while the breaker is open the feed waits for it to close (the health thread probes the
-    server), and a cut-off the feed meets trips it.
+    server), and credentials the server refuses to the feed trip it.
     """
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         key_prefix: bytes,
         known: KnownBlocks,
         breaker: CircuitBreaker,
@@ -95,8 +94,8 @@ class KeyFeed:
         tier_type: str,
     ) -> None:
         """Args:
-        client: the tier's standalone client (thread-safe; the feed takes one connection of
-            its pool for the subscription, and sends announcements over the pool).
+        client: the tier's standalone or cluster client (thread-safe; the feed takes one
+            connection for the subscription, and sends announcements over the pools).
         key_prefix: what every key of the namespace starts with (``manager.key_prefix``).
         known: the tier's local view, which the feed completes.
         name: the tier's printable name (credentials masked), for the log.
@@ -115,10 +114,13 @@ class KeyFeed:
         self._complete = False
         self._capacity_drops_at_listing = 0
         self._stop = threading.Event()
-        # Guards the markers seen and wakes sync(); also notified when completeness changes.
+        # Guards the markers and wakes sync(); also notified when completeness changes. Only
+        # this instance's own markers are kept (others' are ignored), until their sync() ends.
         self._cond = threading.Condition()
+        self._markers_wanted: set[bytes] = set()
         self._markers_seen: set[bytes] = set()
         self._completeness_lost = 0  # times the view stopped being complete (wakes sync())
+        self._attempts_incomplete = 0  # subscriptions, listings that failed or fell short
         self._failures_logged = False
         self._overflow_logged = False
         self.announce_failures = 0
@@ -143,6 +145,15 @@ class KeyFeed:
         """Whether a key the local view does not hold is absent from the server (as far as the
         announcements received say). Scheduler thread; no lock (two attribute reads)."""
         return self._complete and self._known.capacity_drops == self._capacity_drops_at_listing
+
+    def wait_first_listing(self, timeout: float) -> bool:
+        """Block until the view is complete, or the feed's first attempt fell short (the server
+        cut off, channels refused, a master down, a namespace larger than the view), or
+        ``timeout``; True if complete. For start-up, so that the first requests find the view
+        complete."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.complete or self._attempts_incomplete > 0, timeout)
+            return self.complete
 
     def announce(self, keys: Sequence[OffloadKey]) -> None:
         """Tell the other writers that the server holds ``keys`` now (I/O thread, after the
@@ -196,18 +207,23 @@ class KeyFeed:
                 return False
             lost = self._completeness_lost
         marker = _SYNC + os.urandom(8).hex().encode()
+        with self._cond:
+            self._markers_wanted.add(marker)
         try:
             self._client.publish(self._channel, marker)
         except Exception as e:
             logger.debug(
                 "redis tier %s: sync marker not sent: %s", self._name, self._redactor.error(e)
             )
+            with self._cond:
+                self._markers_wanted.discard(marker)
             return False
         with self._cond:
             self._cond.wait_for(
                 lambda: marker in self._markers_seen or self._completeness_lost != lost, left()
             )
             seen = marker in self._markers_seen
+            self._markers_wanted.discard(marker)
             self._markers_seen.discard(marker)
             if self._completeness_lost != lost:
                 return None
@@ -228,6 +244,9 @@ class KeyFeed:
             try:
                 self._follow(pubsub)
             except Exception as e:
+                with self._cond:
+                    self._attempts_incomplete += 1
+                    self._cond.notify_all()
                 self._report(e)
             finally:
                 self._set_complete(False)
@@ -250,12 +269,26 @@ class KeyFeed:
         # Followed even when a listing leaves the view incomplete: what others store then still
         # answers "present" at once.
         while not self._stop.is_set():
-            self._set_complete(self._list_keys())
+            complete = self._list_keys()
+            # What was announced during the listing is in the socket already: apply it first.
+            while self._next_message(pubsub, 0.0):
+                pass
+            with self._cond:
+                self._attempts_incomplete += not complete
+            self._set_complete(complete)
             next_listing = time.monotonic() + RELIST_S
             while not self._stop.is_set() and time.monotonic() < next_listing:
-                message = pubsub.get_message(timeout=POLL_S)
-                if message is not None and message["type"] == "message":
-                    self._apply(message["data"])
+                self._next_message(pubsub, POLL_S)
+
+    def _next_message(self, pubsub: Any, timeout: float) -> bool:
+        """Apply the next message of the subscription, waiting at most ``timeout`` for one;
+        False if none came."""
+        message = pubsub.get_message(timeout=timeout)
+        if message is None:
+            return False
+        if message["type"] == "message":
+            self._apply(message["data"])
+        return True
 
     def _list_keys(self) -> bool:
         """Put every key of the namespace into the view and forget those the server no longer
@@ -268,6 +301,7 @@ class KeyFeed:
         batch: list[OffloadKey] = []
         listed = 0
         # The namespace and the key id hold no glob character (config checks the namespace).
+        # A cluster client's scan_iter walks every master.
         for rkey in self._client.scan_iter(match=prefix + b"*", count=SCAN_COUNT):
             key = _parse_key(rkey[len(prefix) :])
             if key is None:
@@ -298,8 +332,9 @@ class KeyFeed:
         """One message of the channel: another writer's keys, or a marker of ``sync``."""
         if data.startswith(_SYNC):
             with self._cond:
-                self._markers_seen.add(data)
-                self._cond.notify_all()
+                if data in self._markers_wanted:
+                    self._markers_seen.add(data)
+                    self._cond.notify_all()
             return
         writer, _, rest = data.partition(b" ")
         if writer == self._writer:

@@ -49,7 +49,6 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from redis.cluster import RedisCluster
 from typing_extensions import override
 
 from vllm.logger import init_logger
@@ -259,10 +258,9 @@ class RedisSecondaryTier(AsyncLookupTier):
         self._answered_absent = 0
         # What the other writers store, so that the local view knows what is absent too.
         self._feed: KeyFeed | None = None
-        client = self._router.client
-        if config.follow_stores and not isinstance(client, RedisCluster):
+        if config.follow_stores:
             self._feed = KeyFeed(
-                client,
+                self._router.client,
                 prefix,
                 self._known,
                 self._breaker,
@@ -270,12 +268,6 @@ class RedisSecondaryTier(AsyncLookupTier):
                 config.redactor,
                 self._name,
                 tier_type,
-            )
-        elif config.follow_stores:
-            logger.info(
-                "redis tier %s: stores are not followed in a Redis Cluster: lookups of blocks "
-                "this instance does not know wait a step for the cluster's answer",
-                self._name,
             )
         self._health = HealthThread(
             tier_type,
@@ -288,6 +280,9 @@ class RedisSecondaryTier(AsyncLookupTier):
         self._health.start()
         if self._feed is not None:
             self._feed.start()
+            # Start-up only: the first requests then find the view complete (a fresh namespace
+            # is one round trip). Bounded, and cut short when the feed cannot list the keys.
+            self._feed.wait_first_listing(config.timeout_s)
         logger.info(
             "redis tier: %s%s, namespace %s, %d-byte values, ttl %s, timeout %.3g s, "
             "max_inflight_bytes %d, %s",
@@ -332,7 +327,8 @@ class RedisSecondaryTier(AsyncLookupTier):
     def sync_view(self, timeout: float | None = None) -> bool:
         """Block until the tier follows the namespace's stores (``follows_stores``) and its view
         holds every block another instance announced before this call; False on timeout, or
-        when the tier does not follow stores (``follow_stores`` false, or a cluster)."""
+        when the tier cannot follow them (``follow_stores`` false, channels refused, a cluster
+        master down)."""
         return self._feed is not None and self._feed.sync(timeout)
 
     def wait_reachable(self, timeout: float | None = None) -> bool:
@@ -529,15 +525,8 @@ class RedisSecondaryTier(AsyncLookupTier):
                     self._known.add(job.keys)
                 else:
                     self._known.drop(outcome.failed_keys or job.keys)
-            with self._cond:
-                self._running -= len(batch)
-                for job, outcome in zip(batch, outcomes, strict=True):
-                    if not job.is_promotion:
-                        self._store_bytes_queued -= len(job.keys) * self.value_bytes
-                    self._results.append((job, outcome))
-                self._cond.notify_all()
             if self._feed is not None and not batch[0].is_promotion:
-                # After the results: the round trip delays the next job, not this one's report.
+                # Before the results: a store reported finished is one the others can know of.
                 stored = [
                     key
                     for job, outcome in zip(batch, outcomes, strict=True)
@@ -546,6 +535,13 @@ class RedisSecondaryTier(AsyncLookupTier):
                 ]
                 if stored:
                     self._feed.announce(stored)
+            with self._cond:
+                self._running -= len(batch)
+                for job, outcome in zip(batch, outcomes, strict=True):
+                    if not job.is_promotion:
+                        self._store_bytes_queued -= len(job.keys) * self.value_bytes
+                    self._results.append((job, outcome))
+                self._cond.notify_all()
 
     def _run_jobs(self, batch: list[JobMetadata]) -> list[Outcome]:
         """One load job, or a batch of store jobs."""
