@@ -64,8 +64,9 @@ def test_what_another_instance_stores_is_found_at_once_and_loads_bit_exact(
 
 
 def test_a_newcomer_lists_what_the_namespace_holds(
-    tmp_path: Path, server: RedisServer, engines: list[Engine]
+    tmp_path: Path, server: RedisServer, engines: list[Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.v1.kv_offload.tiering.redis")
     a = Engine(tmp_path / "a", server.url)
     engines.append(a)
     keys = [key_of(i) for i in range(3)]
@@ -77,6 +78,11 @@ def test_a_newcomer_lists_what_the_namespace_holds(
     assert late.tier.sync_view(SYNC_S)
     ask = ReqContext("ask")
     assert [late.tier.lookup(k, ask) for k in [*keys, key_of(7)]] == [True, True, True, False]
+    # The start-up line says so (the constructor waited for the first listing).
+    assert any(
+        "following the namespace's stores (3 blocks listed)" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 def test_a_lost_subscription_is_followed_again_and_what_was_stored_meanwhile_found(

@@ -283,9 +283,15 @@ class RedisSecondaryTier(AsyncLookupTier):
             # Start-up only: the first requests then find the view complete (a fresh namespace
             # is one round trip). Bounded, and cut short when the feed cannot list the keys.
             self._feed.wait_first_listing(config.timeout_s)
+        if self._feed is None:
+            following = "stores not followed (follow_stores false)"
+        elif self._feed.complete:
+            following = f"following the namespace's stores ({len(self._known):,} blocks listed)"
+        else:
+            following = "the namespace's stores not followed yet (lookups ask the server)"
         logger.info(
             "redis tier: %s%s, namespace %s, %d-byte values, ttl %s, timeout %.3g s, "
-            "max_inflight_bytes %d, %s",
+            "max_inflight_bytes %d, %s; %s",
             config.redactor.url,
             " (cluster)" if config.cluster else "",
             self.namespace,
@@ -296,6 +302,7 @@ class RedisSecondaryTier(AsyncLookupTier):
             "blocks not authenticated (CRC only)"
             if config.integrity is None
             else f"blocks authenticated (HMAC-SHA256, key id {config.integrity.key_id.hex()})",
+            following,
         )
 
     # -----------------------------------------------------------------------------------------
