@@ -18,7 +18,7 @@ Modules, each importing only those below it (no cycle):
 Adding an option: a row in its group of ``options.py``, a field in the layer config of
 ``config.py`` it configures and the builder line that fills it (and a key in ``_settings`` if
 the report echoes it), a row in ``docs/cli.md``. Adding a report line: the figure as a field of
-``report/figures.py``, filled in ``engine_run.fill_result`` (and summed in
-``fleet.merge_results``), shown by a ``yield`` in ``report/text.py`` and a key in
+``report/figures.py``, filled in ``engine_run.fill_result`` (and added up for a fleet in
+``RunResult.sum_of``), shown by a ``yield`` in ``report/text.py`` and a key in
 ``report/json_doc.py``.
 """

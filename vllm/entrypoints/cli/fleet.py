@@ -56,16 +56,12 @@ from vllm.entrypoints.cli.fleet_instance import Message, fleet_instance_id, proc
 from vllm.entrypoints.cli.metrics_server import InstanceMetrics
 from vllm.entrypoints.cli.progress import token_shares
 from vllm.entrypoints.cli.report.figures import (
-    Direction,
     FsTierState,
     InstanceResult,
     PolicyRun,
     Report,
     RoutingFigures,
     RunResult,
-    StepSample,
-    Tier,
-    TransferFigures,
 )
 from vllm.entrypoints.cli.workloads import Session, Workload
 from vllm.entrypoints.router.metrics import RouterPromMetrics
@@ -440,107 +436,6 @@ def _total_bound(config: RunConfig) -> int | None:
     return None if fs is None else fs.max_bytes * config.fleet.engines
 
 
-def merge_results(label: str, offload: bool, parts: Sequence[RunResult]) -> RunResult:
-    """The fleet's run: the instances' figures added up (samples merged on one time axis)."""
-    total = RunResult(label=label, offload=offload)
-    # Untimed (None) until an instance's figures say otherwise.
-    total.transfers = {d: TransferFigures(busy_s=None) for d in Direction}
-    total.wall_s = max((p.wall_s for p in parts), default=0.0)
-    total.verify_s = max((p.verify_s for p in parts), default=0.0)
-    total.verify_mode = parts[0].verify_mode if parts else total.verify_mode
-    for p in parts:
-        for name in (
-            "num_requests",
-            "num_finished",
-            "prompt_tokens",
-            "computed_tokens",
-            "output_tokens",
-            "steps",
-            "preemptions",
-            "engine_thread_cpu_s",
-            "engine_thread_idle_s",
-            "verify_cpu_s",
-            "blocks_verified",
-            "blocks_checked",
-            "blocks_mismatched",
-            "corrupt_blocks_detected",
-            "failed_loads",
-            "blocks_verified_from_redis",
-        ):
-            setattr(total, name, getattr(total, name) + getattr(p, name))
-        for t in Tier:
-            total.served[t] += p.served[t]
-            total.lookup_tokens[t] += p.lookup_tokens[t]
-        for d in Direction:
-            a, b = total.transfers[d], p.transfers[d]
-            total.transfers[d] = TransferFigures(
-                blocks=a.blocks + b.blocks,
-                bytes=a.bytes + b.bytes,
-                busy_s=(
-                    None
-                    if a.busy_s is None and b.busy_s is None
-                    else (a.busy_s or 0.0) + (b.busy_s or 0.0)
-                ),
-                failed_blocks=a.failed_blocks + b.failed_blocks,
-                skipped_blocks=a.skipped_blocks + b.skipped_blocks,
-                jobs=None if a.jobs is None and b.jobs is None else (a.jobs or 0) + (b.jobs or 0),
-                failed_jobs=a.failed_jobs + b.failed_jobs,
-                served_bytes=(
-                    None
-                    if a.served_bytes is None and b.served_bytes is None
-                    else (a.served_bytes or 0) + (b.served_bytes or 0)
-                ),
-            )
-        total.overhead_us += p.overhead_us
-        total.worker_overhead_us += p.worker_overhead_us
-        total.connector_thread_cpu_us += p.connector_thread_cpu_us
-        total.worker_connector_thread_cpu_us += p.worker_connector_thread_cpu_us
-        total.lookup_deferred_requests += p.lookup_deferred_requests
-        total.transfer_wait_requests += p.transfer_wait_requests
-        for tier_type, n in p.lookup_deferred_requests_by_tier.items():
-            by_tier = total.lookup_deferred_requests_by_tier
-            by_tier[tier_type] = by_tier.get(tier_type, 0) + n
-        total.ttft_ms += p.ttft_ms
-        for name, values in p.ttft_parts_ms.items():
-            total.ttft_parts_ms.setdefault(name, []).extend(values)
-        for component, cpu_s in p.cpu_s_by_component.items():
-            total.cpu_s_by_component[component] = (
-                total.cpu_s_by_component.get(component, 0.0) + cpu_s
-            )
-        total.latency_ms += p.latency_ms
-        total.outputs.update(p.outputs)
-        total.redis_url = total.redis_url or p.redis_url
-        if p.cross_instance_tokens is not None:
-            total.cross_instance_tokens = (total.cross_instance_tokens or 0) + (
-                p.cross_instance_tokens
-            )
-    for name in ("engine_thread_runqueue_wait_s", "engine_thread_blocked_s"):
-        # Known for the fleet only if every instance's kernel said.
-        values = [getattr(p, name) for p in parts]
-        setattr(total, name, None if not values or None in values else sum(values))
-    # Down for the fleet only if no instance ever got an answer.
-    downs = [p.redis_down for p in parts]
-    total.redis_down = downs[0] if downs and all(downs) else None
-    total.samples = _merge_samples([p.samples for p in parts])
-    return total
-
-
-def _merge_samples(series: Sequence[Sequence[StepSample]]) -> list[StepSample]:
-    # Every instance's samples on the run's one time axis; the cumulative token counts of a
-    # merged sample add each instance's latest counts.
-    latest: list[dict[str, int]] = [{} for _ in series]
-    events = sorted((s.t_s, i, s) for i, samples in enumerate(series) for s in samples)
-    merged: list[StepSample] = []
-    for t_s, i, sample in events:
-        latest[i] = sample.tokens
-        tokens: dict[str, int] = {}
-        for counts in latest:
-            for name, n in counts.items():
-                tokens[name] = tokens.get(name, 0) + n
-        merged.append(StepSample(t_s=t_s, tokens=tokens, bytes_moved=dict(sample.bytes_moved)))
-    return merged
-
-
 def _fleet_fs(config: RunConfig, parts: Sequence[RunResult]) -> FsTierState | None:
     states = [p.fs for p in parts if p.fs is not None]
     if config.tiers.fs is None or not states:
@@ -590,12 +485,12 @@ async def serve_fleet(
                 )
                 for part in parts:
                     part.samples = []
-                policy_runs.append(PolicyRun(figures, merge_results(policy, True, parts)))
+                policy_runs.append(PolicyRun(figures, RunResult.sum_of(policy, True, parts)))
                 _remove_comparison_storage(config, tag)
     finally:
         await fleet.stop()
-    baseline = merge_results("baseline", False, baseline_parts)
-    offload = merge_results("offload", True, offload_parts)
+    baseline = RunResult.sum_of("baseline", False, baseline_parts)
+    offload = RunResult.sum_of("offload", True, offload_parts)
     offload.fs = _fleet_fs(config, offload_parts)
     for part in (*baseline_parts, *offload_parts):
         part.samples = []  # the merged run carries them (and the JSON would repeat them)
@@ -633,6 +528,5 @@ __all__ = [
     "Fleet",
     "InstanceGone",
     "cross_instance_tokens",
-    "merge_results",
     "serve_fleet",
 ]

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
-"""Tests of the report's data model (report/figures.py) and its JSON document (json_doc.py)."""
+"""Tests of the report's data model (report/figures.py: its figures, a fleet's sums) and its JSON
+document (json_doc.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import json
 
 import pytest
 
-from vllm.entrypoints.cli.report.figures import Distribution, Report, Tier, percentile
+from vllm.entrypoints.cli.report.figures import (
+    Direction,
+    Distribution,
+    Report,
+    RunResult,
+    StepSample,
+    Tier,
+    TransferFigures,
+    percentile,
+)
 from vllm.entrypoints.cli.report.json_doc import report_json
 
 from .sample_reports import small_runs
@@ -53,3 +63,36 @@ def test_broken_accounting_is_caught() -> None:
     off.computed_tokens += 1
     with pytest.raises(AssertionError, match="offload run"):
         off.check_accounting()
+
+
+def test_a_fleets_run_adds_up_its_instances_figures() -> None:
+    a_base, a = small_runs()
+    _, b = small_runs()
+    a.wall_s, b.wall_s = 1.0, 3.0
+    a.transfers[Direction.CPU_TO_FS] = TransferFigures(blocks=2, bytes=20, busy_s=None, jobs=1)
+    b.transfers[Direction.CPU_TO_FS] = TransferFigures(blocks=3, bytes=30, busy_s=0.5)
+    a.lookup_deferred_requests_by_tier, b.lookup_deferred_requests_by_tier = (
+        {"fs": 1},
+        {
+            "fs": 2,
+            "redis": 4,
+        },
+    )
+    a.cross_instance_tokens, b.cross_instance_tokens = None, 7
+    a.ttft_ms, b.ttft_ms = [1.0], [2.0, 3.0]
+    a.samples = [StepSample(t_s=0.5, tokens={"computed": 10}, bytes_moved={})]
+    b.samples = [StepSample(t_s=0.2, tokens={"computed": 5}, bytes_moved={"gpu_to_cpu": 1})]
+    total = RunResult.sum_of("offload", True, [a, b])
+    assert total.wall_s == 3.0  # the longest instance's
+    assert total.prompt_tokens == a.prompt_tokens + b.prompt_tokens
+    assert total.served[Tier.CPU] == a.served[Tier.CPU] + b.served[Tier.CPU]
+    fs = total.transfers[Direction.CPU_TO_FS]
+    assert (fs.blocks, fs.bytes, fs.busy_s, fs.jobs) == (5, 50, 0.5, 1)  # None: not known
+    assert total.transfers[Direction.REDIS_TO_CPU].busy_s is None  # timed by neither
+    assert total.lookup_deferred_requests_by_tier == {"fs": 3, "redis": 4}
+    assert total.cross_instance_tokens == 7
+    assert total.ttft_ms == [1.0, 2.0, 3.0]
+    # One time axis; each merged sample adds every instance's latest cumulative counts.
+    assert [(s.t_s, s.tokens["computed"]) for s in total.samples] == [(0.2, 5), (0.5, 15)]
+    total.check_accounting()
+    assert RunResult.sum_of("baseline", False, [a_base]).computed_tokens == a_base.computed_tokens

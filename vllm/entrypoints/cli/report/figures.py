@@ -136,6 +136,27 @@ class TransferFigures:
         """Bytes per second while transferring, or None when the busy time is unknown."""
         return self.bytes / self.busy_s if self.busy_s else None
 
+    def __add__(self, other: TransferFigures) -> TransferFigures:
+        """Both moves together (two instances of a fleet): counts add up; a figure one side
+        does not know (None) is the other's, unknown if neither knows it."""
+        return TransferFigures(
+            blocks=self.blocks + other.blocks,
+            bytes=self.bytes + other.bytes,
+            busy_s=_add_known(self.busy_s, other.busy_s),
+            failed_blocks=self.failed_blocks + other.failed_blocks,
+            skipped_blocks=self.skipped_blocks + other.skipped_blocks,
+            jobs=_add_known(self.jobs, other.jobs),
+            failed_jobs=self.failed_jobs + other.failed_jobs,
+            served_bytes=_add_known(self.served_bytes, other.served_bytes),
+        )
+
+
+def _add_known(a: Any, b: Any) -> Any:
+    """``a + b`` where None is "not known": None only if both are."""
+    if a is None and b is None:
+        return None
+    return (a or 0) + (b or 0)
+
 
 @dataclass
 class StepSample:
@@ -150,6 +171,22 @@ class StepSample:
     t_s: float
     tokens: dict[str, int]
     bytes_moved: dict[str, int]
+
+    @staticmethod
+    def merged(series: Sequence[Sequence[StepSample]]) -> list[StepSample]:
+        """Several instances' samples on one time axis; the cumulative token counts of a
+        merged sample add each instance's latest counts."""
+        latest: list[dict[str, int]] = [{} for _ in series]
+        events = sorted((s.t_s, i, s) for i, samples in enumerate(series) for s in samples)
+        merged: list[StepSample] = []
+        for t_s, i, sample in events:
+            latest[i] = sample.tokens
+            tokens: dict[str, int] = {}
+            for counts in latest:
+                for name, n in counts.items():
+                    tokens[name] = tokens.get(name, 0) + n
+            merged.append(StepSample(t_s=t_s, tokens=tokens, bytes_moved=dict(sample.bytes_moved)))
+        return merged
 
 
 @dataclass
@@ -320,6 +357,50 @@ class RunResult:
             h.update(f"{req_id}:{len(tokens)}:{','.join(map(str, tokens))};".encode())
         return h.hexdigest()
 
+    @classmethod
+    def sum_of(cls, label: str, offload: bool, parts: Sequence[RunResult]) -> RunResult:
+        """A fleet's run: its instances' figures added up (samples merged on one time axis;
+        wall and verification time the longest instance's). A new figure is added up here."""
+        total = cls(label=label, offload=offload)
+        # Untimed (None) until an instance's figures say otherwise.
+        total.transfers = {d: TransferFigures(busy_s=None) for d in Direction}
+        total.wall_s = max((p.wall_s for p in parts), default=0.0)
+        total.verify_s = max((p.verify_s for p in parts), default=0.0)
+        total.verify_mode = parts[0].verify_mode if parts else total.verify_mode
+        for p in parts:
+            for name in _SUMMED_COUNTS:
+                setattr(total, name, getattr(total, name) + getattr(p, name))
+            for t in Tier:
+                total.served[t] += p.served[t]
+                total.lookup_tokens[t] += p.lookup_tokens[t]
+            for d in Direction:
+                total.transfers[d] += p.transfers[d]
+            for name in _CONCATENATED:
+                getattr(total, name).extend(getattr(p, name))
+            for tier_type, n in p.lookup_deferred_requests_by_tier.items():
+                by_tier = total.lookup_deferred_requests_by_tier
+                by_tier[tier_type] = by_tier.get(tier_type, 0) + n
+            for name, values in p.ttft_parts_ms.items():
+                total.ttft_parts_ms.setdefault(name, []).extend(values)
+            for component, cpu_s in p.cpu_s_by_component.items():
+                total.cpu_s_by_component[component] = (
+                    total.cpu_s_by_component.get(component, 0.0) + cpu_s
+                )
+            total.outputs.update(p.outputs)
+            total.redis_url = total.redis_url or p.redis_url
+            total.cross_instance_tokens = _add_known(
+                total.cross_instance_tokens, p.cross_instance_tokens
+            )
+        for name in ("engine_thread_runqueue_wait_s", "engine_thread_blocked_s"):
+            # Known for the fleet only if every instance's kernel said.
+            values = [getattr(p, name) for p in parts]
+            setattr(total, name, None if not values or None in values else sum(values))
+        # Down for the fleet only if no instance ever got an answer.
+        downs = [p.redis_down for p in parts]
+        total.redis_down = downs[0] if downs and all(downs) else None
+        total.samples = StepSample.merged([p.samples for p in parts])
+        return total
+
     def check_accounting(self) -> None:
         """Assert the token accounting invariant (see the class docstring)."""
         total = self.computed_tokens + sum(self.served.values())
@@ -350,6 +431,38 @@ class RunResult:
             return 0.0
         n = self.computed_tokens if tier is None else self.served[tier]
         return n / self.prompt_tokens
+
+
+_SUMMED_COUNTS = (
+    "num_requests",
+    "num_finished",
+    "prompt_tokens",
+    "computed_tokens",
+    "output_tokens",
+    "steps",
+    "preemptions",
+    "engine_thread_cpu_s",
+    "engine_thread_idle_s",
+    "verify_cpu_s",
+    "blocks_verified",
+    "blocks_checked",
+    "blocks_mismatched",
+    "corrupt_blocks_detected",
+    "failed_loads",
+    "blocks_verified_from_redis",
+    "lookup_deferred_requests",
+    "transfer_wait_requests",
+)
+"""``RunResult`` counts a fleet's run adds up over its instances (``RunResult.sum_of``)."""
+_CONCATENATED = (
+    "overhead_us",
+    "worker_overhead_us",
+    "connector_thread_cpu_us",
+    "worker_connector_thread_cpu_us",
+    "ttft_ms",
+    "latency_ms",
+)
+"""``RunResult`` lists of observations a fleet's run concatenates over its instances."""
 
 
 @dataclass
