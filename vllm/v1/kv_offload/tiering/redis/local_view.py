@@ -14,11 +14,12 @@ there recently; ``KnownBlocks`` remembers those, so that their lookups answer at
 
 On its own the view only answers "present": a key it does not know goes to the server, so blocks
 that other instances of a fleet stored are found as before. The tier's key feed (``key_feed``)
-adds what every other writer of the namespace stores, and the namespace's keys listed once;
-while it follows them and the view has dropped no key for its capacity (``capacity_drops``), a
-key the view does not hold is absent and answers so at once. A stale "present" (the server
-evicted the block under its ``maxmemory`` policy) costs a failed load, recomputed, and the key
-leaves the view; never a wrong byte (every loaded value is verified).
+adds what every other writer of the namespace stores, and the namespace's keys as listed (at
+start-up, then every ``key_feed.RELIST_S``); while it follows them and the view has dropped no
+key for its capacity (``capacity_drops``), a key the view does not hold is absent and answers so
+at once. A stale "present" (the server evicted the block under its ``maxmemory`` policy) costs a
+failed load, recomputed, and the key leaves the view; never a wrong byte (every loaded value is
+verified).
 
 Threading: the I/O, lookup and feed threads add and drop keys under a lock; the scheduler thread
 reads without one (one ``dict.get``, atomic under the GIL).
@@ -53,6 +54,7 @@ class KnownBlocks:
 
     @property
     def capacity(self) -> int:
+        """Keys remembered at most."""
         return self._capacity
 
     def holds(self, key: OffloadKey) -> bool:
