@@ -440,13 +440,7 @@ def _fleet_fs(config: RunConfig, parts: Sequence[RunResult]) -> FsTierState | No
     states = [p.fs for p in parts if p.fs is not None]
     if config.tiers.fs is None or not states:
         return None
-    fs = FsTierState(str(config.tiers.fs.root), _total_bound(config))
-    for s in states:
-        fs.files_at_start += s.files_at_start
-        fs.bytes_at_start += s.bytes_at_start
-        fs.files_at_end += s.files_at_end
-        fs.bytes_at_end += s.bytes_at_end
-    return fs
+    return FsTierState.sum_of(str(config.tiers.fs.root), _total_bound(config), states)
 
 
 async def serve_fleet(

@@ -213,6 +213,20 @@ class FsTierState:
         """Whether the run started with blocks already on disk."""
         return self.files_at_start > 0
 
+    @classmethod
+    def sum_of(
+        cls, root_dir: str, max_bytes: int | None, parts: Sequence[FsTierState]
+    ) -> FsTierState:
+        """A fleet's fs directories under ``root_dir`` (their bound added up: ``max_bytes``) as
+        one: the files and bytes of ``parts`` added up."""
+        total = cls(root_dir, max_bytes)
+        for part in parts:
+            total.files_at_start += part.files_at_start
+            total.bytes_at_start += part.bytes_at_start
+            total.files_at_end += part.files_at_end
+            total.bytes_at_end += part.bytes_at_end
+        return total
+
 
 @dataclass
 class RunResult:

@@ -22,9 +22,10 @@ announcement still on its way) is recomputed; so is, until the next listing, a k
 writer that does not announce (``follow_stores`` false, or a version before the feed: set it
 alike on every instance of a namespace); a key the server evicted or expired that the view still
 holds is a failed load, recomputed (as before the feed). A lost subscription (a server restart, a
-killed client, a network cut) makes the view incomplete (lookups wait for the server again) until
-the feed has subscribed and listed the keys again, which it retries every ``RETRY_S``. A
-namespace with more keys than the view's capacity stays incomplete.
+killed client; a silent network cut is noticed by the next listing) makes the view incomplete
+(lookups wait for the server again) until the feed has subscribed and listed the keys again,
+which it retries every ``RETRY_S``. A namespace with more keys than the view's capacity stays
+incomplete.
 
 In a Redis Cluster the channel is the cluster's (a ``PUBLISH`` reaches the subscribers of every
 node) and a listing asks every master; while a master does not answer, the listing fails and the

@@ -7,10 +7,11 @@ later step's lookup answers). Most of an instance's hits are blocks it stored it
 there recently; ``KnownBlocks`` remembers those, so that their lookups answer at once:
 
 * a key enters when a store of it succeeded (written, or found present and skipped), when a load
-  of it succeeded, or when a probe found it;
+  of it succeeded, when a probe found it, and (``key_feed``) when another instance announced it
+  or a listing of the namespace found it;
 * it leaves when a load found it gone or invalid, when a probe missed it, when a lookup is told
-  it is a miss, when it is older than ``ttl_s`` (the server expired it), and, the oldest first,
-  when more than ``capacity`` keys are known.
+  it is a miss, when it is older than ``ttl_s`` (the server expired it), when a listing no
+  longer found it, and, the oldest first, when more than ``capacity`` keys are known.
 
 On its own the view only answers "present": a key it does not know goes to the server, so blocks
 that other instances of a fleet stored are found as before. The tier's key feed (``key_feed``)

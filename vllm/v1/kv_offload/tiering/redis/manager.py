@@ -503,7 +503,8 @@ class RedisSecondaryTier(AsyncLookupTier):
 
     def _io_loop(self) -> None:
         """I/O thread: run queued jobs, loads first; queued stores run together (one batch, up
-        to ``STORE_BATCH_BYTES``); on shutdown fail what is still queued."""
+        to ``STORE_BATCH_BYTES``) and the blocks they stored are announced (``key_feed``) before
+        the jobs are reported; on shutdown fail what is still queued."""
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._loads or self._stores or self._stopping)
