@@ -14,14 +14,19 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.subprocesses import run_python
-from vllm.entrypoints.cli.config import build_run_config
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.entrypoints.cli.clients import serve_workload
+from vllm.entrypoints.cli.config import RunConfig, build_run_config
+from vllm.entrypoints.cli.engine_run import EngineRun
 from vllm.entrypoints.cli.main import build_parser, main
+from vllm.entrypoints.cli.run import engine_generate
 from vllm.entrypoints.cli.workloads import generate_workload
 from vllm.v1.core.kv_cache_utils import NONE_HASH, hash_block_tokens
 
@@ -608,3 +613,31 @@ def test_hybrid_promotions_read_little_more_than_the_loads_use(
     promoted = off["transfers"]["fs_to_cpu"]
     assert off["prompt_tokens"]["fs_tier"] > 0 and promoted["served_bytes"] > 0
     assert promoted["bytes"] <= 1.5 * promoted["served_bytes"]
+
+
+async def _events_of_one_run(
+    config: RunConfig, sink: Callable[[KVEventBatch], None] | None
+) -> tuple[bool, int]:
+    """Serve the workload once with offloading; whether the engine collected KV events, and
+    how many batches it handed on."""
+    workload = generate_workload(config.workload)
+    async with EngineRun(config, offload=True, event_sink=sink) as run:
+        await run.start_window()
+        await serve_workload(
+            engine_generate(run.llm), workload, run.label, 120, False, dict, lambda t0: None
+        )
+        await run.finish()
+        return await run.llm.call(lambda e: (e.config.enable_kv_events, e.stats.events_published))
+
+
+def test_kv_events_are_collected_only_when_a_publisher_receives_them(tmp_path: Path) -> None:
+    """vLLM collects KV events only when ``kv_events_config`` enables them: a run without a
+    publisher records none (neither the GPU cache's nor the tiers'); with one, both media."""
+    args = build_parser().parse_args(["run", *TINY, "--fs-root", str(tmp_path / "fs")])
+    config = build_run_config(args)
+    assert asyncio.run(_events_of_one_run(config, None)) == (False, 0)
+    batches: list[KVEventBatch] = []
+    enabled, published = asyncio.run(_events_of_one_run(config, batches.append))
+    assert enabled and published == len(batches) > 0
+    media = {getattr(e, "medium", None) for b in batches for e in b.events}
+    assert {"GPU", "CPU"} <= media

@@ -82,18 +82,28 @@ CORRUPT_COUNTERS = ("corrupt_removed", "forged_removed", "unauthenticated_remove
 """Counters of blocks a tier found invalid (damaged, or, with a fleet secret, not authentic)."""
 
 
-def engine_config(config: RunConfig, offload: bool, instance_id: str | None = None) -> EngineConfig:
+def engine_config(
+    config: RunConfig,
+    offload: bool,
+    instance_id: str | None = None,
+    kv_events: bool | None = None,
+) -> EngineConfig:
     """The engine settings of one run: the config's engine, with the connector when offloading.
 
     Args:
         config: the invocation's settings.
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
+        kv_events: whether the engine collects KV events (None: the config's setting). vLLM
+            collects them only when ``kv_events_config`` enables them; a run whose events
+            nobody receives (no publisher) passes False, so that neither the GPU prefix cache
+            nor the offload tiers record an event per block for nothing.
     """
     return dataclasses.replace(
         config.engine,
         kv_connector_extra_config=config.tiers.connector_config() if offload else None,
         instance_id=instance_id or default_instance_id(),
+        enable_kv_events=config.engine.enable_kv_events if kv_events is None else kv_events,
     )
 
 
@@ -356,7 +366,8 @@ class EngineRun:
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
         metrics: fed the run's metrics, labelled with the run (``--metrics-port``).
         event_sink: receives the engine's KV event batches (the instance's publisher's
-            ``publish``, which outlives the run: ``fleet_events.py``).
+            ``publish``, which outlives the run: ``fleet_events.py``). Without one the engine
+            collects no KV events.
     """
 
     def __init__(
@@ -380,7 +391,10 @@ class EngineRun:
         self._threads = ThreadCpuWindow()
         self.digests: dict[BlockKey, bytes] = {}
         """Digests of every block the run computed (after ``finish``): another run's reference."""
-        engine = EngineCore(engine_config(config, offload, instance_id), event_sink=event_sink)
+        engine = EngineCore(
+            engine_config(config, offload, instance_id, kv_events=event_sink is not None),
+            event_sink=event_sink,
+        )
         self.result.verify_mode = engine.config.verify.value
         callback: Callable[[EngineCore, list[Any]], None] = self.sampler
         if metrics is not None:
