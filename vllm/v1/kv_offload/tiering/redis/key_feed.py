@@ -51,6 +51,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.redis.client import ErrorKind, RedisClient, cuts_off, error_kind
 from vllm.v1.kv_offload.tiering.redis.health import GATE_RETRY_S, CircuitBreaker, PermissionGates
+from vllm.v1.kv_offload.tiering.redis.keys import block_name, parse_block_name
 from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
 from vllm.v1.kv_offload.tiering.redis.redaction import Redactor
 
@@ -97,7 +98,7 @@ class KeyFeed:
         """Args:
         client: the tier's standalone or cluster client (thread-safe; the feed takes one
             connection for the subscription, and sends announcements over the pools).
-        key_prefix: what every key of the namespace starts with (``manager.key_prefix``).
+        key_prefix: what every key of the namespace starts with (``keys.key_prefix``).
         known: the tier's local view, which the feed completes.
         name: the tier's printable name (credentials masked), for the log.
         tier_type: names the thread, ``vllm_redis_tier_<tier_type>_feed``.
@@ -166,7 +167,7 @@ class KeyFeed:
         try:
             for i in range(0, len(keys), MAX_ANNOUNCED_KEYS):
                 chunk = keys[i : i + MAX_ANNOUNCED_KEYS]
-                message = b" ".join([self._writer, *(key.hex().encode() for key in chunk)])
+                message = b" ".join([self._writer, *map(block_name, chunk)])
                 self._client.publish(self._channel, message)
         except Exception as e:
             self.announce_failures += 1
@@ -304,7 +305,7 @@ class KeyFeed:
         # The namespace and the key id hold no glob character (config checks the namespace).
         # A cluster client's scan_iter walks every master.
         for rkey in self._client.scan_iter(match=prefix + b"*", count=SCAN_COUNT):
-            key = _parse_key(rkey[len(prefix) :])
+            key = parse_block_name(rkey[len(prefix) :])
             if key is None:
                 continue  # another namespace under this one's prefix, or not a block
             batch.append(key)
@@ -340,7 +341,7 @@ class KeyFeed:
         writer, _, rest = data.partition(b" ")
         if writer == self._writer:
             return  # this instance's own stores: the I/O thread put them in the view
-        keys = [key for key in map(_parse_key, rest.split()) if key is not None]
+        keys = [key for key in map(parse_block_name, rest.split()) if key is not None]
         known = self._known
         known.add(keys)
         if self._complete and known.capacity_drops != self._capacity_drops_at_listing:
@@ -382,11 +383,3 @@ class KeyFeed:
                 self._redactor.error(e),
             )
             self._failures_logged = True
-
-
-def _parse_key(hex_key: bytes) -> OffloadKey | None:
-    """The block key of a hex string, None if it is none."""
-    try:
-        return OffloadKey(bytes.fromhex(hex_key.decode("ascii")))
-    except (UnicodeDecodeError, ValueError):
-        return None

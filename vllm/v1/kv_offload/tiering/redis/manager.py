@@ -61,7 +61,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
-from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE, IntegrityKey
+from vllm.v1.kv_offload.tiering.block_format import HEADER_SIZE
 from vllm.v1.kv_offload.tiering.redis.client import Router, cuts_off
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import (
@@ -70,6 +70,7 @@ from vllm.v1.kv_offload.tiering.redis.health import (
     PermissionGates,
 )
 from vllm.v1.kv_offload.tiering.redis.key_feed import KeyFeed
+from vllm.v1.kv_offload.tiering.redis.keys import key_prefix
 from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
 from vllm.v1.kv_offload.tiering.redis.transfer import BlockTransfer, Counters, Outcome
 from vllm.v1.kv_offload.tiering.run_identity import RunIdentity
@@ -83,18 +84,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.spec import OffloadingSpec
 
 logger = init_logger(__name__)
-
-KEY_PREFIX = "kvo"
-"""First component of every key the tier writes."""
-
-
-def key_prefix(namespace: str, integrity: IntegrityKey | None) -> bytes:
-    """What every key of ``namespace`` starts with: ``kvo:<namespace>:``, or with a fleet secret
-    ``kvo@<key id>:<namespace>:`` (a namespace cannot contain ``@``, so the two never meet)."""
-    if integrity is None:
-        return f"{KEY_PREFIX}:{namespace}:".encode()
-    return f"{KEY_PREFIX}@{integrity.key_id.hex()}:{namespace}:".encode()
-
 
 STORE_BATCH_BYTES = 64 << 20
 """Most bytes of queued store jobs the I/O thread takes as one batch (``store_many``)."""

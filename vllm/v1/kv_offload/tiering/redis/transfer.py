@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.tiering.redis.client import (
 )
 from vllm.v1.kv_offload.tiering.redis.config import RedisTierConfig
 from vllm.v1.kv_offload.tiering.redis.health import CircuitBreaker, PermissionGates
+from vllm.v1.kv_offload.tiering.redis.keys import block_name
 
 logger = init_logger(__name__)
 
@@ -133,7 +134,7 @@ class BlockTransfer:
             ``MAX_ROUND_BYTES``) and the redactor of log messages.
         row_bytes: payload bytes of a value (one primary row).
         run_digest: stamped into every header, checked on every load.
-        key_prefix: what every Redis key of the tier starts with (``manager.key_prefix``).
+        key_prefix: what every Redis key of the tier starts with (``keys.key_prefix``).
         breaker, gates, counters: the tier's; tripped, shut and counted here.
         name: the tier's printable name, in log lines.
     """
@@ -171,8 +172,8 @@ class BlockTransfer:
         self._logged_kinds: set[str] = set()
 
     def redis_key(self, key: OffloadKey) -> bytes:
-        """The Redis key of block ``key``: ``<prefix><hex of the key>``."""
-        return self._prefix + key.hex().encode()
+        """The Redis key of block ``key``: ``<prefix><hex of the key>`` (``keys.block_name``)."""
+        return self._prefix + block_name(key)
 
     # -----------------------------------------------------------------------------------------
     # Store
@@ -336,7 +337,7 @@ class BlockTransfer:
                 if isinstance(e, BlockForged):
                     counter, what = "forged_removed", "failed authentication"
                 elif isinstance(e, BlockNotAuthenticated):
-                    # In the fleet's own key space (``manager.key_prefix``), where no instance
+                    # In the fleet's own key space (``keys.key_prefix``), where no instance
                     # writes anything but values under its key: garbage or an attack.
                     counter, what = "unauthenticated_removed", "is not authenticated"
                 else:
