@@ -86,7 +86,7 @@ def engine_config(
     config: RunConfig,
     offload: bool,
     instance_id: str | None = None,
-    kv_events: bool | None = None,
+    kv_events: bool = False,
 ) -> EngineConfig:
     """The engine settings of one run: the config's engine, with the connector when offloading.
 
@@ -94,16 +94,16 @@ def engine_config(
         config: the invocation's settings.
         offload: with the offloading connector and its tiers (else the baseline).
         instance_id: names the CPU tier's shared region (default: fresh, unique per process).
-        kv_events: whether the engine collects KV events (None: the config's setting). vLLM
-            collects them only when ``kv_events_config`` enables them; a run whose events
-            nobody receives (no publisher) passes False, so that neither the GPU prefix cache
-            nor the offload tiers record an event per block for nothing.
+        kv_events: whether the engine collects KV events: only when something receives them
+            (as vLLM collects them only when ``kv_events_config`` enables them), so that
+            neither the GPU prefix cache nor the offload tiers record an event per block for
+            nothing.
     """
     return dataclasses.replace(
         config.engine,
         kv_connector_extra_config=config.tiers.connector_config() if offload else None,
         instance_id=instance_id or default_instance_id(),
-        enable_kv_events=config.engine.enable_kv_events if kv_events is None else kv_events,
+        enable_kv_events=kv_events,
     )
 
 
