@@ -10,17 +10,32 @@ finish. The connector's stats collector drains the samples once per step (``repo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.metrics import MetricsRecorder, report_tier_stats, tier_label
+from vllm.v1.kv_offload.metrics import CounterSet, MetricsRecorder, report_tier_stats, tier_label
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 MAX_PENDING_SAMPLES = 100_000
 """Most job samples kept until collected; bounds memory when nobody collects (benchmarks)."""
+
+
+@functools.cache
+def _tiering_counters(label: str) -> CounterSet:
+    """The counters ``TieringStats.report`` keeps per tier, in the order of its totals."""
+    t = (label,)
+    return (
+        ("vllm:kv_offload_tiering_chunk_queries", t),
+        ("vllm:kv_offload_tiering_chunk_hits", t),
+        ("vllm:kv_offload_tiering_promotion_jobs", t),
+        ("vllm:kv_offload_tiering_cascade_jobs", t),
+        ("vllm:kv_offload_tiering_promotion_job_failures", t),
+        ("vllm:kv_offload_tiering_cascade_job_failures", t),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,15 +135,19 @@ class TieringStats:
         for i, tier in enumerate(tiers):
             label = tier_label(i, tier.tier_type)
             t = (label,)
-            total = recorder.counter_total
-            total("vllm:kv_offload_tiering_chunk_queries", reaching, t)
-            total("vllm:kv_offload_tiering_chunk_hits", self.hits[i], t)
-            reaching -= self.hits[i]
-            total("vllm:kv_offload_tiering_promotion_jobs", self.promotion_jobs[i], t)
-            total("vllm:kv_offload_tiering_cascade_jobs", self.cascade_jobs[i], t)
-            failed = self.failed_promotion_jobs[i]
-            total("vllm:kv_offload_tiering_promotion_job_failures", failed, t)
-            total("vllm:kv_offload_tiering_cascade_job_failures", self.failed_cascade_jobs[i], t)
+            hits = self.hits[i]
+            recorder.counter_totals(
+                _tiering_counters(label),
+                (
+                    reaching,
+                    hits,
+                    self.promotion_jobs[i],
+                    self.cascade_jobs[i],
+                    self.failed_promotion_jobs[i],
+                    self.failed_cascade_jobs[i],
+                ),
+            )
+            reaching -= hits
             active = self.active_promotion_jobs[i]
             recorder.gauge("vllm:kv_offload_tiering_active_promotion_jobs", active, t)
             active = self.active_cascade_jobs[i]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -22,9 +24,14 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metric_catalog import BY_NAME
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
+    OffloadingSchedulerMetrics,
     record_worker_transfer,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.stats_collector import (
+    SchedulerStatsCollector,
+)
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.kv_offload.metrics import CounterSet, MetricsRecorder
 from vllm.v1.outputs import KVConnectorOutput
 
 _DIRECTIONS = [("GPU", "CPU"), ("CPU", "GPU")]
@@ -179,6 +186,72 @@ def test_engine_run_stats_match_the_connector_counters(
     # request finished) and was observed once.
     assert get("vllm:kv_offload_lookup_wait_steps_sum") == counters["deferred_lookups"] > 0
     assert get("vllm:kv_offload_lookup_deferrals") == counters["deferred_lookups"]
+
+
+_TIER_COUNTERS: CounterSet = (
+    ("vllm:kv_offload_tier_evicted_blocks", ("1:fs",)),
+    ("vllm:kv_offload_tier_skipped_blocks", ("1:fs",)),
+)
+
+
+class _CounterSetManager:
+    """Stands in for a manager: keeps no CPU-tier counters and reports each of ``reports`` (a
+    set of counters and their totals) in one ``counter_totals`` call."""
+
+    secondary_tiers = ()
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[CounterSet, tuple[int, ...]]] = []
+
+    def get_stats(self) -> dict[str, int]:
+        return {}
+
+    def report_metrics(self, recorder: MetricsRecorder) -> None:
+        for counters, totals in self.reports:
+            recorder.counter_totals(counters, totals)
+
+
+def _collector(manager: _CounterSetManager) -> SchedulerStatsCollector:
+    spec = cast(Any, SimpleNamespace(row_bytes=4096))
+    return SchedulerStatsCollector(spec, cast(Any, manager), OffloadingSchedulerMetrics())
+
+
+def test_counters_reported_together_emit_what_grew_since_the_last_collection() -> None:
+    manager = _CounterSetManager()
+    collector = _collector(manager)
+
+    def increments(totals: tuple[int, int]) -> dict[str, Any]:
+        manager.reports = [(_TIER_COUNTERS, totals)]
+        stats = collector.collect(jobs_in_flight=0)
+        assert stats is not None  # the gauges are always there
+        values = {name: stats.get(name, labels) for name, labels in _TIER_COUNTERS}
+        return {name: value for name, value in values.items() if value is not None}
+
+    evicted, skipped = (name for name, _ in _TIER_COUNTERS)
+    assert increments((3, 0)) == {evicted: 3}  # from zero; a zero total emits nothing
+    assert increments((3, 0)) == {}  # nothing moved
+    assert increments((5, 2)) == {evicted: 2, skipped: 2}
+    assert increments((1, 2)) == {evicted: 1}  # went down: reset, counted from zero
+    # What the manager does not keep (its get_stats() is empty) never appears.
+    stats = collector.collect(jobs_in_flight=0)
+    assert stats is not None
+    assert stats.get("vllm:kv_offload_tiering_chunk_hits", ("0:primary",)) is None
+
+
+def test_two_sources_totals_of_one_counter_add_up() -> None:
+    """Two fs tiers each keep their own total of the ``CPU_to_fs`` blocks: both count."""
+    blocks = ("vllm:kv_offload_transfer_blocks", ("CPU_to_fs",))
+    first: CounterSet = (blocks, ("vllm:kv_offload_tier_evicted_blocks", ("1:fs",)))
+    second: CounterSet = (blocks, ("vllm:kv_offload_tier_evicted_blocks", ("2:fs",)))
+    manager = _CounterSetManager()
+    collector = _collector(manager)
+    per_step = []
+    for totals_first, totals_second in (((10, 0), (4, 1)), ((12, 0), (4, 1)), ((12, 0), (9, 1))):
+        manager.reports = [(first, totals_first), (second, totals_second)]
+        stats = collector.collect(jobs_in_flight=0)
+        assert stats is not None
+        per_step.append(stats.get(*blocks))
+    assert per_step == [14, 2, 5]
 
 
 def test_counters_never_decrease_across_reset_cache(tmp_path: Path) -> None:

@@ -28,7 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingSchedulerMetrics,
 )
 from vllm.v1.kv_offload.base import OffloadingManager
-from vllm.v1.kv_offload.metrics import PRIMARY_TIER_LABEL, MetricsRecorder, tier_label
+from vllm.v1.kv_offload.metrics import (
+    PRIMARY_TIER_LABEL,
+    CounterSet,
+    MetricsRecorder,
+    tier_label,
+)
 from vllm.v1.kv_offload.spec import OffloadingSpec
 
 _GPU_TO_CPU = ("GPU_to_CPU",)
@@ -46,6 +51,27 @@ TRANSFER_LATENCY = "vllm:kv_offload_transfer_latency_seconds"
 TRANSFER_SIZE = "vllm:kv_offload_transfer_size_bytes"
 SCHEDULER_STEP_SECONDS = "vllm:kv_offload_scheduler_step_seconds"
 SCHEDULER_STEP_CPU_SECONDS = "vllm:kv_offload_scheduler_step_cpu_seconds"
+
+# The connector's own counters, in the order ``collect`` reports their totals.
+_CONNECTOR_COUNTERS: CounterSet = (
+    (TRANSFER_BLOCKS, _GPU_TO_CPU),
+    (TRANSFER_BLOCKS, _CPU_TO_GPU),
+    (TRANSFER_FAILED_BLOCKS, _GPU_TO_CPU),
+    (TRANSFER_FAILED_BLOCKS, _CPU_TO_GPU),
+    (TRANSFER_FAILED_JOBS, _GPU_TO_CPU),
+    (TRANSFER_FAILED_JOBS, _CPU_TO_GPU),
+    ("vllm:kv_offload_allocation_failure", ()),
+    ("vllm:kv_offload_flushed_jobs", ()),
+    ("vllm:kv_offload_lookup_deferrals", ()),
+)
+# The CPU tier's counters from the manager's get_stats(), in the order _collect_primary
+# reports them.
+_PRIMARY_COUNTERS: CounterSet = (
+    ("vllm:kv_offload_tiering_chunk_queries", _PRIMARY),
+    ("vllm:kv_offload_tiering_chunk_hits", _PRIMARY),
+    ("vllm:kv_offload_tier_evicted_blocks", _PRIMARY),
+    ("vllm:kv_offload_stores_skipped", ()),
+)
 
 
 class SchedulerStatsCollector:
@@ -77,8 +103,11 @@ class SchedulerStatsCollector:
         self._row_bytes: int = spec.row_bytes
         self._pending = OffloadingConnectorStats()
         self._worker_stats: list[OffloadingConnectorStats] = []
-        # (name, labels) -> the cumulative value already emitted as increments.
+        # (name, labels) -> the cumulative value already emitted as increments; the same per
+        # set of counters reported together (``_count_all``).
         self._emitted: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._emitted_sets: dict[CounterSet, tuple[float, ...]] = {}
+        self._guard_counter_sets: dict[str, CounterSet] = {}
         self._lookup_seconds: list[float] = []
         # req_id -> (deferred lookups so far, perf_counter() of the first one).
         self._waits: dict[str, tuple[int, float]] = {}
@@ -150,6 +179,35 @@ class SchedulerStatsCollector:
         if delta:
             stats.increase_counter(name, delta, labels)
 
+    def _count_all(
+        self, stats: OffloadingConnectorStats, counters: CounterSet, totals: tuple[float, ...]
+    ) -> None:
+        """``_count`` of each of ``counters`` at the matching total, skipped as a whole when
+        no total moved since the last call for the same ``counters`` (most steps)."""
+        last = self._emitted_sets.get(counters)
+        if last == totals:
+            return
+        self._emitted_sets[counters] = totals
+        if last is None:
+            last = (0,) * len(totals)
+        for (name, labels), total, previous in zip(counters, totals, last, strict=True):
+            if total != previous:
+                delta = total - previous if total > previous else total  # lower: a reset
+                if delta:
+                    stats.increase_counter(name, delta, labels)
+
+    def _guard_counters(self, tier: str) -> CounterSet:
+        """The load guard's counters of ``tier`` (built once per tier)."""
+        counters = self._guard_counter_sets.get(tier)
+        if counters is None:
+            labels = self._guard_labels.get(tier, (tier,))
+            counters = self._guard_counter_sets[tier] = (
+                ("vllm:kv_offload_load_guard_skipped_hits", labels),
+                ("vllm:kv_offload_load_guard_skipped_tokens", labels),
+                ("vllm:kv_offload_load_guard_probes", labels),
+            )
+        return counters
+
     def collect(self, jobs_in_flight: int) -> OffloadingConnectorStats | None:
         """Everything since the previous call, as one stats object. It always holds the gauges
         (levels now), so the None of vLLM's interface is never returned here."""
@@ -158,15 +216,21 @@ class SchedulerStatsCollector:
         for step in worker_stats:
             stats.aggregate(step)
         m = self._metrics
-        self._count(stats, TRANSFER_BLOCKS, _GPU_TO_CPU, m.stored_blocks)
-        self._count(stats, TRANSFER_BLOCKS, _CPU_TO_GPU, m.loaded_blocks)
-        self._count(stats, TRANSFER_FAILED_BLOCKS, _GPU_TO_CPU, m.failed_store_blocks)
-        self._count(stats, TRANSFER_FAILED_BLOCKS, _CPU_TO_GPU, m.failed_load_blocks)
-        self._count(stats, TRANSFER_FAILED_JOBS, _GPU_TO_CPU, m.failed_store_jobs)
-        self._count(stats, TRANSFER_FAILED_JOBS, _CPU_TO_GPU, m.failed_load_jobs)
-        self._count(stats, "vllm:kv_offload_allocation_failure", (), m.deferred_stores)
-        self._count(stats, "vllm:kv_offload_flushed_jobs", (), m.flushed_jobs)
-        self._count(stats, "vllm:kv_offload_lookup_deferrals", (), m.deferred_lookups)
+        self._count_all(
+            stats,
+            _CONNECTOR_COUNTERS,
+            (
+                m.stored_blocks,
+                m.loaded_blocks,
+                m.failed_store_blocks,
+                m.failed_load_blocks,
+                m.failed_store_jobs,
+                m.failed_load_jobs,
+                m.deferred_stores,
+                m.flushed_jobs,
+                m.deferred_lookups,
+            ),
+        )
         samples, m.schedule_end_seconds = m.schedule_end_seconds, []
         stats.observe_many("vllm:kv_offload_schedule_end_seconds", samples)
         samples, self._lookup_seconds = self._lookup_seconds, []
@@ -185,17 +249,11 @@ class SchedulerStatsCollector:
         if per_token is not None:
             stats.set_gauge("vllm:kv_offload_load_guard_compute_seconds_per_token", per_token)
         for tier, tier_stats in guard.stats.items():
-            labels = self._guard_labels.get(tier, (tier,))
-            self._count(
-                stats, "vllm:kv_offload_load_guard_skipped_hits", labels, tier_stats.skipped_hits
-            )
-            self._count(
+            self._count_all(
                 stats,
-                "vllm:kv_offload_load_guard_skipped_tokens",
-                labels,
-                tier_stats.skipped_tokens,
+                self._guard_counters(tier),
+                (tier_stats.skipped_hits, tier_stats.skipped_tokens, tier_stats.probes),
             )
-            self._count(stats, "vllm:kv_offload_load_guard_probes", labels, tier_stats.probes)
         for tier, fit in guard.loads.items():
             params = fit.params()
             if params is None:
@@ -207,15 +265,14 @@ class SchedulerStatsCollector:
     def _collect_primary(self, stats: OffloadingConnectorStats) -> None:
         """The CPU (primary) tier, from the manager's ``get_stats()`` keys, where present."""
         ms = self._manager.get_stats() or {}
-        if "hits" in ms and "misses" in ms:
-            self._count(
-                stats, "vllm:kv_offload_tiering_chunk_queries", _PRIMARY, ms["hits"] + ms["misses"]
-            )
-            self._count(stats, "vllm:kv_offload_tiering_chunk_hits", _PRIMARY, ms["hits"])
-        if "evictions" in ms:
-            self._count(stats, "vllm:kv_offload_tier_evicted_blocks", _PRIMARY, ms["evictions"])
-        if "stores_skipped" in ms:
-            self._count(stats, "vllm:kv_offload_stores_skipped", (), ms["stores_skipped"])
+        # A key the manager does not keep counts as zero: it emits nothing.
+        get = ms.get
+        hits = get("hits", 0)
+        self._count_all(
+            stats,
+            _PRIMARY_COUNTERS,
+            (hits + get("misses", 0), hits, get("evictions", 0), get("stores_skipped", 0)),
+        )
         if "num_blocks" in ms and "used_blocks" in ms:
             total, used = ms["num_blocks"], ms["used_blocks"]
             stats.set_gauge("vllm:kv_offload_tier_used_blocks", used, _PRIMARY)
@@ -237,6 +294,10 @@ class _Recorder(MetricsRecorder):
     @override
     def counter_total(self, name: str, total: float, labels: tuple[str, ...] = ()) -> None:
         self._collector._count(self._stats, name, labels, total)
+
+    @override
+    def counter_totals(self, counters: CounterSet, totals: tuple[float, ...]) -> None:
+        self._collector._count_all(self._stats, counters, totals)
 
     @override
     def count(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
