@@ -16,6 +16,7 @@ Metric names are those of ``metric_catalog``; which source feeds which metric is
 
 from __future__ import annotations
 
+import functools
 import time
 
 from typing_extensions import override
@@ -74,6 +75,16 @@ _PRIMARY_COUNTERS: CounterSet = (
 )
 
 
+@functools.cache
+def _guard_counters(labels: tuple[str, ...]) -> CounterSet:
+    """The load guard's counters of the tier labelled ``labels``."""
+    return (
+        ("vllm:kv_offload_load_guard_skipped_hits", labels),
+        ("vllm:kv_offload_load_guard_skipped_tokens", labels),
+        ("vllm:kv_offload_load_guard_probes", labels),
+    )
+
+
 class SchedulerStatsCollector:
     """Per-step stats of one scheduler-side connector (scheduler thread only).
 
@@ -103,11 +114,8 @@ class SchedulerStatsCollector:
         self._row_bytes: int = spec.row_bytes
         self._pending = OffloadingConnectorStats()
         self._worker_stats: list[OffloadingConnectorStats] = []
-        # (name, labels) -> the cumulative value already emitted as increments; the same per
-        # set of counters reported together (``_count_all``).
-        self._emitted: dict[tuple[str, tuple[str, ...]], float] = {}
-        self._emitted_sets: dict[CounterSet, tuple[float, ...]] = {}
-        self._guard_counter_sets: dict[str, CounterSet] = {}
+        # Counters reported together -> their cumulative totals already emitted as increments.
+        self._emitted: dict[CounterSet, tuple[float, ...]] = {}
         self._lookup_seconds: list[float] = []
         # req_id -> (deferred lookups so far, perf_counter() of the first one).
         self._waits: dict[str, tuple[int, float]] = {}
@@ -167,27 +175,17 @@ class SchedulerStatsCollector:
     # Collection
     # -----------------------------------------------------------------------------------------
 
-    def _count(
-        self, stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], total: float
-    ) -> None:
-        """Emit the increase of cumulative ``total`` since the last emission. A total that went
-        down was reset (``reset_cache`` zeroes the managers' counters): it counts from zero."""
-        key = (name, labels)
-        last = self._emitted.get(key, 0)
-        delta = total - last if total >= last else total
-        self._emitted[key] = total
-        if delta:
-            stats.increase_counter(name, delta, labels)
-
     def _count_all(
         self, stats: OffloadingConnectorStats, counters: CounterSet, totals: tuple[float, ...]
     ) -> None:
-        """``_count`` of each of ``counters`` at the matching total, skipped as a whole when
-        no total moved since the last call for the same ``counters`` (most steps)."""
-        last = self._emitted_sets.get(counters)
+        """Emit the increase of each of ``counters`` since the last call for the same
+        ``counters`` (the matching element of cumulative ``totals``); nothing when no total
+        moved (most steps). A total that went down was reset (``reset_cache`` zeroes the
+        managers' counters): it counts from zero."""
+        last = self._emitted.get(counters)
         if last == totals:
             return
-        self._emitted_sets[counters] = totals
+        self._emitted[counters] = totals
         if last is None:
             last = (0,) * len(totals)
         for (name, labels), total, previous in zip(counters, totals, last, strict=True):
@@ -195,18 +193,6 @@ class SchedulerStatsCollector:
                 delta = total - previous if total > previous else total  # lower: a reset
                 if delta:
                     stats.increase_counter(name, delta, labels)
-
-    def _guard_counters(self, tier: str) -> CounterSet:
-        """The load guard's counters of ``tier`` (built once per tier)."""
-        counters = self._guard_counter_sets.get(tier)
-        if counters is None:
-            labels = self._guard_labels.get(tier, (tier,))
-            counters = self._guard_counter_sets[tier] = (
-                ("vllm:kv_offload_load_guard_skipped_hits", labels),
-                ("vllm:kv_offload_load_guard_skipped_tokens", labels),
-                ("vllm:kv_offload_load_guard_probes", labels),
-            )
-        return counters
 
     def collect(self, jobs_in_flight: int) -> OffloadingConnectorStats | None:
         """Everything since the previous call, as one stats object. It always holds the gauges
@@ -251,7 +237,7 @@ class SchedulerStatsCollector:
         for tier, tier_stats in guard.stats.items():
             self._count_all(
                 stats,
-                self._guard_counters(tier),
+                _guard_counters(self._guard_labels.get(tier, (tier,))),
                 (tier_stats.skipped_hits, tier_stats.skipped_tokens, tier_stats.probes),
             )
         for tier, fit in guard.loads.items():
@@ -293,7 +279,7 @@ class _Recorder(MetricsRecorder):
 
     @override
     def counter_total(self, name: str, total: float, labels: tuple[str, ...] = ()) -> None:
-        self._collector._count(self._stats, name, labels, total)
+        self._collector._count_all(self._stats, ((name, labels),), (total,))
 
     @override
     def counter_totals(self, counters: CounterSet, totals: tuple[float, ...]) -> None:
