@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from typing_extensions import override
 
@@ -36,6 +37,7 @@ from vllm.model_executor.models.llama import (
     get_preset,
 )
 from vllm.v1.engine.model import (
+    U64,
     GroupKVCache,
     StandInModel,
     allocate_group_kv_cache,
@@ -142,6 +144,13 @@ class HashModelRunner(ModelRunner):
     @override
     def execute(self, seqs: Sequence[ScheduledSeq]) -> dict[str, int]:
         sampled: dict[str, int] = {}
+        # The step's tokens are written in one call per group, as one forward pass would: each
+        # torch op releases and re-takes the GIL, so per-sequence writes would make every
+        # sequence of a step wait for it again behind the offload tiers' threads.
+        seeds_parts: list[U64] = []
+        slots: list[tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]]]] = [
+            ([], []) for _ in self.kv_caches
+        ]
         for seq in seqs:
             upto, last = self._seeded.get(seq.req_id, (-1, 0))
             if upto != seq.start:
@@ -149,14 +158,22 @@ class HashModelRunner(ModelRunner):
                 seeds = prefix_seeds(seq.token_ids[: seq.end], seq.start)
             else:
                 seeds = prefix_seeds(seq.token_ids[seq.start : seq.end], 0, initial=last)
+            seeds_parts.append(seeds)
             positions = np.arange(seq.start, seq.end, dtype=np.int64)
-            for g, cache in enumerate(self.kv_caches):
-                table = np.asarray(seq.block_ids[g], dtype=np.int64)
+            for (blocks, offsets), cache, table in zip(
+                slots, self.kv_caches, seq.block_ids, strict=True
+            ):
                 bs = cache.block_size
-                self.model.write(g, seeds, table[positions // bs], positions % bs)
+                blocks.append(np.asarray(table, dtype=np.int64)[positions // bs])
+                offsets.append(positions % bs)
             self._seeded[seq.req_id] = (seq.end, int(seeds[-1]))
             if seq.sample:
                 sampled[seq.req_id] = self.model.sample(int(seeds[-1]))
+        if seeds_parts:
+            # Every (block, offset) slot is written once: a step computes each position once.
+            all_seeds = np.concatenate(seeds_parts)
+            for g, (blocks, offsets) in enumerate(slots):
+                self.model.write(g, all_seeds, np.concatenate(blocks), np.concatenate(offsets))
         return sampled
 
     @override
