@@ -144,9 +144,8 @@ class HashModelRunner(ModelRunner):
     @override
     def execute(self, seqs: Sequence[ScheduledSeq]) -> dict[str, int]:
         sampled: dict[str, int] = {}
-        # The step's tokens are written in one call per group, as one forward pass would: each
-        # torch op releases and re-takes the GIL, so per-sequence writes would make every
-        # sequence of a step wait for it again behind the offload tiers' threads.
+        # The step's tokens are written in one call per group, as one forward pass would: a
+        # decode step of many sequences then costs a dozen array calls, not a dozen per sequence.
         seeds_parts: list[U64] = []
         slots: list[tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]]]] = [
             ([], []) for _ in self.kv_caches
