@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.tiering.block_format import IntegrityKey
-from vllm.v1.kv_offload.tiering.redis.keys import block_name, key_prefix, parse_block_name
+from vllm.v1.kv_offload.tiering.redis.keys import (
+    block_name,
+    channel_name,
+    key_prefix,
+    parse_block_name,
+)
 
 
 def test_every_block_name_parses_back_to_its_key() -> None:
@@ -28,3 +33,10 @@ def test_the_prefix_names_the_namespace_and_the_secret_s_key_id() -> None:
     secret = IntegrityKey(b"s" * 32)
     assert key_prefix("ns", secret) == b"kvo@" + secret.key_id.hex().encode() + b":ns:"
     assert key_prefix("ns", secret) != key_prefix("ns", IntegrityKey(b"t" * 32))
+
+
+def test_the_channel_is_under_the_prefix_and_never_a_block_name() -> None:
+    prefix = key_prefix("ns", None)
+    channel = channel_name(prefix)
+    assert channel.startswith(prefix)
+    assert parse_block_name(channel[len(prefix) :]) is None

@@ -51,14 +51,12 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.tiering.redis.client import ErrorKind, RedisClient, cuts_off, error_kind
 from vllm.v1.kv_offload.tiering.redis.health import GATE_RETRY_S, CircuitBreaker, PermissionGates
-from vllm.v1.kv_offload.tiering.redis.keys import block_name, parse_block_name
+from vllm.v1.kv_offload.tiering.redis.keys import block_name, channel_name, parse_block_name
 from vllm.v1.kv_offload.tiering.redis.local_view import KnownBlocks
 from vllm.v1.kv_offload.tiering.redis.redaction import Redactor
 
 logger = init_logger(__name__)
 
-CHANNEL_SUFFIX = b"stored"
-"""The namespace's channel is its key prefix followed by this (channels and keys never meet)."""
 RELIST_S = 30.0
 """How often the feed lists the namespace's keys again while it follows them: what a writer that
 does not announce its stores (``follow_stores`` false, or an older version) stored is found then,
@@ -105,7 +103,7 @@ class KeyFeed:
         """
         self._client = client
         self._prefix = key_prefix
-        self._channel = key_prefix + CHANNEL_SUFFIX
+        self._channel = channel_name(key_prefix)
         self._known = known
         self._breaker = breaker
         self._gates = gates

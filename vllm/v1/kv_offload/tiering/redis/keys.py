@@ -6,8 +6,9 @@ A block's Redis key is ``<prefix><hex of its OffloadKey>``, the prefix naming th
 with a fleet secret, the secret's key id: ``key_prefix``). The I/O thread writes and reads those
 keys (``transfer.BlockTransfer.redis_key``); the key feed announces the hex part of the keys it
 stored and parses it back from other writers' announcements and from the namespace's listing
-(``key_feed``). Every one of them encodes and decodes through the functions here, so that the
-names a writer uses and the names its readers parse cannot drift apart.
+(``key_feed``), on the namespace's channel (``channel_name``). Every one of them encodes and
+decodes through the functions here, so that the names a writer uses and the names its readers
+parse cannot drift apart.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ def key_prefix(namespace: str, integrity: IntegrityKey | None) -> bytes:
     if integrity is None:
         return f"{KEY_PREFIX}:{namespace}:".encode()
     return f"{KEY_PREFIX}@{integrity.key_id.hex()}:{namespace}:".encode()
+
+
+CHANNEL_SUFFIX: Final = b"stored"
+"""The namespace's channel is its key prefix followed by this. No block name is this (it is not
+hex), so channels and keys never meet."""
+
+
+def channel_name(prefix: bytes) -> bytes:
+    """The channel on which the instances of the namespace whose keys start with ``prefix``
+    announce their stores."""
+    return prefix + CHANNEL_SUFFIX
 
 
 def block_name(key: OffloadKey) -> bytes:
