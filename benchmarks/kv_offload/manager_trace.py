@@ -12,7 +12,8 @@ the offloading connector makes (``OffloadingConnectorScheduler``), step by step:
 2. ``requests_per_step`` new requests, after the ones deferred by the previous step
    (``get_num_new_matched_tokens``): ``on_new_request`` at first sight, ``touch`` of all the
    request's keys, ``lookup`` of its keys until the first miss (going on past a None, as the
-   connector does, so promotions start for every key that could hit). A None defers the request
+   connector does, so promotions start for every key that could hit), in one ``lookup_prefix``
+   call where the manager has one (as the connector calls it). A None defers the request
    to the next step; otherwise its hits are pinned with ``prepare_load`` (a load job);
 3. ``build_connector_meta``: ``prepare_store`` of each scheduled request's blocks after its hits
    (a store job if it returned keys), then ``on_schedule_end()``;
@@ -201,6 +202,9 @@ def replay(
     on_schedule_end = api.schedule_end(manager)
     survivors: deque[list[Any]] = deque()
     lookup = manager.lookup
+    # The connector scans a prefix in one call where the manager has it (this project's API
+    # since lookup_prefix; another tree's or upstream's managers are asked key by key).
+    lookup_prefix = getattr(manager, "lookup_prefix", None) if hit is True else None
     get_stats = manager.get_stats
     requests = trace.requests
     next_request = 0
@@ -250,15 +254,20 @@ def replay(
                 survivors.popleft()
         for keys, ctx in batch + fresh:
             manager.touch(keys, ctx)
-            n = 0
-            deferred = False
-            for key in keys:
-                result = lookup(key, ctx)
-                if result is miss:
-                    break
-                if result is not hit:  # not readable yet
-                    deferred = True
-                n += 1
+            if lookup_prefix is not None:
+                results = lookup_prefix(keys, ctx)
+                n = len(results) - 1 if results and results[-1] is miss else len(results)
+                deferred = None in results
+            else:
+                n = 0
+                deferred = False
+                for key in keys:
+                    result = lookup(key, ctx)
+                    if result is miss:
+                        break
+                    if result is not hit:  # not readable yet
+                        deferred = True
+                    n += 1
             key_ops += len(keys) + n + 1
             if deferred:
                 waiting.append((keys, ctx))

@@ -29,7 +29,14 @@ NOT_KEYS = st.one_of(
 )
 """Values a careless caller passes where keys belong."""
 
-KEY_METHODS = ["lookup", "prepare_store", "prepare_load", "complete_load", "complete_store"]
+KEY_METHODS = [
+    "lookup",
+    "lookup_prefix",
+    "prepare_store",
+    "prepare_load",
+    "complete_load",
+    "complete_store",
+]
 """The manager methods that take keys."""
 
 
@@ -158,6 +165,7 @@ class RefusalMachine(RuleBasedStateMachine):
         manager = self.manager
         acts: dict[str, Callable[[], Any]] = {
             "lookup": lambda: manager.lookup(bad, ctx),
+            "lookup_prefix": lambda: manager.lookup_prefix(mixed, ctx),
             "prepare_store": lambda: manager.prepare_store(mixed, ctx),
             "prepare_load": lambda: manager.prepare_load(mixed, ctx),
             "complete_load": lambda: manager.complete_load(mixed, ctx),

@@ -161,6 +161,34 @@ def test_manager_optional_hooks_are_no_ops() -> None:
     assert manager.shutdown() is None
 
 
+class _ScriptedLookups(_MinimalManager):
+    """``lookup`` answers from a script and logs the keys it was asked."""
+
+    def __init__(self, answers: dict[OffloadKey, bool | None]) -> None:
+        self.answers = answers
+        self.asked: list[OffloadKey] = []
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        self.asked.append(key)
+        return self.answers.get(key, False)
+
+
+def test_lookup_prefix_default_is_lookup_up_to_the_first_false() -> None:
+    a, b, c, d = (make_offload_key(bytes([i + 1]), 0) for i in range(4))
+    manager = _ScriptedLookups({a: True, b: None, d: True})
+    ctx = ReqContext("r")
+    assert manager.lookup_prefix([a, b, c, d], ctx) == [True, None, False]
+    assert manager.asked == [a, b, c]  # nothing after the first False
+    assert manager.lookup_prefix(iter([a, b]), ctx) == [True, None]  # any iterable, read once
+    assert manager.lookup_prefix([], ctx) == []
+    manager.asked.clear()
+    for bad in ([a, "b"], a):
+        with pytest.raises(TypeError, match="lookup_prefix"):
+            manager.lookup_prefix(bad, ctx)  # type: ignore[arg-type]
+    assert manager.asked == []  # refused before any lookup
+
+
 def test_on_schedule_end_takes_no_arguments() -> None:
     params = inspect.signature(OffloadingManager.on_schedule_end).parameters
     assert list(params) == ["self"]

@@ -23,6 +23,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NewType, NoReturn
 
 import numpy as np
@@ -150,6 +151,24 @@ def check_offload_keys(method: str, keys: Iterable[object], req_context: ReqCont
         check_offload_key(method, key, req_context)
 
 
+def key_sequence(
+    method: str, keys: Iterable[object], req_context: ReqContext
+) -> Sequence[OffloadKey]:
+    """``keys`` as a list or tuple of ``OffloadKey`` s (an iterator is read once into a list),
+    for a method that goes through its keys more than once.
+
+    Raises:
+        TypeError: as ``check_offload_keys`` (the C-level check first, the naming one after).
+    """
+    if isinstance(keys, (bytes, bytearray, str)):
+        check_offload_keys(method, keys, req_context)
+    if type(keys) is not list and type(keys) is not tuple:
+        keys = list(keys)
+    if not all(map(isinstance, keys, repeat(bytes))):
+        check_offload_keys(method, keys, req_context)
+    return keys  # type: ignore[return-value]
+
+
 def check_offload_key(method: str, key: object, req_context: ReqContext) -> None:
     """Raise ``TypeError`` unless ``key`` is an ``OffloadKey`` (``bytes``); see
     ``check_offload_keys``."""
@@ -165,6 +184,7 @@ def check_offload_key(method: str, key: object, req_context: ReqContext) -> None
 # refuses them (``refuse_after_shutdown``), with the methods of its own that do.
 BLOCK_METHODS = (
     "lookup",
+    "lookup_prefix",
     "probe",
     "prepare_load",
     "touch",
@@ -436,6 +456,38 @@ class OffloadingManager(ABC):
             TypeError: ``key`` is not an ``OffloadKey``.
             RuntimeError: the manager is shut down.
         """
+
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext
+    ) -> list[bool | None]:
+        """``lookup`` of ``keys`` in order, up to the first that answers False (not in upstream
+        vLLM): the scan of a request's prefix in one call.
+
+        Returns:
+            One answer per key looked up, in order: True or None for each, except that the last
+            is False when the scan stopped there (the keys after it are not answered).
+
+        Raises:
+            TypeError: an element of ``keys`` is not an ``OffloadKey`` (nothing changed).
+            RuntimeError: the manager is shut down.
+
+        A manager may answer faster than one ``lookup`` per key. What may differ from that loop
+        is which blocks its promotions evict to make room, never one this call answers readable:
+        one by one, a promotion could evict a later key of the same scan before its turn (which
+        then misses in this tier) or an earlier hit (which the caller would then find missing).
+        Keys after the first False may still have been asked of slower tiers (their statistics
+        count them).
+
+        Default: ``lookup`` of each key until one answers False.
+        """
+        keys = key_sequence("lookup_prefix", keys, req_context)
+        results: list[bool | None] = []
+        for key in keys:
+            result = self.lookup(key, req_context)
+            results.append(result)
+            if result is False:
+                break
+        return results
 
     def probe(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """``lookup``'s answer for ``key``, without starting a promotion (not in upstream vLLM).

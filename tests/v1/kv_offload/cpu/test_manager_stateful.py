@@ -117,25 +117,36 @@ class CPUManagerMachine(RefusalMachine):
 
     @rule(key=st.sampled_from(UNIVERSE), ctx=reqs)
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> None:
+        self.lookup_prefix([key], ctx)
+
+    @rule(keys=key_lists, ctx=reqs)
+    def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        """``lookup`` of one key, or ``lookup_prefix`` of several: each key in order up to the
+        first miss."""
+
         def predict() -> Callable[[], None]:
             def apply() -> None:
-                ref = self.ref.get(key)
-                if ref is None:
-                    assert result is False
-                    self.misses += 1
-                elif ref < 0:
-                    assert result is None
-                else:
-                    assert result is True
-                    self.hits += 1
+                expected: list[bool | None] = []
+                for key in keys:
+                    ref = self.ref.get(key)
+                    if ref is None:
+                        expected.append(False)
+                        self.misses += 1
+                        break
+                    expected.append(None if ref < 0 else True)
+                    self.hits += ref >= 0
+                assert result == expected
 
             return apply
 
-        result = None
+        result: list[bool | None] = []
 
         def act() -> None:
             nonlocal result
-            result = self.manager.lookup(key, ctx)
+            if len(keys) == 1:
+                result = [self.manager.lookup(keys[0], ctx)]
+            else:
+                result = self.manager.lookup_prefix(keys, ctx)
 
         self.call(predict, act)
 

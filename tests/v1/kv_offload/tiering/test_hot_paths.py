@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-kv-offload project
 """The tiering manager's hot paths keep their semantics.
 
-* A promotion reserves its primary row with ``reserve_row`` (no one-key ``prepare_store`` and no
-  transfer spec): same row, same eviction, same events as ``prepare_store`` of that one key.
+* A promotion reserves its primary rows with ``reserve_rows`` (no ``prepare_store`` and no
+  transfer spec): same rows, same eviction, same events as ``prepare_store`` of those keys.
 * ``CPULoadStoreSpec.from_rows`` (the manager's own rows, unchecked) builds the spec the checking
   constructor builds.
 * ``lookup`` answers from the primary policy directly and counts the primary's hits and misses.
@@ -49,7 +49,7 @@ def primaries(tmp_path: Path) -> Iterator[tuple[CPUPrimaryTierOffloadingManager,
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_reserve_row_is_a_one_key_prepare_store(
+def test_reserve_rows_is_a_prepare_store_without_a_spec(
     seed: int, primaries: tuple[CPUPrimaryTierOffloadingManager, ...]
 ) -> None:
     rng = random.Random(seed)
@@ -61,15 +61,21 @@ def test_reserve_row_is_a_one_key_prepare_store(
             found = by_store.lookup(key, CTX)
             assert by_reserve.lookup(key, CTX) is found
             if op < 0.5 and found is False:
-                out = by_store.prepare_store([key], CTX)
-                row = by_reserve.reserve_row(key, CTX)
-                assert (out is None) == (row is None)
+                # One to three distinct absent keys, reserved in one call.
+                keys = [key] + [
+                    other
+                    for other in map(k, rng.sample(range(12), rng.randrange(3)))
+                    if other != key and by_store.policy.get(other) is None
+                ]
+                out = by_store.prepare_store(keys, CTX)
+                rows = by_reserve.reserve_rows(keys, CTX)
+                assert (out is None) == (rows is None)
                 if out is not None:
-                    assert out.keys_to_store == [key]
-                    assert out.store_spec.block_ids.tolist() == [row]  # type: ignore[attr-defined]
+                    assert out.keys_to_store == keys
+                    assert out.store_spec.block_ids.tolist() == rows  # type: ignore[attr-defined]
                     ok = rng.random() < 0.8
-                    by_store.complete_store([key], CTX, success=ok)
-                    by_reserve.complete_write([key], CTX, success=ok)
+                    by_store.complete_store(keys, CTX, success=ok)
+                    by_reserve.complete_write(keys, CTX, success=ok)
             elif op < 0.7 and found is True:
                 for m in (by_store, by_reserve):
                     m.prepare_load([key], CTX)

@@ -523,6 +523,71 @@ class TestTieringOffloadingManager:
         assert self.manager.lookup(keys[0], _CTX) is True
         self._assert_rows_hold(keys[:1])
 
+    def test_lookup_prefix_answers_as_lookup_and_submits_one_job(self) -> None:
+        promoted = to_keys([1, 2, 3])
+        self._store_in_tiers_only(promoted)
+        resident, absent = to_keys([10]), to_keys([99, 100])
+        self._store(resident)
+        self._simulate_on_schedule_end()
+        keys = [promoted[0], resident[0], promoted[1], promoted[1], promoted[2], *absent]
+        # Up to the first miss (the key after it is not answered); a key twice is promoted once.
+        assert self.manager.lookup_prefix(keys, _CTX) == [None, True, None, None, None, False]
+        assert [self.primary.lookup(k, _CTX) for k in promoted] == [None, None, None]
+        self._simulate_on_schedule_end()
+        assert self.tiers[0].calls("submit_load") == [(tuple(promoted), _CTX)]
+        self._simulate_on_schedule_end()
+        assert self.manager.lookup_prefix(keys[:5], _CTX) == [True] * 5
+        self._assert_rows_hold(promoted)
+
+    def test_lookup_prefix_never_evicts_a_block_it_found_readable(self) -> None:
+        promoted = to_keys([100, 101])
+        self._store_in_tiers_only(promoted)
+        resident = to_keys(range(NUM_PRIMARY_BLOCKS))  # fills the primary
+        self._store(resident)
+        self._simulate_on_schedule_end()
+        self._simulate_on_schedule_end()
+        # A run stored together is evicted tail first: resident[-1] is the least recently used
+        # block, resident[-2] the next. One lookup after another, the promotion of promoted[0]
+        # would evict resident[-1] although the scan had just found it readable.
+        keys = [resident[-1], promoted[0], resident[-2], promoted[1]]
+        assert self.manager.lookup_prefix(keys, _CTX) == [True, None, True, None]
+        assert self.primary.lookup(resident[-1], _CTX) is True
+        assert self.primary.lookup(resident[-2], _CTX) is True
+        evicted = [k for k in resident if self.primary.policy.get(k) is None]
+        assert evicted == resident[-4:-2]  # the next two in the order
+
+    def test_lookup_prefix_answers_false_where_the_primary_has_no_room(self) -> None:
+        promoted = to_keys([100, 101])
+        self._store_in_tiers_only(promoted)
+        resident = to_keys(range(NUM_PRIMARY_BLOCKS))
+        self._store(resident)
+        self._simulate_on_schedule_end()
+        self._simulate_on_schedule_end()
+        # All pinned but one: room for the first promotion only.
+        self.manager.prepare_load(resident[1:], _CTX)
+        keys = [promoted[0], promoted[1], resident[1]]
+        assert self.manager.lookup_prefix(keys, _CTX) == [None, False]
+        assert self.primary.lookup(promoted[1], _CTX) is False
+        self._simulate_on_schedule_end()
+        assert self.tiers[0].calls("submit_load") == [((promoted[0],), _CTX)]
+        self.manager.complete_load(resident[1:], _CTX)
+
+    def test_lookup_prefix_promotes_from_each_tier_that_holds_a_key(self) -> None:
+        first, second = to_keys([1, 2])
+        self._store_in_tiers_only([first, second])
+        self.tiers[0].lost.add(second)  # only tier 1 still has it
+
+        def tier0_lookup(key: OffloadKey, req_context: ReqContext) -> bool | None:
+            return key == first
+
+        self.tiers[0].lookup = tier0_lookup  # type: ignore[method-assign]
+        assert self.manager.lookup_prefix([first, second], _CTX) == [None, None]
+        self._simulate_on_schedule_end()
+        assert self.tiers[0].calls("submit_load") == [((first,), _CTX)]
+        assert self.tiers[1].calls("submit_load") == [((second,), _CTX)]
+        self._simulate_on_schedule_end()
+        self._assert_rows_hold([first, second])
+
     def test_tier_answering_none_defers_lookup(self) -> None:
         (key,) = to_keys([1])
 
@@ -988,8 +1053,7 @@ class TestCPUPrimaryTier:
             assert view.format == "B"
             assert view.shape == (NUM_PRIMARY_BLOCKS, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)
             keys = to_keys([1, 2])
-            rows = [primary.reserve_row(key, _CTX) for key in keys]
-            assert rows == [0, 1]
+            assert primary.reserve_rows(keys, _CTX) == [0, 1]
             assert primary.lookup(keys[0], _CTX) is None
             primary.complete_write(keys, _CTX)
             spec = primary.prepare_read(keys, _CTX)
@@ -999,7 +1063,7 @@ class TestCPUPrimaryTier:
             primary.complete_read(keys, _CTX)
             assert block.ref_cnt == 0
             failed = to_keys([3])
-            assert primary.reserve_row(failed[0], _CTX) is not None
+            assert primary.reserve_rows(failed, _CTX) is not None
             primary.complete_write(failed, _CTX, success=False)
             assert primary.policy.get(failed[0]) is None
         finally:
@@ -1265,7 +1329,10 @@ class TieringMachine(RuleBasedStateMachine):
     def lookup(self, data: st.DataObject, key_idx: int) -> None:
         ctx = data.draw(st.sampled_from(self.active))
         key = _KEYS[key_idx]
-        result = self._lookup(key, ctx)
+        self._check_answer(key, self._lookup(key, ctx))
+
+    def _check_answer(self, key: OffloadKey, result: bool | None) -> None:
+        """``key``'s lookup answer agrees with the primary after the call."""
         block = self.primary.policy.get(key)
         if result is True:
             assert block is not None and block.is_ready, f"key {key.hex()} hit but not ready"
@@ -1274,6 +1341,22 @@ class TieringMachine(RuleBasedStateMachine):
             assert block is not None and not block.is_ready, f"key {key.hex()}: None, not in flight"
         else:
             assert block is None, f"key {key.hex()}: False but resident in primary"
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def lookup_prefix(self, data: st.DataObject) -> None:
+        """A request's prefix in one call (tier-only keys among them start promotions, whose
+        bytes ``load`` checks later): each answer as ``lookup``'s, up to the first False."""
+        ctx = data.draw(st.sampled_from(self.active))
+        keys = data.draw(st.lists(st.sampled_from(_KEYS), min_size=1, max_size=6))
+        polls_before = self.recorder.polls
+        results = self.m.lookup_prefix(keys, ctx)
+        self._check_polls(polls_before, "lookup_prefix")
+        self.polled_this_step = True
+        assert 1 <= len(results) <= len(keys) and False not in results[:-1], results
+        assert len(results) == len(keys) or results[-1] is False, results
+        for key, result in zip(keys, results, strict=False):
+            self._check_answer(key, result)
 
     @precondition(lambda self: self.active and self._tier_only_keys())
     @rule(data=st.data())

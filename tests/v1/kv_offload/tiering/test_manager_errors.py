@@ -271,6 +271,8 @@ def test_duplicate_keys_in_complete_store_cascade_once(setup: Any) -> None:
         lambda m: m.prepare_store(to_keys([1])[0], A),
         lambda m: m.prepare_load([1], A),
         lambda m: m.lookup(12345, A),
+        lambda m: m.lookup_prefix([*to_keys([1, 2]), 3], A),
+        lambda m: m.lookup_prefix(to_keys([1])[0], A),
     ],
 )
 def test_not_keys_raise_type_error_before_polling(setup: Any, call: Any) -> None:
@@ -292,6 +294,7 @@ def test_not_keys_raise_type_error_before_polling(setup: Any, call: Any) -> None
     "method, args",
     [
         ("lookup", (to_keys([1])[0], A)),
+        ("lookup_prefix", (to_keys([1]), A)),
         ("prepare_store", (to_keys([1]), A)),
         ("prepare_load", (to_keys([1]), A)),
         ("complete_store", (to_keys([1]), A)),

@@ -145,20 +145,38 @@ class TieringManagerMachine(RefusalMachine):
         self.lookup(key, ctx)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> None:
+        self.lookup_prefix([key], ctx)
+
+    @rule(keys=st.lists(st.sampled_from(UNIVERSE), max_size=8), ctx=reqs)
+    def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        """``lookup`` of one key, or of a request's prefix in one ``lookup_prefix`` call: each
+        answer as the primary holds the key after the call (the promotions a prefix started
+        evicted none of the keys it answered readable), up to the first False."""
+
         def check() -> None:
-            block = self.primary.policy.get(key)
-            if result is True:
-                assert block is not None and block.ref_cnt >= 0, f"{key.hex()}: hit, not ready"
-            elif result is None:
-                assert block is not None and block.ref_cnt < 0, f"{key.hex()}: None, not written"
-            else:
-                assert block is None, f"{key.hex()}: False but resident"
+            assert len(result) <= len(keys)
+            assert all(r is not False for r in result[:-1]), result
+            if len(result) < len(keys):
+                assert result[-1] is False, result
+            for key, answer in zip(keys, result, strict=False):
+                block = self.primary.policy.get(key)
+                if answer is True:
+                    assert block is not None and block.ref_cnt >= 0, f"{key.hex()}: hit, not ready"
+                elif answer is None:
+                    assert block is not None and block.ref_cnt < 0, (
+                        f"{key.hex()}: None, not written"
+                    )
+                else:
+                    assert block is None, f"{key.hex()}: False but resident"
 
         result: Any = None
 
         def act() -> None:
             nonlocal result
-            result = self.manager.lookup(key, ctx)
+            if len(keys) == 1:
+                result = [self.manager.lookup(keys[0], ctx)]
+            else:
+                result = self.manager.lookup_prefix(keys, ctx)
 
         self.call(lambda: check, act)
 

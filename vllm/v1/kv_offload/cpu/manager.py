@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter
 from typing import Any, cast
@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (
     check_offload_key,
     check_offload_keys,
     drain_events,
+    key_sequence,
     refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPU_MEDIUM, CPULoadStoreSpec
@@ -35,7 +36,8 @@ _BLOCK_LEVEL_CONTEXT = RequestOffloadingContext()
 _REFUSED_AFTER_SHUTDOWN = (
     *BLOCK_METHODS,
     "finish_store",
-    "reserve_row",
+    "reserve_rows",
+    "scan_resident",
     "on_new_request",
     "reset_cache",
 )
@@ -50,7 +52,7 @@ class CPUOffloadingManager(OffloadingManager):
     (``_num_allocated``), recycled rows through ``_free_list``; at all times
     ``free + resident == num_blocks`` where ``free = len(_free_list) + num_blocks -
     _num_allocated`` and ``resident = len(policy)``. One allocator (``_allocate_rows``) hands
-    out rows for ``prepare_store`` and for the tiering manager's promotions (``reserve_row``):
+    out rows for ``prepare_store`` and for the tiering manager's promotions (``reserve_rows``):
     fresh rows first, then recycled ones, then the victims of one eviction.
 
     Row status objects: row ``s`` is always described by the same ``BlockStatus`` object,
@@ -199,6 +201,42 @@ class CPUOffloadingManager(OffloadingManager):
             return None
         self._hits += 1
         return True
+
+    @override
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext
+    ) -> list[bool | None]:
+        keys = key_sequence("lookup_prefix", keys, req_context)
+        results: list[bool | None] = []
+        if self.scan_resident(keys, 0, results) < len(keys):
+            self._misses += 1
+            results.append(False)
+        self._hits += results.count(True)
+        return results
+
+    def scan_resident(
+        self, keys: Sequence[OffloadKey], start: int, results: list[bool | None]
+    ) -> int:
+        """Append ``lookup``'s answer for each of ``keys[start:]`` to ``results`` while the key
+        is resident (True: readable, None: being written); return the index of the first key
+        that is not (``len(keys)`` if none).
+
+        ``lookup_prefix``'s loop, for it and for the tiering manager's, which asks the slower
+        tiers where this one misses. Counts nothing: the callers count the hits and misses.
+        """
+        get = self._lookup_get
+        policy_lookup = self._policy.lookup
+        append = results.append
+        for i in range(start, len(keys)):
+            key = keys[i]
+            block = get(key)
+            if block.__class__ is not BlockStatus:
+                # Not get: a miss may be a re-reference (ARC ghost).
+                block = policy_lookup(key)
+                if block is None:
+                    return i
+            append(None if block.ref_cnt < 0 else True)
+        return len(keys)
 
     @override
     def prepare_load(
@@ -438,29 +476,43 @@ class CPUOffloadingManager(OffloadingManager):
         """Whether request ``req_id`` has a prepared store it has not completed (O(1))."""
         return self._ledger.has_pending_stores(req_id)
 
-    def reserve_row(self, key: OffloadKey, req_context: ReqContext) -> int | None:
-        """Reserve a row for block ``key`` (not resident) that a secondary tier will write.
+    def reserve_rows(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext,
+        protected: Collection[OffloadKey] | None = None,
+    ) -> list[int] | None:
+        """Reserve a row for each of blocks ``keys`` (distinct, none resident) that a secondary
+        tier will write: all of them or none.
 
-        ``prepare_store((key,), req_context)`` without the reuse filter, the de-duplication and
-        the transfer spec, for the tiering manager's promotions, which reserve one block at a
-        time (never subject to the reuse filter: a block found in a secondary tier was stored
-        before). The row comes from the same allocator; the block is inserted being written
-        (``ref_cnt == -1``, unreadable) and its store is pending for ``req_context``'s request,
-        as ``prepare_store`` leaves it. Finish it with ``complete_store``.
+        ``prepare_store(keys, req_context)`` without the reuse filter, the de-duplication and the
+        transfer spec, for the tiering manager's promotions (never subject to the reuse filter: a
+        block found in a secondary tier was stored before). The rows come from the same
+        allocator, in one allocation; the blocks are inserted being written (``ref_cnt == -1``,
+        unreadable) and their store is pending for ``req_context``'s request, as
+        ``prepare_store`` leaves them. Finish them with ``complete_store``.
+
+        Args:
+            keys: the blocks, in order.
+            req_context: who owns the pending stores.
+            protected: resident blocks the eviction must spare (the readable blocks a lookup
+                answered in the same call), with O(1) membership; None: none (``keys`` are not
+                resident, so they are never victims).
 
         Returns:
-            The row, or None if no row can be freed (nothing changed).
+            The rows, in the order of ``keys``, or None if not that many rows can be freed
+            (nothing changed).
         """
         policy = self._policy
-        assert policy.get(key) is None, f"reserve_row: key {key.hex()} is resident"
-        allocated = self._allocate_rows(1, (key,))  # a 1-tuple: O(1) membership
+        assert not any(map(policy.get, keys)), "reserve_rows: a key is resident"
+        allocated = self._allocate_rows(len(keys), () if protected is None else protected)
         if allocated is None:
             return None
-        (block,) = allocated[0]
-        policy.insert_many(((key, block),))
-        self._ledger.add_store(req_context.req_id, (key,))
+        blocks = allocated[0]
+        policy.insert_many(zip(keys, blocks, strict=True))
+        self._ledger.add_store(req_context.req_id, keys if type(keys) is tuple else tuple(keys))
         assert self._num_allocated - len(self._free_list) == len(policy), self._pool_error()
-        return block.block_id
+        return [block.block_id for block in blocks]
 
     def _allocate_rows(
         self, n: int, protected: Collection[OffloadKey]

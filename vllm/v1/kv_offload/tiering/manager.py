@@ -44,6 +44,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     check_offload_key,
     check_offload_keys,
+    key_sequence,
     refuse_after_shutdown,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -250,13 +251,21 @@ class TieringOffloadingManager(OffloadingManager):
             )
             self._jobs.submit(tier_idx, job, owner)
 
-    def _initiate_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Reserve ``key``'s primary row now and queue its load for the end of the step.
+    def _initiate_promotion(
+        self,
+        tier_idx: int,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext,
+        protected: Collection[OffloadKey] | None = None,
+    ) -> bool:
+        """Reserve the primary rows of ``keys`` now (all or none; the eviction spares the
+        resident blocks ``protected``) and queue their load from the tier for the end of the
+        step.
 
         Returns:
             False if the primary tier cannot make room (the caller reports a miss).
         """
-        opened = self._promotions.queue(self._primary, tier_idx, key, req_context)
+        opened = self._promotions.queue(self._primary, tier_idx, keys, req_context, protected)
         if opened is None:
             return False
         if opened:
@@ -339,8 +348,79 @@ class TieringOffloadingManager(OffloadingManager):
             tier_idx = self._probed.pop(key, None)
             if tier_idx is not None:
                 # Probed this step and found in that tier (counted then): promote it now.
-                return None if self._initiate_promotion(tier_idx, key, req_context) else False
+                return None if self._initiate_promotion(tier_idx, (key,), req_context) else False
         return self._lookup_in_tiers(key, req_context, promote=True)
+
+    @override
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext
+    ) -> list[bool | None]:
+        """``lookup`` of ``keys`` in order up to the first False, its promotions reserved at
+        the end in one allocation that evicts none of the blocks the call found readable.
+
+        Each key is answered as ``lookup`` answers it; the promotions of the keys only a tier
+        holds are collected as the scan goes (None, as ``lookup`` answers them) and, when they
+        all come from one tier, reserved in one ``reserve_rows``. If the primary cannot make
+        room for all of them (or they come from several tiers), they are reserved one by one
+        in order, and the first that finds no room is answered False, ending the scan there.
+        """
+        keys = key_sequence("lookup_prefix", keys, req_context)
+        if not self._processed_jobs_this_step:
+            self._maybe_process_finished_jobs()
+        scan_resident = self._primary.scan_resident
+        probed = self._probed
+        results: list[bool | None] = []
+        # (position in results, tier index) of each key to promote, and the keys.
+        found: list[tuple[int, int]] = []
+        found_keys: list[OffloadKey] = []
+        to_promote: set[OffloadKey] = set()
+        i = scan_resident(keys, 0, results)
+        while i < len(keys):
+            key = keys[i]  # a primary miss
+            tier_idx = probed.pop(key, None) if probed else None
+            if tier_idx is None and key in to_promote:
+                result: bool | None = None  # the same key again: as lookup finds it reserved
+            else:
+                if tier_idx is None:
+                    tier_idx, result = self._ask_tiers(key, req_context)
+                if tier_idx is not None:
+                    found.append((len(results), tier_idx))
+                    found_keys.append(key)
+                    to_promote.add(key)
+                    result = None
+            results.append(result)
+            if result is False:
+                break
+            i = scan_resident(keys, i + 1, results)
+        if found:
+            self._promote_found(results, found, found_keys, keys, req_context)
+        self._lookup_hits += results.count(True)
+        return results
+
+    def _promote_found(
+        self,
+        results: list[bool | None],
+        found: list[tuple[int, int]],
+        found_keys: list[OffloadKey],
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        """Reserve and queue the promotions ``lookup_prefix`` found (``found_keys`` at the
+        positions ``found`` of ``results``), sparing the blocks it answered readable; where no
+        room is left, answer that key False and drop the answers after it."""
+        # The keys to promote are not resident: only the readable ones need sparing. (The
+        # scan may have stopped early: the answers are a prefix of the keys.)
+        protected = {key for key, result in zip(keys, results, strict=False) if result is True}
+        tier_idx = found[0][1]
+        if all(t == tier_idx for _, t in found) and self._initiate_promotion(
+            tier_idx, found_keys, req_context, protected
+        ):
+            return
+        for (position, tier_idx), key in zip(found, found_keys, strict=True):
+            if not self._initiate_promotion(tier_idx, (key,), req_context, protected):
+                results[position] = False
+                del results[position + 1 :]
+                return
 
     @override
     def probe(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
@@ -367,6 +447,20 @@ class TieringOffloadingManager(OffloadingManager):
         self, key: OffloadKey, req_context: ReqContext, promote: bool
     ) -> bool | None:
         """``lookup`` (``promote``) or ``probe`` after a primary miss: ask the tiers in order."""
+        tier_idx, result = self._ask_tiers(key, req_context)
+        if tier_idx is None:
+            return result
+        if not promote:
+            self._probed[key] = tier_idx
+            return None
+        return None if self._initiate_promotion(tier_idx, (key,), req_context) else False
+
+    def _ask_tiers(
+        self, key: OffloadKey, req_context: ReqContext
+    ) -> tuple[int | None, bool | None]:
+        """After a primary miss, ask the tiers in order: ``(index, None)`` of the first that holds
+        the key, else ``(None, None)`` if a tier's answer is pending, ``(None, False)`` if none
+        holds it."""
         self._lookup_misses += 1
         any_pending = False
         for tier_idx, tier in enumerate(self._tiers):
@@ -375,13 +469,10 @@ class TieringOffloadingManager(OffloadingManager):
                 # Only hits are counted here: how many lookups reached each tier follows from
                 # the primary's misses and the faster tiers' hits (TieringStats.report).
                 self._tiering_stats.hits[tier_idx] += 1
-                if not promote:
-                    self._probed[key] = tier_idx
-                    return None
-                return None if self._initiate_promotion(tier_idx, key, req_context) else False
+                return tier_idx, None
             if tier_result is None:
                 any_pending = True
-        return None if any_pending else False
+        return None, None if any_pending else False
 
     @override
     def promotion_source(self, key: OffloadKey) -> str | None:

@@ -5,7 +5,7 @@
 ``CPUPrimaryTierOffloadingManager`` is the CPU tier (``CPUOffloadingManager``) over the
 scheduler-side shared host region. Secondary tiers never see the GPU: they read and write the
 primary's rows through the memoryview it lends them (``get_kv_memoryview()``), under the pins and
-reservations the tiering manager takes with ``prepare_read`` / ``reserve_row``.
+reservations the tiering manager takes with ``prepare_read`` / ``reserve_rows``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             cache_policy: eviction policy name.
             enable_events: record ``OffloadingEvent`` s (medium ``"CPU"``).
             store_threshold, max_tracker_size: the reuse filter of GPU -> CPU stores (see
-                ``CPUOffloadingManager``); promotions (``reserve_row``) are never filtered.
+                ``CPUOffloadingManager``); promotions (``reserve_rows``) are never filtered.
 
         Raises:
             ValueError: ``num_blocks`` disagrees with the region.

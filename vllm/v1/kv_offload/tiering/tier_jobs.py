@@ -3,8 +3,9 @@
 """The tiering manager's primary <-> secondary jobs, from start to report: one job lifecycle.
 
 * Promotions (``PromotionQueue``): a lookup that finds a key only in a secondary tier reserves
-  the key's primary row at once (``reserve_row``: ref_cnt -1, so later lookups answer None and
-  no second promotion is queued) and queues the key in its request's batch for that tier;
+  the key's primary row at once (``reserve_rows``: ref_cnt -1, so later lookups answer None and
+  no second promotion is queued; a ``lookup_prefix`` reserves the rows of all the keys it
+  promotes in one allocation) and queues the key in its request's batch for that tier;
   ``on_schedule_end`` submits one load job per (tier, request) batch.
 * Jobs in flight (``TierJobTable``): submitted to their tiers (a cascade pins its primary rows
   once per tier), and finished when the tier reports them: a cascade's pins are released, a
@@ -26,7 +27,7 @@ Threading: everything here runs on the scheduler thread, inside the tiering mana
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -117,29 +118,36 @@ class PromotionQueue:
         self,
         primary: CPUPrimaryTierOffloadingManager,
         tier_idx: int,
-        key: OffloadKey,
+        keys: Sequence[OffloadKey],
         req_context: ReqContext,
+        protected: Collection[OffloadKey] | None = None,
     ) -> bool | None:
-        """Reserve ``key``'s primary row and queue it in its request's batch for the tier.
+        """Reserve the primary rows of ``keys`` (distinct, not resident) in one allocation and
+        queue them, in order, in their request's batch for the tier.
+
+        Args:
+            protected: resident blocks the reservation's eviction must spare (see
+                ``CPUOffloadingManager.reserve_rows``).
 
         Returns:
-            None if the primary cannot make room (nothing changed); True if this opened a new
-            batch for the request, False if the key joined the request's batch.
+            None if the primary cannot make room for all of them (nothing changed); True if
+            this opened a new batch for the request, False if the keys joined the request's
+            batch.
         """
         pending = self._pending[tier_idx]
         entry = pending.get(req_context.req_id)
         owner = promotion_owner(self._num_batches) if entry is None else entry.owner
-        row = primary.reserve_row(key, owner)
-        if row is None:
+        rows = primary.reserve_rows(keys, owner, protected)
+        if rows is None:
             return None
         opened = entry is None
         if entry is None:
             self._num_batches += 1
             entry = pending[req_context.req_id] = PromotionBatch(req_context, owner)
             self._num_queued += 1
-        entry.keys.append(key)
-        entry.block_ids.append(row)
-        self.promoting[key] = tier_idx
+        entry.keys.extend(keys)
+        entry.block_ids.extend(rows)
+        self.promoting.update(dict.fromkeys(keys, tier_idx))
         return opened
 
     def take_all(self) -> Iterator[tuple[int, str, PromotionBatch]]:

@@ -33,7 +33,9 @@ from tests.v1.kv_connector.unit.offloading_connector.utils import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
+    LookupFn,
     lookup_hit_end,
+    one_by_one,
     promoting_hit_end,
     window_scan,
 )
@@ -229,6 +231,13 @@ def test_hybrid_requires_one_window_per_group() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _hit_end(
+    layout: GroupLayout, lookup: LookupFn, keys: list[list[bytes]], start: int, end: int
+) -> tuple[int, bool]:
+    """``lookup_hit_end`` with the full groups' prefix scans made of ``lookup`` calls."""
+    return lookup_hit_end(layout, lookup, one_by_one(lookup), keys, start, end)
+
+
 def _scripted(answers: dict[bytes, bool | None], log: list[bytes]) -> Any:
     def lookup(key: bytes) -> bool | None:
         log.append(key)
@@ -269,13 +278,13 @@ def test_lookup_needs_the_full_prefix_but_only_the_swa_window() -> None:
     answers: dict[bytes, bool | None] = dict.fromkeys(full, True)
     answers.update(dict.fromkeys(swa[4:6], True))  # only blocks 4 and 5 of the SWA group
     log: list[bytes] = []
-    end, deferred = lookup_hit_end(layout, _scripted(answers, log), [full, swa], 0, 8)
+    end, deferred = _hit_end(layout, _scripted(answers, log), [full, swa], 0, 8)
     assert (end, deferred) == (6, False)  # the hit at 6 blocks needs SWA blocks 4 and 5 only
     assert layout.load_keys([full, swa], 0, 6) == [*full[:6], *swa[4:6]]
     # With 2 blocks on the GPU, a run reaching them suffices.
     answers = dict.fromkeys(full, True)
     answers[swa[2]] = True
-    end, _ = lookup_hit_end(layout, _scripted(answers, []), [full, swa], 2, 8)
+    end, _ = _hit_end(layout, _scripted(answers, []), [full, swa], 2, 8)
     assert end == 3
 
 
@@ -285,11 +294,11 @@ def test_lookup_converges_over_two_windows_and_a_full_group() -> None:
     answers: dict[bytes, bool | None] = dict.fromkeys(keys[1][:9], True)  # full: 9 blocks
     answers.update(dict.fromkeys(keys[0][2:9], True))  # wide window (3 blocks): up to 9
     answers.update(dict.fromkeys([keys[2][4], keys[2][6]], True))  # narrow: ends at 7 or 5
-    end, deferred = lookup_hit_end(layout, _scripted(answers, []), keys, 0, 10)
+    end, deferred = _hit_end(layout, _scripted(answers, []), keys, 0, 10)
     # Narrow window -> 7; the wide one needs blocks 4..6 at 7: held; stable.
     assert (end, deferred) == (7, False)
     answers[keys[0][5]] = False  # the wide window at 7 is broken -> 5 -> narrow at 5: held
-    end, _ = lookup_hit_end(layout, _scripted(answers, []), keys, 0, 10)
+    end, _ = _hit_end(layout, _scripted(answers, []), keys, 0, 10)
     assert end == 5
 
 
@@ -328,7 +337,7 @@ def test_promoting_hit_end_promotes_only_the_keys_the_hit_loads() -> None:
     assert manager.promoted == layout.load_keys([full, swa], 0, 6)
     # A plain lookup scan would have promoted SWA block 7 and full blocks 6 and 7 too.
     plain = _Tiered(set(), {*full, *swa} - {swa[6]})
-    assert lookup_hit_end(layout, plain.lookup, [full, swa], 0, 8) == (6, True)
+    assert _hit_end(layout, plain.lookup, [full, swa], 0, 8) == (6, True)
     assert set(plain.promoted) - set(manager.promoted) == {full[6], full[7], swa[7]}
 
 
@@ -358,6 +367,6 @@ def test_a_pending_full_attention_key_beyond_the_hit_does_not_defer() -> None:
     answers: dict[bytes, bool | None] = dict.fromkeys(full, True)
     answers[full[5]] = None
     answers[swa[2]] = True  # the SWA window (one block) holds at 3 only
-    assert lookup_hit_end(layout, _scripted(answers, []), [full, swa], 0, 6) == (3, False)
+    assert _hit_end(layout, _scripted(answers, []), [full, swa], 0, 6) == (3, False)
     answers[swa[5]] = True
-    assert lookup_hit_end(layout, _scripted(answers, []), [full, swa], 0, 6) == (6, True)
+    assert _hit_end(layout, _scripted(answers, []), [full, swa], 0, 6) == (6, True)

@@ -36,6 +36,8 @@ from vllm.v1.kv_offload.base import OffloadKey
 
 LookupFn = Callable[[OffloadKey], "bool | None"]
 """``manager.lookup`` bound to the request's context: True (readable), None (not yet), False."""
+PrefixLookupFn = Callable[[Sequence[OffloadKey]], "list[bool | None]"]
+"""``manager.lookup_prefix`` bound to the request's context: the answers up to the first False."""
 
 
 class GroupLayout:
@@ -158,23 +160,35 @@ class GroupLayout:
         return index * factor < len(table) and table[index * factor] != NULL_BLOCK_ID
 
 
-def prefix_scan(lookup: LookupFn, keys: Sequence[OffloadKey]) -> tuple[int, int | None]:
-    """Look ``keys`` up in order until the first miss.
+def one_by_one(lookup: LookupFn) -> PrefixLookupFn:
+    """A prefix lookup made of ``lookup`` calls, key by key until the first False (what
+    ``OffloadingManager.lookup_prefix`` does by default)."""
+
+    def lookup_keys(keys: Sequence[OffloadKey]) -> list[bool | None]:
+        results: list[bool | None] = []
+        for key in keys:
+            result = lookup(key)
+            results.append(result)
+            if result is False:
+                break
+        return results
+
+    return lookup_keys
+
+
+def prefix_scan(
+    lookup_prefix: PrefixLookupFn, keys: Sequence[OffloadKey]
+) -> tuple[int, int | None]:
+    """Look ``keys`` up in order until the first miss (one ``lookup_prefix`` call).
 
     Returns:
         ``(n, first_deferred)``: ``n`` keys before the first miss answered True or None, and the
-        index of the first None among them (None if none). Scanning goes on past a None so that
-        the manager starts promotions and probes for every key that could hit.
+        index of the first None among them (None if none). The manager's scan goes on past a
+        None, so that it starts promotions and probes for every key that could hit.
     """
-    first_deferred: int | None = None
-    n = 0
-    for key in keys:
-        result = lookup(key)
-        if result is False:
-            break
-        if result is None and first_deferred is None:
-            first_deferred = n
-        n += 1
+    results = lookup_prefix(keys)
+    n = len(results) - 1 if results and results[-1] is False else len(results)
+    first_deferred = results.index(None) if None in results else None
     return n, first_deferred
 
 
@@ -207,6 +221,7 @@ def window_scan(
 def lookup_hit_end(
     layout: GroupLayout,
     lookup: LookupFn,
+    lookup_prefix: PrefixLookupFn,
     keys: Sequence[Sequence[OffloadKey]],
     start: int,
     end: int,
@@ -215,7 +230,8 @@ def lookup_hit_end(
 
     Args:
         layout: the groups.
-        lookup: the manager's lookup for this request.
+        lookup: the manager's lookup for this request (the SWA groups' backward scans).
+        lookup_prefix: the manager's prefix lookup for this request (the full groups' scans).
         keys: per group, the request's keys.
         start: first offloaded block not on the GPU.
         end: the most blocks a hit may reach.
@@ -225,7 +241,7 @@ def lookup_hit_end(
     """
     first_deferred: list[int] = []
     for g in layout.full_groups:
-        n, deferred_at = prefix_scan(lookup, keys[g][start:end])
+        n, deferred_at = prefix_scan(lookup_prefix, keys[g][start:end])
         if deferred_at is not None:
             first_deferred.append(start + deferred_at)
         end = start + n
@@ -271,7 +287,9 @@ def promoting_hit_end(
 
     looked_up: set[OffloadKey] = set()
     while True:
-        hit_end, deferred = lookup_hit_end(layout, probe_once, keys, start, end)
+        hit_end, deferred = lookup_hit_end(
+            layout, probe_once, one_by_one(probe_once), keys, start, end
+        )
         refused = False
         for key in layout.load_keys(keys, start, hit_end):
             if answers.get(key) is None and key not in looked_up:

@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import LoadResult, PromotedBlock
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import JobId
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import GroupLayout, LookupFn
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
+    GroupLayout,
+    LookupFn,
+    PrefixLookupFn,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.transfer_jobs import (
     GPUBlockRef,
     TransferJobStatus,
@@ -225,16 +229,49 @@ class RequestOffloadState:
         or absent and no tier was named meanwhile, the note is dropped: its tokens count as the
         CPU tier's, never as an unnamed tier's.
         """
-        ctx = self.req_context
         lookup = manager.lookup
+        ctx = self.req_context
+        note = self._answer_noter(manager, is_being_stored)
+
+        def lookup_key(key: OffloadKey) -> bool | None:
+            result = lookup(key, ctx)
+            note(key, result)
+            return result
+
+        return lookup_key
+
+    def lookup_prefix_fn(
+        self, manager: OffloadingManager, is_being_stored: Callable[[OffloadKey], bool]
+    ) -> PrefixLookupFn:
+        """``manager.lookup_prefix`` for this request, noting its answers as ``lookup_fn``
+        notes each (and resetting ``waiting_on_lookup`` for the pass, as it does)."""
+        lookup_prefix = manager.lookup_prefix
+        ctx = self.req_context
+        promoted = self.promoted_keys
+        note = self._answer_noter(manager, is_being_stored)
+
+        def lookup_keys(keys: Sequence[OffloadKey]) -> list[bool | None]:
+            results = lookup_prefix(keys, ctx)
+            # Readable keys note nothing unless a promotion of them was noted before.
+            if promoted or None in results:
+                for key, result in zip(keys, results, strict=False):
+                    note(key, result)
+            return results
+
+        return lookup_keys
+
+    def _answer_noter(
+        self, manager: OffloadingManager, is_being_stored: Callable[[OffloadKey], bool]
+    ) -> Callable[[OffloadKey, bool | None], None]:
+        """What ``lookup_fn`` and ``lookup_prefix_fn`` do with each key's answer (see
+        ``lookup_fn``); starts the pass (``waiting_on_lookup`` reset)."""
         promotion_source = manager.promotion_source
         promoted = self.promoted_keys
         note_promoted = self.note_promoted
 
         self.waiting_on_lookup = False
 
-        def lookup_key(key: OffloadKey) -> bool | None:
-            result = lookup(key, ctx)
+        def note(key: OffloadKey, result: bool | None) -> None:
             if result is None and not is_being_stored(key):
                 tier = promotion_source(key)
                 note_promoted(key, tier)
@@ -242,9 +279,8 @@ class RequestOffloadState:
                     self.waiting_on_lookup = True
             elif result is not None and promoted and key in promoted and promoted[key] is None:
                 del promoted[key]
-            return result
 
-        return lookup_key
+        return note
 
     def finish_load(
         self,

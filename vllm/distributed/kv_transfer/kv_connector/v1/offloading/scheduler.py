@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import to_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.groups import (
     GroupLayout,
     LookupFn,
+    PrefixLookupFn,
     lookup_hit_end,
     promoting_hit_end,
 )
@@ -248,6 +249,7 @@ class OffloadingConnectorScheduler(EngineCallChecks):
 
         start = num_computed_tokens // block_size
         lookup = state.lookup_fn(self.manager, self._jobs.is_being_stored)
+        lookup_prefix = state.lookup_prefix_fn(self.manager, self._jobs.is_being_stored)
         # With sliding-window groups the scans ask for more keys than the hit loads: probe
         # first and promote only what is loaded (groups.promoting_hit_end).
         probe = state.probe_fn(self.manager) if layout.has_sliding_window else None
@@ -255,9 +257,12 @@ class OffloadingConnectorScheduler(EngineCallChecks):
         if self.load_guard is not None:
             results = {}
             lookup = _recording(lookup, results)
+            lookup_prefix = _recording_prefix(lookup_prefix, results)
             probe = None if probe is None else _recording(probe, results)
         if probe is None:
-            end, deferred = lookup_hit_end(layout, lookup, state.offload_keys, start, num_blocks)
+            end, deferred = lookup_hit_end(
+                layout, lookup, lookup_prefix, state.offload_keys, start, num_blocks
+            )
         else:
             end, deferred = promoting_hit_end(
                 layout, probe, lookup, state.offload_keys, start, num_blocks
@@ -752,3 +757,16 @@ def _recording(lookup: LookupFn, results: dict[OffloadKey, bool | None]) -> Look
         return result
 
     return lookup_key
+
+
+def _recording_prefix(
+    lookup_prefix: PrefixLookupFn, results: dict[OffloadKey, bool | None]
+) -> PrefixLookupFn:
+    """``lookup_prefix``, keeping each key's answer in ``results`` (for the load guard)."""
+
+    def lookup_keys(keys: Sequence[OffloadKey]) -> list[bool | None]:
+        answers = lookup_prefix(keys)
+        results.update(zip(keys, answers, strict=False))
+        return answers
+
+    return lookup_keys
