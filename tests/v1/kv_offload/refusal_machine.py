@@ -171,4 +171,17 @@ class RefusalMachine(RuleBasedStateMachine):
             "complete_load": lambda: manager.complete_load(mixed, ctx),
             "complete_store": lambda: manager.complete_store(mixed, ctx),
         }
+        if method == "lookup_prefix" and not self.prefix_reaches(keys[:at]):
+            # The scan stops at a miss before the value: the call answers as for the keys.
+            self.lookup_prefix(mixed, ctx)
+            return
         self.call(refused(TypeError), acts[method])
+
+    def prefix_reaches(self, keys: list[OffloadKey]) -> bool:
+        """Whether ``lookup_prefix`` reaches the key after ``keys`` (the keys it checks): a
+        manager's scan stops at the first miss. Default: always (the manager checks them all
+        before anything it could change)."""
+        return True
+
+    def lookup_prefix(self, keys: list[Any], ctx: ReqContext) -> None:
+        raise NotImplementedError

@@ -154,18 +154,17 @@ def check_offload_keys(method: str, keys: Iterable[object], req_context: ReqCont
 def key_sequence(
     method: str, keys: Iterable[object], req_context: ReqContext
 ) -> Sequence[OffloadKey]:
-    """``keys`` as a list or tuple of ``OffloadKey`` s (an iterator is read once into a list),
-    for a method that goes through its keys more than once.
+    """``keys`` as a list or tuple (an iterator is read once into a list), for a method that
+    goes through its keys more than once; its elements are not checked here (a caller checks
+    those it reaches, with ``check_offload_keys`` where one is not an ``OffloadKey``).
 
     Raises:
-        TypeError: as ``check_offload_keys`` (the C-level check first, the naming one after).
+        TypeError: ``keys`` is a single ``bytes``/``str`` rather than a collection of keys.
     """
     if isinstance(keys, (bytes, bytearray, str)):
         check_offload_keys(method, keys, req_context)
     if type(keys) is not list and type(keys) is not tuple:
         keys = list(keys)
-    if not all(map(isinstance, keys, repeat(bytes))):
-        check_offload_keys(method, keys, req_context)
     return keys  # type: ignore[return-value]
 
 
@@ -468,7 +467,9 @@ class OffloadingManager(ABC):
             is False when the scan stopped there (the keys after it are not answered).
 
         Raises:
-            TypeError: an element of ``keys`` is not an ``OffloadKey`` (nothing changed).
+            TypeError: a key the scan reaches is not an ``OffloadKey`` (nothing changed; keys
+                after the first False may go unchecked, as a ``lookup`` per key never sees
+                them).
             RuntimeError: the manager is shut down.
 
         A manager may answer faster than one ``lookup`` per key. What may differ from that loop
@@ -481,6 +482,8 @@ class OffloadingManager(ABC):
         Default: ``lookup`` of each key until one answers False.
         """
         keys = key_sequence("lookup_prefix", keys, req_context)
+        if not all(map(isinstance, keys, repeat(bytes))):
+            check_offload_keys("lookup_prefix", keys, req_context)
         results: list[bool | None] = []
         for key in keys:
             result = self.lookup(key, req_context)

@@ -119,7 +119,12 @@ class CPUManagerMachine(RefusalMachine):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> None:
         self.lookup_prefix([key], ctx)
 
+    @override
+    def prefix_reaches(self, keys: list[OffloadKey]) -> bool:
+        return all(self.ref.get(key) is not None for key in keys)
+
     @rule(keys=key_lists, ctx=reqs)
+    @override
     def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         """``lookup`` of one key, or ``lookup_prefix`` of several: each key in order up to the
         first miss."""

@@ -148,6 +148,7 @@ class TieringManagerMachine(RefusalMachine):
         self.lookup_prefix([key], ctx)
 
     @rule(keys=st.lists(st.sampled_from(UNIVERSE), max_size=8), ctx=reqs)
+    @override
     def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         """``lookup`` of one key, or of a request's prefix in one ``lookup_prefix`` call: each
         answer as the primary holds the key after the call (the promotions a prefix started

@@ -208,27 +208,39 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> list[bool | None]:
         keys = key_sequence("lookup_prefix", keys, req_context)
         results: list[bool | None] = []
-        if self.scan_resident(keys, 0, results) < len(keys):
+        # Counted after the scan: a key that is not an OffloadKey refuses the call unchanged.
+        if self.scan_resident(keys, 0, results, req_context) < len(keys):
             self._misses += 1
             results.append(False)
         self._hits += results.count(True)
         return results
 
     def scan_resident(
-        self, keys: Sequence[OffloadKey], start: int, results: list[bool | None]
+        self,
+        keys: Sequence[OffloadKey],
+        start: int,
+        results: list[bool | None],
+        req_context: ReqContext,
     ) -> int:
         """Append ``lookup``'s answer for each of ``keys[start:]`` to ``results`` while the key
         is resident (True: readable, None: being written); return the index of the first key
         that is not (``len(keys)`` if none).
 
         ``lookup_prefix``'s loop, for it and for the tiering manager's, which asks the slower
-        tiers where this one misses. Counts nothing: the callers count the hits and misses.
+        tiers where this one misses. Counts nothing and changes nothing (the callers count the
+        hits and misses), so that a key found not to be an ``OffloadKey`` on the way refuses
+        the caller's call unchanged; keys after the first miss are not checked.
+
+        Raises:
+            TypeError: a key it reached is not an ``OffloadKey``.
         """
         get = self._lookup_get
         policy_lookup = self._policy.lookup
         append = results.append
         for i in range(start, len(keys)):
             key = keys[i]
+            if key.__class__ is not bytes:
+                check_offload_key("lookup_prefix", key, req_context)
             block = get(key)
             if block.__class__ is not BlockStatus:
                 # Not get: a miss may be a re-reference (ARC ghost).

@@ -366,6 +366,7 @@ class TieringOffloadingManager(OffloadingManager):
         """
         keys = key_sequence("lookup_prefix", keys, req_context)
         if not self._processed_jobs_this_step:
+            _check_keys_before_poll("lookup_prefix", keys, req_context)
             self._maybe_process_finished_jobs()
         scan_resident = self._primary.scan_resident
         probed = self._probed
@@ -374,7 +375,11 @@ class TieringOffloadingManager(OffloadingManager):
         found: list[tuple[int, int]] = []
         found_keys: list[OffloadKey] = []
         to_promote: set[OffloadKey] = set()
-        i = scan_resident(keys, 0, results)
+        i = scan_resident(keys, 0, results, req_context)
+        if i < len(keys) and not all(map(isinstance, keys[i:], repeat(bytes))):
+            # Before the first question to a tier (which may change its state): the keys the
+            # primary scan did not reach are checked too.
+            check_offload_keys("lookup_prefix", keys, req_context)
         while i < len(keys):
             key = keys[i]  # a primary miss
             tier_idx = probed.pop(key, None) if probed else None
@@ -391,7 +396,7 @@ class TieringOffloadingManager(OffloadingManager):
             results.append(result)
             if result is False:
                 break
-            i = scan_resident(keys, i + 1, results)
+            i = scan_resident(keys, i + 1, results, req_context)
         if found:
             self._promote_found(results, found, found_keys, keys, req_context)
         self._lookup_hits += results.count(True)
