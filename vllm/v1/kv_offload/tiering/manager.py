@@ -365,8 +365,10 @@ class TieringOffloadingManager(OffloadingManager):
         in order, and the first that finds no room is answered False, ending the scan there.
         """
         keys = key_sequence("lookup_prefix", keys, req_context)
+        # Every key, before the poll and the scan: a primary miss may adapt ARC's target and a
+        # tier's answer may queue a probe, so a refused call must not reach either.
+        _check_keys_before_poll("lookup_prefix", keys, req_context)
         if not self._processed_jobs_this_step:
-            _check_keys_before_poll("lookup_prefix", keys, req_context)
             self._maybe_process_finished_jobs()
         scan_resident = self._primary.scan_resident
         probed = self._probed
@@ -376,10 +378,6 @@ class TieringOffloadingManager(OffloadingManager):
         found_keys: list[OffloadKey] = []
         to_promote: set[OffloadKey] = set()
         i = scan_resident(keys, 0, results, req_context)
-        if i < len(keys) and not all(map(isinstance, keys[i:], repeat(bytes))):
-            # Before the first question to a tier (which may change its state): the keys the
-            # primary scan did not reach are checked too.
-            check_offload_keys("lookup_prefix", keys, req_context)
         while i < len(keys):
             key = keys[i]  # a primary miss
             tier_idx = probed.pop(key, None) if probed else None
