@@ -373,9 +373,8 @@ class TieringOffloadingManager(OffloadingManager):
         scan_resident = self._primary.scan_resident
         probed = self._probed
         results: list[bool | None] = []
-        # (position in results, tier index) of each key to promote, and the keys.
-        found: list[tuple[int, int]] = []
-        found_keys: list[OffloadKey] = []
+        # (position in results, tier index, key) of each key to promote; the keys, for lookups.
+        found: list[tuple[int, int, OffloadKey]] = []
         to_promote: set[OffloadKey] = set()
         i = scan_resident(keys, 0, results, req_context)
         while i < len(keys):
@@ -387,8 +386,7 @@ class TieringOffloadingManager(OffloadingManager):
                 if tier_idx is None:
                     tier_idx, result = self._ask_tiers(key, req_context)
                 if tier_idx is not None:
-                    found.append((len(results), tier_idx))
-                    found_keys.append(key)
+                    found.append((len(results), tier_idx, key))
                     to_promote.add(key)
                     result = None
             results.append(result)
@@ -396,30 +394,29 @@ class TieringOffloadingManager(OffloadingManager):
                 break
             i = scan_resident(keys, i + 1, results, req_context)
         if found:
-            self._promote_found(results, found, found_keys, keys, req_context)
+            self._promote_found(results, found, keys, req_context)
         self._lookup_hits += results.count(True)
         return results
 
     def _promote_found(
         self,
         results: list[bool | None],
-        found: list[tuple[int, int]],
-        found_keys: list[OffloadKey],
+        found: list[tuple[int, int, OffloadKey]],
         keys: Sequence[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        """Reserve and queue the promotions ``lookup_prefix`` found (``found_keys`` at the
-        positions ``found`` of ``results``), sparing the blocks it answered readable; where no
-        room is left, answer that key False and drop the answers after it."""
+        """Reserve and queue the promotions ``lookup_prefix`` found (``(position in results,
+        tier index, key)`` each), sparing the blocks it answered readable; where no room is
+        left, answer that key False and drop the answers after it."""
         # The keys to promote are not resident: only the readable ones need sparing. (The
         # scan may have stopped early: the answers are a prefix of the keys.)
         protected = {key for key, result in zip(keys, results, strict=False) if result is True}
         tier_idx = found[0][1]
-        if all(t == tier_idx for _, t in found) and self._initiate_promotion(
-            tier_idx, found_keys, req_context, protected
+        if all(t == tier_idx for _, t, _ in found) and self._initiate_promotion(
+            tier_idx, [key for _, _, key in found], req_context, protected
         ):
             return
-        for (position, tier_idx), key in zip(found, found_keys, strict=True):
+        for position, tier_idx, key in found:
             if not self._initiate_promotion(tier_idx, (key,), req_context, protected):
                 results[position] = False
                 del results[position + 1 :]
