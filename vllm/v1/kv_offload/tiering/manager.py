@@ -86,9 +86,10 @@ def _check_keys_before_poll(
 ) -> None:
     """Raise ``TypeError`` unless ``keys`` is a collection of ``OffloadKey`` s (O(keys)).
 
-    The tiering manager's one check of its callers' keys, made only before the step's poll of
-    the tiers, so that a refused call polls nothing; every other check is the primary's, which
-    the call reaches next.
+    The tiering manager's one check of its callers' keys, made before anything a refused call
+    must not reach: the step's poll of the tiers (``prepare_load``) and ``lookup_prefix``'s scan,
+    whose primary misses may adapt ARC and whose tiers' answers may queue probes. Every other
+    check is the primary's, which the call reaches next.
     """
     if isinstance(keys, (bytes, str)) or not all(map(isinstance, keys, repeat(bytes))):
         check_offload_keys(method, keys, req_context)
@@ -373,8 +374,9 @@ class TieringOffloadingManager(OffloadingManager):
         scan_resident = self._primary.scan_resident
         probed = self._probed
         results: list[bool | None] = []
-        # (position in results, tier index, key) of each key to promote; the keys, for lookups.
+        # (position in results, tier index, key) of each key to promote.
         found: list[tuple[int, int, OffloadKey]] = []
+        # The same keys, to answer a key that comes twice as lookup would (being promoted).
         to_promote: set[OffloadKey] = set()
         i = scan_resident(keys, 0, results, req_context)
         while i < len(keys):
